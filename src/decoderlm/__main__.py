@@ -1,0 +1,5 @@
+import sys
+
+from decoderlm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,166 @@
+"""Scaled dot-product attention and multi-head causal self-attention with shared K/V heads.
+
+softmax(QKᵀ/√d_k + M)V from Vaswani et al. (2017); multi-query attention (Shazeer, 2019) and
+grouped-query attention (Ainslie et al., 2023): `n_heads` query heads share `n_kv_heads` K/V heads,
+each K/V head serving a contiguous group of `n_heads / n_kv_heads` query heads.
+
+Masks are boolean, True = "may attend". Causal masks are aligned bottom-right: query i of Tq attends
+keys j ≤ i + (Tk − Tq), which is the usual lower triangle when Tq == Tk and the right rule when the
+queries are the last Tq positions of a longer (cached) key sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from decoderlm.config import ModelConfig
+from decoderlm.layers import make_norm
+from decoderlm.positional import apply_rope
+
+
+class KVCacheLayer(Protocol):
+    """What attention needs from a KV cache: store the new keys/values, return all keys/values to attend."""
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
+
+
+def causal_mask(t_q: int, t_k: int, device: torch.device | str | None = None) -> Tensor:
+    """(t_q, t_k) bool, True where query i may attend key j: j ≤ i + t_k − t_q."""
+    return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
+
+
+def build_mask(
+    t_q: int, t_k: int, causal: bool, key_mask: Tensor | None, device: torch.device
+) -> Tensor | None:
+    """Combine causality and a key-padding mask (B, Tk) into one (B|1, 1, Tq, Tk) bool mask, or None."""
+    mask = causal_mask(t_q, t_k, device) if causal and t_q > 1 else None
+    if key_mask is not None:
+        keys = key_mask[:, None, None, :].bool()  # (B, 1, 1, Tk)
+        mask = keys if mask is None else keys & mask
+    return mask
+
+
+def scaled_dot_product_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    *,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """softmax(QKᵀ/√d_k + M)V, returning (output, weights).
+
+    q: (B, H, Tq, D); k, v: (B, Hkv, Tk, D) with H a multiple of Hkv (GQA/MQA without copying K/V).
+    mask: bool (True = attend; False → M = −∞) or additive float, broadcastable to (B, H, Tq, Tk).
+    Rows whose keys are all masked get zero weights (and a zero output), as torch SDPA does.
+    """
+    b, h, t_q, d = q.shape
+    h_kv, t_k = k.shape[1], k.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    q_grouped = q.reshape(b, h_kv, h // h_kv, t_q, d)  # (B, Hkv, G, Tq, D)
+    scores = q_grouped @ k.unsqueeze(2).transpose(-2, -1) * scale  # QKᵀ/√d_k: (B, Hkv, G, Tq, Tk)
+    scores = scores.reshape(b, h, t_q, t_k)  # (B, H, Tq, Tk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    weights = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(q.dtype)  # (B, H, Tq, Tk)
+    dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
+    out = dropped.reshape(b, h_kv, h // h_kv, t_q, t_k) @ v.unsqueeze(2)  # (B, Hkv, G, Tq, D)
+    return out.reshape(b, h, t_q, d), weights
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = True,
+    key_mask: Tensor | None = None,
+    backend: str = "sdpa",
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Dispatch attention to a backend. q (B, H, Tq, D), k/v (B, Hkv, Tk, D) → ((B, H, Tq, D), weights).
+
+    `math` is the explicit formula (the only one that returns weights), `sdpa` is torch's fused
+    kernel, `flash` is our FlashAttention-2 (`decoderlm.flash`). K/V heads are never repeated in memory
+    by our code: GQA goes to SDPA as `enable_gqa` and to the other two by indexing/reshaping.
+    """
+    t_q, t_k = q.shape[2], k.shape[2]
+    if need_weights or backend == "math":
+        mask = build_mask(t_q, t_k, causal, key_mask, q.device)
+        return scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout_p)
+    if backend == "flash":
+        from decoderlm.flash import flash_attention
+
+        return flash_attention(q, k, v, causal=causal, key_padding_mask=key_mask), None
+    gqa = q.shape[1] != k.shape[1]
+    if key_mask is None and (not causal or t_q == t_k):
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal and t_q > 1, dropout_p=dropout_p, enable_gqa=gqa
+        )
+    else:
+        mask = build_mask(t_q, t_k, causal, key_mask, q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+    return out, None
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention with `n_kv_heads` K/V heads (MHA, GQA or MQA), optional RoPE and qk-norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.backend = config.attn_backend
+        self.dropout_p = config.dropout
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.split_sizes = (q_size, kv_size, kv_size)
+        self.qkv = nn.Linear(config.d_model, q_size + 2 * kv_size, bias=config.qkv_bias)  # fused W_Q|W_K|W_V
+        self.proj = nn.Linear(q_size, config.d_model, bias=config.bias)  # W_O
+        self.q_norm = make_norm(config, self.head_dim) if config.qk_norm else None
+        self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else None
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(
+        self,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor] | None = None,
+        key_mask: Tensor | None = None,
+        kv_cache: KVCacheLayer | None = None,
+        causal: bool = True,
+        need_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor | None]:
+        """x (B, T, d_model) → (B, T, d_model); with need_weights, also the (B, H, T, Tk) weights.
+
+        rope: cos/sin for the positions of x; key_mask: (B, Tk) bool over the keys attended
+        (the cache's keys when a cache is given); kv_cache: receives this step's K/V and returns all.
+        """
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
+        q = q.view(b, t, self.n_heads, self.head_dim)  # (B, T, H, hd)
+        k = k.view(b, t, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, hd)
+        v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, hd), (B, Hkv, T, hd)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)  # (B, Hkv, Tk, hd)
+        out, weights = attend(
+            q,
+            k,
+            v,
+            causal=causal,
+            key_mask=key_mask,
+            backend=self.backend,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            need_weights=need_weights,
+        )
+        out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, H·hd)
+        out = self.resid_dropout(self.proj(out))  # (B, T, d_model)
+        return (out, weights) if need_weights else out

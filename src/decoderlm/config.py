@@ -1,0 +1,269 @@
+"""Model configuration: one dataclass, validated at construction, plus named presets.
+
+Presets are plain data; the comment above each says where its numbers come from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from decoderlm.errors import ConfigError
+
+MLP_KINDS = ("gelu", "gelu_tanh", "swiglu", "relu2")
+NORM_KINDS = ("layernorm", "rmsnorm")
+NORM_PLACEMENTS = ("pre", "post")
+POSITION_KINDS = ("sinusoidal", "learned", "rope", "none")
+ATTN_BACKENDS = ("math", "sdpa", "flash")
+ROPE_SCALING_TYPES = ("llama3", "linear")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 50257  # GPT-2's byte-level BPE vocabulary
+    context_length: int = 1024  # longest sequence the positions (and KV cache) are built for
+    d_model: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    n_kv_heads: int | None = None  # None = n_heads (MHA); 1 = MQA; a divisor in between = GQA
+    head_dim: int | None = None  # None = d_model // n_heads
+    mlp: str = "gelu"  # one of MLP_KINDS
+    d_ff: int | None = None  # None = 4·d_model, or ≈ 8/3·d_model (rounded up to 64) for swiglu
+    norm: str = "layernorm"  # one of NORM_KINDS
+    norm_eps: float = 1e-5
+    norm_placement: str = "pre"  # "pre" (GPT-2 and later) or "post" (Vaswani et al., 2017)
+    position: str = "learned"  # one of POSITION_KINDS
+    rope_theta: float = 10000.0  # RoPE base: θ_i = rope_theta^(-2i/head_dim)
+    rope_scaling: dict[str, Any] | None = None  # e.g. {"type": "llama3", "factor": 32.0, ...}
+    bias: bool = True  # biases in every linear layer and norm
+    qkv_bias: bool | None = None  # None = bias; Qwen2 has q/k/v biases and no others
+    qk_norm: bool = False  # per-head norm of q and k before RoPE (Qwen3, OLMo 2)
+    tie_embeddings: bool = True  # LM head shares the token-embedding matrix
+    dropout: float = 0.0  # on embeddings, attention weights and residual branches
+    attn_backend: str = "sdpa"  # one of ATTN_BACKENDS
+    init_std: float = 0.02  # GPT-2 initialisation; residual projections get init_std/√(2·n_layers)
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form notes (e.g. the preset name)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, f"{name}={value!r}", "must be a positive integer")
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ConfigError(
+                    f"d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
+                    "(or set head_dim explicitly)"
+                )
+            self.head_dim = self.d_model // self.n_heads
+        if self.qkv_bias is None:
+            self.qkv_bias = self.bias
+        if self.d_ff is None:
+            self.d_ff = _default_d_ff(self.d_model, self.mlp)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise `ConfigError` naming the first field whose value is not allowed."""
+        _require(
+            1 <= self.n_kv_heads <= self.n_heads,
+            f"n_kv_heads={self.n_kv_heads}",
+            f"must be between 1 and n_heads={self.n_heads}",
+        )
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}"
+            )
+        _require(self.head_dim > 0, f"head_dim={self.head_dim}", "must be a positive integer")
+        _require(self.d_ff > 0, f"d_ff={self.d_ff}", "must be a positive integer")
+        _choice(self, "mlp", MLP_KINDS)
+        _choice(self, "norm", NORM_KINDS)
+        _choice(self, "norm_placement", NORM_PLACEMENTS)
+        _choice(self, "position", POSITION_KINDS)
+        _choice(self, "attn_backend", ATTN_BACKENDS)
+        _require(self.norm_eps > 0, f"norm_eps={self.norm_eps}", "must be > 0")
+        _require(0.0 <= self.dropout < 1.0, f"dropout={self.dropout}", "must be in [0, 1)")
+        _require(self.init_std > 0, f"init_std={self.init_std}", "must be > 0")
+        if self.attn_backend == "flash" and self.dropout > 0:
+            raise ConfigError(
+                f"attn_backend='flash' has no attention dropout, but dropout={self.dropout}; "
+                "set dropout=0 or use attn_backend='sdpa'"
+            )
+        if self.position == "rope":
+            _require(self.head_dim % 2 == 0, f"head_dim={self.head_dim}", "must be even for RoPE")
+            _require(self.rope_theta > 0, f"rope_theta={self.rope_theta}", "must be > 0")
+        if self.position == "sinusoidal":
+            _require(
+                self.d_model % 2 == 0, f"d_model={self.d_model}", "must be even for sinusoidal positions"
+            )
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("type", self.rope_scaling.get("rope_type"))
+            if kind not in ROPE_SCALING_TYPES:
+                raise ConfigError(
+                    f"rope_scaling type={kind!r} is not supported; allowed: {', '.join(ROPE_SCALING_TYPES)}"
+                )
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per K/V head: 1 for MHA, n_heads for MQA."""
+        return self.n_heads // self.n_kv_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown model config field {unknown[0]!r}; allowed: {', '.join(sorted(known))}"
+            )
+        return cls(**data)
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> ModelConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        if name not in PRESETS:
+            raise ConfigError(f"unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
+        data = {**PRESETS[name], **overrides}
+        data["extra"] = {**data.get("extra", {}), "preset": name}
+        return cls.from_dict(data)
+
+
+def _default_d_ff(d_model: int, mlp: str) -> int:
+    if mlp == "swiglu":
+        # LLaMA: 2/3 of 4·d keeps the parameter count of a 4·d two-matrix MLP with three matrices.
+        return 64 * math.ceil(8 * d_model / 3 / 64)
+    return 4 * d_model
+
+
+def _require(ok: bool, name: str, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name} {rule}")
+
+
+def _choice(cfg: ModelConfig, name: str, allowed: tuple[str, ...]) -> None:
+    value = getattr(cfg, name)
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
+
+
+_GPT2 = dict(
+    vocab_size=50257,
+    context_length=1024,
+    mlp="gelu_tanh",
+    norm="layernorm",
+    position="learned",
+    bias=True,
+    tie_embeddings=True,
+)
+_LLAMA = dict(
+    mlp="swiglu",
+    norm="rmsnorm",
+    position="rope",
+    bias=False,
+    tie_embeddings=False,
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The canonical block of the seed material: d_model 256, 8 heads, MLP ratio 4, GELU, LayerNorm,
+    # Pre-LN, dropout 0.1, sinusoidal positions; 6 layers as in Vaswani et al. (2017), GPT-2 vocabulary.
+    "seed": dict(
+        vocab_size=50257,
+        context_length=512,
+        d_model=256,
+        n_layers=6,
+        n_heads=8,
+        d_ff=1024,
+        mlp="gelu",
+        norm="layernorm",
+        norm_placement="pre",
+        position="sinusoidal",
+        dropout=0.1,
+    ),
+    # GPT-2 family, Radford et al. (2019); shapes from the released configs
+    # (huggingface.co/openai-community/gpt2{,-medium,-large,-xl}/config.json).
+    "gpt2": dict(_GPT2, d_model=768, n_layers=12, n_heads=12),  # 124M
+    "gpt2-medium": dict(_GPT2, d_model=1024, n_layers=24, n_heads=16),  # 355M
+    "gpt2-large": dict(_GPT2, d_model=1280, n_layers=36, n_heads=20),  # 774M
+    "gpt2-xl": dict(_GPT2, d_model=1600, n_layers=48, n_heads=25),  # 1.5B
+    # LLaMA-style (Touvron et al., 2023): RMSNorm, SwiGLU, RoPE, GQA, no bias.
+    # ~1.2M parameters: small enough for unit tests and CPU demos.
+    "llama-tiny": dict(
+        _LLAMA,
+        vocab_size=2048,
+        context_length=256,
+        d_model=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=344,
+    ),
+    # ~15M: the llama2.c (tied embeddings) TinyStories 15M shape (github.com/karpathy/llama2.c), with GQA 6→2.
+    "llama-15m": dict(
+        _LLAMA,
+        vocab_size=32000,
+        context_length=256,
+        d_model=288,
+        n_layers=6,
+        n_heads=6,
+        n_kv_heads=2,
+        d_ff=768,
+        tie_embeddings=True,
+    ),
+    # ~55M: the shape of the decode benchmark (issue "Inference"), 8 query heads sharing 2 K/V heads.
+    "llama-55m": dict(
+        _LLAMA,
+        vocab_size=32000,
+        context_length=2048,
+        d_model=512,
+        n_layers=8,
+        n_heads=8,
+        n_kv_heads=2,
+        d_ff=1376,
+    ),
+    # ~110M: the llama2.c 110M shape (tied embeddings), with GQA 12→4.
+    "llama-110m": dict(
+        _LLAMA,
+        vocab_size=32000,
+        context_length=1024,
+        d_model=768,
+        n_layers=12,
+        n_heads=12,
+        n_kv_heads=4,
+        d_ff=2048,
+        tie_embeddings=True,
+    ),
+    # ~1.2B: Llama 3.2 1B (huggingface.co/meta-llama/Llama-3.2-1B/config.json).
+    "llama-1b": dict(
+        _LLAMA,
+        vocab_size=128256,
+        context_length=131072,
+        d_model=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        d_ff=8192,
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling={
+            "type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        tie_embeddings=True,
+    ),
+}

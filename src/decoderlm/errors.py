@@ -1,0 +1,14 @@
+"""User-facing errors.
+
+Anything a user can cause (a bad config value, a missing file, a corrupt checkpoint) raises a
+`DecoderLMError` with a one-line message naming the value and what is allowed. The CLI prints it as
+`decoderlm: error: <message>` and exits with status 2, without a traceback.
+"""
+
+
+class DecoderLMError(Exception):
+    """An error caused by user input; its message is shown to the user as one line."""
+
+
+class ConfigError(DecoderLMError, ValueError):
+    """A configuration field has a value that is not allowed."""
