@@ -66,7 +66,9 @@ def scaled_dot_product_attention(
     scores = q_grouped @ k.unsqueeze(2).transpose(-2, -1) * scale  # QKᵀ/√d_k: (B, Hkv, G, Tq, Tk)
     scores = scores.reshape(b, h, t_q, t_k)  # (B, H, Tq, Tk)
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        scores = (
+            scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        )
     weights = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(q.dtype)  # (B, H, Tq, Tk)
     dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
     out = dropped.reshape(b, h_kv, h // h_kv, t_q, t_k) @ v.unsqueeze(2)  # (B, Hkv, G, Tq, D)
@@ -105,7 +107,9 @@ def attend(
         )
     else:
         mask = build_mask(t_q, t_k, causal, key_mask, q.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa
+        )
     return out, None
 
 
@@ -114,12 +118,18 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            config.n_heads,
+            config.n_kv_heads,
+            config.head_dim,
+        )
         self.backend = config.attn_backend
         self.dropout_p = config.dropout
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.split_sizes = (q_size, kv_size, kv_size)
-        self.qkv = nn.Linear(config.d_model, q_size + 2 * kv_size, bias=config.qkv_bias)  # fused W_Q|W_K|W_V
+        self.qkv = nn.Linear(
+            config.d_model, q_size + 2 * kv_size, bias=config.qkv_bias
+        )  # fused W_Q|W_K|W_V
         self.proj = nn.Linear(q_size, config.d_model, bias=config.bias)  # W_O
         self.q_norm = make_norm(config, self.head_dim) if config.qk_norm else None
         self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else None

@@ -51,7 +51,11 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value > 0, f"{name}={value!r}", "must be a positive integer")
+            _require(
+                isinstance(value, int) and value > 0,
+                f"{name}={value!r}",
+                "must be a positive integer",
+            )
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.head_dim is None:
@@ -98,7 +102,9 @@ class ModelConfig:
             _require(self.rope_theta > 0, f"rope_theta={self.rope_theta}", "must be > 0")
         if self.position == "sinusoidal":
             _require(
-                self.d_model % 2 == 0, f"d_model={self.d_model}", "must be even for sinusoidal positions"
+                self.d_model % 2 == 0,
+                f"d_model={self.d_model}",
+                "must be even for sinusoidal positions",
             )
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("type", self.rope_scaling.get("rope_type"))

@@ -33,7 +33,9 @@ class DecoderLM(nn.Module):
         elif config.position == "sinusoidal":
             self.pos_emb = SinusoidalPositions(config.context_length, d)
         self.rope = (
-            RotaryEmbedding(config.context_length, config.head_dim, config.rope_theta, config.rope_scaling)
+            RotaryEmbedding(
+                config.context_length, config.head_dim, config.rope_theta, config.rope_scaling
+            )
             if config.position == "rope"
             else None
         )
@@ -55,7 +57,11 @@ class DecoderLM(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
                 is_residual = name.endswith(("attn.proj", "mlp.down"))
-                nn.init.normal_(module.weight, 0.0, std / math.sqrt(2 * self.config.n_layers) if is_residual else std)
+                nn.init.normal_(
+                    module.weight,
+                    0.0,
+                    std / math.sqrt(2 * self.config.n_layers) if is_residual else std,
+                )
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding | LearnedPositions):

@@ -81,7 +81,9 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)  # (D/2,)
-        angles = torch.outer(torch.arange(context_length, dtype=torch.float64), inv_freq)  # (P, D/2)
+        angles = torch.outer(
+            torch.arange(context_length, dtype=torch.float64), inv_freq
+        )  # (P, D/2)
         angles = torch.cat([angles, angles], dim=-1)  # (P, D): rotate-half pairs i with i + D/2
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
