@@ -84,7 +84,7 @@ class DecoderLM(nn.Module):
         positions: (T,) or (B, T) absolute positions (default 0..T−1); needed with a KV cache and for
         left-padded batches. key_mask: (B, Tk) bool, False for padding keys. kv_caches: one per layer.
         """
-        b, t = idx.shape
+        t = idx.shape[1]
         if positions is None:
             if t > self.config.context_length:
                 raise DecoderLMError(
