@@ -69,7 +69,10 @@ def scaled_dot_product_attention(
         scores = (
             scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
         )
-    weights = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(q.dtype)  # (B, H, Tq, Tk)
+    acc_dtype = torch.promote_types(scores.dtype, torch.float32)  # softmax in ≥ float32
+    weights = (
+        torch.softmax(scores.to(acc_dtype), dim=-1).nan_to_num(0.0).to(q.dtype)
+    )  # (B, H, Tq, Tk)
     dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
     out = dropped.reshape(b, h_kv, h // h_kv, t_q, t_k) @ v.unsqueeze(2)  # (B, Hkv, G, Tq, D)
     return out.reshape(b, h, t_q, d), weights

@@ -216,7 +216,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_kv_heads=2,
         d_ff=344,
     ),
-    # ~15M: the llama2.c (tied embeddings) TinyStories 15M shape (github.com/karpathy/llama2.c), with GQA 6→2.
+    # ~15M: the llama2.c TinyStories 15M shape (github.com/karpathy/llama2.c), tied embeddings,
+    # with GQA 6→2 (14.5M instead of 15.2M).
     "llama-15m": dict(
         _LLAMA,
         vocab_size=32000,

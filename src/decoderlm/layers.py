@@ -14,7 +14,7 @@ from decoderlm.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """y = x / √(mean(x²) + ε) · g, computed in float32 as Llama does, returned in x's dtype."""
+    """y = x / √(mean(x²) + ε) · g, computed in (at least) float32 as Llama does, returned in x's dtype."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -22,9 +22,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
 
 
 def make_norm(config: ModelConfig, dim: int | None = None) -> nn.Module:

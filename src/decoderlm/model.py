@@ -125,7 +125,6 @@ class DecoderLM(nn.Module):
 
 
 def next_token_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
-    """Mean cross-entropy −log p(x_{t+1} | x_≤t) in float32; logits (B, T, V), targets (B, T)."""
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index
-    )
+    """Mean cross-entropy −log p(x_{t+1} | x_≤t) in ≥ float32; logits (B, T, V), targets (B, T)."""
+    logits = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits, targets.flatten(), ignore_index=ignore_index)
