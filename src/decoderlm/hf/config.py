@@ -1,0 +1,257 @@
+"""Hugging Face config.json ↔ ModelConfig for GPT-2 and the Llama family (Llama, Mistral, Qwen2, Qwen3).
+
+Reads both layouts of `transformers`: v4 (`rope_theta`, `rope_scaling`, `torch_dtype`) and v5
+(`rope_parameters`, `dtype`). Writes the v4 layout, which v4 (≥ 4.45) and v5 both read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from decoderlm.config import ModelConfig
+from decoderlm.errors import DecoderLMError
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("gpt2", *LLAMA_FAMILY)
+ROPE_TYPES = ("default", "linear", "llama3")
+
+# HF activation name → our MLP kind (GPT-2). "gelu_new" is the tanh approximation GPT-2 was trained with.
+_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+_ARCHITECTURES = {
+    "gpt2": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """Our ModelConfig for the contents of an HF config.json (dropout off: imported models are for use)."""
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise DecoderLMError(
+            f"model_type={model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if model_type == "gpt2":
+        return _gpt2_config(hf)
+    return _llama_config(hf, model_type)
+
+
+def _gpt2_config(hf: dict[str, Any]) -> ModelConfig:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in _GPT2_ACTIVATIONS:
+        raise DecoderLMError(
+            f"gpt2 activation_function={act!r} is not supported; supported: {', '.join(_GPT2_ACTIVATIONS)}"
+        )
+    _require_hf(hf, "scale_attn_weights", True)
+    _require_hf(hf, "scale_attn_by_inverse_layer_idx", False)
+    _require_hf(hf, "add_cross_attention", False)
+    d_model = hf["n_embd"]
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        context_length=hf["n_positions"],
+        d_model=d_model,
+        n_layers=hf["n_layer"],
+        n_heads=hf["n_head"],
+        d_ff=hf.get("n_inner") or 4 * d_model,
+        mlp=_GPT2_ACTIVATIONS[act],
+        norm="layernorm",
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        position="learned",
+        bias=True,
+        tie_embeddings=hf.get("tie_word_embeddings", True),
+        dropout=0.0,
+        extra={"hf_model_type": "gpt2"},
+    )
+
+
+def _llama_config(hf: dict[str, Any], model_type: str) -> ModelConfig:
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise DecoderLMError(f"{model_type} hidden_act={act!r} is not supported; supported: silu")
+    if model_type == "qwen2":  # q/k/v biases and no others, hard-wired in Qwen2
+        bias, qkv_bias = False, True
+    else:  # Llama/Qwen3: attention_bias covers q, k, v and o; mlp_bias the MLP
+        bias = bool(hf.get("attention_bias", False))
+        if bool(hf.get("mlp_bias", False)) != bias:
+            raise DecoderLMError(
+                f"{model_type} with attention_bias={hf.get('attention_bias')} and "
+                f"mlp_bias={hf.get('mlp_bias')} is not supported: decoderlm's bias covers every "
+                "linear layer (only q/k/v biases can be set apart)"
+            )
+        qkv_bias = bias
+    d_model, n_heads = hf["hidden_size"], hf["num_attention_heads"]
+    rope_theta, rope_scaling = _rope_from_hf(hf)
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        context_length=_context_length(hf),
+        d_model=d_model,
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or d_model // n_heads,
+        mlp="swiglu",
+        d_ff=hf["intermediate_size"],
+        norm="rmsnorm",
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        position="rope",
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        bias=bias,
+        qkv_bias=qkv_bias,
+        qk_norm=model_type == "qwen3",
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+        dropout=0.0,
+        extra={"hf_model_type": model_type},
+    )
+
+
+def _context_length(hf: dict[str, Any]) -> int:
+    """max_position_embeddings, capped at the sliding window if one is in use.
+
+    Within the window, sliding-window attention (key j visible to query i iff i − j < W) is plain
+    causal attention, so capping the context keeps the model exact instead of approximating it.
+    """
+    length = hf.get("max_position_embeddings", 2048)
+    window = hf.get("sliding_window")
+    uses_window = hf.get("use_sliding_window", True) or "sliding_attention" in (
+        hf.get("layer_types") or ()
+    )
+    if window and uses_window:
+        length = min(length, window)
+    return length
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, our rope_scaling) from v5 `rope_parameters` or v4 `rope_theta` + `rope_scaling`."""
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise DecoderLMError(
+            "partial_rotary_factor != 1 is not supported (RoPE on every dimension)"
+        )
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise DecoderLMError(
+            f"rope_type={kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+        )
+    if kind == "default":
+        return theta, None
+    if kind == "linear":
+        return theta, {"type": "linear", "factor": float(params["factor"])}
+    return theta, {
+        "type": "llama3",
+        "factor": float(params["factor"]),
+        "low_freq_factor": float(params["low_freq_factor"]),
+        "high_freq_factor": float(params["high_freq_factor"]),
+        "original_max_position_embeddings": int(
+            params.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
+        ),
+    }
+
+
+def _require_hf(hf: dict[str, Any], key: str, value: bool) -> None:
+    if key in hf and bool(hf[key]) != value:
+        raise DecoderLMError(f"{key}={hf[key]} is not supported; decoderlm needs {key}={value}")
+
+
+def hf_model_type(config: ModelConfig) -> str:
+    """The HF family our config maps onto; DecoderLMError saying why when there is none."""
+    c = config
+    if c.norm_placement != "pre":
+        _no_equivalent("Post-LN blocks (every supported HF family is Pre-LN)")
+    if c.position == "learned":
+        reasons = [
+            (c.norm == "layernorm", f"norm={c.norm!r} (GPT-2 uses layernorm)"),
+            (c.mlp in ("gelu", "gelu_tanh"), f"mlp={c.mlp!r} (GPT-2 uses gelu/gelu_tanh)"),
+            (c.bias and c.qkv_bias, "bias=False (GPT-2 has biases everywhere)"),
+            (c.n_kv_heads == c.n_heads, f"n_kv_heads={c.n_kv_heads} (GPT-2 is MHA only)"),
+            (c.head_dim * c.n_heads == c.d_model, f"head_dim={c.head_dim} ≠ d_model/n_heads"),
+            (not c.qk_norm, "qk_norm=True (GPT-2 has no q/k norm)"),
+        ]
+        family = "gpt2"
+    elif c.position == "rope":
+        reasons = [
+            (c.norm == "rmsnorm", f"norm={c.norm!r} (the Llama family uses rmsnorm)"),
+            (c.mlp == "swiglu", f"mlp={c.mlp!r} (the Llama family uses swiglu)"),
+            (c.qkv_bias or not c.bias, "bias=True with qkv_bias=False (no HF family has that)"),
+            (
+                not (c.qk_norm and c.qkv_bias != c.bias),
+                "qk_norm with qkv_bias ≠ bias (Qwen3 has one attention_bias)",
+            ),
+        ]
+        family = "qwen3" if c.qk_norm else "qwen2" if c.qkv_bias and not c.bias else "llama"
+        if family == "llama" and c.extra.get("hf_model_type") == "mistral" and not c.bias:
+            family = "mistral"
+    else:
+        _no_equivalent(
+            f"position={c.position!r} (HF GPT-2 has learned positions and the Llama family RoPE)"
+        )
+    for ok, reason in reasons:
+        if not ok:
+            _no_equivalent(f"{reason}, for a {family}-style model with position={c.position!r}")
+    return family
+
+
+def _no_equivalent(reason: str) -> None:
+    raise DecoderLMError(f"cannot export to Hugging Face: no HF model family has {reason}")
+
+
+def config_to_hf(
+    config: ModelConfig, dtype: str = "float32", eos_token_id: int | None = None
+) -> dict[str, Any]:
+    """An HF config.json dict for our config (v4 layout, which v5 also reads)."""
+    c, model_type = config, hf_model_type(config)
+    common = {
+        "architectures": [_ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": c.vocab_size,
+        "tie_word_embeddings": c.tie_embeddings,
+        "bos_token_id": eos_token_id,
+        "eos_token_id": eos_token_id,
+        "torch_dtype": dtype,
+    }
+    if model_type == "gpt2":
+        return {
+            **common,
+            "n_positions": c.context_length,
+            "n_embd": c.d_model,
+            "n_layer": c.n_layers,
+            "n_head": c.n_heads,
+            "n_inner": c.d_ff,
+            "activation_function": "gelu_new" if c.mlp == "gelu_tanh" else "gelu",
+            "layer_norm_epsilon": c.norm_eps,
+            "resid_pdrop": c.dropout,
+            "embd_pdrop": c.dropout,
+            "attn_pdrop": c.dropout,
+        }
+    hf = {
+        **common,
+        "max_position_embeddings": c.context_length,
+        "hidden_size": c.d_model,
+        "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads,
+        "head_dim": c.head_dim,
+        "intermediate_size": c.d_ff,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": _rope_to_hf(c.rope_scaling),
+        "attention_dropout": c.dropout,
+    }
+    if model_type in ("llama", "qwen3"):
+        hf["attention_bias"] = c.bias
+    if model_type == "llama":
+        hf["mlp_bias"] = c.bias
+    if model_type in ("mistral", "qwen2", "qwen3"):
+        hf["sliding_window"] = None
+    return hf
+
+
+def _rope_to_hf(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    if scaling is None:
+        return None
+    out = {k: v for k, v in scaling.items() if k != "type"}
+    return {"rope_type": scaling.get("type", scaling.get("rope_type")), **out}
