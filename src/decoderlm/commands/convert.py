@@ -1,0 +1,75 @@
+"""`decoderlm convert`: Hugging Face import/export and MHA → GQA/MQA conversion (logic in decoderlm.hf, decoderlm.gqa)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from decoderlm.errors import DecoderLMError
+
+HELP = "convert checkpoints: --from-hf DIR, --to-hf RUN, or --to-gqa G RUN (mean-pooled K/V heads)"
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--from-hf", metavar="DIR", help="import a Hugging Face model directory")
+    mode.add_argument(
+        "--to-hf", metavar="RUN", help="export a run directory to Hugging Face format"
+    )
+    mode.add_argument(
+        "--to-gqa",
+        metavar="G",
+        type=int,
+        help="pool the K/V heads of RUN into G groups (1 = MQA; Ainslie et al., 2023)",
+    )
+    # dest `gqa_run`: `args.run` is taken by the CLI's dispatch (decoderlm.cli).
+    parser.add_argument("gqa_run", nargs="?", metavar="RUN", help="the run directory for --to-gqa")
+    parser.add_argument("--out", required=True, help="output directory (must be new or empty)")
+    parser.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="--from-hf: accept pytorch_model.bin (loaded with torch.load(weights_only=True))",
+    )
+    parser.add_argument(
+        "--dtype", choices=DTYPES, help="--from-hf: weight dtype of the run (default float32)"
+    )
+    parser.add_argument("--force", action="store_true", help="write into a non-empty --out")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from decoderlm import gqa, hf
+
+    source = args.from_hf or args.to_hf or args.gqa_run
+    if args.to_gqa is not None and args.gqa_run is None:
+        raise DecoderLMError(
+            "--to-gqa G needs the source run directory: convert --to-gqa G RUN --out RUN2"
+        )
+    if args.to_gqa is None and args.gqa_run is not None:
+        raise DecoderLMError(
+            f"unexpected argument {args.gqa_run!r}: only --to-gqa takes a RUN argument"
+        )
+    _check_out(Path(source), Path(args.out), args.force)
+    if args.from_hf:
+        dtype = getattr(torch, args.dtype) if args.dtype else None
+        out = hf.import_hf(args.from_hf, args.out, dtype=dtype, allow_pickle=args.allow_pickle)
+    elif args.to_hf:
+        out = hf.export_hf(args.to_hf, args.out)
+    else:
+        out = gqa.convert_run(args.gqa_run, args.out, args.to_gqa)
+    print(f"wrote {out}")
+    return 0
+
+
+def _check_out(source: Path, out: Path, force: bool) -> None:
+    if not source.exists():
+        raise DecoderLMError(f"no such directory: {source}")
+    if out.exists() and out.resolve() == source.resolve():
+        raise DecoderLMError(f"--out {out} is the source directory; choose a new directory")
+    if out.exists() and not out.is_dir():
+        raise DecoderLMError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise DecoderLMError(f"--out {out} is not empty; choose a new directory or pass --force")
