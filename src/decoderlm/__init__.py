@@ -2,6 +2,8 @@
 
 from decoderlm.config import PRESETS, ModelConfig
 from decoderlm.errors import ConfigError, DecoderLMError
+from decoderlm.generate import generate
+from decoderlm.loading import load
 from decoderlm.model import DecoderLM, next_token_loss
 
 __version__ = "0.1.0"
@@ -13,5 +15,7 @@ __all__ = [
     "DecoderLMError",
     "ModelConfig",
     "__version__",
+    "generate",
+    "load",
     "next_token_loss",
 ]

@@ -153,6 +153,24 @@ def prompt_rows(prompt: Prompt, vocab_size: int) -> list[list[int]]:
     return rows
 
 
+def check_lengths(
+    rows: list[list[int]], max_new_tokens: int, context_length: int, sliding_window: bool
+) -> None:
+    """DecoderLMError if a prompt is longer than the context, or the generation would outgrow it."""
+    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
+        raise DecoderLMError(f"max_new_tokens={max_new_tokens!r} must be an integer ≥ 0")
+    longest = max(len(row) for row in rows)
+    if longest > context_length:
+        raise DecoderLMError(
+            f"prompt has {longest} tokens, more than the model's context_length={context_length}"
+        )
+    if longest + max_new_tokens > context_length and not sliding_window:
+        raise DecoderLMError(
+            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+            f"context_length={context_length}; generate fewer tokens or use a sliding window"
+        )
+
+
 def decode_steps(
     model: DecoderLM,
     rows: list[list[int]],
@@ -171,16 +189,8 @@ def decode_steps(
     """
     cfg = model.config
     context = cfg.context_length
+    check_lengths(rows, max_new_tokens, context, sliding_window)
     longest = max(len(row) for row in rows)
-    if longest > context:
-        raise DecoderLMError(
-            f"prompt has {longest} tokens, more than the model's context_length={context}"
-        )
-    if longest + max_new_tokens > context and not sliding_window:
-        raise DecoderLMError(
-            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-            f"context_length={context}; generate fewer tokens or use a sliding window"
-        )
     weight = model.tok_emb.weight
     device = weight.device
     max_len = min(longest + max_new_tokens, context)
@@ -262,11 +272,10 @@ def generate(
     the one-token step with torch.compile (the first call pays for the compilation).
     """
     params = SamplingParams(temperature, top_k, top_p, repetition_penalty)
-    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
-        raise DecoderLMError(f"max_new_tokens={max_new_tokens!r} must be an integer ≥ 0")
     if not (isinstance(num_samples, int) and num_samples >= 1):
         raise DecoderLMError(f"num_samples={num_samples!r} must be an integer ≥ 1")
     rows = [row for row in prompt_rows(prompt, model.config.vocab_size) for _ in range(num_samples)]
+    check_lengths(rows, max_new_tokens, model.config.context_length, sliding_window)
     if max_new_tokens == 0:
         return rows
     generator = _generator(seed, model.tok_emb.weight.device)
@@ -377,25 +386,33 @@ def stream(
     sliding_window: bool = False,
     compile: bool = False,
 ) -> Iterator[str]:
-    """Yield the continuation of `prompt` as text pieces while it is generated.
+    """An iterator over the continuation of `prompt`, as text pieces while they are generated.
 
     Stops after `max_new_tokens`, at the tokenizer's end-of-text token (unless `stop_at_eot` is
-    False) or before the first of the `stop` strings (which is not yielded).
+    False) or before the first of the `stop` strings (which is not yielded). Bad arguments raise
+    here, before anything is generated.
     """
     params = SamplingParams(temperature, top_k, top_p, repetition_penalty)
-    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
-        raise DecoderLMError(f"max_new_tokens={max_new_tokens!r} must be an integer ≥ 0")
+    if not prompt:
+        raise DecoderLMError("empty prompt: give some text to continue")
     ids = tokenizer.encode(prompt)
     rows = prompt_rows([ids], model.config.vocab_size)
-    if max_new_tokens == 0:
-        return
+    check_lengths(rows, max_new_tokens, model.config.context_length, sliding_window)
     eot = getattr(tokenizer, "eot_id", None) if stop_at_eot else None
-    decoder, matcher = IncrementalDecoder(tokenizer, ids), StopMatcher(stop)
     generator = _generator(seed, model.tok_emb.weight.device)
+    steps = decode_steps(model, rows, max_new_tokens, params, generator, sliding_window, compile)
+    return _text_pieces(model, steps, IncrementalDecoder(tokenizer, ids), StopMatcher(stop), eot)
+
+
+def _text_pieces(
+    model: DecoderLM,
+    steps: Iterator[Tensor],
+    decoder: IncrementalDecoder,
+    matcher: StopMatcher,
+    eot: int | None,
+) -> Iterator[str]:
     with _inference(model):
-        for token in decode_steps(
-            model, rows, max_new_tokens, params, generator, sliding_window, compile
-        ):
+        for token in steps:
             token_id = int(token[0])  # streaming needs each token on the host
             if token_id == eot:
                 break

@@ -11,6 +11,8 @@ n_kv_heads shared heads are stored: the cache is n_kv_heads / n_heads the size o
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -28,6 +30,39 @@ def kv_cache_bytes(
 ) -> int:
     """Bytes of a cache holding `n_tokens` tokens for each of `batch_size` sequences."""
     return batch_size * n_tokens * kv_cache_bytes_per_token(config, dtype)
+
+
+def attention_kind(config: ModelConfig) -> str:
+    """ "MHA", "GQA" or "MQA" from the number of K/V heads."""
+    if config.n_kv_heads == config.n_heads:
+        return "MHA"
+    return "MQA" if config.n_kv_heads == 1 else "GQA"
+
+
+def kv_cache_table(
+    config: ModelConfig,
+    contexts: tuple[int, ...] = (4096, 32768, 131072),
+    dtype: torch.dtype = torch.float32,
+) -> list[dict[str, object]]:
+    """Cache bytes per token and at each context (batch 1) for this model and its MHA and MQA twins.
+
+    The twins keep every other number of the shape (layers, heads, head_dim), so the rows differ
+    only in n_kv_heads: the memory GQA and MQA save at long context.
+    """
+    variants = {"model": config.n_kv_heads, "MHA": config.n_heads, "MQA": 1}
+    rows = []
+    for name, n_kv in variants.items():
+        twin = dataclasses.replace(config, n_kv_heads=n_kv)
+        rows.append(
+            {
+                "variant": name,
+                "attention": attention_kind(twin),
+                "n_kv_heads": n_kv,
+                "bytes_per_token": kv_cache_bytes_per_token(twin, dtype),
+                "bytes_at": {n: kv_cache_bytes(twin, n, 1, dtype) for n in contexts},
+            }
+        )
+    return rows
 
 
 class LayerKVCache:

@@ -1,0 +1,68 @@
+"""`decoderlm eval`: loss, perplexity and bits per byte on a text file (logic in decoderlm.evaluate)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+HELP = "loss, perplexity and bits per byte of a checkpoint on a text file"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--checkpoint", required=True, metavar="DIR", help="run or Hugging Face directory"
+    )
+    parser.add_argument("--input", required=True, metavar="PATH", help="UTF-8 text file")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--context-length", type=int, metavar="T", help="window length (default: the model's)"
+    )
+    parser.add_argument(
+        "--stride",
+        type=int,
+        metavar="S",
+        help="start a window every S tokens, scoring its last S (default: T, non-overlapping)",
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, metavar="N", help="evaluate the first N tokens only"
+    )
+    parser.add_argument("--batch-size", type=int, metavar="B", help="windows per forward pass")
+    parser.add_argument(
+        "--dtype", default=None, help="weights dtype: float32 (default), bfloat16, float16"
+    )
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from decoderlm.errors import DecoderLMError
+    from decoderlm.evaluate import evaluate_file
+    from decoderlm.loading import load
+
+    model, tokenizer = load(args.checkpoint, device=args.device, dtype=args.dtype)
+    if tokenizer is None:
+        raise DecoderLMError(f"{args.checkpoint} has no tokenizer.json, so text cannot be encoded")
+    result = evaluate_file(
+        model,
+        tokenizer,
+        args.input,
+        context_length=args.context_length,
+        stride=args.stride,
+        max_tokens=args.max_tokens,
+        batch_size=args.batch_size,
+        progress=not args.json,
+    )
+    if args.json:
+        print(json.dumps({"checkpoint": args.checkpoint, "input": args.input, **result.to_dict()}))
+        return 0
+    windows = (
+        "non-overlapping windows"
+        if result.stride == result.context_length
+        else f"windows every {result.stride} tokens"
+    )
+    print(
+        f"loss {result.loss:.4f} nats/token · perplexity {result.perplexity:.3f} · "
+        f"bits per byte {result.bits_per_byte:.4f}\n"
+        f"{result.n_tokens:,} tokens, {result.n_bytes:,} bytes, {windows} of "
+        f"{result.context_length} tokens"
+    )
+    return 0

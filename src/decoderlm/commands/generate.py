@@ -1,0 +1,116 @@
+"""`decoderlm generate`: stream a continuation of a prompt to stdout (logic in decoderlm.generate)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from decoderlm.errors import DecoderLMError
+
+HELP = "generate text from a checkpoint, streamed to stdout as the tokens arrive"
+
+# Without --max-new-tokens: continue up to this many tokens, or until the context is full.
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--checkpoint", required=True, metavar="DIR", help="run or Hugging Face directory"
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", metavar="TEXT", help="the text to continue")
+    source.add_argument("--prompt-file", metavar="FILE", help="read the prompt from a UTF-8 file")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        metavar="N",
+        help=f"tokens to generate (default: {DEFAULT_MAX_NEW_TOKENS}, or up to the context length)",
+    )
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    parser.add_argument(
+        "--top-k", type=int, metavar="K", help="sample from the K most likely tokens"
+    )
+    parser.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling, P in (0, 1]")
+    parser.add_argument(
+        "--repetition-penalty", type=float, default=1.0, metavar="R", help="> 1 discourages repeats"
+    )
+    parser.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    parser.add_argument(
+        "--num-samples", type=int, default=1, metavar="N", help="samples to draw (default 1)"
+    )
+    parser.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="STR",
+        help="stop before this text (repeatable)",
+    )
+    parser.add_argument(
+        "--sliding-window", action="store_true", help="keep generating past the context length"
+    )
+    parser.add_argument(
+        "--dtype", default=None, help="weights dtype: float32 (default), bfloat16, float16"
+    )
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the one-token step")
+
+
+def run(args: argparse.Namespace) -> int:
+    from decoderlm.generate import stream
+    from decoderlm.loading import load
+
+    prompt = _read_prompt(args)
+    if args.num_samples < 1:
+        raise DecoderLMError(f"--num-samples={args.num_samples} must be ≥ 1")
+    model, tokenizer = load(args.checkpoint, device=args.device, dtype=args.dtype)
+    if tokenizer is None:
+        raise DecoderLMError(f"{args.checkpoint} has no tokenizer.json, so text cannot be encoded")
+    max_new = args.max_new_tokens
+    if max_new is None:
+        room = model.config.context_length - len(tokenizer.encode(prompt))
+        max_new = (
+            max(0, min(DEFAULT_MAX_NEW_TOKENS, room))
+            if not args.sliding_window
+            else DEFAULT_MAX_NEW_TOKENS
+        )
+    for i in range(args.num_samples):
+        if args.num_samples > 1:
+            print(f"--- sample {i + 1} of {args.num_samples} ---", flush=True)
+        pieces = stream(
+            model,
+            tokenizer,
+            prompt,
+            max_new,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            repetition_penalty=args.repetition_penalty,
+            seed=None if args.seed is None else args.seed + i,
+            stop=args.stop,
+            sliding_window=args.sliding_window,
+            compile=args.compile,
+        )  # checks its arguments before anything is printed
+        sys.stdout.write(prompt)
+        for piece in pieces:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    return 0
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        prompt = args.prompt
+    else:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise DecoderLMError(f"no such prompt file: {path}")
+        try:
+            prompt = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise DecoderLMError(f"{path} is not UTF-8 text: {exc}") from None
+    if not prompt:
+        raise DecoderLMError("empty prompt: give some text to continue")
+    return prompt

@@ -1,0 +1,85 @@
+"""`decoderlm info`: parameters, FLOPs per token and KV-cache memory of a checkpoint or preset."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+HELP = "parameters, FLOPs per token and KV-cache size (vs MHA and MQA) of a checkpoint or preset"
+
+CONTEXTS = (4096, 32768, 131072)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", metavar="DIR", help="run or Hugging Face directory")
+    source.add_argument("--preset", metavar="NAME", help="a ModelConfig preset, e.g. llama-55m")
+    parser.add_argument("--dtype", default="float32", help="KV-cache dtype (default float32)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from decoderlm.config import ModelConfig
+    from decoderlm.kv_cache import attention_kind, kv_cache_table
+    from decoderlm.loading import parse_dtype, read_config
+    from decoderlm.model import DecoderLM
+
+    config = ModelConfig.from_preset(args.preset) if args.preset else read_config(args.checkpoint)
+    dtype = parse_dtype(args.dtype)
+    with torch.device("meta"):  # shapes only: no memory, no initialisation cost
+        model = DecoderLM(config)
+    info = {
+        "source": args.preset or args.checkpoint,
+        "attention": attention_kind(config),
+        "n_layers": config.n_layers,
+        "n_heads": config.n_heads,
+        "n_kv_heads": config.n_kv_heads,
+        "head_dim": config.head_dim,
+        "context_length": config.context_length,
+        "parameters": model.num_params(),
+        "forward_flops_per_token": model.flops_per_token(training=False),
+        "training_flops_per_token": model.flops_per_token(training=True),
+        "kv_cache_dtype": str(dtype).removeprefix("torch."),
+        "kv_cache": kv_cache_table(config, CONTEXTS, dtype),
+    }
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    print(
+        f"{info['source']}: {config.n_layers} layers, d_model {config.d_model}, "
+        f"{config.n_heads} heads of {config.head_dim}, {info['attention']} with "
+        f"{config.n_kv_heads} KV heads, context {config.context_length:,}, vocab {config.vocab_size:,}"
+    )
+    print(f"parameters         {info['parameters']:,}")
+    print(
+        f"FLOPs per token    {_si(info['forward_flops_per_token'])} forward, "
+        f"{_si(info['training_flops_per_token'])} training (at context {config.context_length:,})"
+    )
+    header = "".join(f"{_tokens(n):>12}" for n in CONTEXTS)
+    print(f"KV cache ({info['kv_cache_dtype']}, batch 1)".ljust(30) + f"{'per token':>11}{header}")
+    for row in info["kv_cache"]:
+        heads = f"{row['n_kv_heads']} KV head" + ("s" if row["n_kv_heads"] > 1 else "")
+        label = f"{row['attention']}, {heads}" + (" (this)" if row["variant"] == "model" else "")
+        sizes = "".join(f"{_bytes(row['bytes_at'][n]):>12}" for n in CONTEXTS)
+        print(f"  {label:<28}{_bytes(row['bytes_per_token']):>11}{sizes}")
+    return 0
+
+
+def _si(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} "
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}k ctx" if n % 1024 == 0 else f"{n} ctx"

@@ -1,0 +1,80 @@
+"""`decoderlm.load(path)`: a model and its tokenizer from a run directory or a Hugging Face directory.
+
+A run directory (config.json with a "model" section, model.safetensors, tokenizer.json) is what
+`decoderlm train` writes; a Hugging Face directory (config.json with a "model_type") is read by
+`decoderlm.hf.load_hf`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from decoderlm import checkpoint
+from decoderlm.config import ModelConfig
+from decoderlm.errors import DecoderLMError
+from decoderlm.model import DecoderLM
+
+if TYPE_CHECKING:
+    from decoderlm.tokenizer import Tokenizer
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A torch dtype from a dtype or its name ("float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16")."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise DecoderLMError(
+            f"dtype={dtype!r} is not supported; choose one of: {', '.join(DTYPES)}"
+        )
+    return DTYPES[dtype]
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a run or Hugging Face directory, without reading any weights."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DecoderLMError(f"no such checkpoint directory: {path}")
+    from decoderlm import hf
+
+    if hf.is_hf_checkpoint(path):
+        return hf.config_from_hf(hf.read_hf_config(path))
+    return ModelConfig.from_dict(checkpoint.read_run_config(path)["model"])
+
+
+def load(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str | None = None,
+) -> tuple[DecoderLM, Tokenizer | None]:
+    """(model in eval mode, tokenizer or None if the directory has none) from a run or HF directory.
+
+    dtype None keeps the stored float32 weights; "bfloat16" halves the memory and the bytes read
+    per decoded token.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise DecoderLMError(f"no such checkpoint directory: {path}")
+    dtype = parse_dtype(dtype)
+    from decoderlm import hf
+
+    if hf.is_hf_checkpoint(path):
+        return hf.load_hf(path, device=device, dtype=dtype)
+    model = checkpoint.load_model(path, device, dtype)
+    tokenizer_file = path / checkpoint.TOKENIZER_FILE
+    if not tokenizer_file.is_file():
+        return model, None
+    from decoderlm.tokenizer import Tokenizer
+
+    return model, Tokenizer.from_file(tokenizer_file)
