@@ -3,14 +3,29 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from decoderlm.data import BatchSampler, load_split, read_meta
+from decoderlm import data
+from decoderlm.cli import main
+from decoderlm.data import (
+    BatchSampler,
+    load_split,
+    prepare,
+    prepare_default_corpus,
+    read_meta,
+    stdlib_dir,
+)
 from decoderlm.errors import DecoderLMError
+from decoderlm.tokenizer import Tokenizer
+
+EOT = Tokenizer.EOT
 
 
 def write_data_dir(path: Path, train: np.ndarray, val: np.ndarray, dtype: str = "uint16") -> Path:
@@ -154,3 +169,226 @@ def test_bad_sampler_arguments_are_named() -> None:
         BatchSampler(TOKENS, 0, 32)
     with pytest.raises(DecoderLMError, match="rank=2"):
         BatchSampler(TOKENS, 1, 32, rank=2, world_size=2)
+
+
+# ---------------------------------------------------------------- prepare
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    """Files, a nested directory, a binary file, a file the globs leave out, a hidden directory."""
+    root = tmp_path / "corpus"
+    (root / "pkg" / "deep").mkdir(parents=True)
+    (root / ".git").mkdir()
+    (root / "b_notes.txt").write_text("To be, or not to be: that is the question.\n" * 30)
+    (root / "a_intro.md").write_text("# Título\n\nUnicode — ‘quotes’ and emoji 😀.\n" * 20)
+    (root / "pkg" / "mod.py").write_text("def f(x):\n    return x * 2\n" * 40)
+    (root / "pkg" / "deep" / "util.py").write_text("import os\nprint(os.getcwd())\n" * 25)
+    (root / "pkg" / "logo.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")  # binary
+    (root / "pkg" / "latin1.txt").write_bytes("café".encode("latin-1"))  # not UTF-8
+    (root / "pkg" / "data.bin").write_bytes(b"not included: no glob matches .bin")
+    (root / ".git" / "HEAD.txt").write_text("hidden directories are skipped")
+    (root / "empty.txt").write_text("")
+    return root
+
+
+DOCS_IN_ORDER = ["a_intro.md", "b_notes.txt", "pkg/deep/util.py", "pkg/mod.py"]  # sorted paths
+
+
+def decoded_split(out: Path, split: str) -> str:
+    return Tokenizer.from_file(out / "tokenizer.json").decode(load_split(out, split).tolist())
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_prepare_tokenizes_the_corpus_in_sorted_order(corpus: Path, tmp_path, kind: str) -> None:
+    out = tmp_path / "out"
+    with pytest.warns(UserWarning) as caught:
+        meta = prepare([corpus], out, tokenizer=kind, vocab_size=300, progress=False)
+    assert [str(w.message) for w in caught] == [
+        f"skipping {corpus / 'pkg' / 'latin1.txt'}: not UTF-8 text",
+        f"skipping {corpus / 'pkg' / 'logo.txt'}: a binary file",
+    ]
+    assert meta == read_meta(out)
+    docs = [(corpus / name).read_text() for name in DOCS_IN_ORDER]
+    train, val = decoded_split(out, "train"), decoded_split(out, "val")
+    # Every document is followed by <|endoftext|>; the document at the 90% cut is cut in two.
+    assert (train + val).replace(EOT, "") == "".join(docs)
+    assert train.count(EOT) + val.count(EOT) == len(docs) + 1
+    assert val.endswith(docs[-1][-50:] + EOT)
+    total = sum(len(d) for d in docs)
+    assert len(val.replace(EOT, "")) == round(0.1 * total)
+    assert meta["train_bytes"] == len(train.replace(EOT, "").encode("utf-8"))
+    assert meta["val_bytes"] == len(val.replace(EOT, "").encode("utf-8"))
+    assert meta["train_bytes"] + meta["val_bytes"] == sum(len(d.encode()) for d in docs)
+    assert (meta["train_tokens"], meta["val_tokens"]) == (
+        len(load_split(out, "train")),
+        len(load_split(out, "val")),
+    )
+    assert meta["n_documents"] == 4 and meta["dtype"] == "uint16"
+    skipped = [str(corpus / "pkg" / name) for name in ("latin1.txt", "logo.txt")]
+    assert meta["source"]["skipped"] == skipped
+    assert meta["source"]["files"] == 7  # 4 documents, the binary, the latin-1 and the empty file
+    assert meta["eot_id"] == Tokenizer.from_file(out / "tokenizer.json").eot_id
+    if kind == "bpe":
+        assert meta["vocab_size"] == 300
+
+
+def test_prepare_is_deterministic(corpus: Path, tmp_path) -> None:
+    outs = [tmp_path / "one", tmp_path / "two"]
+    for out in outs:
+        with pytest.warns(UserWarning):
+            prepare([corpus], out, tokenizer="bpe", vocab_size=400, progress=False)
+    for name in ("train.bin", "val.bin", "meta.json", "tokenizer.json"):
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+
+
+def test_include_globs_and_explicit_files(corpus: Path, tmp_path) -> None:
+    meta = prepare(
+        [corpus / "pkg", corpus / "b_notes.txt"],
+        tmp_path / "out",
+        tokenizer="char",
+        include=["*.py"],
+        progress=False,
+    )
+    assert meta["n_documents"] == 3  # two .py files under pkg/ and the file given by name
+    assert "To be, or not" in decoded_split(tmp_path / "out", "train")
+
+
+def test_prepare_with_a_saved_tokenizer_file(corpus: Path, tmp_path) -> None:
+    tok = Tokenizer.train_bpe(["some unrelated text"] * 5, vocab_size=270)
+    tok.save(tmp_path / "tok.json")
+    meta = prepare(
+        [corpus / "pkg" / "mod.py"],
+        tmp_path / "out",
+        tokenizer=tmp_path / "tok.json",
+        progress=False,
+    )
+    assert meta["vocab_size"] == 270 and meta["source"]["tokenizer"] == str(tmp_path / "tok.json")
+    ids = np.concatenate(
+        [load_split(tmp_path / "out", "train"), load_split(tmp_path / "out", "val")]
+    )
+    text = (corpus / "pkg" / "mod.py").read_text()
+    assert tok.decode(ids.tolist()).replace(EOT, "") == text
+
+
+def test_large_vocabulary_is_stored_as_uint32(tmp_path) -> None:
+    # 70,000 distinct characters (surrogates excluded): a char vocabulary past uint16's 65,536 ids.
+    chars = [chr(c) for c in range(0x100, 0x100 + 72_048) if not 0xD800 <= c < 0xE000]
+    (tmp_path / "wide.txt").write_text("".join(chars))
+    meta = prepare([tmp_path / "wide.txt"], tmp_path / "out", tokenizer="char", progress=False)
+    assert meta["vocab_size"] == 70_001 and meta["dtype"] == "uint32"
+    train = load_split(tmp_path / "out", "train")
+    assert train.dtype == np.dtype("<u4") and int(train.max()) > 65_535
+    assert decoded_split(tmp_path / "out", "train").startswith("".join(chars[:100]))
+    with pytest.raises(DecoderLMError, match="70001 tokens does not fit in uint16"):
+        prepare(
+            [tmp_path / "wide.txt"],
+            tmp_path / "o2",
+            tokenizer="char",
+            dtype="uint16",
+            progress=False,
+        )
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing", "no such file or directory: .*missing"),
+        ("only_binary", "no readable text found in .*only_binary"),
+        ("val_fraction", r"val_fraction=1\.0 must be between 0 and 1"),
+        ("tokenizer", "tokenizer='bp' must be 'bpe', 'char' or an existing tokenizer.json"),
+        ("inputs", "inputs='corpus' must be a non-empty list of paths, or None"),
+    ],
+)
+def test_prepare_errors_are_one_line(case: str, message: str, corpus: Path, tmp_path) -> None:
+    (tmp_path / "only_binary").mkdir()
+    (tmp_path / "only_binary" / "x.txt").write_bytes(b"\x00\x01\x02")
+    args = {
+        "missing": ([tmp_path / "missing"], {}),
+        "only_binary": ([tmp_path / "only_binary"], {}),
+        "val_fraction": ([corpus], {"val_fraction": 1.0}),
+        "tokenizer": ([corpus], {"tokenizer": "bp"}),
+        "inputs": ("corpus", {}),
+    }
+    inputs, kwargs = args[case]
+    with pytest.raises(DecoderLMError, match=message) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepare(inputs, tmp_path / "out", progress=False, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_interrupted_prepare_leaves_no_valid_looking_directory(corpus, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    prepare([corpus / "b_notes.txt"], out, tokenizer="char", progress=False)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(data, "_write_tokens", killed)
+    with pytest.raises(KeyboardInterrupt):  # a second prepare over it dies while encoding
+        prepare([corpus / "a_intro.md"], out, tokenizer="char", progress=False)
+    with pytest.raises(DecoderLMError, match=r"meta\.json is missing"):
+        load_split(out, "train")  # not the new tokenizer with the old token files
+
+
+def test_default_corpus_is_the_stdlib_without_tests(tmp_path) -> None:
+    meta = prepare(None, tmp_path / "out", tokenizer="char", max_files=5, progress=False)
+    files = data.collect_files([stdlib_dir()], ["*.py"], skip_dirs=data.STDLIB_SKIP_DIRS)
+    assert len(files) > 500  # ~730 modules in CPython 3.11 without its tests
+    assert not any({"test", "tests", "idle_test", "site-packages"} & set(f.parts) for f in files)
+    assert meta["source"]["inputs"] == [str(stdlib_dir())] and meta["source"]["files"] == 5
+    first = [f.read_text(encoding="utf-8") for f in files[:5]]
+    assert meta["train_bytes"] + meta["val_bytes"] == sum(len(t.encode()) for t in first)
+
+
+def test_default_corpus_is_prepared_once_into_the_cache(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("DECODERLM_CACHE", str(tmp_path / "cache"))
+    path = prepare_default_corpus(vocab_size=300, max_files=4, progress=False)
+    assert path.parent == tmp_path / "cache" / "data" and path.name.startswith("stdlib-py")
+    assert read_meta(path)["vocab_size"] == 300
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left behind
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("prepared again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(data, "_prepare_files", must_not_run)
+        assert prepare_default_corpus(vocab_size=300, max_files=4, progress=False) == path
+    # Other settings are another cache entry beside it.
+    assert prepare_default_corpus(vocab_size=300, max_files=3, progress=False) != path
+    assert len(list(path.parent.iterdir())) == 2
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def test_cli_prepare_writes_a_data_directory(corpus: Path, tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    argv = ["prepare", "--input", str(corpus), "--out", str(out), "--tokenizer", "char", "--quiet"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert f"wrote {out}" in captured.out
+    assert "decoderlm: warning: skipping" in captured.err and "logo.txt" in captured.err
+    assert read_meta(out)["n_documents"] == 4
+
+
+def test_cli_missing_input_is_one_line_exit_2(tmp_path) -> None:
+    missing = tmp_path / "no" / "such.txt"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "decoderlm",
+            "prepare",
+            "--input",
+            str(missing),
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr == f"decoderlm: error: no such file or directory: {missing}\n"
+    assert not (tmp_path / "meta.json").exists()

@@ -1,0 +1,79 @@
+"""`decoderlm prepare`: text files (default: the Python standard library) → a data directory."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = "Tokenize text files (default: the Python stdlib) into train.bin, val.bin and meta.json."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        metavar="PATH",
+        help="files and directories (searched recursively); default: the Python standard library "
+        "source of this interpreter, tests excluded",
+    )
+    parser.add_argument("--out", required=True, metavar="DIR", help="the data directory to write")
+    parser.add_argument(
+        "--tokenizer",
+        default="bpe",
+        metavar="bpe|char|FILE",
+        help="train byte-level BPE or a character vocabulary, or load a tokenizer.json (default: bpe)",
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, default=8192, help="BPE vocabulary size (default: 8192)"
+    )
+    parser.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.1,
+        help="the last fraction of the corpus (by characters) that becomes val.bin (default: 0.1)",
+    )
+    parser.add_argument(
+        "--include",
+        nargs="+",
+        metavar="GLOB",
+        help="file globs to take from directories (default: common text and source extensions)",
+    )
+    parser.add_argument("--max-files", type=int, help="use only the first N files (sorted paths)")
+    parser.add_argument(
+        "--dtype", choices=("uint16", "uint32"), help="token file dtype (default: from the vocab)"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    import warnings
+
+    from decoderlm.data import prepare
+
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        meta = prepare(
+            args.input,
+            args.out,
+            tokenizer=args.tokenizer,
+            vocab_size=args.vocab_size,
+            val_fraction=args.val_fraction,
+            include=args.include,
+            max_files=args.max_files,
+            progress=not args.quiet,
+            dtype=args.dtype,
+        )
+    tokens = meta["train_tokens"] + meta["val_tokens"]
+    print(
+        f"wrote {args.out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
+        f"({meta['dtype']}, vocab {meta['vocab_size']:,}, {meta['n_documents']:,} documents, "
+        f"{(meta['train_bytes'] + meta['val_bytes']) / max(tokens, 1):.2f} bytes/token)"
+    )
+    return 0
+
+
+def _show_warning(message: Warning | str, *args: object, **kwargs: object) -> None:
+    """Warnings as one line, written above the progress bar instead of through it."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"decoderlm: warning: {message}", file=sys.stderr)
