@@ -38,9 +38,8 @@ def pool_kv(tensor: torch.Tensor, config: ModelConfig, n_kv_heads: int) -> torch
 
     def mean_pool(w: torch.Tensor) -> torch.Tensor:
         grouped = w.reshape(n_kv_heads, old // n_kv_heads, hd, *w.shape[1:])  # (G, old/G, hd, ...)
-        return grouped.mean(dim=1).reshape(
-            n_kv_heads * hd, *w.shape[1:]
-        )  # W^(g) = mean_{h∈g} W^(h)
+        pooled = grouped.mean(dim=1)  # W^(g) = mean_{h∈g} W^(h): (G, hd, ...)
+        return pooled.reshape(n_kv_heads * hd, *w.shape[1:])
 
     return torch.cat([q, mean_pool(k), mean_pool(v)], dim=0)
 
