@@ -299,6 +299,12 @@ def test_unsupported_rope_type_and_bias_mix_are_refused():
         hf.config_from_hf({**base, "attention_bias": True, "mlp_bias": False})
 
 
+def test_config_without_a_required_field_names_it():
+    config = {k: v for k, v in HF_CONFIGS["qwen2"]().to_dict().items() if k != "hidden_size"}
+    with pytest.raises(DecoderLMError, match=r"qwen2 config.json has no 'hidden_size'"):
+        hf.config_from_hf(config)
+
+
 def test_sliding_window_caps_the_context_where_it_would_matter():
     base = HF_CONFIGS["mistral"]().to_dict()
     assert hf.config_from_hf({**base, "sliding_window": 16}).context_length == 16

@@ -33,9 +33,10 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         raise DecoderLMError(
             f"model_type={model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    if model_type == "gpt2":
-        return _gpt2_config(hf)
-    return _llama_config(hf, model_type)
+    try:
+        return _gpt2_config(hf) if model_type == "gpt2" else _llama_config(hf, model_type)
+    except KeyError as exc:
+        raise DecoderLMError(f"{model_type} config.json has no {exc.args[0]!r}") from None
 
 
 def _gpt2_config(hf: dict[str, Any]) -> ModelConfig:
