@@ -216,7 +216,7 @@ def test_prepare_tokenizes_the_corpus_in_sorted_order(corpus: Path, tmp_path, ki
     assert train.count(EOT) + val.count(EOT) == len(docs) + 1
     assert val.endswith(docs[-1][-50:] + EOT)
     total = sum(len(d) for d in docs)
-    assert len(val.replace(EOT, "")) == round(0.1 * total)
+    assert len(train.replace(EOT, "")) == int(0.9 * total)  # nanoGPT's n_train = int(n · 0.9)
     assert meta["train_bytes"] == len(train.replace(EOT, "").encode("utf-8"))
     assert meta["val_bytes"] == len(val.replace(EOT, "").encode("utf-8"))
     assert meta["train_bytes"] + meta["val_bytes"] == sum(len(d.encode()) for d in docs)

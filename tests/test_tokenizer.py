@@ -96,15 +96,34 @@ def test_encode_batch_equals_encode_of_each(bpe: Tokenizer) -> None:
     assert bpe.encode_batch(texts) == [bpe.encode(t) for t in texts]
 
 
-def test_from_file_finds_eos_of_a_foreign_tokenizer(tmp_path) -> None:
-    # A Llama-2-style file: the end-of-text token is `</s>`, not `<|endoftext|>`.
+def test_foreign_tokenizer_eos_found_and_bos_template_not_applied(tmp_path) -> None:
+    # A Llama-2-style file: `</s>` ends a text, and a post-processor prepends `<s>` to every
+    # encoding. Token streams for training must not get a BOS per call, so encode() skips it.
     from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import models
+    from tokenizers import models, pre_tokenizers, processors
 
-    backend = HFTokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2, "hi": 3}, "<unk>"))
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "hi": 3, "there": 4}
+    backend = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.add_special_tokens(["<unk>", "<s>", "</s>"])
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 1)]
+    )
     backend.save(str(tmp_path / "tokenizer.json"))
-    assert Tokenizer.from_file(tmp_path / "tokenizer.json").eot_id == 2
+    assert backend.encode("hi there").ids == [1, 3, 4]  # what the file does by default
+    tok = Tokenizer.from_file(tmp_path / "tokenizer.json")
+    assert tok.encode("hi there") == [3, 4]
+    assert (tok.eot_id, tok.vocab_size) == (2, 5)
+
+
+def test_transformers_reads_our_bpe_file_to_the_same_ids(bpe: Tokenizer, tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    bpe.save(tmp_path / "tokenizer.json")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    texts = [*CORPUS[:3], f"x{Tokenizer.EOT}y", "  leading spaces and ünïcode"]
+    for text in texts:
+        assert hf(text, add_special_tokens=False)["input_ids"] == bpe.encode(text)
+        assert hf.decode(bpe.encode(text)) == text
 
 
 def test_from_file_errors_are_one_line(tmp_path) -> None:

@@ -234,9 +234,9 @@ def collect_files(
 
 
 def split_documents(docs: Sequence[str], val_fraction: float) -> tuple[list[str], list[str]]:
-    """(train, val): val is the last round(val_fraction · characters) characters of the corpus."""
+    """(train, val): train is the first int((1 - val_fraction) · characters), as in nanoGPT."""
     total = sum(len(doc) for doc in docs)
-    cut = total - round(total * val_fraction)  # characters that go to train
+    cut = int(total * (1 - val_fraction))  # characters that go to train
     train: list[str] = []
     val: list[str] = []
     seen = 0

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     tokens = meta["train_tokens"] + meta["val_tokens"]
     print(
         f"wrote {args.out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
-        f"({meta['dtype']}, vocab {meta['vocab_size']:,}, {meta['n_documents']:,} documents, "
+        f"({meta['dtype']}, vocab {meta['vocab_size']:,}, {meta['n_documents']:,} document(s), "
         f"{(meta['train_bytes'] + meta['val_bytes']) / max(tokens, 1):.2f} bytes/token)"
     )
     return 0
