@@ -8,18 +8,32 @@ A run directory is what every command reads and writes:
 
 Every file is written to a temporary name in the same directory, fsync'ed and renamed over the old one,
 so a process killed mid-write leaves the previous file intact.
+
+Training adds checkpoints, each a complete run directory plus the trainer's state:
+
+    RUN/checkpoints/step_00000500/{config.json, model.safetensors, tokenizer.json,
+                                   trainer_state.json, trainer_state.safetensors}
+
+A checkpoint is written into a hidden temporary directory and renamed into place, so the set of
+files appears all at once or not at all; RUN/model.safetensors is then pointed at the newest one.
+The trainer state is a nested dict stored as JSON (readable: step, counters, RNG states, data
+position, hyperparameters) with every tensor (optimizer moments, RNG bytes) in a safetensors file
+beside it; nothing is pickled.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -31,6 +45,10 @@ from decoderlm.model import DecoderLM
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
+CHECKPOINTS_DIR = "checkpoints"
+STATE_FILE = "trainer_state.json"
+STATE_TENSORS_FILE = "trainer_state.safetensors"
+_STEP_DIR = re.compile(r"step_(\d+)")
 
 
 @contextmanager
@@ -71,8 +89,15 @@ def _fsync_dir(directory: Path) -> None:
 
 def model_state_dict(model: DecoderLM) -> dict[str, torch.Tensor]:
     """The weights to store: plain tensors, contiguous, a tied head dropped (it is tok_emb.weight)."""
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_embeddings:
+    return weights_to_store(model.state_dict(), model.config)
+
+
+def weights_to_store(
+    state: dict[str, torch.Tensor], config: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """A model state dict as stored: detached, contiguous, without a tied head's second copy."""
+    state = {k: v.detach().contiguous() for k, v in state.items()}
+    if config.tie_embeddings:
         state.pop("head.weight", None)
     return state
 
@@ -146,9 +171,189 @@ def load_model(
     """Build the model of a run directory and load its weights (in eval mode)."""
     config = ModelConfig.from_dict(read_run_config(run_dir)["model"])
     weights = Path(run_dir) / WEIGHTS_FILE
+    latest = latest_checkpoint(run_dir)
+    if not weights.is_file() and latest is not None:  # killed before the newest was published
+        weights = latest / WEIGHTS_FILE
     if not weights.is_file():
         raise DecoderLMError(f"{run_dir} has no {WEIGHTS_FILE}")
     model = DecoderLM(config)
     load_weights(model, weights)
     model.to(device=device, dtype=dtype)
     return model.eval()
+
+
+# ---- training checkpoints -------------------------------------------------------------------
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The complete checkpoints of a run, oldest first (temporary and half-deleted ones skipped)."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.fullmatch(p.name)) and (p / STATE_FILE).is_file()
+    ]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run, or None."""
+    checkpoints = list_checkpoints(run_dir)
+    return checkpoints[-1] if checkpoints else None
+
+
+def best_checkpoint(run_dir: str | Path) -> Path | None:
+    """The checkpoint with the lowest validation loss (among those evaluated when saved), or None."""
+    scored = [(checkpoint_val_loss(p), p) for p in list_checkpoints(run_dir)]
+    scored = [(loss, p) for loss, p in scored if loss is not None]
+    return min(scored, key=lambda item: item[0])[1] if scored else None
+
+
+def checkpoint_val_loss(ckpt_dir: str | Path) -> float | None:
+    return json.loads((Path(ckpt_dir) / STATE_FILE).read_text()).get("val_loss")
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    trainer_state: dict[str, Any],
+    train_config: dict[str, Any] | None = None,
+    tokenizer_file: str | Path | None = None,
+    keep_last: int = 2,
+) -> Path:
+    """Write RUN/checkpoints/step_<step> atomically, publish its weights as RUN/model.safetensors,
+    and delete old checkpoints except the `keep_last` newest and the best (lowest val_loss).
+
+    `weights`: the model's full state dict (plain names); `trainer_state`: a nested dict of
+    JSON values, tensors and numpy arrays (see `save_trainer_state`); its "val_loss" (or None)
+    ranks checkpoints for "best".
+    """
+    run_dir = Path(run_dir)
+    root = run_dir / CHECKPOINTS_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(root)
+    final = root / f"step_{step:08d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    tmp.chmod(0o755)  # mkdtemp's 0o700 would hide the checkpoint from other users
+    try:
+        save_file(weights_to_store(weights, config), str(tmp / WEIGHTS_FILE), {"format": "pt"})
+        config_json: dict[str, Any] = {"model": config.to_dict()}
+        if train_config is not None:
+            config_json["train"] = train_config
+        (tmp / CONFIG_FILE).write_text(json.dumps(config_json, indent=2) + "\n")
+        if tokenizer_file is not None:
+            shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
+        save_trainer_state(tmp, trainer_state)
+        for file in tmp.iterdir():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # the same step saved again (a resumed run re-saving its last step)
+            _discard(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _publish(final / WEIGHTS_FILE, run_dir / WEIGHTS_FILE)
+    _rotate(run_dir, max(keep_last, 1))
+    return final
+
+
+def _publish(src: Path, dst: Path) -> None:
+    """Atomically make `dst` a copy of `src` (a hard link when the filesystem allows one)."""
+    with atomic_path(dst) as tmp:
+        tmp.unlink()
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
+
+
+def _rotate(run_dir: Path, keep_last: int) -> None:
+    checkpoints = list_checkpoints(run_dir)
+    keep = set(checkpoints[-keep_last:])
+    best = best_checkpoint(run_dir)
+    if best is not None:
+        keep.add(best)
+    for ckpt in checkpoints:
+        if ckpt not in keep:
+            _discard(ckpt)
+
+
+def _discard(directory: Path) -> None:
+    """Delete a checkpoint: renamed away first, so a kill mid-delete never leaves half of one."""
+    trash = directory.with_name(f".trash-{directory.name}-{os.getpid()}")
+    os.replace(directory, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Temporary and trash directories of saves or deletes that a killed process left behind."""
+    for p in root.iterdir():
+        if p.name.startswith((".tmp-", ".trash-")):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def save_trainer_state(directory: str | Path, state: dict[str, Any]) -> None:
+    """Write `state` as trainer_state.json + trainer_state.safetensors into `directory`.
+
+    Tensors and numpy arrays go to the safetensors file, each under its path in the dict
+    ("optimizer/state/head.weight/exp_avg"); the JSON keeps the structure, with tuples and
+    non-string dict keys marked so that `load_trainer_state` returns the same types.
+    """
+    directory = Path(directory)
+    tensors: dict[str, torch.Tensor] = {}
+    data = _encode(state, "", tensors)
+    save_file(tensors, str(directory / STATE_TENSORS_FILE))
+    (directory / STATE_FILE).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def load_trainer_state(directory: str | Path) -> dict[str, Any]:
+    """The dict saved by `save_trainer_state` (tensors on the CPU), or a one-line error."""
+    directory = Path(directory)
+    try:
+        data = json.loads((directory / STATE_FILE).read_text())
+        tensors = load_file(str(directory / STATE_TENSORS_FILE))
+    except (OSError, json.JSONDecodeError, SafetensorError) as exc:
+        raise DecoderLMError(f"cannot read the trainer state in {directory}: {exc}") from None
+    return _decode(data, tensors)
+
+
+def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    path = path.removeprefix("/")
+    if isinstance(obj, torch.Tensor):
+        tensors[path] = obj.detach().cpu().contiguous().clone()
+        return {"__tensor__": path}
+    if isinstance(obj, np.ndarray):  # e.g. numpy's RNG key (uint32); stored as int64
+        tensors[path] = torch.from_numpy(obj.astype(np.int64))
+        return {"__ndarray__": path, "dtype": str(obj.dtype)}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: _encode(v, f"{path}/{k}", tensors) for k, v in obj.items()}
+        return {"__items__": [[k, _encode(v, f"{path}/{k}", tensors)] for k, v in obj.items()]}
+    if isinstance(obj, tuple | list):
+        items = [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)]
+        return {"__tuple__": items} if isinstance(obj, tuple) else items
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__tensor__" in obj:
+        return tensors[obj["__tensor__"]]
+    if "__ndarray__" in obj:
+        return tensors[obj["__ndarray__"]].numpy().astype(obj["dtype"])
+    if "__tuple__" in obj:
+        return tuple(_decode(v, tensors) for v in obj["__tuple__"])
+    if "__items__" in obj:
+        return {k: _decode(v, tensors) for k, v in obj["__items__"]}
+    return {k: _decode(v, tensors) for k, v in obj.items()}
