@@ -5,6 +5,7 @@ A run directory is what every command reads and writes:
     RUN/config.json        {"model": ModelConfig fields, "train": training settings (optional)}
     RUN/model.safetensors  the model's weights (a tied LM head is stored once, as tok_emb.weight)
     RUN/tokenizer.json     the tokenizer (Hugging Face `tokenizers` format), when there is one
+    RUN/metrics.jsonl      training metrics, one JSON object per logged step
 
 Every file is written to a temporary name in the same directory, fsync'ed and renamed over the old one,
 so a process killed mid-write leaves the previous file intact.
@@ -45,6 +46,7 @@ from decoderlm.model import DecoderLM
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
+METRICS_FILE = "metrics.jsonl"  # one JSON object per logged training step
 CHECKPOINTS_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
 STATE_TENSORS_FILE = "trainer_state.safetensors"

@@ -55,7 +55,6 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 DEFAULT_PRESET = "llama-tiny"  # the main job's model: RoPE, GQA, RMSNorm, SwiGLU (`ModelConfig`)
 MAIN_JOB_PROMPT = "def "  # what the main job's samples continue (its corpus is Python source)
 RUNS_DIR = Path("runs")  # where runs go without --out: runs/<date-time>
-METRICS_FILE = "metrics.jsonl"
 FINAL_SAMPLES = 3
 
 
@@ -197,21 +196,21 @@ def build_configs(
 ) -> tuple[ModelConfig | None, TrainConfig]:
     """ModelConfig and TrainConfig from a preset and field overrides (e.g. a TOML file, then flags).
 
-    Without a preset or model fields the model is left to `train` (the default preset, or the
-    run's own model when resuming). With `resume_from` the training fields start from that run's
-    config.json, so `--resume --max-steps 2000` changes only the step limit.
+    Model fields apply to the preset (default llama-tiny), or when resuming without a preset to the
+    run's own model; with neither a preset nor model fields the model is left to `train`. When
+    resuming, the training fields start from the run's saved ones, so `--resume --max-steps 2000`
+    changes only the step limit.
     """
-    train_base: dict[str, Any] = {}
-    if resume_from is not None:
-        ckpt = checkpoint.latest_checkpoint(resume_from)
-        if ckpt is not None:
-            train_base = checkpoint.read_run_config(ckpt).get("train", {})
-    train_config = TrainConfig.from_dict({**train_base, **(train or {})})
+    saved: dict[str, Any] = {}
+    ckpt = checkpoint.latest_checkpoint(resume_from) if resume_from is not None else None
+    if ckpt is not None:
+        saved = checkpoint.read_run_config(ckpt)
+    train_config = TrainConfig.from_dict({**saved.get("train", {}), **(train or {})})
     if preset is None and not model:
         return None, train_config
-    if preset is not None:
-        return ModelConfig.from_preset(preset, **(model or {})), train_config
-    return ModelConfig.from_dict(model or {}), train_config
+    if preset is None and "model" in saved:
+        return ModelConfig.from_dict({**saved["model"], **(model or {})}), train_config
+    return ModelConfig.from_preset(preset or DEFAULT_PRESET, **(model or {})), train_config
 
 
 # ---- optimizer, schedule, precision -----------------------------------------------------------
@@ -419,6 +418,7 @@ class Trainer:
         self.info = distributed.init_distributed(cfg.device)
         self.device = self.info.device
         self.is_main = self.info.is_main
+        self.progress = progress and self.is_main
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.data_dir = self._prepare_data(data_dir, inputs, tokenizer, vocab_size)
         self.meta = data.read_meta(self.data_dir)
@@ -466,7 +466,6 @@ class Trainer:
         self.flops_per_token = self.model.flops_per_token(self.seq_len)
         self.peak_flops = cfg.peak_flops or measure_peak_flops(self.device, self.dtype)
         self.metrics = MetricsLog(self.out, self.step, enabled=self.is_main)
-        self.progress = progress and self.is_main
         if self.is_main:
             self._write_run_files()
 
@@ -506,10 +505,10 @@ class Trainer:
 
     def _prepare(self, inputs: list[str | Path] | None, tokenizer: str, vocab_size: int) -> Path:
         if inputs is None:
-            return data.prepare_default_corpus(tokenizer, vocab_size, progress=self.is_main)
+            return data.prepare_default_corpus(tokenizer, vocab_size, progress=self.progress)
         out = self.out / "data"
         if not (out / data.META_FILE).is_file():  # meta.json is written last
-            data.prepare(inputs, out, tokenizer, vocab_size, progress=self.is_main)
+            data.prepare(inputs, out, tokenizer, vocab_size, progress=self.progress)
         return out
 
     def _model_config(
@@ -598,51 +597,42 @@ class Trainer:
         self._done0 = self._progress(self.elapsed_before)
         last_log = (start, self.step)
         val: dict[str, float] = {}
-        loss = None
-        saved_step = evaluated_step = -1
         with _StopRequests() as stop_requests, self._bar() as bar:
-            while True:
+            stopped = self._should_stop(self._elapsed_now(), stop_requests.requested)
+            if stopped and self.step > 0:  # nothing left to train: just report where it is
+                val = self.evaluate()
+            while not stopped:
                 elapsed = self._elapsed_now()
-                stopped = self._should_stop(elapsed, stop_requests.requested)
-                if stopped:
-                    break
                 lr = learning_rate(cfg, self.step, elapsed)
                 loss, grad_norm = self._train_step(lr)
                 self.step += 1
                 self.tokens_seen += self.tokens_per_step
+                stopped = self._should_stop(self._elapsed_now(), stop_requests.requested)
+                final = stopped is not None and stopped != "interrupted"
                 row: dict[str, Any] = {"step": self.step, "train_loss": loss}
-                evaluate = bool(cfg.eval_interval) and self.step % cfg.eval_interval == 0
-                if self.step % cfg.log_interval == 0 or evaluate:
+                evaluate = final or _every(cfg.eval_interval, self.step)
+                if evaluate or self.step % cfg.log_interval == 0:
                     now = time.perf_counter()
                     steps = self.step - last_log[1]
                     tokens_per_s = steps * self.tokens_per_step / (now - last_log[0])
                     row.update(self._speed(lr, grad_norm, tokens_per_s, elapsed))
-                    last_log = (now, self.step)
                     bar.set_postfix_str(self._postfix(row, elapsed))
-                bar.update(self._progress(elapsed) - bar.n)
+                bar.update(self._progress(self._elapsed_now()) - bar.n)
                 if evaluate:
                     val = self.evaluate()
                     row.update(val)
-                    evaluated_step = self.step
                     sample = self.sample(cfg.sample_tokens)[0].split("\n")
                     self._say(self._eval_line(row), *(f"  │ {line}" for line in sample))
-                if self.is_main and (self.step % cfg.log_interval == 0 or evaluate):
-                    self.metrics.write(row)
-                if cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0:
-                    self.save(val.get("val_loss") if evaluated_step == self.step else None)
-                    saved_step = self.step
-                if evaluate or saved_step == self.step:
+                if evaluate or self.step % cfg.log_interval == 0:
+                    self.metrics.write(row)  # rank 0 only
+                scheduled = _every(cfg.checkpoint_interval, self.step)
+                if scheduled or stopped:
+                    self.save(row.get("val_loss"))
+                if evaluate or scheduled or self.step % cfg.log_interval == 0:
                     last_log = (time.perf_counter(), self.step)  # speed excludes eval and saving
-            bar.update(self._progress(elapsed) - bar.n)
-            if stopped != "interrupted" and evaluated_step != self.step:
-                val = self.evaluate()
-                if loss is not None:
-                    self.metrics.write({"step": self.step, "train_loss": loss, **val})
-            if saved_step != self.step and self.step > session_step0:
-                self.save(val.get("val_loss"))
         interrupted = stopped == "interrupted"
-        samples = [] if interrupted else self.sample(cfg.sample_tokens * 4, FINAL_SAMPLES)
         session = time.perf_counter() - start
+        samples = [] if interrupted else self.sample(2 * cfg.sample_tokens, FINAL_SAMPLES)
         return {
             "run_dir": str(self.out),
             "stopped": stopped,
@@ -728,20 +718,19 @@ class Trainer:
         prompt = self.tokenizer.encode(cfg.sample_prompt) if cfg.sample_prompt else []
         if not prompt:
             prompt = [eot] if eot is not None else self.tokenizer.encode("\n")
-        with self.autocast:
-            rows = generate(
-                self.model,
-                [prompt],
-                max_new_tokens,
-                temperature=cfg.temperature,
-                top_k=cfg.top_k or None,
-                seed=cfg.seed,
-                eos_id=eot,
-                num_samples=n,
-                sliding_window=True,
-            )
-        skip = 1 if prompt == [eot] else 0
-        return [self.tokenizer.decode(row[skip:]) for row in rows]
+        rows = generate(  # in the weights' float32: the KV cache takes the model's dtype
+            self.model,
+            [prompt],
+            max_new_tokens,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k or None,
+            seed=cfg.seed,
+            eos_id=eot,
+            num_samples=n,
+            sliding_window=True,
+        )
+        start = 1 if prompt == [eot] else 0
+        return [self.tokenizer.decode(_strip(row[start:], eot)) for row in rows]
 
     def save(self, val_loss: float | None) -> None:
         """Write a checkpoint (rank 0; every rank gathers its shards) and rotate old ones."""
@@ -814,7 +803,7 @@ class Trainer:
         return tqdm(
             total=100.0,
             initial=0.0,
-            disable=not self.progress,
+            disable=not (self.progress and sys.stderr.isatty()),  # no \r-spam in log files
             bar_format="{l_bar}{bar}| {elapsed} {postfix}",
             desc="train",
             dynamic_ncols=True,
@@ -839,13 +828,25 @@ class Trainer:
     def _eval_line(row: dict[str, Any]) -> str:
         return (
             f"step {row['step']}: val loss {row['val_loss']:.4f} | ppl {row['val_ppl']:.2f} | "
-            f"{row['val_bpb']:.3f} bits/byte | train loss {row['train_loss']:.4f}"
+            f"{row['val_bpb']:.3f} bits/byte | train loss {row['train_loss']:.4f} | "
+            f"{row['tokens_per_s']:,.0f} tok/s | MFU {100 * row['mfu']:.1f}% | "
+            f"{_duration(row['time'])}"
         )
 
     def _say(self, *lines: str) -> None:
         if self.is_main and self.progress:
             for line in lines:
                 tqdm.write(line, file=sys.stderr)
+
+
+def _every(interval: int, step: int) -> bool:
+    """Whether `step` is a multiple of `interval` (0 = never)."""
+    return interval > 0 and step % interval == 0
+
+
+def _strip(ids: list[int], eot: int | None) -> list[int]:
+    """ids without a final end-of-text token (where a sample stopped)."""
+    return ids[:-1] if ids and ids[-1] == eot else ids
 
 
 def _duration(seconds: float) -> str:
@@ -864,7 +865,7 @@ class MetricsLog:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / METRICS_FILE
+        path = run_dir / checkpoint.METRICS_FILE
         # Lines past the checkpoint we resume from were written by a run that died: drop them.
         kept = []
         if resume_step and path.is_file():
