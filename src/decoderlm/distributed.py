@@ -40,9 +40,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,8 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
-    set_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -58,10 +59,12 @@ from torch.nn.parallel import DistributedDataParallel
 from decoderlm.errors import DecoderLMError
 
 STRATEGIES = ("none", "ddp", "fsdp")
+T = TypeVar("T")
 
-# A rank that waits longer than this in a collective (another rank died or hangs) raises instead of
-# hanging forever; torchrun then stops the whole job. Long enough for a slow checkpoint write.
-DEFAULT_TIMEOUT_S = 600.0
+# A rank that waits longer than this in a collective (a peer hangs) raises instead of waiting forever,
+# and torchrun then stops the whole job (a peer that dies is noticed at once). Long enough for rank 0
+# to evaluate or write a large checkpoint while the others wait: torch's own default for gloo.
+DEFAULT_TIMEOUT_S = 1800.0
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,7 @@ def grad_sync(wrapped: nn.Module, enabled: bool) -> contextlib.AbstractContextMa
     Gradient accumulation: sync only on the last micro-step (the others just accumulate local
     gradients). Run forward and backward inside the `with`. A no-op for a plain model.
     """
+    wrapped = getattr(wrapped, "_orig_mod", wrapped)  # see through torch.compile
     if enabled:
         return contextlib.nullcontext()
     if isinstance(wrapped, DistributedDataParallel):
@@ -217,9 +221,10 @@ def load_full_state_dicts(
     and every rank keeps its own part (FSDP2) or a full copy (DDP); other ranks may pass {}.
     """
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=info.distributed)
-    set_state_dict(
-        wrapped, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options
-    )
+    # Two calls, not set_state_dict: that one skips the model on a rank whose model dict is empty.
+    # The optimizer goes first: materialising its state runs a zero-lr step on the parameters.
+    set_optimizer_state_dict(wrapped, optimizer, optim_sd, options=options)
+    set_model_state_dict(wrapped, model_sd, options=options)
 
 
 def all_reduce_mean(value: float | Tensor, info: DistInfo) -> float:
@@ -229,6 +234,30 @@ def all_reduce_mean(value: float | Tensor, info: DistInfo) -> float:
     tensor = torch.as_tensor(value, dtype=torch.float64, device=info.device).detach().clone()
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor.item() / info.world_size
+
+
+def run_on_main(fn: Callable[[], T], info: DistInfo) -> T | None:
+    """Call `fn()` on rank 0 only (e.g. write a checkpoint); the other ranks wait for it.
+
+    Collective. Returns fn's result on rank 0 and None elsewhere. If fn raises on rank 0, every rank
+    raises: rank 0 its own exception, the others a DecoderLMError with the same message, so the
+    whole job stops at once with the same one-line error instead of leaving ranks waiting.
+    """
+    if not info.distributed:
+        return fn()
+    result, error = None, None
+    if info.is_main:
+        try:
+            result = fn()
+        except BaseException as exc:
+            error = exc
+    message = [None if error is None else str(error) or type(error).__name__]
+    dist.broadcast_object_list(message, src=0)
+    if error is not None:
+        raise error
+    if message[0] is not None:
+        raise DecoderLMError(f"rank 0 failed: {message[0]}")
+    return result
 
 
 def barrier(info: DistInfo) -> None:
