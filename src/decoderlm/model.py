@@ -78,11 +78,13 @@ class DecoderLM(nn.Module):
         key_mask: Tensor | None = None,
         kv_caches: Sequence[KVCacheLayer] | None = None,
         causal: bool = True,
+        last_only: bool = False,
     ) -> Tensor:
         """idx (B, T) token ids → logits (B, T, vocab_size).
 
         positions: (T,) or (B, T) absolute positions (default 0..T−1); needed with a KV cache and for
         left-padded batches. key_mask: (B, Tk) bool, False for padding keys. kv_caches: one per layer.
+        last_only: logits of the last position only, (B, 1, vocab_size): all that sampling needs.
         """
         t = idx.shape[1]
         if positions is None:
@@ -101,6 +103,8 @@ class DecoderLM(nn.Module):
             rope = (cos.to(x.dtype), sin.to(x.dtype))
         for i, block in enumerate(self.blocks):
             x = block(x, rope, key_mask, None if kv_caches is None else kv_caches[i], causal)
+        if last_only:
+            x = x[:, -1:]  # (B, 1, d_model)
         return self.head(self.norm(x))  # (B, T, vocab_size)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
