@@ -176,6 +176,19 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_last_checkpoint(
     checkpoint.load_model(out)
 
 
+def test_init_from_starts_from_the_runs_weights(
+    data_dir: Path, reference_run: Path, tmp_path: Path
+) -> None:
+    # One step at lr 1e-12 moves each weight by ~1e-12 (Adam's first step has size ≈ lr), so the
+    # result must equal the run's weights to well within 1e-9: the weights were loaded.
+    cfg = tiny_train(max_steps=1, lr=1e-12, min_lr=0.0, warmup_steps=0, eval_interval=0)
+    train(None, cfg, data_dir, tmp_path / "ft", init_from=reference_run, progress=False)
+    tuned, source = checkpoint.load_model(tmp_path / "ft"), checkpoint.load_model(reference_run)
+    assert tuned.config == source.config
+    for (name, p), q in zip(tuned.state_dict().items(), source.state_dict().values(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-9, msg=name)
+
+
 def test_compiled_training_saves_plain_parameter_names(
     data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -178,3 +180,31 @@ def test_non_finite_loss_exits_nonzero_with_one_line_and_keeps_the_checkpoint(
     last_good = checkpoint.latest_checkpoint(run)
     assert last_good is not None and str(last_good) in lines[0]
     checkpoint.load_model(run)
+
+
+def test_ctrl_c_saves_a_checkpoint_at_the_current_step_and_exits_130(
+    corpus: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    argv = [*TINY, "--input", str(corpus), "--tokenizer", "char", "--out", str(run)]
+    argv += ["--max-steps", "100000", "--checkpoint-interval", "0", "--log-interval", "1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "decoderlm", "train", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "interrupted after" in out and f"decoderlm train --resume --out {run}" in out
+    # The step in flight finished, was logged and saved: nothing trained is lost.
+    last_logged = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    state = checkpoint.load_trainer_state(checkpoint.latest_checkpoint(run))
+    assert state["step"] == last_logged >= 3

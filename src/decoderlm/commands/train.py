@@ -91,8 +91,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_summary(s: dict[str, Any]) -> None:
     minutes, seconds = divmod(int(s["time"]), 60)
+    why = "interrupted" if s["stopped"] == "interrupted" else f"stopped by {s['stopped']}"
     print(
-        f"stopped by {s['stopped']} after {s['step']:,} steps, {s['tokens']:,} tokens, "
+        f"{why} after {s['step']:,} steps, {s['tokens']:,} tokens, "
         f"{minutes}:{seconds:02d} of training ({s['tokens_per_s']:,.0f} tokens/s this session), "
         f"{s['parameters'] / 1e6:.2f}M parameters"
     )
@@ -102,6 +103,8 @@ def _print_summary(s: dict[str, Any]) -> None:
             f"{s['val_bpb']:.3f} bits per byte"
         )
     print(f"saved {s['run_dir']} (checkpoint {s['checkpoint']})")
+    if s["stopped"] == "interrupted":
+        print(f"continue with: decoderlm train --resume --out {s['run_dir']}")
     for i, sample in enumerate(s["samples"], start=1):
         print(f"--- sample {i} ---\n{sample}")
     if s["samples"]:
