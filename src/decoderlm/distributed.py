@@ -256,7 +256,7 @@ def run_on_main(fn: Callable[[], T], info: DistInfo) -> T | None:
     if error is not None:
         raise error
     if message[0] is not None:
-        raise DecoderLMError(f"rank 0 failed: {message[0]}")
+        raise DecoderLMError(f"stopped because rank 0 failed: {message[0]}")
     return result
 
 

@@ -496,9 +496,10 @@ class Trainer:
             if inputs is not None:
                 raise DecoderLMError("give either a data directory or inputs to prepare, not both")
             return Path(data_dir)
-        if self.is_main:
-            prepared = self._prepare(inputs, tokenizer, vocab_size)
-        distributed.barrier(self.info)
+        # Rank 0 prepares; if that fails, every rank stops with its error (no rank left waiting).
+        prepared = distributed.run_on_main(
+            lambda: self._prepare(inputs, tokenizer, vocab_size), self.info
+        )
         if not self.is_main:  # rank 0 has prepared it: this only finds it
             prepared = self._prepare(inputs, tokenizer, vocab_size)
         return prepared
@@ -644,6 +645,7 @@ class Trainer:
             **val,
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
             "samples": samples,
+            "rank": self.info.rank,  # only rank 0 reports (under torchrun)
         }
 
     def _should_stop(self, elapsed: float, interrupted: bool) -> str | None:
@@ -735,7 +737,8 @@ class Trainer:
     def save(self, val_loss: float | None) -> None:
         """Write a checkpoint (rank 0; every rank gathers its shards) and rotate old ones."""
         model_sd, optim_sd = distributed.full_state_dicts(self.wrapped, self.optimizer, self.info)
-        if self.is_main:
+
+        def write() -> Path:
             state = {
                 "step": self.step,
                 "val_loss": val_loss,
@@ -748,7 +751,7 @@ class Trainer:
                 "sampler": self.sampler.state_dict(),
                 "rng": rng_state(),
             }
-            self.last_checkpoint = checkpoint.save_checkpoint(
+            return checkpoint.save_checkpoint(
                 self.out,
                 self.step,
                 self.model_config,
@@ -758,7 +761,9 @@ class Trainer:
                 tokenizer_file=self.out / checkpoint.TOKENIZER_FILE,
                 keep_last=self.cfg.keep_last,
             )
-        distributed.barrier(self.info)
+
+        # Rank 0 writes while the others wait; a failed write stops every rank with its error.
+        self.last_checkpoint = distributed.run_on_main(write, self.info)
 
     def close(self) -> None:
         self.metrics.close()

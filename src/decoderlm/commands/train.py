@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         vocab_size=_parse(int, "vocab_size", vocab_size),
         progress=not args.quiet,
     )
-    _print_summary(summary)
+    if summary["rank"] == 0:  # under torchrun, one report for the job
+        _print_summary(summary)
     return 130 if summary["stopped"] == "interrupted" else 0
 
 
