@@ -86,8 +86,7 @@ def _flash_forward(
     g, n = h_q // h_kv, b * h_kv
     acc = _acc_dtype(q.dtype)
     q5 = q.reshape(b, h_kv, g, t_q, d)  # (B, Hkv, G, Tq, D), a view
-    k3 = k.reshape(n, t_k, d).to(acc)  # (N, Tk, D)
-    v3 = v.reshape(n, t_k, d).to(acc)  # (N, Tk, D)
+    k3, v3 = k.reshape(n, t_k, d), v.reshape(n, t_k, d)  # (N, Tk, D), tiles cast to acc when used
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (B, Hq, Tq, D)
     lse = torch.empty(b, h_q, t_q, dtype=acc, device=q.device)  # (B, Hq, Tq)
     out5, lse4 = out.view(b, h_kv, g, t_q, d), lse.view(b, h_kv, g, t_q)
@@ -98,21 +97,21 @@ def _flash_forward(
         m = torch.full((n, rows), float("-inf"), dtype=acc, device=q.device)  # running row max
         l_ = torch.zeros(n, rows, dtype=acc, device=q.device)  # running normaliser l
         for j0, j1, diagonal in key_tiles:
-            s = torch.bmm(qi, k3[:, j0:j1].mT)  # S = Q Kᵀ·scale: (N, R, bk)
+            kj, vj = k3[:, j0:j1].to(acc), v3[:, j0:j1].to(acc)  # (N, bk, D)
+            s = torch.bmm(qi, kj.mT)  # S = Q Kᵀ·scale: (N, R, bk)
             _apply_mask(s, b, g, i0, i1, j0, j1, t_k - t_q, diagonal, key_padding_mask)
             m_new = torch.maximum(m, s.amax(dim=-1))  # m' = max(m, rowmax(S))
             m_sub = m_new.masked_fill(m_new == float("-inf"), 0.0)  # row all masked so far: no ∞−∞
             p = s.sub_(m_sub.unsqueeze(-1)).exp_()  # e^(S−m'): (N, R, bk)
             alpha = (m - m_sub).exp_()  # e^(m−m')
             l_.mul_(alpha).add_(p.sum(dim=-1))  # l' = e^(m−m')·l + rowsum(e^(S−m'))
-            o.mul_(alpha.unsqueeze(-1)).baddbmm_(p, v3[:, j0:j1])  # O' = e^(m−m')·O + e^(S−m')·V
+            o.mul_(alpha.unsqueeze(-1)).baddbmm_(p, vj)  # O' = e^(m−m')·O + e^(S−m')·V
             m = m_new
         empty = l_ == 0  # rows with no valid key: O = 0, L = +inf so that backward P = e^(S−L) = 0
         o.div_(l_.masked_fill(empty, 1.0).unsqueeze(-1))  # O = O' / l
         out5[:, :, :, i0:i1] = o.view(b, h_kv, g, i1 - i0, d)
-        lse4[:, :, :, i0:i1] = (
-            (m + l_.log()).masked_fill_(empty, float("inf")).view(b, h_kv, g, i1 - i0)
-        )  # L = m + log l
+        lse_i = (m + l_.log()).masked_fill_(empty, float("inf"))  # L = m + log l: (N, R)
+        lse4[:, :, :, i0:i1] = lse_i.view(b, h_kv, g, i1 - i0)
     return out, lse
 
 
@@ -134,8 +133,7 @@ def _flash_backward(
     acc = _acc_dtype(q.dtype)
     q5, o5, do5 = (x.reshape(b, h_kv, g, t_q, d) for x in (q, out, d_out))  # (B, Hkv, G, Tq, D)
     lse4 = lse.view(b, h_kv, g, t_q)
-    k3 = k.reshape(n, t_k, d).to(acc)  # (N, Tk, D)
-    v3 = v.reshape(n, t_k, d).to(acc)  # (N, Tk, D)
+    k3, v3 = k.reshape(n, t_k, d), v.reshape(n, t_k, d)  # (N, Tk, D), tiles cast to acc when used
     dq = torch.empty(b, h_q, t_q, d, dtype=q.dtype, device=q.device)
     dk3 = torch.zeros(n, t_k, d, dtype=acc, device=q.device)  # accumulated over query tiles
     dv3 = torch.zeros(n, t_k, d, dtype=acc, device=q.device)
@@ -144,22 +142,20 @@ def _flash_backward(
         rows = g * (i1 - i0)
         qi = _gather_rows(q5, i0, i1, acc).mul_(scale)  # Q·scale: (N, R, D)
         doi = _gather_rows(do5, i0, i1, acc)  # dO: (N, R, D)
-        neg_di = -(doi * _gather_rows(o5, i0, i1, acc)).sum(
-            dim=-1, keepdim=True
-        )  # −D = −rowsum(dO∘O)
+        oi = _gather_rows(o5, i0, i1, acc)  # O: (N, R, D)
+        neg_di = -(doi * oi).sum(dim=-1, keepdim=True)  # −D = −rowsum(dO∘O): (N, R, 1)
         neg_li = -lse4[:, :, :, i0:i1].reshape(n, rows, 1)  # −L: (N, R, 1)
         dqi = torch.zeros(n, rows, d, dtype=acc, device=q.device)
         for j0, j1, diagonal in key_tiles:
             bk = j1 - j0
-            s = torch.baddbmm(neg_li.expand(n, rows, bk), qi, k3[:, j0:j1].mT)  # S − L: (N, R, bk)
+            kj, vj = k3[:, j0:j1].to(acc), v3[:, j0:j1].to(acc)  # (N, bk, D)
+            s = torch.baddbmm(neg_li.expand(n, rows, bk), qi, kj.mT)  # S − L: (N, R, bk)
             _apply_mask(s, b, g, i0, i1, j0, j1, t_k - t_q, diagonal, key_padding_mask)
             p = s.exp_()  # P = exp(S − L)
             dv3[:, j0:j1].baddbmm_(p.mT, doi)  # dV += Pᵀ dO
-            ds = torch.baddbmm(
-                neg_di.expand(n, rows, bk), doi, v3[:, j0:j1].mT
-            )  # dP − D, dP = dO Vᵀ
+            ds = torch.baddbmm(neg_di.expand(n, rows, bk), doi, vj.mT)  # dP − D, dP = dO Vᵀ
             ds.mul_(p)  # dS = P ∘ (dP − D)
-            dqi.baddbmm_(ds, k3[:, j0:j1])  # dQ += dS K  (·scale below)
+            dqi.baddbmm_(ds, kj)  # dQ += dS K  (·scale below)
             dk3[:, j0:j1].baddbmm_(ds.mT, qi)  # dK += dSᵀ Q·scale (summed over the group rows)
         dq5[:, :, :, i0:i1] = dqi.mul_(scale).view(b, h_kv, g, i1 - i0, d)
     dk = dk3.view(b, h_kv, t_k, d).to(k.dtype)
