@@ -1,8 +1,8 @@
 """decoderlm: decoder-only Transformer language models, from the attention formula to a working LM."""
 
+from decoderlm import generate  # a callable module: decoderlm.generate(model, prompt, ...)
 from decoderlm.config import PRESETS, ModelConfig
 from decoderlm.errors import ConfigError, DecoderLMError
-from decoderlm.generate import generate
 from decoderlm.loading import load
 from decoderlm.model import DecoderLM, next_token_loss
 
