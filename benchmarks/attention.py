@@ -2,8 +2,8 @@
 
     python benchmarks/attention.py [--quick] [--out PNG] [--json PATH]
 
-Backends, all called through `decoderlm.attention.attend` as the model calls them: `math` (our explicit
-softmax(QKᵀ/√d + M)V, which materialises the (T, T) weights), `sdpa` (torch's fused
+Backends, all called through `decoderlm.attention.attend` as the model calls them: `math` (our
+explicit softmax(QKᵀ/√d + M)V, which materialises the (T, T) weights), `sdpa` (torch's fused
 `scaled_dot_product_attention`) and `flash` (our FlashAttention-2 in PyTorch, `decoderlm.flash`).
 Shapes: batch 1, 8 query heads sharing 2 K/V heads (GQA), head_dim 64, causal, T ∈ {512, …, 8192},
 float32 and bfloat16. `math` is skipped where its (T, T) tensors would exceed --math-limit-gib.
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
 import time
 from collections.abc import Callable
@@ -195,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 1 if args.quick else args.repeats
 
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
-        f"load average {os.getloadavg()[0]:.1f} (the CPU may be shared: times are best of {repeats})"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads on {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f} (the CPU may be shared; times: best of {repeats})"
     )
     rows = run(seq_lens, args.dtypes, repeats, args.math_limit_gib)
     print(f"load average at the end {os.getloadavg()[0]:.1f}\n")

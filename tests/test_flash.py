@@ -1,15 +1,15 @@
 """Our FlashAttention-2 (`decoderlm.flash`) against the float64 formula, forward and backward.
 
-Every case compares out, dq, dk, dv with `scaled_dot_product_attention` + `build_mask` run on float64
-copies of the same inputs, so only the kernel's own rounding is measured.
-Tolerances. fp32: measured errors are ≤ 4e-6 (T = 1000 sums a thousand fp32 products per entry, each
-off by ~1e-7); atol 2e-5 / rtol 1e-4 leaves 5× headroom and still catches any wrong tile, mask or
-rescaling (those give errors ~1e-2 and up). bf16: the tile math is fp32 and only the result is rounded,
-so `out` must be within one bf16 ulp (rtol 2⁻⁸; rounding alone is ≤ 2⁻⁹). The gradients cannot be held
-to that: like FlashAttention-2 we form D = rowsum(dO ∘ O) from the saved bf16 O, and dP − D cancels,
-so they follow the FlashAttention repository's rule instead: max error at most 2× that of torch's own
-SDPA run in bf16 on the same inputs (measured: ours is 0.3–1× torch's, i.e. 5e-4 to 1.5e-2), plus a
-1e-5 floor for cases where both are exact (T = 1).
+Every case compares out, dq, dk, dv with `scaled_dot_product_attention` + `build_mask` run on
+float64 copies of the same inputs, so only the kernel's own rounding is measured.
+Tolerances. fp32: measured errors are ≤ 4e-6 (T = 1000 sums a thousand fp32 products per entry,
+each off by ~1e-7); atol 2e-5 / rtol 1e-4 leaves 5× headroom and still catches any wrong tile,
+mask or rescaling (those give errors ~1e-2 and up). bf16: the tile math is fp32 and only the result
+is rounded, so `out` must be within one bf16 ulp (rtol 2⁻⁸; rounding alone is ≤ 2⁻⁹). The
+gradients cannot be held to that: like FlashAttention-2 we form D = rowsum(dO ∘ O) from the saved
+bf16 O, and dP − D cancels, so they follow the FlashAttention repository's rule instead: max error
+at most 2× that of torch's own SDPA run in bf16 on the same inputs (measured: ours is 0.3–1×
+torch's, i.e. 5e-4 to 1.5e-2), plus a 1e-5 floor for cases where both are exact (T = 1).
 """
 
 from __future__ import annotations
