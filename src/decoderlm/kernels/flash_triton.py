@@ -9,13 +9,13 @@ query row; the backward recomputes P = exp(S − L) tile by tile:
     dV = Pᵀ dO,  dP = dO Vᵀ,  dS = P ∘ (dP − D) with D = rowsum(dO ∘ O),  dQ = scale · dS K,
     dK = scale · dSᵀ Q
 
-The softmax runs in base 2 (exp2 is one instruction): S₂ = S · log₂e, L₂ = m₂ + log₂ ℓ. Each kernel
-walks its tiles in two stages, as in Triton's fused-attention tutorial: tiles that every row of the
-program sees in full (no mask), then the tiles on the causal diagonal or the sequence tail (masked);
-causal tiles above the diagonal are never visited. Query head h reads K/V head h // (Hq / Hkv), and the
-dK/dV program of a K/V head loops over its group of query heads, so K/V are never repeated in memory.
-Plain pointer arithmetic (no block pointers) keeps the same code running compiled on a GPU and under
-`TRITON_INTERPRET=1` on a CPU, where the tests run it.
+The softmax runs in base 2 (exp2 is one instruction): S₂ = S · log₂e, L₂ = m₂ + log₂ ℓ. The forward
+and dQ kernels walk their key tiles in two stages, as in Triton's fused-attention tutorial: tiles that
+every query row of the program sees in full (no mask), then those on the causal diagonal or the
+sequence tail (masked); the dK/dV kernel masks every tile. Causal tiles above the diagonal are never
+visited. Query head h reads K/V head h // (Hq / Hkv), and the dK/dV program of a K/V head loops over
+its group of query heads, so K/V are never repeated in memory. Plain pointer arithmetic (no block
+pointers) keeps the same code running compiled on a GPU and under `TRITON_INTERPRET=1` on a CPU.
 """
 
 from __future__ import annotations
@@ -33,15 +33,17 @@ LOG2E = 1.4426950408889634  # exp(x) = exp2(x · log₂e)
 
 
 @triton.jit
-def _load_rows(ptrs, rows, n_rows, EVEN: tl.constexpr):
-    """Load a (BLOCK, HEAD_DIM) tile; rows ≥ n_rows read as 0 (no mask when the length tiles evenly)."""
-    return tl.load(ptrs) if EVEN else tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+def _load_rows(base, rows, n_rows, stride, HEAD_DIM: tl.constexpr):
+    """(BLOCK, HEAD_DIM) tile of rows `rows`. Rows ≥ n_rows re-read row n_rows − 1, so no load needs
+    a mask: each kernel masks the scores of such rows and keys, or never stores them."""
+    safe_rows = tl.minimum(rows, n_rows - 1)
+    return tl.load(base + safe_rows[:, None] * stride + tl.arange(0, HEAD_DIM)[None, :])
 
 
 @triton.jit
-def _load_row_stats(ptrs, rows, n_rows, EVEN: tl.constexpr):
-    """Load a (BLOCK,) vector of per-row fp32 statistics (L₂ or D); rows ≥ n_rows read as 0."""
-    return tl.load(ptrs) if EVEN else tl.load(ptrs, mask=rows < n_rows, other=0.0)
+def _load_row_stats(base, rows, n_rows):
+    """(BLOCK,) per-row fp32 statistics (L₂ or D), rows clamped as in _load_rows."""
+    return tl.load(base + tl.minimum(rows, n_rows - 1))
 
 
 @triton.jit
@@ -60,26 +62,46 @@ def _key_ok(pad_ptr, cols, t_k):
     return tl.load(pad_ptr + cols, mask=cols < t_k, other=0) != 0
 
 
+@triton.jit
+def _store_rows(base, tile, rows, n_rows, stride, HEAD_DIM: tl.constexpr):
+    """Store the rows < n_rows of a (BLOCK, HEAD_DIM) fp32 tile, cast to the destination dtype."""
+    ptrs = base + rows[:, None] * stride + tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(ptrs, tile.to(base.dtype.element_ty), mask=rows[:, None] < n_rows)
+
+
+@triton.jit
+def _query_tile_key_ranges(start_m, t_q, t_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           CAUSAL: tl.constexpr):  # fmt: skip
+    """For query rows [start_m, start_m + BLOCK_M): keys [0, full) are visible to every row (no
+    mask needed), keys [full, hi) to some (masked: causal diagonal, key tail), keys ≥ hi to none."""
+    if CAUSAL:
+        shift = t_k - t_q
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + shift, 0), t_k)
+        full = tl.minimum(tl.maximum(start_m + 1 + shift, 0), t_k) // BLOCK_N * BLOCK_N
+    else:
+        hi = t_k
+        full = t_k // BLOCK_N * BLOCK_N
+    return full, hi
+
+
 # ----------------------------------------------------------------------------------------- forward
 
 
 @triton.jit
 def _fwd_tiles(
     acc, l_i, m_i, q, rows, k_base, v_base, pad_ptr, stride_kt, stride_vt, start, end,
-    t_q, t_k, shift, qk_scale,
+    t_q, t_k, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_PAD: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over key tiles [start, end): fold each tile's scores into (acc, ℓ, m)."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    """Online softmax over key tiles [start, end): fold each tile's scores into (Õ, ℓ, m)."""
     for start_n in range(start, end, BLOCK_N):
-        cols = start_n + offs_n
-        k = _load_rows(k_base + cols[:, None] * stride_kt + offs_d[None, :], cols, t_k, EVEN_N)
-        v = _load_rows(v_base + cols[:, None] * stride_vt + offs_d[None, :], cols, t_k, EVEN_N)
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k = _load_rows(k_base, cols, t_k, stride_kt, HEAD_DIM)  # (BLOCK_N, HEAD_DIM)
+        v = _load_rows(v_base, cols, t_k, stride_vt, HEAD_DIM)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # S₂: (BLOCK_M, BLOCK_N)
         if MASKED:
-            visible = _visible(rows[:, None], cols[None, :], t_q, t_k, shift, CAUSAL)
+            visible = _visible(rows[:, None], cols[None, :], t_q, t_k, t_k - t_q, CAUSAL)
             s = tl.where(visible, s, -float("inf"))
         if HAS_PAD:
             s = tl.where(_key_ok(pad_ptr, cols, t_k)[None, :], s, -float("inf"))
@@ -101,51 +123,35 @@ def _attn_fwd(
     stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot, stride_pad,
     n_heads, group, t_q, t_k,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_PAD: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_M query rows of one (batch, head) → O rows and L₂ = m + log₂ ℓ."""
     start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b, h = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
+    h, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    bh = b * n_heads + h  # row of the (B·Hq, Tq) statistics L₂ and D
     h_kv = h // group  # GQA: the K/V head this query head reads
-    shift = t_k - t_q  # bottom-right causal alignment: query i sees keys j ≤ i + shift
     rows = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = _load_rows(
-        Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
-        rows, t_q, EVEN_M,
-    )  # fmt: skip  # (BLOCK_M, HEAD_DIM)
+    q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, t_q, stride_qt, HEAD_DIM)
     k_base, v_base = K + b * stride_kb + h_kv * stride_kh, V + b * stride_vb + h_kv * stride_vh
     pad_ptr = PAD + b * stride_pad if HAS_PAD else PAD
-    if CAUSAL:  # keys [0, full) are seen by every row of the tile; [full, hi) by some
-        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + shift, 0), t_k)
-        full = tl.minimum(tl.maximum(start_m + 1 + shift, 0), t_k) // BLOCK_N * BLOCK_N
-    else:
-        hi = t_k
-        full = t_k // BLOCK_N * BLOCK_N
+    full, hi = _query_tile_key_ranges(start_m, t_q, t_k, BLOCK_M, BLOCK_N, CAUSAL)
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)  # running row max m (base 2)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running normaliser ℓ
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)  # unnormalised output Õ
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, rows, k_base, v_base, pad_ptr, stride_kt, stride_vt, 0, full,
-        t_q, t_k, shift, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, HAS_PAD, EVEN_N, PRECISION,
+        t_q, t_k, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, HAS_PAD, PRECISION,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, rows, k_base, v_base, pad_ptr, stride_kt, stride_vt, full, hi,
-        t_q, t_k, shift, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_PAD, EVEN_N, PRECISION,
+        t_q, t_k, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_PAD, PRECISION,
     )  # fmt: skip
     seen = l_i > 0  # rows with no visible key get O = 0 and L₂ = +∞ (so the backward's P = 0)
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]  # O = Õ / ℓ
     lse = tl.where(seen, m_i + tl.math.log2(l_safe), float("inf"))  # L₂ = m + log₂ ℓ
-    o_ptrs = OUT + b * stride_ob + h * stride_oh + rows[:, None] * stride_ot + offs_d[None, :]
-    lse_ptrs = LSE + bh.to(tl.int64) * t_q + rows
-    if EVEN_M:
-        tl.store(o_ptrs, out.to(OUT.dtype.element_ty))
-        tl.store(lse_ptrs, lse)
-    else:
-        tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=rows[:, None] < t_q)
-        tl.store(lse_ptrs, lse, mask=rows < t_q)
+    _store_rows(OUT + b * stride_ob + h * stride_oh, out, rows, t_q, stride_ot, HEAD_DIM)
+    tl.store(LSE + bh * t_q + rows, lse, mask=rows < t_q)
 
 
 # ---------------------------------------------------------------------------------------- backward
@@ -154,53 +160,44 @@ def _attn_fwd(
 @triton.jit
 def _attn_bwd_delta(
     OUT, DO, DELTA, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh, stride_dot,
-    n_heads, t_q,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr,
+    n_heads, t_q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     """Preprocess: D = rowsum(dO ∘ O) in fp32, one (B, H, Tq) entry per query row."""
     start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b, h = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
+    h, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    bh = b * n_heads + h  # row of the (B·Hq, Tq) statistics L₂ and D
     rows = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    o = _load_rows(
-        OUT + b * stride_ob + h * stride_oh + rows[:, None] * stride_ot + offs_d[None, :],
-        rows, t_q, EVEN_M,
-    )  # fmt: skip
-    do = _load_rows(
-        DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dot + offs_d[None, :],
-        rows, t_q, EVEN_M,
-    )  # fmt: skip
+    o = _load_rows(OUT + b * stride_ob + h * stride_oh, rows, t_q, stride_ot, HEAD_DIM)
+    do = _load_rows(DO + b * stride_dob + h * stride_doh, rows, t_q, stride_dot, HEAD_DIM)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # D = rowsum(dO ∘ O)
-    tl.store(DELTA + bh.to(tl.int64) * t_q + rows, delta, mask=rows < t_q)
+    tl.store(DELTA + bh * t_q + rows, delta, mask=rows < t_q)
 
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, k, v, cols, key_ok, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-    start, end, t_q, t_k, shift, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_PAD: tl.constexpr, EVEN_M: tl.constexpr, PRECISION: tl.constexpr,
+    dk, dv, k, v, cols, key_ok, q_base, do_base, lse_base, delta_base,
+    stride_qh, stride_qt, stride_doh, stride_dot, group, start, end, t_q, t_k, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Accumulate one query head's query tiles [start, end) into this key tile's dK, dV.
-
-    Works on transposed tiles (keys × queries) so dK, dV need no transpose. Query rows past Tq read
-    q = dO = L₂ = D = 0, so their P = 1 is finite and their dV, dS terms are 0: unmasked tiles may
-    include the query tail."""
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    for start_m in range(start, end, BLOCK_M):
-        rows = start_m + offs_m
-        q = _load_rows(q_base + rows[:, None] * stride_qt + offs_d[None, :], rows, t_q, EVEN_M)
-        do = _load_rows(do_base + rows[:, None] * stride_dot + offs_d[None, :], rows, t_q, EVEN_M)
-        lse = _load_row_stats(lse_base + rows, rows, t_q, EVEN_M)  # L₂: (BLOCK_M,)
-        delta = _load_row_stats(delta_base + rows, rows, t_q, EVEN_M)  # D: (BLOCK_M,)
+    """Accumulate query tiles [start, end) of every query head of the group into this key tile's
+    dK, dV: one flat loop over (head, tile) pairs, which needs fewer registers than nested loops.
+    Works on transposed tiles (keys × queries) so that dK, dV need no transpose. Every tile is
+    masked, as in Dao's Triton backward: a split into masked and unmasked loops, as the forward
+    does, spills registers here (dK, dV accumulators and K, V tiles already fill them)."""
+    n_tiles = tl.cdiv(end - start, BLOCK_M)
+    for it in range(0, group * n_tiles):
+        g = (it // n_tiles).to(tl.int64)  # query head h0 + g of the group
+        rows = start + (it % n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+        q = _load_rows(q_base + g * stride_qh, rows, t_q, stride_qt, HEAD_DIM)  # (BLOCK_M, D)
+        do = _load_rows(do_base + g * stride_doh, rows, t_q, stride_dot, HEAD_DIM)
+        lse = _load_row_stats(lse_base + g * t_q, rows, t_q)  # L₂: (BLOCK_M,)
+        delta = _load_row_stats(delta_base + g * t_q, rows, t_q)  # D: (BLOCK_M,)
         # S₂ᵀ: (BLOCK_N, BLOCK_M)
         s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
         p_t = tl.math.exp2(s_t - lse[None, :])  # Pᵀ = exp2(S₂ − L₂)ᵀ
-        if MASKED:
-            visible_t = _visible(rows[None, :], cols[:, None], t_q, t_k, shift, CAUSAL)
-            p_t = tl.where(visible_t, p_t, 0.0)
+        visible_t = _visible(rows[None, :], cols[:, None], t_q, t_k, t_k - t_q, CAUSAL)
+        p_t = tl.where(visible_t, p_t, 0.0)
         if HAS_PAD:
             p_t = tl.where(key_ok[:, None], p_t, 0.0)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)  # dV += Pᵀ dO
@@ -218,78 +215,49 @@ def _attn_bwd_dkdv(
     stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
     n_heads, group, t_q, t_k,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_PAD: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_N keys of one (batch, K/V head) → dK, dV summed over its query-head group."""
     start_n = tl.program_id(0) * BLOCK_N
-    bh_kv = tl.program_id(1)
-    n_kv_heads = n_heads // group
-    b, h_kv = (bh_kv // n_kv_heads).to(tl.int64), (bh_kv % n_kv_heads).to(tl.int64)
-    shift = t_k - t_q
+    h_kv, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     cols = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    k = _load_rows(
-        K + b * stride_kb + h_kv * stride_kh + cols[:, None] * stride_kt + offs_d[None, :],
-        cols, t_k, EVEN_N,
-    )  # fmt: skip  # (BLOCK_N, HEAD_DIM)
-    v = _load_rows(
-        V + b * stride_vb + h_kv * stride_vh + cols[:, None] * stride_vt + offs_d[None, :],
-        cols, t_k, EVEN_N,
-    )  # fmt: skip
+    k = _load_rows(K + b * stride_kb + h_kv * stride_kh, cols, t_k, stride_kt, HEAD_DIM)
+    v = _load_rows(V + b * stride_vb + h_kv * stride_vh, cols, t_k, stride_vt, HEAD_DIM)
     key_ok = _key_ok(PAD + b * stride_pad, cols, t_k) if HAS_PAD else cols < t_k
-    if CAUSAL:  # query rows [lo, mid) see part of this key tile, rows [mid, Tq) all of it
-        lo = tl.minimum(tl.maximum(start_n - shift, 0), t_q) // BLOCK_M * BLOCK_M
-        mid = tl.minimum(tl.maximum(start_n + BLOCK_N - 1 - shift, 0), t_q)
-        mid = tl.cdiv(mid, BLOCK_M) * BLOCK_M
-    else:
-        lo = 0
-        mid = 0
+    # Causal: query rows before lo see none of these keys (j ≤ i + Tk − Tq fails for all j ≥ start_n).
+    lo = tl.minimum(tl.maximum(start_n - (t_k - t_q), 0), t_q) // BLOCK_M * BLOCK_M if CAUSAL else 0
+    h0 = h_kv * group  # the group's query heads are h0 .. h0 + group − 1
+    q_base, do_base = Q + b * stride_qb + h0 * stride_qh, DO + b * stride_dob + h0 * stride_doh
+    lse_base, delta_base = LSE + (b * n_heads + h0) * t_q, DELTA + (b * n_heads + h0) * t_q
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    for g in range(group):  # the query heads sharing this K/V head
-        bh = b * n_heads + h_kv * group + g
-        q_base = Q + b * stride_qb + (h_kv * group + g) * stride_qh
-        do_base = DO + b * stride_dob + (h_kv * group + g) * stride_doh
-        lse_base, delta_base = LSE + bh * t_q, DELTA + bh * t_q
-        dk, dv = _dkdv_tiles(
-            dk, dv, k, v, cols, key_ok, q_base, do_base, lse_base, delta_base, stride_qt,
-            stride_dot, lo, mid, t_q, t_k, shift, qk_scale,
-            HEAD_DIM, BLOCK_M, True, CAUSAL, HAS_PAD, EVEN_M, PRECISION,
-        )  # fmt: skip
-        dk, dv = _dkdv_tiles(
-            dk, dv, k, v, cols, key_ok, q_base, do_base, lse_base, delta_base, stride_qt,
-            stride_dot, mid, t_q, t_q, t_k, shift, qk_scale,
-            HEAD_DIM, BLOCK_M, False, CAUSAL, HAS_PAD, EVEN_M, PRECISION,
-        )  # fmt: skip
-    dk_ptrs = DK + b * stride_dkb + h_kv * stride_dkh + cols[:, None] * stride_dkt + offs_d[None, :]
-    dv_ptrs = DV + b * stride_dvb + h_kv * stride_dvh + cols[:, None] * stride_dvt + offs_d[None, :]
+    dk, dv = _dkdv_tiles(
+        dk, dv, k, v, cols, key_ok, q_base, do_base, lse_base, delta_base,
+        stride_qh, stride_qt, stride_doh, stride_dot, group, lo, t_q, t_q, t_k, qk_scale,
+        HEAD_DIM, BLOCK_M, CAUSAL, HAS_PAD, PRECISION,
+    )  # fmt: skip
     dk = dk * scale  # dK = scale · dSᵀ Q
-    if EVEN_N:
-        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty))
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
-    else:
-        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=cols[:, None] < t_k)
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=cols[:, None] < t_k)
+    _store_rows(DK + b * stride_dkb + h_kv * stride_dkh, dk, cols, t_k, stride_dkt, HEAD_DIM)
+    _store_rows(DV + b * stride_dvb + h_kv * stride_dvh, dv, cols, t_k, stride_dvt, HEAD_DIM)
 
 
 @triton.jit
 def _dq_tiles(
     dq, q, do, lse, delta, rows, k_base, v_base, pad_ptr, stride_kt, stride_vt, start, end,
-    t_q, t_k, shift, qk_scale,
+    t_q, t_k, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_PAD: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Accumulate key tiles [start, end) into this query tile's dQ."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(start, end, BLOCK_N):
-        cols = start_n + offs_n
-        k = _load_rows(k_base + cols[:, None] * stride_kt + offs_d[None, :], cols, t_k, EVEN_N)
-        v = _load_rows(v_base + cols[:, None] * stride_vt + offs_d[None, :], cols, t_k, EVEN_N)
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k = _load_rows(k_base, cols, t_k, stride_kt, HEAD_DIM)  # (BLOCK_N, HEAD_DIM)
+        v = _load_rows(v_base, cols, t_k, stride_vt, HEAD_DIM)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # S₂: (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(s - lse[:, None])  # P = exp2(S₂ − L₂)
         if MASKED:
-            p = tl.where(_visible(rows[:, None], cols[None, :], t_q, t_k, shift, CAUSAL), p, 0.0)
+            visible = _visible(rows[:, None], cols[None, :], t_q, t_k, t_k - t_q, CAUSAL)
+            p = tl.where(visible, p, 0.0)
         if HAS_PAD:
             p = tl.where(_key_ok(pad_ptr, cols, t_k)[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # dP = dO Vᵀ
@@ -306,49 +274,32 @@ def _attn_bwd_dq(
     stride_dqb, stride_dqh, stride_dqt,
     n_heads, group, t_q, t_k,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_PAD: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_M query rows of one (batch, head) → dQ."""
     start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b, h = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
+    h, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    bh = b * n_heads + h  # row of the (B·Hq, Tq) statistics L₂ and D
     h_kv = h // group
-    shift = t_k - t_q
     rows = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = _load_rows(
-        Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
-        rows, t_q, EVEN_M,
-    )  # fmt: skip  # (BLOCK_M, HEAD_DIM)
-    do = _load_rows(
-        DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dot + offs_d[None, :],
-        rows, t_q, EVEN_M,
-    )  # fmt: skip
-    lse = _load_row_stats(LSE + bh.to(tl.int64) * t_q + rows, rows, t_q, EVEN_M)
-    delta = _load_row_stats(DELTA + bh.to(tl.int64) * t_q + rows, rows, t_q, EVEN_M)
+    q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, t_q, stride_qt, HEAD_DIM)
+    do = _load_rows(DO + b * stride_dob + h * stride_doh, rows, t_q, stride_dot, HEAD_DIM)
+    lse = _load_row_stats(LSE + bh * t_q, rows, t_q)  # L₂: (BLOCK_M,)
+    delta = _load_row_stats(DELTA + bh * t_q, rows, t_q)  # D: (BLOCK_M,)
     k_base, v_base = K + b * stride_kb + h_kv * stride_kh, V + b * stride_vb + h_kv * stride_vh
     pad_ptr = PAD + b * stride_pad if HAS_PAD else PAD
-    if CAUSAL:  # same tile split as the forward
-        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + shift, 0), t_k)
-        full = tl.minimum(tl.maximum(start_m + 1 + shift, 0), t_k) // BLOCK_N * BLOCK_N
-    else:
-        hi = t_k
-        full = t_k // BLOCK_N * BLOCK_N
+    full, hi = _query_tile_key_ranges(start_m, t_q, t_k, BLOCK_M, BLOCK_N, CAUSAL)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     dq = _dq_tiles(
         dq, q, do, lse, delta, rows, k_base, v_base, pad_ptr, stride_kt, stride_vt, 0, full,
-        t_q, t_k, shift, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, HAS_PAD, EVEN_N, PRECISION,
+        t_q, t_k, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, HAS_PAD, PRECISION,
     )  # fmt: skip
     dq = _dq_tiles(
         dq, q, do, lse, delta, rows, k_base, v_base, pad_ptr, stride_kt, stride_vt, full, hi,
-        t_q, t_k, shift, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_PAD, EVEN_N, PRECISION,
+        t_q, t_k, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_PAD, PRECISION,
     )  # fmt: skip
     dq = dq * scale  # dQ = scale · dS K
-    dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqt + offs_d[None, :]
-    if EVEN_M:
-        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty))
-    else:
-        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=rows[:, None] < t_q)
+    _store_rows(DQ + b * stride_dqb + h * stride_dqh, dq, rows, t_q, stride_dqt, HEAD_DIM)
 
 
 # ------------------------------------------------------------------------------------ host side
@@ -357,21 +308,33 @@ def _attn_bwd_dq(
 INTERPRETED = not isinstance(_attn_fwd, triton.runtime.JITFunction)
 
 
-def _tiles(kernel: str, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a kernel ("fwd", "dkdv", "dq").
+def _tiles(kernel: str, head_dim: int, dtype: torch.dtype, sm: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a kernel ("fwd", "dkdv", "dq") on compute
+    capability `sm` (major: 8 Ampere, 9 Hopper).
 
-    GPU defaults follow Triton's fused-attention tutorial (Ampere/Hopper, 16-bit inputs): a 128-row
-    query tile against 64-key tiles forward; for dK/dV a 128-key tile against 32-row query steps and
-    the mirror image for dQ. fp32 tiles take twice the bytes, so they are halved to stay within
-    shared memory (~164 KiB on A100). The interpreter gets small tiles, which exercises the
-    multi-tile, diagonal and tail paths on test-sized inputs.
+    Shapes follow Triton's fused-attention tutorial: a 128-row query tile against 64-key tiles
+    forward; for dK/dV a 128-key tile against 32-row query steps, and the mirror image for dQ. The
+    warps, stages and smaller tiles (fp32; Ampere at head_dim 128) were picked by compiling for
+    sm_80 and sm_90 without a GPU (`benchmarks/flash_gpu.py --compile-only`) to avoid register
+    spills; only dK/dV at head_dim 128 on sm_90 still spills ~90 bytes. Not yet timed on a GPU.
+    The interpreter gets small tiles, so test-sized inputs still cross several tiles, diagonals
+    and tails.
     """
     if INTERPRETED:
-        return {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}[kernel] + (1, 1)
-    block_m, block_n = {"fwd": (128, 64), "dkdv": (32, 128), "dq": (128, 32)}[kernel]
+        return {"fwd": (32, 16, 1, 1), "dkdv": (16, 32, 1, 1), "dq": (32, 16, 1, 1)}[kernel]
     if dtype == torch.float32:
-        block_m, block_n = block_m // 2, block_n // 2
-    return block_m, block_n, 4 if head_dim <= 64 else 8, 3 if dtype != torch.float32 else 2
+        return {"fwd": (64, 16, 8, 2), "dkdv": (16, 64, 8, 2), "dq": (32, 16, 4, 2)}[kernel]
+    ampere_d128 = head_dim > 64 and sm < 9
+    if kernel == "fwd":
+        return (128, 32 if ampere_d128 else 64, 8, 3)
+    if kernel == "dkdv":
+        return (32, 64, 4, 3) if ampere_d128 else (32, 128, 8, 3)
+    return (128, 32, 8, 3)
+
+
+def _sm(x: Tensor) -> int:
+    """Compute capability major of x's device (0 on a CPU, under the interpreter)."""
+    return torch.cuda.get_device_capability(x.device)[0] if x.is_cuda else 0
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -418,6 +381,12 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | No
             f"key_padding_mask must be bool of shape (B, Tk)=({b}, {t_k}); got "
             f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
         )
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if (x.shape[2] - 1) * x.stride(2) + d >= 2**31:
+            raise DecoderLMError(
+                f"{name} is too long for the kernels' 32-bit row offsets: T={x.shape[2]} with a "
+                f"row stride of {x.stride(2)} elements (need T × stride < 2³¹)"
+            )
     if not INTERPRETED and not (q.is_cuda and k.device == q.device and v.device == q.device):
         raise DecoderLMError(
             f"flash_attention_triton needs q, k, v on one CUDA device; got {q.device}, {k.device}, "
@@ -437,8 +406,8 @@ def _forward(
     t_k = k.shape[2]
     o = torch.empty_like(q)
     lse = torch.empty(b, n_heads, t_q, device=q.device, dtype=torch.float32)
-    block_m, block_n, num_warps, num_stages = _tiles("fwd", d, q.dtype)
-    grid = (triton.cdiv(t_q, block_m), b * n_heads)
+    block_m, block_n, num_warps, num_stages = _tiles("fwd", d, q.dtype, _sm(q))
+    grid = (triton.cdiv(t_q, block_m), n_heads, b)  # (query tile, head, batch)
     if o.numel():
         _attn_fwd[grid](
             q, k, v, o, lse, pad, scale * LOG2E,
@@ -446,7 +415,7 @@ def _forward(
             pad.stride(0) if pad is not None else 0,
             n_heads, n_heads // k.shape[1], t_q, t_k,
             HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, HAS_PAD=pad is not None,
-            EVEN_M=t_q % block_m == 0, EVEN_N=t_k % block_n == 0, PRECISION=_precision(q.dtype),
+            PRECISION=_precision(q.dtype),
             num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     return o, lse
@@ -463,10 +432,11 @@ def _backward(
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = torch.empty_like(lse)  # D = rowsum(dO ∘ O): (B, Hq, Tq) fp32
-    block_m, _, num_warps, _ = _tiles("dq", d, q.dtype)
-    _attn_bwd_delta[(triton.cdiv(t_q, block_m), b * n_heads)](
+    sm = _sm(q)
+    block_m, _, num_warps, _ = _tiles("dq", d, q.dtype, sm)
+    _attn_bwd_delta[(triton.cdiv(t_q, block_m), n_heads, b)](
         o, do, delta, *_bht_strides(o), *_bht_strides(do), n_heads, t_q,
-        HEAD_DIM=d, BLOCK_M=block_m, EVEN_M=t_q % block_m == 0, num_warps=num_warps,
+        HEAD_DIM=d, BLOCK_M=block_m, num_warps=num_warps,
     )  # fmt: skip
     common = dict(CAUSAL=causal, HAS_PAD=pad is not None, HEAD_DIM=d, PRECISION=_precision(q.dtype))
     strides = (
@@ -474,18 +444,16 @@ def _backward(
         pad.stride(0) if pad is not None else 0,
     )  # fmt: skip
     sizes = (n_heads, n_heads // n_kv_heads, t_q, t_k)
-    block_m, block_n, num_warps, num_stages = _tiles("dkdv", d, q.dtype)
-    _attn_bwd_dkdv[(triton.cdiv(t_k, block_n), b * n_kv_heads)](
+    block_m, block_n, num_warps, num_stages = _tiles("dkdv", d, q.dtype, sm)
+    _attn_bwd_dkdv[(triton.cdiv(t_k, block_n), n_kv_heads, b)](
         q, k, v, do, lse, delta, dk, dv, pad, scale * LOG2E, scale,
         *strides, *_bht_strides(dk), *_bht_strides(dv), *sizes,
-        BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=t_q % block_m == 0, EVEN_N=t_k % block_n == 0,
-        num_warps=num_warps, num_stages=num_stages, **common,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **common,
     )  # fmt: skip
-    block_m, block_n, num_warps, num_stages = _tiles("dq", d, q.dtype)
-    _attn_bwd_dq[(triton.cdiv(t_q, block_m), b * n_heads)](
+    block_m, block_n, num_warps, num_stages = _tiles("dq", d, q.dtype, sm)
+    _attn_bwd_dq[(triton.cdiv(t_q, block_m), n_heads, b)](
         q, k, v, do, lse, delta, dq, pad, scale * LOG2E, scale, *strides, *_bht_strides(dq), *sizes,
-        BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=t_q % block_m == 0, EVEN_N=t_k % block_n == 0,
-        num_warps=num_warps, num_stages=num_stages, **common,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **common,
     )  # fmt: skip
     return dq, dk, dv
 
