@@ -386,6 +386,8 @@ class StopMatcher:
 
     def feed(self, piece: str) -> str:
         """The text that is safe to emit now; sets `stopped` once a stop string is complete."""
+        if self.stopped:
+            return ""
         text = self.pending + piece
         hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if hits:
