@@ -86,6 +86,7 @@ class TrainConfig:
     device: str = "auto"  # auto (CUDA if available), cpu, cuda, cuda:N
     dtype: str = "auto"  # autocast dtype: auto (bf16 where native), fp32, bf16, fp16 (CUDA only)
     compile: bool = False  # torch.compile the training forward pass
+    threads: int = 0  # CPU threads (torch.set_num_threads); 0 = torch's default, one per core
     strategy: str = "none"  # data parallelism under torchrun: none, ddp, fsdp
     without_replacement: bool = False  # each epoch visits every non-overlapping window once
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = measure a matmul at the start
@@ -107,9 +108,12 @@ class TrainConfig:
         positive = ("batch_size", "grad_accum", "eval_iters", "keep_last", "log_interval")
         for name in positive:
             _require(getattr(self, name) >= 1, name, getattr(self, name), "must be ≥ 1")
-        non_negative = ("warmup_steps", "max_steps", "max_time", "decay_steps", "eval_interval")
-        more = ("checkpoint_interval", "sample_tokens", "weight_decay", "grad_clip", "top_k")
-        for name in (*non_negative, *more):
+        non_negative = (
+            *("warmup_steps", "max_steps", "max_time", "decay_steps", "eval_interval"),
+            *("checkpoint_interval", "sample_tokens", "weight_decay", "grad_clip", "top_k"),
+            "threads",
+        )
+        for name in non_negative:
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be ≥ 0")
         _require(self.lr > 0, "lr", self.lr, "must be > 0")
         _require(
@@ -415,6 +419,8 @@ class Trainer:
                 )
             data_dir = data_dir or saved["data_dir"]
         self.cfg = cfg = train_config or TrainConfig()
+        if cfg.threads:  # fewer threads than cores can win on a shared, oversubscribed CPU
+            torch.set_num_threads(cfg.threads)
         self.info = distributed.init_distributed(cfg.device)
         self.device = self.info.device
         self.is_main = self.info.is_main
