@@ -6,7 +6,7 @@ Reads both layouts of `transformers`: v4 (`rope_theta`, `rope_scaling`, `torch_d
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
@@ -166,7 +166,7 @@ def hf_model_type(config: ModelConfig) -> str:
         reasons = [
             (c.norm == "layernorm", f"norm={c.norm!r} (GPT-2 uses layernorm)"),
             (c.mlp in ("gelu", "gelu_tanh"), f"mlp={c.mlp!r} (GPT-2 uses gelu/gelu_tanh)"),
-            (c.bias and c.qkv_bias, "bias=False (GPT-2 has biases everywhere)"),
+            (c.bias and c.qkv_bias, "linear layers without bias (GPT-2 has biases everywhere)"),
             (c.n_kv_heads == c.n_heads, f"n_kv_heads={c.n_kv_heads} (GPT-2 is MHA only)"),
             (c.head_dim * c.n_heads == c.d_model, f"head_dim={c.head_dim} ≠ d_model/n_heads"),
             (not c.qk_norm, "qk_norm=True (GPT-2 has no q/k norm)"),
@@ -195,7 +195,7 @@ def hf_model_type(config: ModelConfig) -> str:
     return family
 
 
-def _no_equivalent(reason: str) -> None:
+def _no_equivalent(reason: str) -> NoReturn:
     raise DecoderLMError(f"cannot export to Hugging Face: no HF model family has {reason}")
 
 
