@@ -68,15 +68,28 @@ def check(b: int, h: int, h_kv: int, t: int, d: int, dtype: torch.dtype) -> bool
     return ok
 
 
+def _tflops(fn, q, k, v, do, flops: float) -> float:
+    """Median TFLOP/s of fn(q, k, v), or of forward + backward when the output gradient do is given."""
+    import triton.testing
+
+    def step() -> None:
+        out = fn(q, k, v)
+        if do is not None:
+            out.backward(do)
+
+    ms = triton.testing.do_bench(step, grad_to_none=[q, k, v], return_mode="median")
+    return flops * (1 if do is None else 3.5) / ms * 1e-9
+
+
 def bench(args: argparse.Namespace) -> int:
     """Correctness first (MHA at T=1024, GQA with ragged T=1000), then the TFLOP/s table."""
-    import triton.testing
+    import triton
 
     from decoderlm.kernels.flash_triton import flash_attention_triton
 
     dtype, h, d = getattr(torch, args.dtype), args.heads, args.head_dim
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    if not (check(2, h, h, 1024, d, dtype) and check(2, h, h // 4, 1000, d, dtype)):
+    if not (check(2, h, h, 1024, d, dtype) and check(2, h, max(1, h // 4), 1000, d, dtype)):
         print("flash_gpu.py: correctness check failed; not timing", file=sys.stderr)
         return 1
     print(
@@ -88,15 +101,11 @@ def bench(args: argparse.Namespace) -> int:
         q, k, v, do = (torch.randn(b, h, t, d, device="cuda", dtype=dtype) for _ in range(4))
         q, k, v = (x.requires_grad_() for x in (q, k, v))
         flops = _flops(b, h, t, d, causal=True)
-        row = []
-        for fn in (flash_attention_triton, _sdpa_flash):
-            ms = triton.testing.do_bench(lambda fn=fn: fn(q, k, v), return_mode="median")
-            row.append(flops / ms * 1e-9)
-        for fn in (flash_attention_triton, _sdpa_flash):
-            ms = triton.testing.do_bench(
-                lambda fn=fn: fn(q, k, v).backward(do), grad_to_none=[q, k, v], return_mode="median"
-            )
-            row.append(3.5 * flops / ms * 1e-9)
+        row = [
+            _tflops(fn, q, k, v, grad_out, flops)
+            for grad_out in (None, do)
+            for fn in (flash_attention_triton, _sdpa_flash)
+        ]
         print(f"{t:>6} {b:>3} | {row[0]:>9.1f} {row[1]:>9.1f} | {row[2]:>9.1f} {row[3]:>9.1f}")
     return 0
 

@@ -316,7 +316,7 @@ def _tiles(kernel: str, head_dim: int, dtype: torch.dtype, sm: int) -> tuple[int
     forward; for dK/dV a 128-key tile against 32-row query steps, and the mirror image for dQ. The
     warps, stages and smaller tiles (fp32; Ampere at head_dim 128) were picked by compiling for
     sm_80 and sm_90 without a GPU (`benchmarks/flash_gpu.py --compile-only`) to avoid register
-    spills; only dK/dV at head_dim 128 on sm_90 still spills ~90 bytes. Not yet timed on a GPU.
+    spills; only dK/dV at head_dim 128 on sm_90 still spills (~130 bytes). Not yet timed on a GPU.
     The interpreter gets small tiles, so test-sized inputs still cross several tiles, diagonals
     and tails.
     """
