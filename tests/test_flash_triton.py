@@ -9,7 +9,7 @@ Each case compares out, dq, dk, dv with `scaled_dot_product_attention` + `build_
 Tolerance, the FlashAttention repository's rule: our max error may be at most twice that of PyTorch's
 own attention computed in the kernel's input dtype, plus a floor for cases where PyTorch happens to be
 exact (T = 1: dq is exactly 0 there, ours is the difference of two fp32 dot products, ~1e-6). Measured
-on the interpreter: fp32 errors ~1e-6 (floor 1e-5, tens of fp32 ulps at magnitude 1); fp16 errors ~1e-3,
+on the interpreter: fp32 errors ~1e-6 (floor 1e-5, ~80 fp32 ulps at magnitude 1); fp16 errors ~1e-3,
 like PyTorch's fp16 (floor 1e-4, a tenth of an fp16 ulp at 1). bfloat16 is not covered: the
 interpreter's tl.dot multiplies bfloat16 bit patterns as integers.
 """
