@@ -42,7 +42,7 @@ SEQ_LENS = (512, 1024, 2048, 4096, 8192)
 QUICK_SEQ_LENS = (256, 512)
 BACKENDS = ("math", "sdpa", "flash")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-MATH_TT_COPIES = 4  # the math path holds ~3.2 fp32 (B, H, T, T) tensors at its peak (measured)
+MATH_TT_COPIES = 6  # the math path peaks at ~5.3 fp32 (B, H, T, T) tensors (measured, T = 4096)
 DEFAULT_OUT = Path(__file__).resolve().parent / "out" / "attention.png"
 MiB = 2**20
 
@@ -57,7 +57,9 @@ def make_inputs(t: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor
     return q, k, v, d_out
 
 
-def make_step(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_out: torch.Tensor):
+def make_step(
+    backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_out: torch.Tensor
+) -> Callable[[], None]:
     """One forward+backward step; gradients are reset first so every step allocates them anew."""
 
     def step() -> None:
@@ -88,9 +90,12 @@ def peak_extra_bytes(step: Callable[[], None]) -> int:
         with open(trace_path) as f:
             events = json.load(f)["traceEvents"]
     memory = sorted(
-        (e["ts"], e["args"]["Bytes"], e["args"]["Addr"])
-        for e in events
-        if e.get("name") == "[memory]"
+        (
+            (e["ts"], e["args"]["Bytes"], e["args"]["Addr"])
+            for e in events
+            if e.get("name") == "[memory]"
+        ),
+        key=lambda e: e[0],
     )
     live = peak = 0
     born: set[int] = set()  # addresses allocated during this step and not yet freed
@@ -110,7 +115,10 @@ def math_fits(t: int, limit_gib: float) -> bool:
     return MATH_TT_COPIES * BATCH * Q_HEADS * t * t * 4 <= limit_gib * 2**30
 
 
-def run(seq_lens: tuple[int, ...], dtypes: list[str], repeats: int, math_limit_gib: float):
+def run(
+    seq_lens: tuple[int, ...], dtypes: list[str], repeats: int, math_limit_gib: float
+) -> list[dict]:
+    """Measure every (dtype, T, backend); print each row as it is measured."""
     rows = []
     for dtype_name in dtypes:
         for t in seq_lens:
@@ -186,12 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-lens", type=int, nargs="+", help=f"default {SEQ_LENS}")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     parser.add_argument("--repeats", type=int, default=3, help="timed steps; the best is kept")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--math-limit-gib", type=float, default=4.0, help="skip math above this")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="PNG plot path")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     seq_lens = tuple(args.seq_lens or (QUICK_SEQ_LENS if args.quick else SEQ_LENS))
     repeats = 1 if args.quick else args.repeats
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads on {os.cpu_count()} CPUs, "

@@ -182,7 +182,9 @@ def test_no_tq_by_tk_tensor_is_saved_for_backward():
     )
 
 
-def test_causal_skips_key_tiles_above_the_diagonal():
+def test_causal_skips_key_tiles_above_the_diagonal(monkeypatch):
+    monkeypatch.setattr(flash, "BLOCK_Q", 128)
+    monkeypatch.setattr(flash, "BLOCK_K", 512)
     q, k, v, _ = _inputs(1, 4, 2, 1024, 1024, 16)
 
     def forward_flops(causal):
