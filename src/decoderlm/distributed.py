@@ -37,8 +37,10 @@ resumes on 1 and vice versa.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
+import gc
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -130,6 +132,10 @@ def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S)
             f"WORLD_SIZE={world_size} but MASTER_ADDR/MASTER_PORT are not set: launch with torchrun"
         )
     backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
+    # FSDP2's modules hold the process group in reference cycles. Left to the interpreter's
+    # teardown they are freed after the C++ runtime has started to go, and the process aborts
+    # ("terminate called without an active exception", 1 run in ~5 here): collect them first.
+    atexit.register(gc.collect)
     dist.init_process_group(
         backend=backend,
         timeout=datetime.timedelta(seconds=timeout_s),
