@@ -21,7 +21,8 @@ from decoderlm.train import TrainConfig
 TINY = [
     *("--context-length", "32", "--d-model", "32", "--n-layers", "1", "--n-heads", "4"),
     *("--n-kv-heads", "2", "--batch-size", "4", "--max-time", "0", "--eval-iters", "1"),
-    *("--sample-tokens", "4", "--dtype", "fp32", "--peak-flops", "1e12", "--quiet"),
+    *("--sample-tokens", "4", "--dtype", "fp32", "--peak-flops", "1e12", "--threads", "1"),
+    "--quiet",
 ]
 
 

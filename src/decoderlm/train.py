@@ -14,8 +14,8 @@ autocast on CPUs with native bf16 (avx512_bf16/AMX) and on CUDA; fp16 only on CU
 GradScaler; never fp16 on the CPU (no fast kernels: ~700× slower than bf16 here).
 
 Exact resume: a checkpoint holds the weights, the optimizer moments, the step, the data sampler's
-position, the RNG states and the elapsed time, so on the CPU in float32 a run stopped at step s and
-resumed computes bit for bit the same losses as one that never stopped.
+position, the RNG states, the elapsed time and the CPU thread count, so on the CPU in float32 a run
+stopped at step s and resumed computes bit for bit the same losses as one that never stopped.
 
 The loop goes through `decoderlm.distributed` (init → wrap → grad_sync → full_state_dicts), which
 is a no-op for one process, so the single-process and the torchrun paths are the same code.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import random
 import shutil
 import signal
@@ -53,9 +54,12 @@ from decoderlm.tokenizer import Tokenizer
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_PRESET = "llama-tiny"  # the main job's model: RoPE, GQA, RMSNorm, SwiGLU (`ModelConfig`)
-MAIN_JOB_PROMPT = "def "  # what the main job's samples continue (its corpus is Python source)
+# What the main job's samples continue (its corpus is Python source). No trailing space: byte-level
+# BPE joins a space to the word after it (" foo"), so "def " would make the model start a new word.
+MAIN_JOB_PROMPT = "def"
 RUNS_DIR = Path("runs")  # where runs go without --out: runs/<date-time>
 FINAL_SAMPLES = 3
+TORCH_DEFAULT_THREADS = torch.get_num_threads()  # one per core this process may use (at import)
 
 
 @dataclass
@@ -79,14 +83,14 @@ class TrainConfig:
     keep_last: int = 2  # checkpoints kept besides the best one
     log_interval: int = 10  # steps between metrics.jsonl lines and progress-bar updates
     sample_tokens: int = 64  # tokens generated for the sample shown at each evaluation
-    sample_prompt: str = ""  # "" = from end-of-text (the main job: "def ")
+    sample_prompt: str = ""  # "" = from end-of-text (the main job: "def")
     temperature: float = 0.8  # sampling temperature of the samples
     top_k: int = 50  # sample among the k most likely tokens; 0 = all
     seed: int = 1337  # model init, data order and sampling all follow from it
     device: str = "auto"  # auto (CUDA if available), cpu, cuda, cuda:N
     dtype: str = "auto"  # autocast dtype: auto (bf16 where native), fp32, bf16, fp16 (CUDA only)
     compile: bool = False  # torch.compile the training forward pass
-    threads: int = 0  # CPU threads (torch.set_num_threads); 0 = torch's default, one per core
+    threads: int = 0  # CPU threads for torch; 0 = auto: the cores not already busy (`cpu_threads`)
     strategy: str = "none"  # data parallelism under torchrun: none, ddp, fsdp
     without_replacement: bool = False  # each epoch visits every non-overlapping window once
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = measure a matmul at the start
@@ -328,6 +332,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def cpu_threads() -> int:
+    """Threads for torch's CPU kernels: one per core that other processes are not already using.
+
+    torch's OpenMP threads spin-wait for each other at every parallel region; on an oversubscribed
+    CPU a thread is often descheduled while its partner spins, and 2 threads on 2 busy cores ran
+    ~5× slower than 1 here. So: cores minus the 1-minute load average, at least 1.
+    """
+    cores = TORCH_DEFAULT_THREADS
+    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return max(1, min(cores, round(cores - busy)))
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -419,10 +435,10 @@ class Trainer:
                 )
             data_dir = data_dir or saved["data_dir"]
         self.cfg = cfg = train_config or TrainConfig()
-        if cfg.threads:  # fewer threads than cores can win on a shared, oversubscribed CPU
-            torch.set_num_threads(cfg.threads)
         self.info = distributed.init_distributed(cfg.device)
         self.device = self.info.device
+        if self.device.type == "cpu":
+            torch.set_num_threads(cfg.threads or cpu_threads())
         self.is_main = self.info.is_main
         self.progress = progress and self.is_main
         self.dtype = resolve_dtype(cfg.dtype, self.device)
@@ -583,6 +599,8 @@ class Trainer:
         self.best_val_loss = state["best_val_loss"]
         self.last_checkpoint = ckpt
         set_rng_state(state["rng"])
+        if self.device.type == "cpu" and not cfg.threads and "threads" in state:
+            torch.set_num_threads(state["threads"])  # same summation order as before the stop
 
     def _write_run_files(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -651,6 +669,7 @@ class Trainer:
             **val,
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
             "samples": samples,
+            "sample_prompt": cfg.sample_prompt,
             "rank": self.info.rank,  # only rank 0 reports (under torchrun)
         }
 
@@ -756,6 +775,7 @@ class Trainer:
                 "scaler": self.scaler.state_dict(),
                 "sampler": self.sampler.state_dict(),
                 "rng": rng_state(),
+                "threads": torch.get_num_threads(),  # reductions' order, for exact resume
             }
             return checkpoint.save_checkpoint(
                 self.out,
@@ -825,13 +845,17 @@ class Trainer:
         cfg, mc = self.cfg, self.model_config
         limits = [f"{cfg.max_steps} steps"] if cfg.max_steps else []
         limits += [_duration(cfg.max_time)] if cfg.max_time else []
+        where = f"{str(self.dtype).removeprefix('torch.')} on {self.device}"
+        if self.device.type == "cpu":
+            n = torch.get_num_threads()
+            where += f" ({n} thread{'s' if n > 1 else ''})"
         return (
             f"run {self.out} | model {self.model.num_params() / 1e6:.2f}M params "
             f"(d_model {mc.d_model}, {mc.n_layers} layers, {mc.n_heads}/{mc.n_kv_heads} heads, "
             f"vocab {mc.vocab_size}, context {mc.context_length}) | data {self.data_dir} "
             f"({self.meta['train_tokens']:,} train tokens) | {cfg.batch_size}×{self.seq_len} "
-            f"tokens/step | {str(self.dtype).removeprefix('torch.')} on {self.device}"
-            f"{' (compiled)' if cfg.compile else ''} | until {' or '.join(limits)}"
+            f"tokens/step | {where}{' (compiled)' if cfg.compile else ''} | "
+            f"until {' or '.join(limits)}"
             + (f" | resumed at step {self.step}" if self.step else "")
         )
 

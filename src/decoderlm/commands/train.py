@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 import json
 import re
+import shlex
 import typing
 from typing import Any
 
@@ -109,7 +110,8 @@ def _print_summary(s: dict[str, Any]) -> None:
     for i, sample in enumerate(s["samples"], start=1):
         print(f"--- sample {i} ---\n{sample}")
     if s["samples"]:
-        print(f"--- more: decoderlm generate --checkpoint {s['run_dir']} --prompt 'def '")
+        prompt = shlex.quote(s["sample_prompt"] or "TEXT")
+        print(f"--- more: decoderlm generate --checkpoint {s['run_dir']} --prompt {prompt}")
 
 
 # ---- flags generated from the dataclass fields ------------------------------------------------
