@@ -16,7 +16,7 @@ import math
 import sys
 import types
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,51 +106,60 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
 
 
-def _decode_one(
-    model: DecoderLM,
-    cache: StaticKVCache,
-    token: Tensor,
-    positions: Tensor,
-    key_mask: Tensor | None,
-) -> Tensor:
-    """One decoding step: token (B,), positions (B, 1) → next-token logits (B, V) in float32."""
-    return model(token[:, None], positions, key_mask, cache)[:, -1].float()
+class _CPULinear(TorchFunctionMode):
+    """F.linear on the CPU through the kernel that is fastest for its shape (see benchmarks/decode.py).
 
-
-class _RowTimesWeightsAsReduction(TorchFunctionMode):
-    """F.linear of a single row on the CPU, y_n = Σ_k x_k W_nk, written as a product and a row sum.
-
-    Decoding one sequence is bound by reading the weights. Under torch.compile the product and the
-    sum fuse into one vectorised pass over W that streams it at close to memory bandwidth; the
-    GEMM kernels behind F.linear reach about half of that for one row. Used only when compiling.
+    The products are the same; only the order of the sums differs.
+    - One row under torch.compile (decoding one sequence, which is bound by reading the weights):
+      y_n = Σ_k x_k W_nk as a product and a row sum, which inductor fuses into one vectorised pass
+      streaming W at close to memory bandwidth; F.linear's GEMV reaches about half of that.
+    - Several float32 rows, eager (prefill, batches): oneDNN's GEMM, which ran 1.5-4× faster than
+      the MKL sgemm behind F.linear on the (AMD) CPU this was measured on.
     """
+
+    def __init__(self, compiling: bool) -> None:
+        super().__init__()
+        self.compiling = compiling
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func is F.linear and args[0].device.type == "cpu" and args[0].shape[:-1].numel() == 1:
-            x, weight = args[0], args[1]  # (..., K), (N, K)
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        if func is not F.linear or args[0].device.type != "cpu":
+            return func(*args, **kwargs)
+        x, weight = args[0], args[1]  # (..., K), (N, K)
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        rows = x.shape[:-1].numel()
+        if self.compiling and rows == 1:
             y = (x.unsqueeze(-2) * weight).sum(-1)  # (..., N)
             return y if bias is None else y + bias
+        if not self.compiling and rows > 1 and x.dtype == torch.float32 and _HAS_ONEDNN:
+            x2d = x.reshape(rows, x.shape[-1]).to_mkldnn()  # (rows, K) in oneDNN's layout
+            y = torch._C._nn.mkldnn_linear(x2d, weight.contiguous(), bias).to_dense()
+            return y.view(*x.shape[:-1], weight.shape[0])  # (..., N)
         return func(*args, **kwargs)
 
 
-def _decode_one_streaming(
+_HAS_ONEDNN = torch.backends.mkldnn.is_available()
+
+
+def _next_logits(
     model: DecoderLM,
     cache: StaticKVCache,
-    token: Tensor,
+    idx: Tensor,
     positions: Tensor,
     key_mask: Tensor | None,
+    compiling: bool = False,
 ) -> Tensor:
-    with _RowTimesWeightsAsReduction():
-        return _decode_one(model, cache, token, positions, key_mask)
+    """Logits (B, V), in float32, of the token after idx (B, T) at `positions` (B, T)."""
+    mode = _CPULinear(compiling) if compiling or idx.numel() > 1 else nullcontext()
+    with mode:
+        return model(idx, positions, key_mask, cache, last_only=True)[:, -1].float()
 
 
 @functools.cache
-def _compiled_decode_one() -> Callable[..., Tensor]:
-    return torch.compile(_decode_one_streaming, dynamic=False)
+def _compiled_next_logits() -> Callable[..., Tensor]:
+    return torch.compile(_next_logits, dynamic=False)
 
 
 @contextmanager
@@ -232,7 +241,6 @@ def decode_steps(
     if compile:
         max_len = min(math.ceil(max_len / COMPILE_CACHE_MULTIPLE) * COMPILE_CACHE_MULTIPLE, context)
     cache = StaticKVCache(cfg, len(rows), max_len, weight.dtype, device)
-    step = _compiled_decode_one() if compile else _decode_one
     seen = None
     if params.repetition_penalty != 1.0:
         seen = torch.zeros(len(rows), cfg.vocab_size, dtype=torch.bool, device=device)  # (B, V)
@@ -247,12 +255,9 @@ def decode_steps(
         filled = slots[None, :] >= pad[:, None]  # (B, S) key mask: real tokens, not padding
         padded = bool(pad.any())
         idx = torch.tensor([[0] * (n - len(row)) + row for row in rows], device=device)  # (B, n)
-        positions = (slots[None, :n] - pad[:, None]).clamp(
-            min=0
-        )  # (B, n) from 0 at the first token
+        positions = (slots[None, :n] - pad[:, None]).clamp(min=0)  # (B, n): 0 at the 1st token
         cache.seek(slots[:n], n)
-        key_mask = filled[:, :n] if padded else None
-        logits = model(idx, positions, key_mask, cache, last_only=True)[:, -1].float()  # (B, V)
+        logits = _next_logits(model, cache, idx, positions, filled[:, :n] if padded else None)
         filled &= slots < n  # from here on: the slots holding a real token
         new: list[Tensor] = []
         slot = torch.zeros(1, dtype=torch.long, device=device)  # (1,) the slot being written
@@ -269,15 +274,16 @@ def decode_steps(
                 break  # the cache is full: slide the window
             slot.fill_(n)
             filled[:, n] = True
-            step_positions = (slot - pad)[:, None]  # (B, 1)
+            token_positions = (slot - pad)[:, None]  # (B, 1)
             if compile:  # fixed shapes: attend the whole buffer, the mask hides unfilled slots
                 cache.seek(slot, None)
-                logits = step(model, cache, token, step_positions, filled)
+                logits = _compiled_next_logits()(
+                    model, cache, token[:, None], token_positions, filled, compiling=True
+                )
             else:
                 cache.seek(slot, n + 1)
-                logits = step(
-                    model, cache, token, step_positions, filled[:, : n + 1] if padded else None
-                )
+                key_mask = filled[:, : n + 1] if padded else None
+                logits = _next_logits(model, cache, token[:, None], token_positions, key_mask)
             n += 1
         keep = context - max(1, context // 4)
         generated = torch.stack(new, dim=1).tolist()  # (B, n_new)

@@ -1,0 +1,178 @@
+"""Decode and prefill speed on the CPU: decoderlm vs Hugging Face `transformers` on the same weights.
+
+A LLaMA-shaped model of ~55M parameters (preset "llama-55m": d_model 512, 8 layers, 8 heads sharing
+2 K/V heads, d_ff 1376, vocab 32000, untied), random init, converted to `LlamaForCausalLM` with
+`decoderlm.hf.to_hf`; both models are checked to produce the same greedy tokens first.
+
+- decode tok/s, batch 1: a 16-token prompt, N new tokens (greedy). Each side is timed generating
+  N + 1 and 1 tokens; N / (t(N + 1) − t(1)) removes the prefill and per-call overheads. Medians
+  of --runs runs, the two libraries interleaved so that both see the same load on a shared CPU.
+- prefill tok/s: a 512-token prompt, 512 / (time to the first new token).
+- the memory-bandwidth floor: decoding one token reads every weight once, so it takes at least
+  weight bytes / copy bandwidth (bandwidth = bytes read + written by a 256 MiB tensor copy). Shown
+  for all the weights (the issue's definition) and for those read per token (the token-embedding
+  table is only gathered from: one row per token).
+
+    HF_HUB_OFFLINE=1 python benchmarks/decode.py [--new-tokens 128] [--runs 5] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from decoderlm import DecoderLM, ModelConfig
+from decoderlm.generate import generate
+from decoderlm.hf import to_hf
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def copy_bandwidth(n_bytes: int = 256 * 2**20, repeats: int = 10) -> float:
+    """Bytes per second moved by a large tensor copy (read + write), best of `repeats`."""
+    src = torch.ones(n_bytes // 4)
+    dst = torch.empty_like(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    return 2 * n_bytes / best
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def median_times(fns: dict[str, Callable[[], object]], runs: int) -> dict[str, float]:
+    """Median seconds of each function, interleaved run by run (after one warm-up call each)."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(runs):
+        for name, fn in fns.items():
+            times[name].append(_timed(fn))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def build_models(preset: str) -> tuple[DecoderLM, torch.nn.Module]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    ours = DecoderLM(ModelConfig.from_preset(preset)).eval()
+    hf_config, hf_state = to_hf(ours)
+    hf_config.pop("architectures", None)
+    theirs = LlamaForCausalLM(LlamaConfig(**hf_config)).eval()
+    theirs.load_state_dict(hf_state)
+    return ours, theirs
+
+
+def hf_generate(model: torch.nn.Module, prompt: torch.Tensor, n: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(
+            prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+        )
+    return out[0].tolist()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="llama-55m")
+    parser.add_argument("--new-tokens", type=int, default=128, help="decoded tokens per run")
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's)"
+    )
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
+
+    ours, theirs = build_models(args.preset)
+    g = torch.Generator().manual_seed(0)
+    vocab = ours.config.vocab_size
+    prompt = torch.randint(0, vocab, (1, args.prompt_tokens), generator=g)
+    long_prompt = torch.randint(0, vocab, (1, args.prefill_tokens), generator=g)
+    same = generate(ours, prompt, 16, temperature=0)[0] == hf_generate(theirs, prompt, 16)
+    bandwidth = copy_bandwidth()
+    n_params = ours.num_params()
+    n_read = n_params - ours.tok_emb.weight.numel() + ours.config.d_model  # one embedding row
+
+    n = args.new_tokens
+    rows = []
+    for name in args.dtypes:
+        dtype = DTYPES[name]
+        ours.to(dtype)
+        theirs.to(dtype)
+        size = torch.empty((), dtype=dtype).element_size()
+
+        def ours_fn(k: int, p: torch.Tensor = prompt, compile: bool = True) -> Callable[[], object]:
+            return lambda: generate(ours, p, k, temperature=0, compile=compile)
+
+        def hf_fn(k: int, p: torch.Tensor = prompt) -> Callable[[], object]:
+            return lambda: hf_generate(theirs, p, k)
+
+        t = median_times(
+            {
+                "hf_1": hf_fn(1),
+                "hf_n": hf_fn(n + 1),
+                "eager_1": ours_fn(1, compile=False),
+                "eager_n": ours_fn(n + 1, compile=False),
+                "ours_1": ours_fn(1),
+                "ours_n": ours_fn(n + 1),
+                "hf_prefill": hf_fn(1, long_prompt),
+                "ours_prefill": ours_fn(1, long_prompt),
+            },
+            args.runs,
+        )
+        floor_all = bandwidth / (n_params * size)
+        floor_read = bandwidth / (n_read * size)
+        rows.append(
+            {
+                "dtype": name,
+                "hf": n / (t["hf_n"] - t["hf_1"]),
+                "eager": n / (t["eager_n"] - t["eager_1"]),
+                "ours": n / (t["ours_n"] - t["ours_1"]),
+                "floor_all": floor_all,
+                "floor_read": floor_read,
+                "hf_prefill": args.prefill_tokens / t["hf_prefill"],
+                "ours_prefill": args.prefill_tokens / t["ours_prefill"],
+            }
+        )
+
+    print(
+        f"{args.preset}: {n_params / 1e6:.1f}M parameters ({n_read / 1e6:.1f}M read per token), "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"load average {load_before:.1f} → {os.getloadavg()[0]:.1f}"
+    )
+    print(f"same greedy tokens as transformers: {'yes' if same else 'NO'}")
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
+    print(
+        f"decode: batch 1, {args.prompt_tokens}-token prompt, {n} new tokens, median of "
+        f"{args.runs}; prefill: {args.prefill_tokens}-token prompt"
+    )
+    header = (
+        "| dtype | HF decode tok/s | ours eager | ours compiled | × HF | floor (all / read) tok/s "
+        "| % of floor (all / read) | HF prefill tok/s | ours prefill | × HF |"
+    )
+    print(header)
+    print("|---" * (header.count("|") - 1) + "|")
+    for r in rows:
+        print(
+            f"| {r['dtype']} | {r['hf']:.1f} | {r['eager']:.1f} | {r['ours']:.1f} | "
+            f"{r['ours'] / r['hf']:.2f} | {r['floor_all']:.0f} / {r['floor_read']:.0f} | "
+            f"{100 * r['ours'] / r['floor_all']:.0f}% / {100 * r['ours'] / r['floor_read']:.0f}% | "
+            f"{r['hf_prefill']:.0f} | {r['ours_prefill']:.0f} | "
+            f"{r['ours_prefill'] / r['hf_prefill']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
