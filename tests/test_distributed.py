@@ -3,7 +3,7 @@
 The runs are what users type, `torchrun --standalone --nproc_per_node 2 -m decoderlm train ...
 --strategy ddp|fsdp`, compared with `decoderlm train` in one process on the same global batch
 (the BatchSampler hands each rank its rows of that batch). Run as a script under torchrun, this file
-is also the worker of the logits test, which drives `decoderlm.distributed` directly.
+is also the worker of the tests that drive `decoderlm.distributed` directly.
 """
 
 from __future__ import annotations
@@ -171,36 +171,83 @@ TIED = ModelConfig.from_preset(
 )
 
 
-def _logits_worker(run_dir: Path) -> None:
-    """Under torchrun: 2 FSDP2 steps on a tied-embedding model, its logits on a probe batch, and
-    the run directory written by rank 0 from the gathered full state dict."""
+def _worker(run_dir: Path) -> None:
+    """Under torchrun with 2 processes: what the tests below check, written to `run_dir`.
+
+    FSDP2 on a tied-embedding model: step 1 in two micro-steps through `grad_sync` (noting whether
+    gradients were reduced after each), step 2 in one; its logits on a probe batch; the checkpoint
+    written by rank 0 from the gathered full state dict. DDP: whether the ranks' gradients agree
+    after a micro-step without sync and after one with it.
+    """
     info = distributed.init_distributed("cpu")
     torch.manual_seed(info.rank)  # different on purpose: wrap_model copies rank 0's weights
-    model = distributed.wrap_model(DecoderLM(TIED), "fsdp", info)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tokens = torch.randint(0, TIED.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
     mine = tokens.chunk(info.world_size)[info.rank]  # (2, 17): this rank's half of the batch
-    for _ in range(2):
-        next_token_loss(model(mine[:, :-1]), mine[:, 1:]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    halves = (mine[:1], mine[1:])  # (1, 17) each: the micro-batches of gradient accumulation
+
+    def backward(model: torch.nn.Module, batch: torch.Tensor, sync: bool) -> None:
+        with distributed.grad_sync(model, enabled=sync):
+            (next_token_loss(model(batch[:, :-1]), batch[:, 1:]) / 2).backward()
+
+    # FSDP2 reduce-scatters a block's gradient into its sharded `.grad`, which is None until then.
+    model = distributed.wrap_model(DecoderLM(TIED), "fsdp", info)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    backward(model, halves[0], sync=False)
+    sync = {"fsdp_reduced_without_sync": any(p.grad is not None for p in model.parameters())}
+    backward(model, halves[1], sync=True)
+    sync["fsdp_reduced_with_sync"] = all(p.grad is not None for p in model.parameters())
+    optimizer.step()
+    optimizer.zero_grad()
+    backward(model, mine, sync=True)
+    optimizer.step()
     with torch.no_grad():
         logits = model(tokens[:, :-1])  # (4, 16, 64), the same batch on both ranks
     model_sd, optim_sd = distributed.full_state_dicts(model, optimizer, info)
 
+    # DDP: the same weights on every rank; the gradients agree once they are all-reduced.
+    ddp = distributed.wrap_model(DecoderLM(TIED), "ddp", info)
+
+    def ranks_agree() -> bool:
+        grad = torch.cat([p.grad.flatten() for p in ddp.parameters()])
+        grads = [torch.empty_like(grad) for _ in range(info.world_size)]
+        torch.distributed.all_gather(grads, grad)
+        return all(torch.equal(g, grads[0]) for g in grads)
+
+    backward(ddp, halves[0], sync=False)
+    sync["ddp_agree_without_sync"] = ranks_agree()
+    backward(ddp, halves[1], sync=True)
+    sync["ddp_agree_with_sync"] = ranks_agree()
+
     def write() -> None:
         checkpoint.save_checkpoint(run_dir, 2, TIED, model_sd, {"optimizer": optim_sd})
         save_file({"logits": logits, "tokens": tokens}, str(run_dir / "probe.safetensors"))
+        (run_dir / "sync.json").write_text(json.dumps(sync))
 
     distributed.run_on_main(write, info)
     distributed.shutdown(info)
 
 
-def test_fsdp2_checkpoint_loads_in_one_process_and_gives_identical_logits(tmp_path: Path) -> None:
-    result = _run([*TORCHRUN, __file__, str(tmp_path)], timeout=120)
+@pytest.fixture(scope="module")
+def worker_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("worker")
+    result = _run([*TORCHRUN, __file__, str(run_dir)], timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    probe = load_file(tmp_path / "probe.safetensors")
-    model = checkpoint.load_model(checkpoint.latest_checkpoint(tmp_path))
+    return run_dir
+
+
+def test_grad_sync_skips_the_gradient_reduction_on_non_final_micro_steps(worker_run: Path) -> None:
+    sync = json.loads((worker_run / "sync.json").read_text())
+    assert sync == {
+        "fsdp_reduced_without_sync": False,
+        "fsdp_reduced_with_sync": True,
+        "ddp_agree_without_sync": False,  # each rank holds the gradient of its own micro-batch
+        "ddp_agree_with_sync": True,
+    }
+
+
+def test_fsdp2_checkpoint_loads_in_one_process_and_gives_identical_logits(worker_run: Path) -> None:
+    probe = load_file(worker_run / "probe.safetensors")
+    model = checkpoint.load_model(checkpoint.latest_checkpoint(worker_run))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers: the same kernels, so equal weights → equal bits
     try:
@@ -244,4 +291,4 @@ def test_bad_strategy_and_launch_environment_give_one_line_errors(
 
 
 if __name__ == "__main__":
-    _logits_worker(Path(sys.argv[1]))
+    _worker(Path(sys.argv[1]))
