@@ -94,7 +94,9 @@ def _flash_forward(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (B, Hq, Tq, D)
     lse = torch.empty(b, h_q, t_q, dtype=acc, device=q.device)  # (B, Hq, Tq)
     out5, lse4 = out.view(b, h_kv, g, t_q, d), lse.view(b, h_kv, g, t_q)
-    for i0, i1, key_tiles in _tiles(t_q, t_k, causal, _block_q(n, g)):
+    block_q = _block_q(n, g)
+    s_buf = q.new_empty(_tile_numel(n, g, block_q, t_q, t_k), dtype=acc)  # for every score tile
+    for i0, i1, key_tiles in _tiles(t_q, t_k, causal, block_q):
         rows = g * (i1 - i0)
         qi = _gather_rows(q5, i0, i1, acc).mul_(scale)  # Q·scale: (N, R, D), R = G·bq
         o = torch.zeros(n, rows, d, dtype=acc, device=q.device)  # unnormalised output
@@ -102,7 +104,7 @@ def _flash_forward(
         l_ = torch.zeros(n, rows, dtype=acc, device=q.device)  # running normaliser l
         for j0, j1, diagonal in key_tiles:
             kj, vj = k3[:, j0:j1].to(acc), v3[:, j0:j1].to(acc)  # (N, bk, D)
-            s = torch.bmm(qi, kj.mT)  # S = Q Kᵀ·scale: (N, R, bk)
+            s = torch.bmm(qi, kj.mT, out=_tile(s_buf, n, rows, j1 - j0))  # S = Q Kᵀ·scale
             _apply_mask(s, b, g, i0, i1, j0, j1, t_k - t_q, diagonal, key_padding_mask)
             m_new = torch.maximum(m, s.amax(dim=-1))  # m' = max(m, rowmax(S))
             m_sub = m_new.masked_fill(m_new == float("-inf"), 0.0)  # row all masked so far: no ∞−∞
@@ -142,7 +144,9 @@ def _flash_backward(
     dk3 = torch.zeros(n, t_k, d, dtype=acc, device=q.device)  # accumulated over query tiles
     dv3 = torch.zeros(n, t_k, d, dtype=acc, device=q.device)
     dq5 = dq.view(b, h_kv, g, t_q, d)
-    for i0, i1, key_tiles in _tiles(t_q, t_k, causal, _block_q(n, g)):
+    block_q = _block_q(n, g)
+    s_buf, ds_buf = (q.new_empty(_tile_numel(n, g, block_q, t_q, t_k), dtype=acc) for _ in range(2))
+    for i0, i1, key_tiles in _tiles(t_q, t_k, causal, block_q):
         rows = g * (i1 - i0)
         qi = _gather_rows(q5, i0, i1, acc).mul_(scale)  # Q·scale: (N, R, D)
         doi = _gather_rows(do5, i0, i1, acc)  # dO: (N, R, D)
@@ -153,11 +157,12 @@ def _flash_backward(
         for j0, j1, diagonal in key_tiles:
             bk = j1 - j0
             kj, vj = k3[:, j0:j1].to(acc), v3[:, j0:j1].to(acc)  # (N, bk, D)
-            s = torch.baddbmm(neg_li.expand(n, rows, bk), qi, kj.mT)  # S − L: (N, R, bk)
+            s, ds = _tile(s_buf, n, rows, bk), _tile(ds_buf, n, rows, bk)  # scratch (N, R, bk)
+            torch.baddbmm(neg_li.expand(n, rows, bk), qi, kj.mT, out=s)  # S − L = Q Kᵀ·scale − L
             _apply_mask(s, b, g, i0, i1, j0, j1, t_k - t_q, diagonal, key_padding_mask)
             p = s.exp_()  # P = exp(S − L)
             dv3[:, j0:j1].baddbmm_(p.mT, doi)  # dV += Pᵀ dO
-            ds = torch.baddbmm(neg_di.expand(n, rows, bk), doi, vj.mT)  # dP − D, dP = dO Vᵀ
+            torch.baddbmm(neg_di.expand(n, rows, bk), doi, vj.mT, out=ds)  # dP − D, dP = dO Vᵀ
             ds.mul_(p)  # dS = P ∘ (dP − D)
             dqi.baddbmm_(ds, kj)  # dQ += dS K  (·scale below)
             dk3[:, j0:j1].baddbmm_(ds.mT, qi)  # dK += dSᵀ Q·scale (summed over the group rows)
@@ -210,6 +215,16 @@ def _apply_mask(
         blocked = pad if blocked is None else pad | blocked
     if blocked is not None:
         s.view(b, -1, g, i1 - i0, j1 - j0).masked_fill_(blocked, float("-inf"))
+
+
+def _tile_numel(n: int, g: int, block_q: int, t_q: int, t_k: int) -> int:
+    """Elements of the largest score tile, (N, G·min(BLOCK_Q, Tq), min(BLOCK_K, Tk))."""
+    return n * g * min(block_q, t_q) * min(BLOCK_K, t_k)
+
+
+def _tile(buf: Tensor, n: int, rows: int, cols: int) -> Tensor:
+    """The first n·rows·cols elements of a flat scratch buffer, as a contiguous (n, rows, cols)."""
+    return buf[: n * rows * cols].view(n, rows, cols)
 
 
 def _gather_rows(x5: Tensor, i0: int, i1: int, dtype: torch.dtype) -> Tensor:
