@@ -15,18 +15,17 @@ everything here is a no-op: no process group, no wrapper, no communication.
 
 How the trainer uses it (all calls are collective: every rank makes them, in the same order):
 
-    info = init_distributed(device)                       # first thing; seed identically on all ranks
+    info = init_distributed(device)                       # first thing, on every rank
     model = wrap_model(DecoderLM(cfg).to(info.device), strategy, info)
     optimizer = AdamW(model.parameters(), ...)            # after wrapping (FSDP2 swaps in DTensors)
-    for micro in range(accum):
+    for micro in range(accum):                            # each rank: its rows of the global batch
         with grad_sync(model, enabled=micro == accum - 1):
             loss = loss_fn(model(x), y) / accum           # forward AND backward inside the `with`
             loss.backward()
     optimizer.step()
-    loss_for_log = all_reduce_mean(loss_sum, info)        # the global mean, on every rank
-    model_sd, optim_sd = full_state_dicts(model, optimizer, info)  # full tensors on rank 0, {} elsewhere
-    if info.is_main: ...write the run directory...
-    barrier(info)
+    global_loss = all_reduce_mean(loss_sum, info)         # the same float on every rank
+    model_sd, optim_sd = full_state_dicts(model, optimizer, info)  # full on rank 0, {} elsewhere
+    run_on_main(lambda: save(model_sd, optim_sd), info)   # written once; a failure stops all ranks
     ...
     shutdown(info)
 
