@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.generate import CPULinearKernels, evaluating
 from decoderlm.model import DecoderLM
 
 # Windows per forward pass are chosen so that a batch holds about this many tokens (bounds the
@@ -104,32 +105,28 @@ def evaluate_tokens(
         from tqdm import tqdm
 
         batches = tqdm(batches, desc="eval", unit="batch")
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode():
-            for batch in batches:
-                width = max(end - start for start, end, _ in batch)
-                x = torch.zeros(len(batch), width, dtype=torch.long)  # (B, T) right-padded inputs
-                y = torch.full((len(batch), width), IGNORE, dtype=torch.long)  # (B, T) targets
-                for b, (start, end, first) in enumerate(batch):
-                    x[b, : end - start] = ids[start:end]
-                    skip = first - (
-                        start + 1
-                    )  # targets before `first` were scored by an earlier window
-                    y[b, skip : end - start] = ids[first : end + 1]
-                logits = model(x.to(device))  # (B, T, V); causal, so right padding changes nothing
-                total_nats += F.cross_entropy(
-                    logits.flatten(0, 1).float(),
-                    y.to(device).flatten(),
-                    ignore_index=IGNORE,
-                    reduction="sum",
-                ).item()
-                n_scored += int((y != IGNORE).sum())
-    finally:
-        model.train(was_training)
+    with evaluating(model), CPULinearKernels():
+        for batch in batches:
+            x, y = _window_batch(ids, batch)  # (B, T) inputs and targets
+            logits = model(x.to(device))  # (B, T, V); causal, so right padding changes nothing
+            flat_logits, flat_targets = logits.flatten(0, 1).float(), y.to(device).flatten()
+            nats = F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE, reduction="sum")
+            total_nats += nats.item()
+            n_scored += int((y != IGNORE).sum())
     loss = total_nats / n_scored
     return EvalResult(loss, math.exp(min(loss, 700.0)), n_scored, context, stride)
+
+
+def _window_batch(ids: Tensor, batch: list[tuple[int, int, int]]) -> tuple[Tensor, Tensor]:
+    """Right-padded inputs (B, T) and targets (B, T), IGNORE where padded or scored before."""
+    width = max(end - start for start, end, _ in batch)
+    x = torch.zeros(len(batch), width, dtype=torch.long)
+    y = torch.full((len(batch), width), IGNORE, dtype=torch.long)
+    for b, (start, end, first) in enumerate(batch):
+        x[b, : end - start] = ids[start:end]
+        skip = first - (start + 1)  # targets before `first` were scored by an earlier window
+        y[b, skip : end - start] = ids[first : end + 1]
+    return x, y
 
 
 def evaluate_text(

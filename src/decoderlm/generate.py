@@ -106,7 +106,7 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
 
 
-class _CPULinear(TorchFunctionMode):
+class CPULinearKernels(TorchFunctionMode):
     """F.linear on the CPU through the kernel that is fastest for its shape (see benchmarks/decode.py).
 
     The products are the same; only the order of the sums differs.
@@ -117,9 +117,9 @@ class _CPULinear(TorchFunctionMode):
       the MKL sgemm behind F.linear on the (AMD) CPU this was measured on.
     """
 
-    def __init__(self, compiling: bool) -> None:
+    def __init__(self, compiling: bool = False) -> None:
         super().__init__()
-        self.compiling = compiling
+        self.compiling = compiling  # inside a function being compiled by torch.compile
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None
@@ -152,7 +152,7 @@ def _next_logits(
     compiling: bool = False,
 ) -> Tensor:
     """Logits (B, V), in float32, of the token after idx (B, T) at `positions` (B, T)."""
-    mode = _CPULinear(compiling) if compiling or idx.numel() > 1 else nullcontext()
+    mode = CPULinearKernels(compiling) if compiling or idx.numel() > 1 else nullcontext()
     with mode:
         return model(idx, positions, key_mask, cache, last_only=True)[:, -1].float()
 
@@ -163,7 +163,7 @@ def _compiled_next_logits() -> Callable[..., Tensor]:
 
 
 @contextmanager
-def _inference(model: DecoderLM) -> Iterator[None]:
+def evaluating(model: DecoderLM) -> Iterator[None]:
     """Eval mode (no dropout) and no autograd for the duration; the model's mode is restored after."""
     was_training = model.training
     model.eval()
@@ -322,7 +322,7 @@ def generate(
         return rows
     generator = _generator(seed, model.tok_emb.weight.device)
     new: list[Tensor] = []
-    with _inference(model):
+    with evaluating(model):
         steps = decode_steps(
             model, rows, max_new_tokens, params, generator, sliding_window, compile
         )
@@ -455,7 +455,7 @@ def _text_pieces(
     matcher: StopMatcher,
     eot: int | None,
 ) -> Iterator[str]:
-    with _inference(model):
+    with evaluating(model):
         for token in steps:
             token_id = int(token[0])  # streaming needs each token on the host
             if token_id == eot:
