@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from decoderlm.errors import DecoderLMError
@@ -133,7 +133,10 @@ class CPULinearKernels(TorchFunctionMode):
         if self.compiling and rows == 1:
             y = (x.unsqueeze(-2) * weight).sum(-1)  # (..., N)
             return y if bias is None else y + bias
-        if not self.compiling and rows > 1 and x.dtype == torch.float32 and _HAS_ONEDNN:
+        plain_float32 = all(
+            type(t) in (Tensor, nn.Parameter) and t.dtype == torch.float32 for t in (x, weight)
+        )
+        if not self.compiling and rows > 1 and plain_float32 and _HAS_ONEDNN:
             x2d = x.reshape(rows, x.shape[-1]).to_mkldnn()  # (rows, K) in oneDNN's layout
             y = torch._C._nn.mkldnn_linear(x2d, weight.contiguous(), bias).to_dense()
             return y.view(*x.shape[:-1], weight.shape[0])  # (..., N)
