@@ -382,3 +382,13 @@ def test_cli_errors_are_one_line_with_exit_status_2(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("decoderlm: error: ") and message in err and err.count("\n") == 1
     assert (tmp_path / "busy" / "keep.txt").read_text() == "precious"
+
+
+def test_cli_from_hf_dtype_sets_the_stored_dtype(tmp_path):
+    theirs = _save_hf("qwen2", tmp_path / "hf", seed=6)
+    argv = ["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]
+    assert main([*argv, "--dtype", "bfloat16"]) == 0
+    stored = load_file(str(tmp_path / "run" / "model.safetensors"))
+    assert {t.dtype for t in stored.values()} == {torch.bfloat16}
+    expected = {k: v.to(torch.bfloat16) for k, v in theirs.state_dict().items()}
+    assert torch.equal(stored["tok_emb.weight"], expected["model.embed_tokens.weight"])
