@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from decoderlm import checkpoint, data, gqa
 from decoderlm.config import ModelConfig
 from decoderlm.evaluate import evaluate_tokens
@@ -68,7 +70,7 @@ def train_config(steps: int) -> TrainConfig:
     )
 
 
-def val_loss(run: Path, val_tokens) -> float:
+def val_loss(run: Path, val_tokens: np.ndarray) -> float:
     return evaluate_tokens(checkpoint.load_model(run), val_tokens).loss
 
 
