@@ -187,9 +187,8 @@ def _tiles(
         key_tiles = []
         for j0 in range(0, max(k_end, 0), BLOCK_K):
             j1 = min(j0 + BLOCK_K, k_end)
-            key_tiles.append(
-                (j0, j1, causal and j1 - 1 > i0 + offset)
-            )  # last key past row i0's limit
+            crosses = causal and j1 - 1 > i0 + offset  # its last key is past the first row's limit
+            key_tiles.append((j0, j1, crosses))
         yield i0, i1, key_tiles
 
 
