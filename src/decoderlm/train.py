@@ -292,13 +292,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return TORCH_DTYPES[name]
 
 
-def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 0) -> float:
-    """Achievable dense matmul FLOP/s on `device` in `dtype`: the best of a few n×n products."""
+def measure_peak_flops(
+    device: torch.device, dtype: torch.dtype, size: int = 0, repeats: int = 4
+) -> float:
+    """Achievable dense matmul FLOP/s on `device` in `dtype`: the best of `repeats` n×n products."""
     n = size or (8192 if device.type == "cuda" else 2048)
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     best = math.inf
-    for _ in range(4):
+    for _ in range(repeats):
         _sync(device)
         start = time.perf_counter()
         a @ b
@@ -723,7 +725,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Mean loss on eval_iters val batches (the same batches every time), its perplexity and
         bits per byte."""
-        self.model.eval()
+        self.wrapped.eval()  # the wrapper too: DDP must not prepare a backward pass
         sampler = self._sampler(self.val_tokens)
         total = torch.zeros((), device=self.device)
         for _ in range(self.cfg.eval_iters):
@@ -731,7 +733,7 @@ class Trainer:
             with self.autocast:
                 logits = self.forward(x.to(self.device))
             total += next_token_loss(logits, y.to(self.device))
-        self.model.train()
+        self.wrapped.train()
         loss = distributed.all_reduce_mean(total / self.cfg.eval_iters, self.info)
         if math.isfinite(loss) and (self.best_val_loss is None or loss < self.best_val_loss):
             self.best_val_loss = loss
