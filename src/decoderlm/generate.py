@@ -160,9 +160,15 @@ def _next_logits(
         return model(idx, positions, key_mask, cache, last_only=True)[:, -1].float()
 
 
+# Inductor inlines cheap pointwise results (the normalised activations) into their consumers; inside
+# a weight reduction that means recomputing them for every output row. Materialising them instead
+# made the one-token step ~10% (float32) to ~20% (bfloat16) faster.
+_INDUCTOR_OPTIONS = {"realize_opcount_threshold": 4, "realize_reads_threshold": 1}
+
+
 @functools.cache
 def _compiled_next_logits() -> Callable[..., Tensor]:
-    return torch.compile(_next_logits, dynamic=False)
+    return torch.compile(_next_logits, dynamic=False, options=_INDUCTOR_OPTIONS)
 
 
 @contextmanager
