@@ -6,6 +6,7 @@ import torch
 import decoderlm
 from decoderlm import DecoderLM, DecoderLMError, ModelConfig
 from decoderlm.generate import (
+    CPULinearKernels,
     IncrementalDecoder,
     SamplingParams,
     StopMatcher,
@@ -239,3 +240,16 @@ def test_stream_stops_before_a_stop_string(tokenizer):
     stop = full[5:8]
     cut = generate_text(model, tokenizer, "To be", 30, temperature=0, stop=[stop])
     assert cut == full[: full.index(stop)]
+
+
+def test_cpu_linear_kernels_compute_the_same_linear_maps():
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, generator=g) for shape in [(3, 7, 48), (80, 48), (80,)])
+    expected = torch.nn.functional.linear(x.double(), w.double(), b.double()).float()
+    with CPULinearKernels():  # several float32 rows: oneDNN's GEMM
+        several = torch.nn.functional.linear(x, w, b)
+    with CPULinearKernels(compiling=True):  # one row (for torch.compile): a product and a row sum
+        one = torch.nn.functional.linear(x[:1, :1], w, b)
+    # float32 sums of 48 products of unit-scale numbers: rounding errors ~1e-6.
+    torch.testing.assert_close(several, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(one, expected[:1, :1], rtol=0, atol=1e-5)
