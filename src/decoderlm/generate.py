@@ -113,8 +113,8 @@ class CPULinearKernels(TorchFunctionMode):
     - One row under torch.compile (decoding one sequence, which is bound by reading the weights):
       y_n = Σ_k x_k W_nk as a product and a row sum, which inductor fuses into one vectorised pass
       streaming W at close to memory bandwidth; F.linear's GEMV reaches about half of that.
-    - Several float32 rows, eager (prefill, batches): oneDNN's GEMM, which ran 1.5-4× faster than
-      the MKL sgemm behind F.linear on the (AMD) CPU this was measured on.
+    - Several float32 rows, eager (prefill, evaluation): oneDNN's GEMM, which ran 1.5-4× faster
+      than the MKL sgemm behind F.linear on the (AMD) CPU this was measured on.
     """
 
     def __init__(self, compiling: bool = False) -> None:
@@ -155,7 +155,8 @@ def _next_logits(
     compiling: bool = False,
 ) -> Tensor:
     """Logits (B, V), in float32, of the token after idx (B, T) at `positions` (B, T)."""
-    mode = CPULinearKernels(compiling) if compiling or idx.numel() > 1 else nullcontext()
+    # Eager one-token steps skip the mode: its Python hook on every op costs more than it saves.
+    mode = CPULinearKernels(compiling) if compiling or idx.shape[1] > 1 else nullcontext()
     with mode:
         return model(idx, positions, key_mask, cache, last_only=True)[:, -1].float()
 
