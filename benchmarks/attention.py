@@ -10,6 +10,10 @@ float32 and bfloat16. `math` is skipped where its (T, T) tensors would exceed --
 
 Time: one warm-up step, then the best of --repeats steps (forward, then backward of a fixed random
 dO). The minimum, because this CPU is shared: it is the run least disturbed by other processes.
+On a machine with more runnable threads than cores, prefer --threads 1: `flash` issues a few
+thousand short tile ops per step and OpenMP workers spin-wait between them, so with several
+threads it slows down far more than SDPA's single fused kernel (seen here at load ~4 on 2 cores:
+`flash` 3–37 s per T = 4096 fp32 step, 1.2–2.3 s with OMP_WAIT_POLICY=passive, SDPA 1.1–1.2 s).
 
 Peak extra memory: torch has no peak counter for CPU memory (torch.cuda.max_memory_allocated has
 no CPU twin), so one more step runs under `torch.profiler.profile(profile_memory=True)`, which
