@@ -67,12 +67,12 @@ def run(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise DecoderLMError(f"{args.checkpoint} has no tokenizer.json, so text cannot be encoded")
     max_new = args.max_new_tokens
-    if max_new is None:
+    if max_new is None:  # the default stops where the context is full, unless it may slide
         room = model.config.context_length - len(tokenizer.encode(prompt))
         max_new = (
-            max(0, min(DEFAULT_MAX_NEW_TOKENS, room))
-            if not args.sliding_window
-            else DEFAULT_MAX_NEW_TOKENS
+            DEFAULT_MAX_NEW_TOKENS
+            if args.sliding_window
+            else max(0, min(DEFAULT_MAX_NEW_TOKENS, room))
         )
     for i in range(args.num_samples):
         if args.num_samples > 1:
