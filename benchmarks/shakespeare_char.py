@@ -163,7 +163,10 @@ def print_table(results: list[dict]) -> None:
             f"{r['wall_s'] / 60:.1f} min",
             f"{r['val_loss']:.3f}",
         )
-        print("| " + " | ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)) + " |")
+        aligned = [f"{cells[0]:<{widths[0]}}"] + [
+            f"{c:>{w}}" for c, w in zip(cells[1:], widths[1:], strict=True)
+        ]
+        print("| " + " | ".join(aligned) + " |")
 
 
 def main() -> None:
