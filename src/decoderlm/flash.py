@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.kernels import triton_available
 
 # Tile sizes. A tile is (B·Hkv, G·BLOCK_Q, BLOCK_K) scores: big enough that the matmuls are
 # BLAS-sized and Python overhead vanishes, small enough (2 MiB in fp32 at G = 4) to stay in cache.
@@ -48,6 +49,13 @@ def flash_attention(
     scale: defaults to 1/√D. Returns q's dtype; float16/bfloat16 are accumulated in float32.
     """
     _check_inputs(q, k, v, key_padding_mask)
+    if q.is_cuda and triton_available():  # on a GPU: the IO-aware Triton kernel (decoderlm.kernels)
+        from decoderlm.kernels import flash_triton
+
+        if q.shape[-1] in flash_triton.HEAD_DIMS and q.dtype in flash_triton.DTYPES:
+            return flash_triton.flash_attention_triton(
+                q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale
+            )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _FlashAttention.apply(q, k, v, causal, key_padding_mask, scale)
 
