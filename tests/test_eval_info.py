@@ -23,13 +23,7 @@ from decoderlm.tokenizer import Tokenizer
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 8
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes run faster on one thread than on two fighting other tests for a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_model(vocab_size: int = 97, context_length: int = 32, seed: int = 0) -> DecoderLM:

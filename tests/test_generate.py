@@ -20,14 +20,7 @@ from decoderlm.generate import (
 )
 from decoderlm.tokenizer import Tokenizer
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes run faster on one thread than on two fighting other tests for a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_model(

@@ -12,14 +12,7 @@ from decoderlm.kv_cache import (
     kv_cache_table,
 )
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes run faster on one thread than on two fighting other tests for a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_config(n_kv_heads: int = 2, position: str = "rope", **overrides) -> ModelConfig:

@@ -53,6 +53,10 @@ STATE_TENSORS_FILE = "trainer_state.safetensors"
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # read the process umask (the call sets it; this restores it)
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside `path`; on success fsync it and rename it to `path`."""
@@ -61,6 +65,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
+    os.chmod(tmp_path, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the usual mode
     try:
         yield tmp_path
         with open(tmp_path, "rb") as f:

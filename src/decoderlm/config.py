@@ -10,7 +10,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from decoderlm.errors import ConfigError
 
@@ -20,6 +20,8 @@ NORM_PLACEMENTS = ("pre", "post")
 POSITION_KINDS = ("sinusoidal", "learned", "rope", "none")
 ATTN_BACKENDS = ("math", "sdpa", "flash")
 ROPE_SCALING_TYPES = ("llama3", "linear")
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -123,13 +125,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(
-                f"unknown model config field {unknown[0]!r}; allowed: {', '.join(sorted(known))}"
-            )
-        return cls(**data)
+        return dataclass_from_dict(cls, data, "model")
 
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -145,6 +141,17 @@ class ModelConfig:
         data = {**PRESETS[name], **overrides}
         data["extra"] = {**data.get("extra", {}), "preset": name}
         return cls.from_dict(data)
+
+
+def dataclass_from_dict(cls: type[T], data: dict[str, Any], kind: str) -> T:
+    """cls(**data), with a one-line error naming the first unknown field and listing the allowed ones."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown {kind} config field {unknown[0]!r}; allowed: {', '.join(sorted(known))}"
+        )
+    return cls(**data)
 
 
 def _default_d_ff(d_model: int, mlp: str) -> int:

@@ -44,7 +44,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from decoderlm import checkpoint, data, distributed
-from decoderlm.config import ModelConfig
+from decoderlm.config import ModelConfig, dataclass_from_dict
 from decoderlm.errors import ConfigError, DecoderLMError
 from decoderlm.evaluate import bits_per_byte
 from decoderlm.generate import generate
@@ -149,13 +149,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(
-                f"unknown train config field {unknown[0]!r}; allowed: {', '.join(sorted(known))}"
-            )
-        return cls(**values)
+        return dataclass_from_dict(cls, values, "train")
 
 
 def _require(ok: bool, name: str, value: Any, rule: str) -> None:
