@@ -116,6 +116,7 @@ def our_recipe(vocab_size: int, budget_s: float) -> tuple[ModelConfig, TrainConf
 def run_recipe(
     name: str, model: ModelConfig, cfg: TrainConfig, data_dir: Path, out: Path, peaks: dict
 ) -> dict:
+    cfg = dataclasses.replace(cfg, threads=torch.get_num_threads())  # the same for every recipe
     start = time.perf_counter()
     summary = train(model, cfg, data_dir, out / name, progress=False)
     wall = time.perf_counter() - start
