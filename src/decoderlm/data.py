@@ -68,6 +68,17 @@ STDLIB_INCLUDE = ("*.py",)
 ENCODE_CHUNK = 64  # documents per encode_batch call: parallel in Rust, bounded memory
 
 
+def read_text_file(path: str | Path) -> str:
+    """The contents of a UTF-8 text file, with a one-line error if it is missing or not UTF-8."""
+    path = Path(path)
+    if not path.is_file():
+        raise DecoderLMError(f"no such file: {path}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DecoderLMError(f"{path} is not UTF-8 text: {exc}") from None
+
+
 def read_meta(data_dir: str | Path) -> dict[str, Any]:
     """meta.json of a prepared data directory, checked for the keys every reader relies on."""
     data_dir = Path(data_dir)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from decoderlm.data import read_text_file
 from decoderlm.errors import DecoderLMError
 from decoderlm.generate import CPULinearKernels, evaluating
 from decoderlm.model import DecoderLM
@@ -164,13 +165,7 @@ def evaluate_text(
 
 def evaluate_file(model: DecoderLM, tokenizer: Any, path: str | Path, **kwargs: Any) -> EvalResult:
     """`evaluate_text` on a UTF-8 text file; same keyword arguments."""
-    path = Path(path)
-    if not path.is_file():
-        raise DecoderLMError(f"no such file: {path}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise DecoderLMError(f"{path} is not UTF-8 text: {exc}") from None
+    text = read_text_file(path)
     if not text:
         raise DecoderLMError(f"{path} is empty")
     return evaluate_text(model, tokenizer, text, **kwargs)

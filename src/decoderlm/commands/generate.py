@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
+from decoderlm.data import read_text_file
 from decoderlm.errors import DecoderLMError
 
 HELP = "generate text from a checkpoint, streamed to stdout as the tokens arrive"
@@ -101,16 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
-    if args.prompt is not None:
-        prompt = args.prompt
-    else:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            raise DecoderLMError(f"no such prompt file: {path}")
-        try:
-            prompt = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise DecoderLMError(f"{path} is not UTF-8 text: {exc}") from None
+    prompt = args.prompt if args.prompt is not None else read_text_file(args.prompt_file)
     if not prompt:
         raise DecoderLMError("empty prompt: give some text to continue")
     return prompt
