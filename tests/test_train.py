@@ -332,3 +332,17 @@ def test_bad_train_config_values_name_the_field(field: str, value: object, messa
 def test_unknown_train_field_lists_the_allowed_ones() -> None:
     with pytest.raises(DecoderLMError, match="unknown train config field 'lr_max'; allowed: "):
         TrainConfig.from_dict({"lr_max": 1.0})
+
+
+def test_auto_threads_leave_out_the_cores_busy_right_now(monkeypatch):
+    import decoderlm.train as train_module
+
+    samples = iter([(100, 400), (150, 500)])  # (busy, total) jiffies: half the machine busy
+    monkeypatch.setattr(train_module, "_cpu_jiffies", lambda: next(samples))
+    monkeypatch.setattr(train_module.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(train_module, "TORCH_DEFAULT_THREADS", 4)
+    assert train_module.busy_cores(window_s=0) == 2.0
+    monkeypatch.setattr(train_module, "busy_cores", lambda: 3.7)
+    assert train_module.cpu_threads() == 1  # never fewer than one
+    monkeypatch.setattr(train_module, "busy_cores", lambda: 0.0)
+    assert train_module.cpu_threads() == 4

@@ -329,15 +329,37 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def cpu_threads() -> int:
-    """Threads for torch's CPU kernels: one per core that other processes are not already using.
+    """Threads for torch's CPU kernels: one per core that other processes are not using right now.
 
     torch's OpenMP threads spin-wait for each other at every parallel region; on an oversubscribed
     CPU a thread is often descheduled while its partner spins, and 2 threads on 2 busy cores ran
-    ~5× slower than 1 here. So: cores minus the 1-minute load average, at least 1.
+    ~5× slower than 1 here. So: cores minus the cores busy now, at least 1.
     """
     cores = TORCH_DEFAULT_THREADS
-    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    return max(1, min(cores, round(cores - busy)))
+    return max(1, min(cores, round(cores - busy_cores())))
+
+
+def busy_cores(window_s: float = 0.25) -> float:
+    """Cores busy over the next `window_s` seconds (Linux /proc/stat), else the 1-minute load average.
+
+    The load average lags by minutes: right after a heavy job (say a `pip install`) it would take
+    cores from a run that has the machine to itself.
+    """
+    try:
+        before = _cpu_jiffies()
+        time.sleep(window_s)
+        after = _cpu_jiffies()
+    except (OSError, ValueError):
+        return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    busy, total = after[0] - before[0], after[1] - before[1]
+    return (os.cpu_count() or 1) * busy / total if total > 0 else 0.0
+
+
+def _cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU time of the whole machine from the first line of /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
 
 
 def seed_everything(seed: int) -> None:
