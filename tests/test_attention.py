@@ -7,6 +7,7 @@ from decoderlm import DecoderLM, ModelConfig
 from decoderlm.attention import (
     CausalSelfAttention,
     attend,
+    blockwise_attention,
     build_mask,
     causal_mask,
     scaled_dot_product_attention,
@@ -151,6 +152,43 @@ def test_backend_bf16_stays_close_to_float64(backend):
     ref, _ = scaled_dot_product_attention(q64, k64, v64, causal_mask(100, 100))
     # bf16 keeps 8 bits of mantissa (relative rounding 2^-9 ≈ 0.002) in inputs and output.
     torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("t_q", "t_k", "causal", "padded"),
+    [
+        (13, 13, True, False),
+        (13, 13, True, True),
+        (7, 13, True, True),  # the last 7 of 13 cached positions
+        (1, 13, True, True),  # one decode step
+        (13, 13, False, True),
+    ],
+)
+def test_blockwise_attention_equals_the_formula(t_q, t_k, causal, padded):
+    (q, k, v), _, _ = _reference_and_inputs(2, 4, 2, t_q, t_k, 8, torch.float64)
+    key_mask = None
+    if padded:
+        key_mask = torch.ones(2, t_k, dtype=torch.bool)
+        key_mask[0, :4] = False
+    expected, _ = scaled_dot_product_attention(
+        q, k, v, build_mask(t_q, t_k, causal, key_mask, q.device)
+    )
+    out = blockwise_attention(q, k, v, causal=causal, key_mask=key_mask, block_size=5)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("t", [64, 200])  # the explicit formula (T ≤ 128), torch's fused kernel
+def test_sdpa_backend_bf16_training_gradients_stay_close_to_float64(t):
+    (q, k, v), (q64, k64, v64), do64 = _reference_and_inputs(2, 4, 2, t, t, 32, torch.bfloat16)
+    out, _ = attend(q, k, v, causal=True, backend="sdpa")
+    out.backward(do64.to(torch.bfloat16))
+    refs = [x.clone().requires_grad_() for x in (q64, k64, v64)]
+    ref, _ = scaled_dot_product_attention(*refs, causal_mask(t, t))
+    ref.backward(do64)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    for ours, theirs in zip((q, k, v), refs, strict=True):
+        # Gradients sum T bf16-rounded products: relative error a few × 2^-9, on values of O(1).
+        torch.testing.assert_close(ours.grad.double(), theirs.grad, rtol=5e-2, atol=5e-2)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
