@@ -71,8 +71,10 @@ def scaled_dot_product_attention(
             scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
         )
     weights = torch.softmax(scores, dim=-1)  # (B, H, Tq, Tk)
-    if mask is not None:
-        weights = weights.nan_to_num(0.0)  # a row with every key masked: 0/0
+    if mask is not None:  # a row with every key masked is 0/0: make it zeros
+        weights = (
+            weights.masked_fill(~mask, 0.0) if mask.dtype == torch.bool else weights.nan_to_num(0.0)
+        )
     weights = weights.to(q.dtype)
     dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
     out = dropped.reshape(b, h_kv, h // h_kv, t_q, t_k) @ v.unsqueeze(2)  # (B, Hkv, G, Tq, D)

@@ -35,6 +35,11 @@ Prompt = Tensor | Sequence[Sequence[int]] | Sequence[int]
 EOS_CHECK_INTERVAL = 16
 # Compiled decoding sizes its cache in multiples of this, so nearby lengths share one compiled graph.
 COMPILE_CACHE_MULTIPLE = 256
+# Compiled prefill left-pads prompts to a multiple of this, for the same reason.
+COMPILE_PREFILL_MULTIPLE = 64
+# Prefill is compiled (with `compile`) for these weights only: in float32, eager prefill runs
+# oneDNN's GEMMs, faster here than the MKL ones a compiled graph calls (benchmarks/decode.py).
+COMPILED_PREFILL_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -172,6 +177,19 @@ def _compiled_next_logits() -> Callable[..., Tensor]:
     return torch.compile(_next_logits, dynamic=False, options=_INDUCTOR_OPTIONS)
 
 
+def _prefill_logits(
+    model: DecoderLM, cache: StaticKVCache, idx: Tensor, positions: Tensor, key_mask: Tensor | None
+) -> Tensor:
+    """`_next_logits` for a whole prompt; a function of its own, so that its compiled graphs (one
+    per padded prompt length) and the one-token step's are cached apart."""
+    return _next_logits(model, cache, idx, positions, key_mask)
+
+
+@functools.cache
+def _compiled_prefill_logits() -> Callable[..., Tensor]:
+    return torch.compile(_prefill_logits, dynamic=False)
+
+
 @contextmanager
 def evaluating(model: DecoderLM) -> Iterator[None]:
     """Eval mode (no dropout) and no autograd for the duration; the model's mode is restored after."""
@@ -244,10 +262,14 @@ def decode_steps(
     cfg = model.config
     context = cfg.context_length
     check_lengths(rows, max_new_tokens, context, sliding_window)
-    longest = max(len(row) for row in rows)
+    n = max(len(row) for row in rows)  # the first fill: the prompts, left-padded to n tokens
     weight = model.tok_emb.weight
     device = weight.device
-    max_len = min(longest + max_new_tokens, context)
+    compile_prefill = compile and weight.dtype in COMPILED_PREFILL_DTYPES
+    if compile_prefill:
+        rounded = math.ceil(n / COMPILE_PREFILL_MULTIPLE) * COMPILE_PREFILL_MULTIPLE
+        n = rounded if rounded + max_new_tokens <= context else n
+    max_len = min(n + max_new_tokens, context)
     if compile:
         max_len = min(math.ceil(max_len / COMPILE_CACHE_MULTIPLE) * COMPILE_CACHE_MULTIPLE, context)
     cache = StaticKVCache(cfg, len(rows), max_len, weight.dtype, device)
@@ -259,7 +281,6 @@ def decode_steps(
 
     produced = 0
     while True:  # one pass per cache fill; more than one only with the sliding window
-        n = max(len(row) for row in rows)
         pad = torch.tensor([n - len(row) for row in rows], device=device)  # (B,) left padding
         slots = torch.arange(max_len, device=device)  # (S,)
         filled = slots[None, :] >= pad[:, None]  # (B, S) key mask: real tokens, not padding
@@ -267,7 +288,8 @@ def decode_steps(
         idx = torch.tensor([[0] * (n - len(row)) + row for row in rows], device=device)  # (B, n)
         positions = (slots[None, :n] - pad[:, None]).clamp(min=0)  # (B, n): 0 at the 1st token
         cache.seek(slots[:n], n)
-        logits = _next_logits(model, cache, idx, positions, filled[:, :n] if padded else None)
+        prefill = _compiled_prefill_logits() if compile_prefill else _next_logits
+        logits = prefill(model, cache, idx, positions, filled[:, :n] if padded else None)
         filled &= slots < n  # from here on: the slots holding a real token
         prefilled = n
         new: list[Tensor] = []
@@ -304,6 +326,7 @@ def decode_steps(
         keep = context - max(1, context // 4)
         generated = torch.stack(new, dim=1).tolist()  # (B, n_new)
         rows = [(row + extra)[-keep:] for row, extra in zip(rows, generated, strict=True)]
+        n = keep
 
 
 def generate(
