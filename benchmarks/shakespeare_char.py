@@ -44,7 +44,8 @@ import torch
 
 from decoderlm import ModelConfig, checkpoint, data
 from decoderlm.evaluate import evaluate_tokens
-from decoderlm.train import TrainConfig, cpu_threads, measure_peak_flops, resolve_dtype, train
+from decoderlm.train import cpu_threads, measure_peak_flops, resolve_dtype, train
+from decoderlm.train_config import TrainConfig
 
 DEFAULT_DATA = (
     Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare.txt"

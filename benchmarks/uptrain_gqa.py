@@ -31,7 +31,8 @@ from decoderlm import checkpoint, data, gqa
 from decoderlm.config import ModelConfig
 from decoderlm.evaluate import evaluate_tokens
 from decoderlm.kv_cache import kv_cache_bytes_per_token
-from decoderlm.train import TrainConfig, train
+from decoderlm.train import train
+from decoderlm.train_config import TrainConfig
 
 DEFAULT_DATA = (
     Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare.txt"

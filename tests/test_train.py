@@ -21,13 +21,9 @@ from safetensors.torch import load_file
 from decoderlm import ModelConfig, checkpoint, data
 from decoderlm.errors import DecoderLMError
 from decoderlm.model import DecoderLM
-from decoderlm.train import (
-    TrainConfig,
-    learning_rate,
-    param_groups,
-    resolve_dtype,
-    train,
-)
+from decoderlm.optim import learning_rate, param_groups
+from decoderlm.train import resolve_dtype, train
+from decoderlm.train_config import TrainConfig
 
 WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "log", "and", "then"]
 

@@ -15,7 +15,7 @@ import pytest
 
 from decoderlm import ModelConfig, checkpoint
 from decoderlm.cli import build_parser, main
-from decoderlm.train import TrainConfig
+from decoderlm.train_config import TrainConfig
 
 # A tiny GQA model and a short run: every run below takes a few seconds on one core.
 TINY = [

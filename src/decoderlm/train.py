@@ -1,13 +1,7 @@
 """Training a DecoderLM: AdamW, warmup + cosine schedule, mixed precision, evaluation, exact resume.
 
 One optimizer step sees `batch_size` sequences: `grad_accum` micro-steps on each of `world_size`
-processes, the gradients averaged, g = 1/(A·N) Σ ∇ℓ(micro-batch). Then
-- gradient clipping: g ← g · min(1, grad_clip / ‖g‖₂) (Pascanu et al., 2013);
-- AdamW (Loshchilov & Hutter, 2019): θ ← θ − lr·(m̂ / (√v̂ + ε) + λθ), with the decay λ only on the
-  weights of linear layers (see `param_groups`);
-- the learning rate: linear warmup, then cosine decay to a floor (Loshchilov & Hutter, 2017),
-  lr(p) = min_lr + ½(lr − min_lr)(1 + cos πp), p ∈ [0, 1] the fraction of the run done (by steps,
-  or by time when `max_time` ends the run).
+processes, the gradients averaged; clipping, AdamW and the schedule are in `decoderlm.optim`.
 
 Mixed precision: parameters and optimizer state stay float32; the forward pass runs under bf16
 autocast on CPUs with native bf16 (avx512_bf16/AMX) and on CUDA; fp16 only on CUDA, with a
@@ -33,7 +27,6 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -44,16 +37,16 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from decoderlm import checkpoint, data, distributed
-from decoderlm.config import ModelConfig, dataclass_from_dict
-from decoderlm.errors import ConfigError, DecoderLMError
+from decoderlm.config import ModelConfig
+from decoderlm.errors import DecoderLMError
 from decoderlm.evaluate import bits_per_byte
 from decoderlm.generate import generate
 from decoderlm.model import DecoderLM, next_token_loss
+from decoderlm.optim import learning_rate, make_optimizer
 from decoderlm.tokenizer import Tokenizer
+from decoderlm.train_config import DEFAULT_PRESET, TrainConfig
 
-DTYPES = ("auto", "fp32", "bf16", "fp16")
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DEFAULT_PRESET = "llama-tiny"  # the main job's model: RoPE, GQA, RMSNorm, SwiGLU (`ModelConfig`)
 # What the main job's samples continue (its corpus is Python source). No trailing space: byte-level
 # BPE joins a space to the word after it (" foo"), so "def " would make the model start a new word.
 MAIN_JOB_PROMPT = "def"
@@ -62,206 +55,7 @@ FINAL_SAMPLES = 3
 TORCH_DEFAULT_THREADS = torch.get_num_threads()  # one per core this process may use (at import)
 
 
-@dataclass
-class TrainConfig:
-    batch_size: int = 16  # sequences per optimizer step, summed over micro-steps and processes
-    grad_accum: int = 1  # micro-steps per optimizer step (each batch_size / grad_accum sequences)
-    lr: float = 2e-3  # peak learning rate, reached after warmup (small models take large rates)
-    min_lr: float = 2e-4  # the cosine's floor at the end of the run (lr/10, as in Chinchilla)
-    warmup_steps: int = 50  # linear warmup from lr/warmup_steps to lr
-    weight_decay: float = 0.1  # decoupled (AdamW), on linear-layer weights only
-    beta1: float = 0.9
-    beta2: float = 0.95  # GPT-3/Llama: faster-adapting second moment than 0.999 for LMs
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # max global gradient norm; 0 = no clipping
-    max_steps: int = 0  # stop after this many optimizer steps; 0 = no step limit
-    max_time: float = 300.0  # seconds of training before stopping (summed over resumes); 0 = none
-    decay_steps: int = 0  # steps of the cosine decay (nanoGPT's lr_decay_iters); 0 = max_steps
-    eval_interval: int = 100  # steps between evaluations (val loss, perplexity, bits/byte, sample)
-    eval_iters: int = 10  # val batches per evaluation
-    checkpoint_interval: int = 100  # steps between checkpoints; 0 = only at the end
-    keep_last: int = 2  # checkpoints kept besides the best one
-    log_interval: int = 10  # steps between metrics.jsonl lines and progress-bar updates
-    sample_tokens: int = 64  # tokens generated for the sample shown at each evaluation
-    sample_prompt: str = ""  # "" = from end-of-text (the main job: "def")
-    temperature: float = 0.8  # sampling temperature of the samples
-    top_k: int = 50  # sample among the k most likely tokens; 0 = all
-    seed: int = 1337  # model init, data order and sampling all follow from it
-    device: str = "auto"  # auto (CUDA if available), cpu, cuda, cuda:N
-    dtype: str = "auto"  # autocast dtype: auto (bf16 where native), fp32, bf16, fp16 (CUDA only)
-    compile: bool = False  # torch.compile the training forward pass
-    threads: int = 0  # CPU threads for torch; 0 = auto: the cores not already busy (`cpu_threads`)
-    strategy: str = "none"  # data parallelism under torchrun: none, ddp, fsdp
-    without_replacement: bool = False  # each epoch visits every non-overlapping window once
-    peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = measure a matmul at the start
-
-    def __post_init__(self) -> None:
-        hints = {f.name: f.type for f in dataclasses.fields(self)}
-        for name, kind in hints.items():
-            value = getattr(self, name)
-            if kind == "bool":
-                ok = isinstance(value, bool)
-            elif kind == "int":
-                ok = isinstance(value, int) and not isinstance(value, bool)
-            elif kind == "float":
-                ok = isinstance(value, int | float) and not isinstance(value, bool)
-            else:
-                ok = isinstance(value, str)
-            if not ok:
-                raise ConfigError(f"{name}={value!r} must be of type {kind}")
-        positive = ("batch_size", "grad_accum", "eval_iters", "keep_last", "log_interval")
-        for name in positive:
-            _require(getattr(self, name) >= 1, name, getattr(self, name), "must be ≥ 1")
-        non_negative = (
-            *("warmup_steps", "max_steps", "max_time", "decay_steps", "eval_interval"),
-            *("checkpoint_interval", "sample_tokens", "weight_decay", "grad_clip", "top_k"),
-            "threads",
-        )
-        for name in non_negative:
-            _require(getattr(self, name) >= 0, name, getattr(self, name), "must be ≥ 0")
-        _require(self.lr > 0, "lr", self.lr, "must be > 0")
-        _require(
-            0 <= self.min_lr <= self.lr, "min_lr", self.min_lr, f"must be in [0, lr={self.lr}]"
-        )
-        for name in ("beta1", "beta2"):
-            _require(0 <= getattr(self, name) < 1, name, getattr(self, name), "must be in [0, 1)")
-        _require(self.eps > 0, "eps", self.eps, "must be > 0")
-        _require(self.temperature >= 0, "temperature", self.temperature, "must be ≥ 0")
-        _require(self.seed >= 0, "seed", self.seed, "must be ≥ 0")
-        _require(self.peak_flops >= 0, "peak_flops", self.peak_flops, "must be ≥ 0")
-        _require(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
-        strategies = distributed.STRATEGIES
-        _require(
-            self.strategy in strategies,
-            "strategy",
-            self.strategy,
-            f"must be one of {', '.join(strategies)}",
-        )
-        if self.batch_size % self.grad_accum:
-            raise ConfigError(
-                f"batch_size={self.batch_size} must be divisible by grad_accum={self.grad_accum}"
-            )
-        if not self.max_steps and not self.max_time:
-            raise ConfigError("max_steps=0 and max_time=0: set at least one to end the run")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        return dataclass_from_dict(cls, values, "train")
-
-
-def _require(ok: bool, name: str, value: Any, rule: str) -> None:
-    if not ok:
-        raise ConfigError(f"{name}={value!r} {rule}")
-
-
-# ---- configuration from files -----------------------------------------------------------------
-
-CONFIG_FILE_KEYS = ("preset", "data", "input", "out", "tokenizer", "vocab_size", "model", "train")
-
-
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """A TOML run description: [model] and [train] tables of fields, plus optional top-level keys
-    preset, data, input (a list of paths), out, tokenizer and vocab_size (as the CLI flags)."""
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:
-        import tomli as tomllib
-
-    path = Path(path)
-    try:
-        values = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise DecoderLMError(f"no such config file: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DecoderLMError(f"cannot read config file {path}: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise DecoderLMError(f"{path} is not valid TOML: {exc}") from None
-    unknown = sorted(set(values) - set(CONFIG_FILE_KEYS))
-    if unknown:
-        raise DecoderLMError(
-            f"{path}: unknown key {unknown[0]!r}; allowed: {', '.join(CONFIG_FILE_KEYS)}"
-        )
-    for table in ("model", "train"):
-        if not isinstance(values.get(table, {}), dict):
-            raise DecoderLMError(f"{path}: {table!r} must be a table ([{table}])")
-    return values
-
-
-def build_configs(
-    preset: str | None = None,
-    model: dict[str, Any] | None = None,
-    train: dict[str, Any] | None = None,
-    resume_from: str | Path | None = None,
-) -> tuple[ModelConfig | None, TrainConfig]:
-    """ModelConfig and TrainConfig from a preset and field overrides (e.g. a TOML file, then flags).
-
-    Model fields apply to the preset (default llama-tiny), or when resuming without a preset to the
-    run's own model; with neither a preset nor model fields the model is left to `train`. When
-    resuming, the training fields start from the run's saved ones, so `--resume --max-steps 2000`
-    changes only the step limit.
-    """
-    saved: dict[str, Any] = {}
-    ckpt = checkpoint.latest_checkpoint(resume_from) if resume_from is not None else None
-    if ckpt is not None:
-        saved = checkpoint.read_run_config(ckpt)
-    train_config = TrainConfig.from_dict({**saved.get("train", {}), **(train or {})})
-    if preset is None and not model:
-        return None, train_config
-    if preset is None and "model" in saved:
-        return ModelConfig.from_dict({**saved["model"], **(model or {})}), train_config
-    return ModelConfig.from_preset(preset or DEFAULT_PRESET, **(model or {})), train_config
-
-
-# ---- optimizer, schedule, precision -----------------------------------------------------------
-
-
-def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: weight decay on the weights of linear layers, none elsewhere.
-
-    Decayed: every matrix used in a matmul (attention and MLP projections, the LM head, and so a
-    tied token embedding, which is the head's weight). Not decayed: norms' gains, biases, and
-    untied embedding tables (token or learned positions): a table row gets a gradient only when
-    its token/position occurs, but decay would shrink it every step, pulling rare tokens to 0.
-    """
-    linear = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)}
-    params = [p for p in module.parameters() if p.requires_grad]  # shared tensors once
-    return [
-        {"params": [p for p in params if id(p) in linear], "weight_decay": weight_decay},
-        {"params": [p for p in params if id(p) not in linear], "weight_decay": 0.0},
-    ]
-
-
-def make_optimizer(module: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over `param_groups`, with the fused (single-kernel) implementation on CPU and CUDA."""
-    return torch.optim.AdamW(
-        param_groups(module, cfg.weight_decay),
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        fused=device.type in ("cpu", "cuda"),
-    )
-
-
-def learning_rate(cfg: TrainConfig, step: int, elapsed: float) -> float:
-    """lr for optimizer step `step` (0-based): linear warmup, then cosine down to min_lr.
-
-    p, the fraction of the decay done, counts the steps after warmup up to decay_steps (default
-    max_steps), or the seconds of max_time, whichever is further along.
-    """
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = 0.0
-    horizon = cfg.decay_steps or cfg.max_steps
-    if horizon:
-        progress = (step - cfg.warmup_steps) / max(1, horizon - cfg.warmup_steps)
-    if cfg.max_time:
-        progress = max(progress, elapsed / cfg.max_time)
-    progress = min(max(progress, 0.0), 1.0)
-    # lr(p) = min_lr + ½(lr − min_lr)(1 + cos πp)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+# ---- precision, threads, RNG ------------------------------------------------------------------
 
 
 def cpu_has_native_bf16() -> bool:

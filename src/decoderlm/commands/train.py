@@ -27,7 +27,7 @@ MODEL_FIELDS_SKIPPED = ("vocab_size", "extra")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from decoderlm.train import TrainConfig
+    from decoderlm.train_config import TrainConfig
 
     parser.add_argument(
         "--config", metavar="FILE", help="TOML file with [model] and [train] tables"
@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from decoderlm.train import TrainConfig, build_configs, latest_run, read_config_file, train
+    from decoderlm.train import latest_run, train
+    from decoderlm.train_config import TrainConfig, build_configs, read_config_file
 
     file = read_config_file(args.config) if args.config else {}
     model = {**file.get("model", {}), **_flag_values(args, ModelConfig)}
