@@ -1,6 +1,6 @@
 """Which attention path is faster on this CPU: torch's fused SDPA kernel or our blockwise formula.
 
-    python benchmarks/cpu_attention.py [--threads N] [--repeats R] [--json PATH]
+    python benchmarks/cpu_attention.py [--quick] [--threads N] [--repeats R] [--json PATH]
 
 `decoderlm.attention.attend(backend="sdpa")` sends a CPU call to `blockwise_attention` (the
 explicit softmax(QKᵀ/√d + M)V a block of 128 queries at a time, causal blocks skipping the keys
@@ -16,6 +16,7 @@ otherwise. This prints the measurements behind that rule, for the shapes the lib
 
 each in float32 and bfloat16, eager and under torch.compile. Times are the best of --repeats
 rounds (this CPU is shared), in milliseconds; "rule" is the path `blockwise_is_faster` picks.
+--quick: the smallest shape of each kind, one round.
 """
 
 from __future__ import annotations
@@ -112,10 +113,15 @@ def measure(shape: tuple, dtype: torch.dtype, repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one shape per kind, one round")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    shapes = SHAPES
+    if args.quick:
+        shapes = [s for s in SHAPES if s[0] in ("train T=64", "prefill T=512", "decode Tk=256")]
+        args.repeats = 1
     if args.threads:
         torch.set_num_threads(args.threads)
     torch._dynamo.config.cache_size_limit = 64  # one graph per shape and dtype
@@ -128,7 +134,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     rows = []
-    for shape in SHAPES:
+    for shape in shapes:
         for dtype in DTYPES.values():
             r = measure(shape, dtype, args.repeats)
             rows.append(r)

@@ -53,7 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", default=None, help="weights dtype: float32 (default), bfloat16, float16"
     )
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the one-token step")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the one-token step (and the bf16/fp16 prefill)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
