@@ -239,13 +239,23 @@ def test_cpu_linear_kernels_compute_the_same_linear_maps():
     g = torch.Generator().manual_seed(0)
     x, w, b = (torch.randn(*shape, generator=g) for shape in [(3, 7, 48), (80, 48), (80,)])
     expected = torch.nn.functional.linear(x.double(), w.double(), b.double()).float()
-    with CPULinearKernels():  # several float32 rows: oneDNN's GEMM
+    with torch.inference_mode(), CPULinearKernels():  # float32, eager: oneDNN's linear
         several = torch.nn.functional.linear(x, w, b)
+        one_eager = torch.nn.functional.linear(x[:1, :1], w, b)
     with CPULinearKernels(compiling=True):  # one row (for torch.compile): a product and a row sum
         one = torch.nn.functional.linear(x[:1, :1], w, b)
     # float32 sums of 48 products of unit-scale numbers: rounding errors ~1e-6.
     torch.testing.assert_close(several, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(one_eager, expected[:1, :1], rtol=0, atol=1e-5)
     torch.testing.assert_close(one, expected[:1, :1], rtol=0, atol=1e-5)
+
+
+def test_cpu_linear_kernels_leave_autograd_to_f_linear():
+    w = torch.randn(8, 4, requires_grad=True)
+    with CPULinearKernels():
+        y = torch.nn.functional.linear(torch.randn(3, 4), w)
+    y.sum().backward()  # oneDNN's inference kernel has no backward: F.linear must have run
+    assert w.grad is not None and w.grad.shape == (8, 4)
 
 
 def test_compiled_decoding_gives_the_eager_tokens_for_each_model_and_batch_shape():
