@@ -9,8 +9,8 @@ A LLaMA-shaped model of ~55M parameters (preset "llama-55m": d_model 512, 8 laye
   of --runs runs, the two libraries interleaved so that both see the same load on a shared CPU;
   "× HF" is the median of the runs' ratios (each run times both sides back to back).
 - prefill tok/s: a 512-token prompt, 512 / (time to the first new token). Ours runs with
-  `compile=True` as for decoding: bf16 prefill is compiled (prompts left-padded to a multiple of
-  64), float32 prefill stays eager on oneDNN's GEMMs (see `decoderlm.generate`).
+  `compile=True` as for decoding: the prefill is compiled too (prompts left-padded to a multiple
+  of 64), float32 linears calling oneDNN (see `decoderlm.generate.CPULinearKernels`).
 - the memory-bandwidth floor: decoding one token reads every weight once, so it takes at least
   weight bytes / copy bandwidth (bandwidth = bytes read + written by a 256 MiB tensor copy). Shown
   for all the weights (the issue's definition) and for those read per token (the token-embedding

@@ -37,9 +37,8 @@ EOS_CHECK_INTERVAL = 16
 COMPILE_CACHE_MULTIPLE = 256
 # Compiled prefill left-pads prompts to a multiple of this, for the same reason.
 COMPILE_PREFILL_MULTIPLE = 64
-# Prefill is compiled (with `compile`) for these weights only: in float32, eager prefill runs
-# oneDNN's GEMMs, faster here than the MKL ones a compiled graph calls (benchmarks/decode.py).
-COMPILED_PREFILL_DTYPES = (torch.bfloat16, torch.float16)
+# Prefill is compiled (with `compile`) for these weights.
+COMPILED_PREFILL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -118,10 +117,10 @@ class CPULinearKernels(TorchFunctionMode):
     - One row under torch.compile (decoding one sequence, which is bound by reading the weights):
       y_n = Σ_k x_k W_nk as a product and a row sum, which inductor fuses into one vectorised pass
       streaming W at close to memory bandwidth; F.linear's GEMV reaches about half of that.
-    - float32, eager, no autograd (prefill, evaluation, the LM head of the last position): oneDNN's
-      linear, which ran 2-3× faster than the MKL sgemm/sgemv behind F.linear on the (AMD) CPU this
-      was measured on (llama-55m shapes: 0.8 ms against 1.8 for 512×512→768; 1.2 ms against 3.9
-      for the 512→32000 head of one row).
+    - The other float32 calls without autograd (prefill, evaluation, the LM head of the last
+      position; eager or compiled): oneDNN's dense linear (`onednn_linear`), which ran 2-3× faster
+      than the MKL sgemm/sgemv behind F.linear on the (AMD) CPU this was measured on (llama-55m
+      shapes: 0.8 ms against 1.8 for 512×512→768; 1.2 ms against 3.9 for the 512→32000 head).
     """
 
     def __init__(self, compiling: bool = False) -> None:
@@ -145,14 +144,26 @@ class CPULinearKernels(TorchFunctionMode):
             type(t) in (Tensor, nn.Parameter) and t.dtype == torch.float32 for t in tensors
         )
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        if not self.compiling and plain_float32 and not needs_grad and _HAS_ONEDNN:
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # (..., N)
+        if plain_float32 and not needs_grad and _HAS_ONEDNN:
+            return onednn_linear(x, weight, bias)  # (..., N)
         return func(*args, **kwargs)
 
 
 _HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_linear_pointwise"
 )
+
+
+@torch.library.custom_op("decoderlm::onednn_linear", mutates_args=())
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x Wᵀ + b by oneDNN's dense linear (inference only); an opaque op, so that torch.compile
+    calls it as it is rather than lowering it to the MKL GEMM behind F.linear."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def _next_logits(

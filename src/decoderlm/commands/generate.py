@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="torch.compile the one-token step (and the bf16/fp16 prefill)",
+        help="torch.compile the one-token step (and the prefill)",
     )
 
 
