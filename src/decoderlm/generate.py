@@ -37,8 +37,6 @@ EOS_CHECK_INTERVAL = 16
 COMPILE_CACHE_MULTIPLE = 256
 # Compiled prefill left-pads prompts to a multiple of this, for the same reason.
 COMPILE_PREFILL_MULTIPLE = 64
-# Prefill is compiled (with `compile`) for these weights.
-COMPILED_PREFILL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -280,8 +278,7 @@ def decode_steps(
     n = max(len(row) for row in rows)  # the first fill: the prompts, left-padded to n tokens
     weight = model.tok_emb.weight
     device = weight.device
-    compile_prefill = compile and weight.dtype in COMPILED_PREFILL_DTYPES
-    if compile_prefill:
+    if compile:
         rounded = math.ceil(n / COMPILE_PREFILL_MULTIPLE) * COMPILE_PREFILL_MULTIPLE
         n = rounded if rounded + max_new_tokens <= context else n
     max_len = min(n + max_new_tokens, context)
@@ -303,7 +300,7 @@ def decode_steps(
         idx = torch.tensor([[0] * (n - len(row)) + row for row in rows], device=device)  # (B, n)
         positions = (slots[None, :n] - pad[:, None]).clamp(min=0)  # (B, n): 0 at the 1st token
         cache.seek(slots[:n], n)
-        prefill = _compiled_prefill_logits() if compile_prefill else _next_logits
+        prefill = _compiled_prefill_logits() if compile else _next_logits
         logits = prefill(model, cache, idx, positions, filled[:, :n] if padded else None)
         filled &= slots < n  # from here on: the slots holding a real token
         prefilled = n
@@ -365,7 +362,8 @@ def generate(
     (and including) `eos_id` if that was generated. With `num_samples` > 1, each prompt gives that
     many rows, in order (prompt 0 sample 0, prompt 0 sample 1, ...). temperature 0 = greedy. A seed
     makes sampling reproducible; without one, torch's global generator is used. `compile` compiles
-    the one-token step with torch.compile (the first call pays for the compilation).
+    the prefill and the one-token step with torch.compile (the first call of a shape pays for the
+    compilation; prompts are left-padded to a multiple of 64 so that nearby lengths share one).
     """
     params = SamplingParams(temperature, top_k, top_p, repetition_penalty)
     if not (isinstance(num_samples, int) and num_samples >= 1):
