@@ -42,7 +42,7 @@ SHAPES = [
     ("decode Tk=256", 1, 8, 2, 1, 256, 64, False),
     ("decode Tk=2048", 1, 8, 2, 1, 2048, 64, False),
 ]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
@@ -54,10 +54,6 @@ def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 
 def blockwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
     return blockwise_attention(q, k, v, causal=mask is None, key_mask=mask)
-
-
-def rule(q: torch.Tensor, t_k: int) -> bool:
-    return blockwise_is_faster(q, t_k)
 
 
 def best_ms(fn: Callable[[], object], repeats: int, budget_s: float = 0.2) -> float:
@@ -104,9 +100,12 @@ def measure(shape: tuple, dtype: torch.dtype, repeats: int) -> dict:
             row[f"{path}{' compiled' if compiled else ''}"] = best_ms(step, repeats)
         with torch.inference_mode(mode=not training):
             probe = q.detach().requires_grad_(training)
-            picks = (
-                torch.compile(rule, fullgraph=True)(probe, t_k) if compiled else rule(probe, t_k)
+            rule = (
+                torch.compile(blockwise_is_faster, fullgraph=True)
+                if compiled
+                else blockwise_is_faster
             )
+            picks = rule(probe, t_k)
         row[f"rule{' compiled' if compiled else ''}"] = "blockwise" if picks else "sdpa"
     return row
 
@@ -135,7 +134,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     rows = []
     for shape in shapes:
-        for dtype in DTYPES.values():
+        for dtype in DTYPES:
             r = measure(shape, dtype, args.repeats)
             rows.append(r)
             print(

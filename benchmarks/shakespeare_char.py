@@ -52,6 +52,15 @@ DEFAULT_DATA = (
 )
 # nanoGPT itself on this machine (issue 3): 2000 iterations, 29 ms each, 4.3 minutes in all.
 NANOGPT = {"steps": 2000, "tokens_per_s": 26_000, "val_loss": 1.886, "wall_s": 4.3 * 60}
+# What both recipes share: nanoGPT's β₂ and evaluation (20 batches every 250 steps), compiled.
+COMMON = dict(
+    beta2=0.99,
+    eval_interval=250,
+    eval_iters=20,
+    checkpoint_interval=250,
+    log_interval=10,
+    compile=True,
+)
 
 
 def nanogpt_recipe(vocab_size: int, quick: bool) -> tuple[ModelConfig, TrainConfig]:
@@ -76,14 +85,9 @@ def nanogpt_recipe(vocab_size: int, quick: bool) -> tuple[ModelConfig, TrainConf
         warmup_steps=100,
         max_steps=steps,
         max_time=0.0,
-        beta2=0.99,
         weight_decay=0.1,
         grad_clip=1.0,
-        eval_interval=250,
-        eval_iters=20,
-        checkpoint_interval=250,
-        log_interval=10,
-        compile=True,
+        **COMMON,
     )
     return model, train_cfg
 
@@ -110,12 +114,7 @@ def our_recipe(vocab_size: int, budget_s: float) -> tuple[ModelConfig, TrainConf
         min_lr=3e-4,
         warmup_steps=50,
         max_time=budget_s,  # the cosine decays over the time budget
-        beta2=0.99,
-        eval_interval=250,
-        eval_iters=20,
-        checkpoint_interval=250,
-        log_interval=10,
-        compile=True,
+        **COMMON,
     )
     return model, train_cfg
 

@@ -111,6 +111,13 @@ def _reference_and_inputs(b, h, h_kv, t_q, t_k, d, dtype, seed=0):
     return [t.to(dtype).requires_grad_() for t in (q64, k64, v64)], (q64, k64, v64), do64
 
 
+def _left_padding(b: int, t_k: int) -> torch.Tensor:
+    """(b, t_k) key mask: row 0 starts with t_k // 3 padding keys, as a shorter prompt in a batch."""
+    key_mask = torch.ones(b, t_k, dtype=torch.bool)
+    key_mask[0, : t_k // 3] = False
+    return key_mask
+
+
 CASES = [  # (b, h, h_kv, t_q, t_k, causal, padded)
     (2, 4, 4, 1, 1, True, False),
     (2, 4, 2, 7, 7, True, False),
@@ -128,10 +135,7 @@ CASES = [  # (b, h, h_kv, t_q, t_k, causal, padded)
 def test_backend_matches_float64_reference(backend, b, h, h_kv, t_q, t_k, causal, padded):
     d = 16
     (q, k, v), (q64, k64, v64), do64 = _reference_and_inputs(b, h, h_kv, t_q, t_k, d, torch.float32)
-    key_mask = None
-    if padded:  # left padding of a different length per row, as in a batch of prompts
-        key_mask = torch.ones(b, t_k, dtype=torch.bool)
-        key_mask[0, : t_k // 3] = False
+    key_mask = _left_padding(b, t_k) if padded else None
     out, _ = attend(q, k, v, causal=causal, key_mask=key_mask, backend=backend)
     out.backward(do64.float())
     ref_inputs = [t.clone().requires_grad_() for t in (q64, k64, v64)]
@@ -166,10 +170,7 @@ def test_backend_bf16_stays_close_to_float64(backend):
 )
 def test_blockwise_attention_equals_the_formula(t_q, t_k, causal, padded):
     (q, k, v), _, _ = _reference_and_inputs(2, 4, 2, t_q, t_k, 8, torch.float64)
-    key_mask = None
-    if padded:
-        key_mask = torch.ones(2, t_k, dtype=torch.bool)
-        key_mask[0, :4] = False
+    key_mask = _left_padding(2, t_k) if padded else None
     expected, _ = scaled_dot_product_attention(
         q, k, v, build_mask(t_q, t_k, causal, key_mask, q.device)
     )

@@ -66,15 +66,17 @@ def scaled_dot_product_attention(
     q_grouped = q.reshape(b, h_kv, h // h_kv, t_q, d)  # (B, Hkv, G, Tq, D)
     scores = q_grouped @ k.unsqueeze(2).transpose(-2, -1)  # QKᵀ: (B, Hkv, G, Tq, Tk)
     scores = scores.reshape(b, h, t_q, t_k).to(acc_dtype) * scale  # QKᵀ/√d_k: (B, H, Tq, Tk)
-    if mask is not None:
-        scores = (
-            scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-        )
+    hidden = ~mask if mask is not None and mask.dtype == torch.bool else None
+    if hidden is not None:
+        scores = scores.masked_fill(hidden, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask  # additive
     weights = torch.softmax(scores, dim=-1)  # (B, H, Tq, Tk)
-    if mask is not None:  # a row with every key masked is 0/0: make it zeros
-        weights = (
-            weights.masked_fill(~mask, 0.0) if mask.dtype == torch.bool else weights.nan_to_num(0.0)
-        )
+    # A row with every key masked is 0/0 (NaN): make it zeros.
+    if hidden is not None:
+        weights = weights.masked_fill(hidden, 0.0)
+    elif mask is not None:
+        weights = weights.nan_to_num(0.0)
     weights = weights.to(q.dtype)
     dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
     out = dropped.reshape(b, h_kv, h // h_kv, t_q, t_k) @ v.unsqueeze(2)  # (B, Hkv, G, Tq, D)
@@ -115,13 +117,15 @@ def blockwise_attention(
 def blockwise_is_faster(q: Tensor, t_k: int) -> bool:
     """Whether `blockwise_attention` beats torch's fused SDPA kernel for this shape.
 
-    From benchmarks/cpu_attention.py (torch 2.13 CPU, 2 cores); elsewhere, and on accelerators, the
-    fused kernel is used.
+    From one run of `python benchmarks/cpu_attention.py --threads 2` (torch 2.13 CPU, 2 cores; ms,
+    fused vs formula); elsewhere, and on accelerators, the fused kernel is used.
     - Training in bf16/fp16: torch's CPU flash-attention backward is slow at short context (T=64:
-      3.0 ms against 1.3 eager, 0.9 compiled); compiled, the formula still wins at T=256.
-    - Decoding one token: the fused kernel is slow in bf16 over a masked cache (0.77 ms against 0.54
-      at 2048 slots), and under torch.compile inductor fuses the formula (0.10 ms).
-    - Prefill in bf16/fp16 under torch.compile: 1.5 ms against 3.1 at T=512, 26 against 29 at 2048.
+      2.91 vs 1.05 eager, 3.01 vs 0.83 compiled); compiled, the formula still wins at T=256 (3.04
+      vs 1.94), eagerly not reliably (2.85 vs 2.44 in that run, 2.86 vs 3.60 in another).
+    - Decoding one token: the fused kernel is slow in bf16 over a masked cache (0.74 vs 0.48 at 2048
+      slots), and under torch.compile inductor fuses the formula (0.74 vs 0.09 bf16, 0.11 vs 0.08
+      fp32).
+    - Prefill in bf16/fp16 under torch.compile: 3.15 vs 2.48 at T=512, 29.4 vs 15.4 at T=2048.
     """
     if q.device.type != "cpu":
         return False
