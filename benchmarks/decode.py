@@ -10,7 +10,7 @@ A LLaMA-shaped model of ~55M parameters (preset "llama-55m": d_model 512, 8 laye
   "× HF" is the median of the runs' ratios (each run times both sides back to back).
 - prefill tok/s: a 512-token prompt, 512 / (time to the first new token). Ours runs with
   `compile=True` as for decoding: the prefill is compiled too (prompts left-padded to a multiple
-  of 64), float32 linears calling oneDNN (see `decoderlm.generate.CPULinearKernels`).
+  of 64), float32 linears calling oneDNN (see `decoderlm.decode_step.CPULinearKernels`).
 - the memory-bandwidth floor: decoding one token reads every weight once, so it takes at least
   weight bytes / copy bandwidth (bandwidth = bytes read + written by a 256 MiB tensor copy). Shown
   for all the weights (the issue's definition) and for those read per token (the token-embedding

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import decoderlm
-from decoderlm import DecoderLM, DecoderLMError, ModelConfig
+from decoderlm import DecoderLM, DecoderLMError, ModelConfig, decode_step
+from decoderlm.decode_step import CPULinearKernels
 from decoderlm.generate import (
-    CPULinearKernels,
     IncrementalDecoder,
     SamplingParams,
     StopMatcher,
@@ -258,9 +258,13 @@ def test_cpu_linear_kernels_leave_autograd_to_f_linear():
     assert w.grad is not None and w.grad.shape == (8, 4)
 
 
-def test_compiled_decoding_gives_the_eager_tokens_for_each_model_and_batch_shape():
-    # The compiled one-token step skips most guard checks after its first call: a second model,
-    # and a second batch shape, must still get graphs of their own, not the first one's.
+def test_compiled_decoding_gives_the_eager_tokens_for_each_model_and_batch_shape(
+    tmp_path, monkeypatch
+):
+    # The compiled step takes the weights as inputs: two models of one architecture share one
+    # library on disk (model 1 would decode with model 0's weights if they were baked in), and a
+    # second batch shape gets a library of its own.
+    monkeypatch.setattr(decode_step, "_cache_dir", lambda: tmp_path)
     models = [tiny_model(dtype=torch.float32, seed=seed) for seed in (0, 1)]
     for model, prompts in [
         (models[0], [[5, 6, 7]]),
@@ -270,6 +274,7 @@ def test_compiled_decoding_gives_the_eager_tokens_for_each_model_and_batch_shape
         eager = generate(model, prompts, 12, temperature=0)
         # float32, same weights: the compiled step only reorders sums (~1e-6) below the argmax gaps.
         assert generate(model, prompts, 12, temperature=0, compile=True) == eager
+    assert len(list(tmp_path.glob("step-*.pt2"))) == 2
 
 
 def test_compiled_prefill_pads_prompts_and_gives_the_eager_tokens():

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from decoderlm.data import read_text_file
+from decoderlm.decode_step import CPULinearKernels
 from decoderlm.errors import DecoderLMError
-from decoderlm.generate import CPULinearKernels, evaluating
+from decoderlm.generate import evaluating
 from decoderlm.model import DecoderLM
 
 # Windows per forward pass are chosen so that a batch holds about this many tokens (bounds the

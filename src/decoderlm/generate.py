@@ -11,20 +11,18 @@ temperature, top-k (Fan et al., 2018) and nucleus / top-p (Holtzman et al., 2020
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
 import types
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
+from torch import Tensor
 
+from decoderlm.decode_step import CompiledStep, compiled_prefill, next_logits
 from decoderlm.errors import DecoderLMError
 from decoderlm.kv_cache import StaticKVCache
 from decoderlm.model import DecoderLM
@@ -106,101 +104,6 @@ def sample_next(
         logits = top_p_filter(logits, params.top_p)
     probs = torch.softmax(logits, dim=-1)  # (B, V)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
-
-
-class CPULinearKernels(TorchFunctionMode):
-    """F.linear on the CPU through the kernel that is fastest for its shape (see benchmarks/decode.py).
-
-    The products are the same; only the order of the sums differs.
-    - One row under torch.compile (decoding one sequence, which is bound by reading the weights):
-      y_n = Σ_k x_k W_nk as a product and a row sum, which inductor fuses into one vectorised pass
-      streaming W at close to memory bandwidth; F.linear's GEMV reaches about half of that.
-    - The other float32 calls without autograd (prefill, evaluation, the LM head of the last
-      position; eager or compiled): oneDNN's dense linear (`onednn_linear`), which ran 2-3× faster
-      than the MKL sgemm/sgemv behind F.linear on the (AMD) CPU this was measured on (llama-55m
-      shapes: 0.8 ms against 1.8 for 512×512→768; 1.2 ms against 3.9 for the 512→32000 head).
-    """
-
-    def __init__(self, compiling: bool = False) -> None:
-        super().__init__()
-        self.compiling = compiling  # inside a function being compiled by torch.compile
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func is not F.linear or args[0].device.type != "cpu":
-            return func(*args, **kwargs)
-        x, weight = args[0], args[1]  # (..., K), (N, K)
-        bias = args[2] if len(args) > 2 else kwargs.get("bias")
-        rows = x.shape[:-1].numel()
-        if self.compiling and rows == 1:
-            y = (x.unsqueeze(-2) * weight).sum(-1)  # (..., N)
-            return y if bias is None else y + bias
-        tensors = [t for t in (x, weight, bias) if t is not None]
-        plain_float32 = all(
-            type(t) in (Tensor, nn.Parameter) and t.dtype == torch.float32 for t in tensors
-        )
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        if plain_float32 and not needs_grad and _HAS_ONEDNN:
-            return onednn_linear(x, weight, bias)  # (..., N)
-        return func(*args, **kwargs)
-
-
-_HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(
-    torch.ops.mkldnn, "_linear_pointwise"
-)
-
-
-@torch.library.custom_op("decoderlm::onednn_linear", mutates_args=())
-def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """x Wᵀ + b by oneDNN's dense linear (inference only); an opaque op, so that torch.compile
-    calls it as it is rather than lowering it to the MKL GEMM behind F.linear."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-@onednn_linear.register_fake
-def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-def _next_logits(
-    model: DecoderLM,
-    cache: StaticKVCache,
-    idx: Tensor,
-    positions: Tensor,
-    key_mask: Tensor | None,
-    compiling: bool = False,
-) -> Tensor:
-    """Logits (B, V), in float32, of the token after idx (B, T) at `positions` (B, T)."""
-    # Eager one-token steps skip the mode: its Python hook on every op costs more than it saves.
-    mode = CPULinearKernels(compiling) if compiling or idx.shape[1] > 1 else nullcontext()
-    with mode:
-        return model(idx, positions, key_mask, cache, last_only=True)[:, -1].float()
-
-
-# Inductor inlines cheap pointwise results (the normalised activations) into their consumers; inside
-# a weight reduction that means recomputing them for every output row. Materialising them instead
-# made the one-token step ~10% (float32) to ~20% (bfloat16) faster.
-_INDUCTOR_OPTIONS = {"realize_opcount_threshold": 4, "realize_reads_threshold": 1}
-
-
-@functools.cache
-def _compiled_next_logits() -> Callable[..., Tensor]:
-    return torch.compile(_next_logits, dynamic=False, options=_INDUCTOR_OPTIONS)
-
-
-def _prefill_logits(
-    model: DecoderLM, cache: StaticKVCache, idx: Tensor, positions: Tensor, key_mask: Tensor | None
-) -> Tensor:
-    """`_next_logits` for a whole prompt; a function of its own, so that its compiled graphs (one
-    per padded prompt length) and the one-token step's are cached apart."""
-    return _next_logits(model, cache, idx, positions, key_mask, compiling=True)
-
-
-@functools.cache
-def _compiled_prefill_logits() -> Callable[..., Tensor]:
-    return torch.compile(_prefill_logits, dynamic=False)
 
 
 @contextmanager
@@ -285,6 +188,7 @@ def decode_steps(
     if compile:
         max_len = min(math.ceil(max_len / COMPILE_CACHE_MULTIPLE) * COMPILE_CACHE_MULTIPLE, context)
     cache = StaticKVCache(cfg, len(rows), max_len, weight.dtype, device)
+    step = CompiledStep(model, cache) if compile else None
     seen = None
     if params.repetition_penalty != 1.0:
         seen = torch.zeros(len(rows), cfg.vocab_size, dtype=torch.bool, device=device)  # (B, V)
@@ -300,10 +204,9 @@ def decode_steps(
         idx = torch.tensor([[0] * (n - len(row)) + row for row in rows], device=device)  # (B, n)
         positions = (slots[None, :n] - pad[:, None]).clamp(min=0)  # (B, n): 0 at the 1st token
         cache.seek(slots[:n], n)
-        prefill = _compiled_prefill_logits() if compile else _next_logits
+        prefill = compiled_prefill() if compile else next_logits
         logits = prefill(model, cache, idx, positions, filled[:, :n] if padded else None)
         filled &= slots < n  # from here on: the slots holding a real token
-        prefilled = n
         new: list[Tensor] = []
         slot = torch.zeros(1, dtype=torch.long, device=device)  # (1,) the slot being written
         while True:
@@ -318,22 +221,13 @@ def decode_steps(
             if n == max_len:
                 break  # the cache is full: slide the window
             slot.fill_(n)
-            filled[:, n] = True
-            token_positions = (slot - pad)[:, None]  # (B, 1)
-            if compile:  # fixed shapes: attend the whole buffer, the mask hides unfilled slots
-                cache.seek(slot, None)
-                # The first step checks all of torch.compile's guards and picks (or compiles) the
-                # graph for this model and these shapes; the later steps, identical but for the
-                # values, check only the guards that tell cached graphs apart (6% faster).
-                checked = n > prefilled
-                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=checked):
-                    logits = _compiled_next_logits()(
-                        model, cache, token[:, None], token_positions, filled, compiling=True
-                    )
+            if step is not None:  # fixed shapes: attends the whole buffer, masked in the step
+                logits = step(token[:, None], slot, pad)
             else:
+                filled[:, n] = True
                 cache.seek(slot, n + 1)
                 key_mask = filled[:, : n + 1] if padded else None
-                logits = _next_logits(model, cache, token[:, None], token_positions, key_mask)
+                logits = next_logits(model, cache, token[:, None], (slot - pad)[:, None], key_mask)
             n += 1
         keep = context - max(1, context // 4)
         generated = torch.stack(new, dim=1).tolist()  # (B, n_new)
@@ -362,8 +256,9 @@ def generate(
     (and including) `eos_id` if that was generated. With `num_samples` > 1, each prompt gives that
     many rows, in order (prompt 0 sample 0, prompt 0 sample 1, ...). temperature 0 = greedy. A seed
     makes sampling reproducible; without one, torch's global generator is used. `compile` compiles
-    the prefill and the one-token step with torch.compile (the first call of a shape pays for the
-    compilation; prompts are left-padded to a multiple of 64 so that nearby lengths share one).
+    the prefill with torch.compile and the one-token step ahead of time with AOTInductor (see
+    `decoderlm.decode_step`; the first call of a shape pays for the compilation, and prompts are
+    left-padded to a multiple of 64 so that nearby lengths share one prefill graph).
     """
     params = SamplingParams(temperature, top_k, top_p, repetition_penalty)
     if not (isinstance(num_samples, int) and num_samples >= 1):

@@ -12,6 +12,7 @@ n_kv_heads shared heads are stored: the cache is n_kv_heads / n_heads the size o
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import Tensor
@@ -68,21 +69,10 @@ def kv_cache_table(
 class LayerKVCache:
     """One layer's buffers. `update(k, v)` stores this step's K/V and returns the keys/values to attend."""
 
-    def __init__(
-        self,
-        batch_size: int,
-        n_kv_heads: int,
-        max_len: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        shape = (batch_size, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (B, Hkv, max_len, hd)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # (B, Hkv, max_len, hd)
-        self.slots = torch.zeros(
-            1, dtype=torch.long, device=device
-        )  # (T,) written by the next update
+    def __init__(self, k: Tensor, v: Tensor, slots: Tensor | None = None) -> None:
+        self.k, self.v = k, v  # (B, Hkv, max_len, hd) each
+        # (T,) the slots written by the next update
+        self.slots = torch.zeros(1, dtype=torch.long, device=k.device) if slots is None else slots
         self.end: int | None = None  # attend to slots [0, end); None = the whole buffer
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -112,10 +102,9 @@ class StaticKVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         self.max_len = max_len
-        self.layers = [
-            LayerKVCache(batch_size, config.n_kv_heads, max_len, config.head_dim, dtype, device)
-            for _ in range(config.n_layers)
-        ]
+        shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
+        zeros = functools.partial(torch.zeros, shape, dtype=dtype, device=device)
+        self.layers = [LayerKVCache(zeros(), zeros()) for _ in range(config.n_layers)]
 
     def __getitem__(self, i: int) -> LayerKVCache:
         return self.layers[i]

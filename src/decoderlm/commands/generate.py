@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="torch.compile the one-token step (and the prefill)",
+        help="compile the one-token step (AOTInductor) and the prefill (torch.compile)",
     )
 
 
