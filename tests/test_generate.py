@@ -11,6 +11,7 @@ from decoderlm.generate import (
     SamplingParams,
     StopMatcher,
     apply_repetition_penalty,
+    draw,
     generate,
     generate_text,
     sample_next,
@@ -73,6 +74,16 @@ def test_top_k_never_yields_a_token_outside_the_top_k():
     top5 = set(torch.topk(logits[0], 5).indices.tolist())
     draws = sample_next(logits, SamplingParams(top_k=5), generator=torch.Generator().manual_seed(1))
     assert set(draws.tolist()) == top5  # all draws inside the top 5, and each of the 5 is reachable
+
+
+def test_draw_picks_each_token_in_proportion_to_its_probability():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 1e-9, 0.0])  # unnormalised is allowed: ×2 below
+    n = 200_000
+    draws = draw((2 * probs).expand(n, -1), torch.Generator().manual_seed(0))
+    counts = torch.bincount(draws, minlength=len(probs)).double()
+    assert counts[probs == 0].sum() == 0  # never a token of probability 0, the last one included
+    # Binomial counts: within 5 standard deviations (√(n p (1 − p)) ≤ 224) of n p.
+    assert (counts - n * probs.double()).abs().max() < 5 * 224
 
 
 def test_top_p_keeps_the_smallest_set_with_mass_at_least_p():
