@@ -12,9 +12,13 @@ A LLaMA-shaped model of ~55M parameters (preset "llama-55m": d_model 512, 8 laye
   `compile=True` as for decoding: the prefill is compiled too (prompts left-padded to a multiple
   of 64), float32 linears calling oneDNN (see `decoderlm.decode_step.CPULinearKernels`).
 - the memory-bandwidth floor: decoding one token reads every weight once, so it takes at least
-  weight bytes / copy bandwidth (bandwidth = bytes read + written by a 256 MiB tensor copy). Shown
-  for all the weights (the issue's definition) and for those read per token (the token-embedding
-  table is only gathered from: one row per token). The copy is timed among the other runs.
+  weight bytes / bandwidth. Two floors are shown:
+  - the issue's: all the weights over the copy bandwidth (bytes read + written by a 256 MiB tensor
+    copy, divided by its time);
+  - the strict one: the weights read per token (the token-embedding table is only gathered from,
+    one row per token) over the read bandwidth (a sum over the same 256 MiB). A stream that only
+    reads runs faster than a copy, so a decoder at the memory limit beats the issue's floor.
+  The copy and the sum are timed among the other runs, under the same load.
 
     HF_HUB_OFFLINE=1 python benchmarks/decode.py [--new-tokens 128] [--runs 5] [--threads N]
 """
@@ -39,11 +43,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 COPY_BYTES = 256 * 2**20  # far larger than the last-level cache
 
 
-def copy_fn() -> Callable[[], object]:
-    """A large tensor copy; COPY_BYTES are read and COPY_BYTES written per call."""
+def bandwidth_fns() -> tuple[Callable[[], object], Callable[[], object]]:
+    """A large tensor copy (COPY_BYTES read and COPY_BYTES written) and a sum (COPY_BYTES read)."""
     src = torch.ones(COPY_BYTES // 4)
     dst = torch.empty_like(src)
-    return lambda: dst.copy_(src)
+    return (lambda: dst.copy_(src)), src.sum
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -117,7 +121,7 @@ def main() -> None:
     prompt = torch.randint(0, vocab, (1, args.prompt_tokens), generator=g)
     long_prompt = torch.randint(0, vocab, (1, args.prefill_tokens), generator=g)
     same = generate(ours, prompt, 16, temperature=0)[0] == hf_generate(theirs, prompt, 16)
-    copy = copy_fn()
+    copy, read = bandwidth_fns()
     n_params = ours.num_params()
     n_read = n_params - ours.tok_emb.weight.numel() + ours.config.d_model  # one embedding row
 
@@ -146,11 +150,13 @@ def main() -> None:
                 "hf_prefill": hf_fn(1, long_prompt),
                 "ours_prefill": ours_fn(1, long_prompt),
                 "copy": copy,
+                "read": read,
             },
             args.runs,
         )
         median = statistics.median
         bandwidth = 2 * COPY_BYTES / median(times["copy"])  # among the runs, under the same load
+        read_bandwidth = COPY_BYTES / median(times["read"])
         hf, ours_decode = per_token(times, "hf", n), per_token(times, "ours", n)
         hf_prefill = [args.prefill_tokens / t for t in times["hf_prefill"]]
         ours_prefill = [args.prefill_tokens / t for t in times["ours_prefill"]]
@@ -158,12 +164,13 @@ def main() -> None:
             {
                 "dtype": name,
                 "bandwidth": bandwidth,
+                "read_bandwidth": read_bandwidth,
                 "hf": median(hf),
                 "eager": median(per_token(times, "eager", n)),
                 "ours": median(ours_decode),
                 "x_hf": median_ratio(ours_decode, hf),
                 "floor_all": bandwidth / (n_params * size),
-                "floor_read": bandwidth / (n_read * size),
+                "floor_strict": read_bandwidth / (n_read * size),
                 "hf_prefill": median(hf_prefill),
                 "ours_prefill": median(ours_prefill),
                 "x_hf_prefill": median_ratio(ours_prefill, hf_prefill),
@@ -181,17 +188,19 @@ def main() -> None:
         f"{args.runs}; prefill: {args.prefill_tokens}-token prompt"
     )
     header = (
-        "| dtype | HF decode tok/s | ours eager | ours compiled | × HF | floor (all / read) tok/s "
-        "| % of floor (all / read) | copy GB/s | HF prefill tok/s | ours prefill | × HF |"
+        "| dtype | HF decode tok/s | ours eager | ours compiled | × HF | floor tok/s (issue / "
+        "strict) | % of floor (issue / strict) | copy / read GB/s | HF prefill tok/s | "
+        "ours prefill | × HF |"
     )
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     for r in rows:
         print(
             f"| {r['dtype']} | {r['hf']:.1f} | {r['eager']:.1f} | {r['ours']:.1f} | "
-            f"{r['x_hf']:.2f} | {r['floor_all']:.0f} / {r['floor_read']:.0f} | "
-            f"{100 * r['ours'] / r['floor_all']:.0f}% / {100 * r['ours'] / r['floor_read']:.0f}% | "
-            f"{r['bandwidth'] / 1e9:.1f} | "
+            f"{r['x_hf']:.2f} | {r['floor_all']:.0f} / {r['floor_strict']:.0f} | "
+            f"{100 * r['ours'] / r['floor_all']:.0f}% / "
+            f"{100 * r['ours'] / r['floor_strict']:.0f}% | "
+            f"{r['bandwidth'] / 1e9:.1f} / {r['read_bandwidth'] / 1e9:.1f} | "
             f"{r['hf_prefill']:.0f} | {r['ours_prefill']:.0f} | "
             f"{r['x_hf_prefill']:.2f} |"
         )
