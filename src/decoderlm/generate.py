@@ -113,7 +113,7 @@ def draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     torch.multinomial draws V exponentials (0.54 ms against 0.03 ms for V = 32000 on the CPU).
     """
     cdf = probs.double().cumsum(dim=-1)  # (B, V); float64 keeps the share of tokens of mass ~1e-9
-    total = cdf[:, -1:]  # (B, 1)
+    total = cdf[:, -1:].contiguous()  # (B, 1)
     u = torch.rand(total.shape, dtype=torch.float64, generator=generator, device=probs.device)
     drawn = torch.searchsorted(cdf, u * total, right=True)  # (B, 1): first i with cdf_i > u·total
     last = torch.searchsorted(cdf, total)  # (B, 1) the last token with mass (u·total may round up)
