@@ -118,6 +118,8 @@ def next_logits(
 def _prefill_logits(
     model: DecoderLM, cache: StaticKVCache, idx: Tensor, positions: Tensor, key_mask: Tensor | None
 ) -> Tensor:
+    """`next_logits` as a function of its own: torch.compile caches its graphs (one per padded
+    prompt length and model) apart from any other compiled use of `next_logits`."""
     return next_logits(model, cache, idx, positions, key_mask, compiling=True)
 
 
@@ -192,8 +194,7 @@ def _step_library(
         type(model),
         json.dumps(model.config.to_dict(), sort_keys=True, default=str),
         tuple(names),
-        tuple(_spec(t) for t in inputs),
-        batch,
+        tuple(_spec(t) for t in inputs),  # the batch size and cache length among them
         torch.get_num_threads(),  # the generated code's OpenMP thread count
     )
     if key not in _LIBRARIES:
@@ -252,7 +253,14 @@ def _build_step_library(
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
-    return torch._inductor.aoti_load_package(str(path)).loader.run
+    return _load(str(path))
+
+
+@functools.cache
+def _load(path: str) -> Callable[[list[Tensor]], list[Tensor]]:
+    """The library's entry point: flat input list → flat output list. Loaded once per process,
+    however many models (of the same architecture and shapes) use it."""
+    return torch._inductor.aoti_load_package(path).loader.run
 
 
 def _cache_dir() -> Path:

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from decoderlm import checkpoint, data, distributed
+from decoderlm import checkpoint, data, distributed, heap
 from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
 from decoderlm.evaluate import bits_per_byte
@@ -251,6 +251,7 @@ class Trainer:
         self.device = self.info.device
         if self.device.type == "cpu":
             torch.set_num_threads(cfg.threads or cpu_threads())
+            heap.keep_freed_memory()  # each step's activations reuse the last step's pages
         self.is_main = self.info.is_main
         self.progress = progress and self.is_main
         self.dtype = resolve_dtype(cfg.dtype, self.device)

@@ -1,0 +1,45 @@
+"""keep_freed_memory: buffers freed and allocated again reuse the heap's pages instead of new ones."""
+
+import platform
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from decoderlm import heap
+
+pytestmark = pytest.mark.skipif(
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only"
+)
+
+
+def _page_faults_of_growing_buffers(keep: bool) -> int:
+    """Minor page faults, in a fresh process, of writing buffers of 1, 2, ..., 16 MiB in turn."""
+    code = textwrap.dedent(
+        f"""
+        import importlib.util, resource
+        spec = importlib.util.spec_from_file_location("heap", {heap.__file__!r})
+        heap = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(heap)
+        if {keep}:
+            assert heap.keep_freed_memory()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for mib in range(1, 17):
+            buffer = b"x" * (mib * 2**20)  # allocated, every page written, freed
+            del buffer
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(run.stdout)
+
+
+def test_freed_buffers_are_reused_without_page_faults():
+    pages_of_largest = 16 * 2**20 // 4096
+    kept = _page_faults_of_growing_buffers(keep=True)
+    default = _page_faults_of_growing_buffers(keep=False)
+    # Kept: only the heap's growth to the largest buffer faults (4,096 pages). glibc's default maps
+    # each buffer larger than any freed before afresh: 1 + 2 + ... + 16 MiB, 34,816 pages.
+    assert kept <= 1.25 * pages_of_largest
+    assert default > 4 * kept
