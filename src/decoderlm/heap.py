@@ -7,8 +7,9 @@ threshold starts at 128 KiB and rises to the size of the largest such buffer fre
 whether a step's buffers are fresh pages depends on what the process did before. When they are,
 the first write to each 4 KiB page is a page fault, with the kernel zeroing the page. In a bare
 training loop of the nanoGPT CPU recipe (`benchmarks/shakespeare_char.py`) this came and went from
-one process to the next: 0 to 1,000 faults per step, and 3-20% slower steps when they occurred
-(12.8-15.5 ms against 12.0-12.7 ms, runs paired in time). With both thresholds raised: < 1 fault.
+one process to the next: 0 to 1,000 faults per step and, when they occurred, steps 1-23% slower
+(fastest of 6×50 steps: 12.6-15.5 ms against 12.0-12.7 ms in runs paired in time). With both
+thresholds raised: < 1 fault per step.
 
 `keep_freed_memory` raises them with `mallopt`: allocations up to 32 MiB (the largest threshold
 glibc accepts) come from the heap, and the heap keeps up to 1 GiB of free memory. This is what the
