@@ -118,8 +118,8 @@ def next_logits(
 def _prefill_logits(
     model: DecoderLM, cache: StaticKVCache, idx: Tensor, positions: Tensor, key_mask: Tensor | None
 ) -> Tensor:
-    """`next_logits` as a function of its own: torch.compile caches its graphs (one per padded
-    prompt length and model) apart from any other compiled use of `next_logits`."""
+    """`next_logits` with `compiling=True` (CPULinearKernels' choices for compiled code), the
+    function torch.compile compiles for the prefill (one graph per padded prompt length and model)."""
     return next_logits(model, cache, idx, positions, key_mask, compiling=True)
 
 
