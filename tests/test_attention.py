@@ -11,6 +11,7 @@ from decoderlm.attention import (
     build_mask,
     causal_mask,
     scaled_dot_product_attention,
+    softmax_zero_if_empty,
 )
 from decoderlm.block import Block
 
@@ -225,3 +226,42 @@ def test_attention_module_returns_weights_with_math_path():
     out, weights = attn(torch.randn(1, 6, 32), need_weights=True)
     assert out.shape == (1, 6, 32) and weights.shape == (1, 4, 6, 6)
     assert torch.all(weights.triu(1) == 0)
+
+
+def test_softmax_zero_if_empty_is_softmax_with_zero_rows_and_zero_gradients_where_all_masked():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(3, 4, 9, generator=g, dtype=torch.float64)
+    hidden = torch.rand(3, 4, 9, generator=g) < 0.5
+    hidden[..., 0] = False  # every row keeps key 0 visible,
+    hidden[0, 1] = True  # but this one, whose keys are all masked
+    visible = ~hidden.all(-1)
+    masked = scores.masked_fill(hidden, float("-inf")).requires_grad_()
+    weights = softmax_zero_if_empty(masked)
+    expected = torch.softmax(masked.detach()[visible], -1)
+    torch.testing.assert_close(weights[visible], expected, rtol=1e-12, atol=1e-15)
+    assert torch.all(weights[0, 1] == 0)
+    upstream = torch.randn(3, 4, 9, generator=g, dtype=torch.float64)
+    (weights * upstream).sum().backward()
+    ref = masked.detach()[visible].requires_grad_()
+    (torch.softmax(ref, -1) * upstream[visible]).sum().backward()
+    torch.testing.assert_close(masked.grad[visible], ref.grad, rtol=1e-12, atol=1e-15)
+    assert torch.all(masked.grad[0, 1] == 0)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_compiled_formula_matches_eager_forward_and_backward(padded):
+    # Traced, the formula uses softmax_zero_if_empty; eagerly torch.softmax.
+    (q, k, v), _, do64 = _reference_and_inputs(2, 4, 2, 12, 12, 8, torch.float32)
+    key_mask = _left_padding(2, 12) if padded else None
+
+    def run(fn):
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*inputs, causal=True, key_mask=key_mask)
+        out.backward(do64.float())
+        return out, [t.grad for t in inputs]
+
+    eager, eager_grads = run(blockwise_attention)
+    compiled, compiled_grads = run(torch.compile(blockwise_attention, fullgraph=True))
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    for ours, theirs in zip(compiled_grads, eager_grads, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
