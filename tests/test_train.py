@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from decoderlm import ModelConfig, checkpoint, data
 from decoderlm.errors import DecoderLMError
 from decoderlm.model import DecoderLM
-from decoderlm.optim import learning_rate, param_groups
+from decoderlm.optim import clip_and_step, learning_rate, param_groups
 from decoderlm.train import resolve_dtype, train
 from decoderlm.train_config import TrainConfig
 
@@ -287,6 +287,33 @@ def test_weight_decay_applies_to_linear_weights_only() -> None:
     assert any(p is tied.tok_emb.weight for p in decay["params"])
     assert any(p is tied.pos_emb.weight for p in no_decay["params"])
     assert all(p.dim() == 1 for p in no_decay["params"] if p is not tied.pos_emb.weight)
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e3])  # clipped, and norm below the threshold
+@pytest.mark.parametrize("fused", [True, False])
+def test_clip_and_step_equals_clip_grad_norm_then_step(max_norm: float, fused: bool) -> None:
+    # Fused: the clip is folded into AdamW's grad_scale; unfused: clip_grad_norm_ then step.
+    def run(clip_in_step: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        torch.manual_seed(0)
+        model = DecoderLM(ModelConfig.from_preset("llama-tiny", d_model=32, n_layers=1))
+        opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2, fused=fused)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        for _ in range(3):
+            model(torch.arange(16).view(2, 8)).square().mean().backward()
+            if clip_in_step:
+                norm = clip_and_step(opt, scaler, max_norm)
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                opt.step()
+            opt.zero_grad()
+        assert not hasattr(opt, "grad_scale")
+        return [p.detach().clone() for p in model.parameters()], norm
+
+    ours, our_norm = run(True)
+    reference, reference_norm = run(False)
+    torch.testing.assert_close(our_norm, reference_norm, rtol=1e-6, atol=0)
+    for a, b in zip(ours, reference, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # x/c and x·(1/c) round apart
 
 
 def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_the_floor() -> None:

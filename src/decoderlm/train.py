@@ -33,7 +33,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 from tqdm.auto import tqdm
 
 from decoderlm import checkpoint, data, distributed, heap
@@ -42,7 +41,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.evaluate import bits_per_byte
 from decoderlm.generate import generate
 from decoderlm.model import DecoderLM, next_token_loss
-from decoderlm.optim import learning_rate, make_optimizer
+from decoderlm.optim import clip_and_step, learning_rate, make_optimizer
 from decoderlm.tokenizer import Tokenizer
 from decoderlm.train_config import DEFAULT_PRESET, TrainConfig
 
@@ -524,10 +523,7 @@ class Trainer:
                 "(try a lower --lr, more --warmup-steps or --dtype fp32)"
             )
         self.scaler.unscale_(self.optimizer)  # so that clipping sees the true gradient
-        grad_norm = None
-        if cfg.grad_clip:
-            grad_norm = nn.utils.clip_grad_norm_(self.wrapped.parameters(), cfg.grad_clip)
-        self.scaler.step(self.optimizer)
+        grad_norm = clip_and_step(self.optimizer, self.scaler, cfg.grad_clip)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_value, grad_norm
