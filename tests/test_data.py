@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -103,14 +104,17 @@ def test_batches_are_windows_with_targets_shifted_by_one(without_replacement: bo
 def test_resumed_sampler_continues_the_exact_stream(without_replacement: bool) -> None:
     kwargs = dict(seed=7, without_replacement=without_replacement)
     original = BatchSampler(TOKENS, 8, 32, **kwargs)
-    for _ in range(5):
-        original.next_batch()
-    state = json.loads(json.dumps(original.state_dict()))  # as it travels through a checkpoint
-    resumed = BatchSampler(TOKENS, 8, 32, **kwargs)
-    resumed.load_state_dict(state)
-    for _ in range(50):  # crosses epochs without replacement: 312 windows, 8 per batch
-        a, b = original.next_batch(), resumed.next_batch()
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    states, stream = [], []
+    for _ in range(70):  # crosses epochs (312 windows, 8 per batch) and chunks (64 batches)
+        states.append(json.loads(json.dumps(original.state_dict())))  # as through a checkpoint
+        stream.append(original.next_batch())
+    assert all(not torch.equal(a[0], b[0]) for a, b in itertools.pairwise(stream))
+    for step in (5, 63, 64):
+        resumed = BatchSampler(TOKENS, 8, 32, **kwargs)
+        resumed.load_state_dict(states[step])
+        for x, y in stream[step:]:
+            a, b = resumed.next_batch()
+            assert torch.equal(a, x) and torch.equal(b, y)
 
 
 def test_different_seeds_give_different_batches() -> None:
@@ -127,7 +131,7 @@ def test_ranks_slice_the_single_process_global_batch(without_replacement: bool) 
     ranks = [
         BatchSampler(TOKENS, batch, 32, rank=r, world_size=world, **kwargs) for r in range(world)
     ]
-    for _ in range(40):  # 312 windows, 12 per global batch: crosses epoch boundaries too
+    for _ in range(70):  # 312 windows, 12 per global batch: crosses epochs and chunks of 64 too
         x, y = single.next_batch()
         parts = [s.next_batch() for s in ranks]
         assert torch.equal(x, torch.cat([p[0] for p in parts]))
