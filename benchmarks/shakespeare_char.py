@@ -30,7 +30,9 @@ over the best n×n matmul FLOP/s measured here in the same dtype; wall time of t
 (non-overlapping windows of the model's context, float32, `decoderlm.evaluate.evaluate_tokens`).
 The nanoGPT row repeats the figures measured with nanoGPT itself on this machine (issue 3).
 
-This CPU is shared: timings move with the other processes (the load average is printed).
+This CPU is shared: timings move with the other processes (the load average is printed). The
+allocator is printed too: on Linux, `LD_PRELOAD=libtcmalloc_minimal.so.4 python benchmarks/...`
+trains a few % faster than glibc's malloc (see `decoderlm.heap`).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from decoderlm import ModelConfig, checkpoint, data
+from decoderlm import ModelConfig, checkpoint, data, heap
 from decoderlm.evaluate import evaluate_tokens
 from decoderlm.train import cpu_threads, measure_peak_flops, resolve_dtype, train
 from decoderlm.train_config import TrainConfig
@@ -203,7 +205,8 @@ def main() -> None:
             dt: measure_peak_flops(cpu, dt, repeats=10) for dt in (torch.float32, torch.bfloat16)
         }
         print(
-            f"torch {torch.__version__}, {threads} thread(s), load average {os.getloadavg()[0]:.1f}; "
+            f"torch {torch.__version__}, {threads} thread(s), malloc {heap.malloc_in_use()}, "
+            f"load average {os.getloadavg()[0]:.1f}; "
             f"matmul peak fp32 {peaks[torch.float32] / 1e9:.0f} GFLOP/s, "
             f"bf16 {peaks[torch.bfloat16] / 1e9:.0f} GFLOP/s"
         )

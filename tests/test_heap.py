@@ -1,5 +1,7 @@
 """keep_freed_memory: buffers freed and allocated again reuse the heap's pages instead of new ones."""
 
+import ctypes.util
+import os
 import platform
 import subprocess
 import sys
@@ -43,3 +45,24 @@ def test_freed_buffers_are_reused_without_page_faults():
     # each buffer larger than any freed before afresh: 1 + 2 + ... + 16 MiB, 34,816 pages.
     assert kept <= 1.25 * pages_of_largest
     assert default > 4 * kept
+
+
+def _malloc_in_use(env: dict[str, str]) -> str:
+    code = (
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('heap', {heap.__file__!r})\n"
+        "heap = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(heap)\n"
+        "print(heap.malloc_in_use())\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    return run.stdout.strip()
+
+
+def test_malloc_in_use_names_glibc_or_the_preloaded_tcmalloc() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    assert _malloc_in_use(env) == "glibc"
+    tcmalloc = ctypes.util.find_library("tcmalloc_minimal")
+    if tcmalloc is None:
+        pytest.skip("no tcmalloc here (Debian: libtcmalloc-minimal4)")
+    assert _malloc_in_use({**env, "LD_PRELOAD": tcmalloc}) == "tcmalloc"
