@@ -13,8 +13,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from decoderlm.layers import embedding
-
 
 def sinusoidal_table(n_positions: int, d_model: int) -> Tensor:
     """The fixed table of Vaswani et al. (2017), shape (n_positions, d_model), float32."""
@@ -46,7 +44,7 @@ class LearnedPositions(nn.Module):
         self.weight = nn.Parameter(torch.empty(context_length, d_model))
 
     def forward(self, positions: Tensor) -> Tensor:
-        return embedding(positions, self.weight)  # (..., T, d_model)
+        return self.weight[positions]  # (..., T, d_model)
 
 
 def rope_inverse_frequencies(
