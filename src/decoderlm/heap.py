@@ -18,8 +18,9 @@ preload. The cost is memory kept by the process after a peak instead of returned
 
 Preloading tcmalloc still helps: glibc spends ~0.8 ms of a 12 ms step of that recipe in malloc and
 free, on the main thread while the other cores wait. With `LD_PRELOAD=libtcmalloc_minimal.so.4`
-(Debian: libtcmalloc-minimal4), the recipe trained 2-5% faster in `decoderlm.train` (runs paired
-in time) and a bare step loop 5-8% faster. jemalloc was erratic (from 7% faster to 15% slower).
+(Debian: libtcmalloc-minimal4), the recipe trained 2-5% faster in `decoderlm.train` (two pairs
+of runs, each pair back to back); a bare step loop, in six pairs: −1% to 8% faster while the
+machine was calm, 25% while it was loaded. jemalloc was erratic (7% faster to 15% slower).
 `malloc_in_use` says which one a process has.
 """
 

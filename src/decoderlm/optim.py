@@ -56,15 +56,16 @@ def clip_and_step(
     before clipping, or None without clipping. Call it after `scaler.unscale_(optimizer)`.
 
     With the fused AdamW on plain tensors and no fp16 scaler, the clip rides in the step: the fused
-    kernel divides each gradient by `optimizer.grad_scale` (the hook torch's GradScaler uses),
-    here max(1, (‖g‖ + 10⁻⁶) / max_norm), the factor `clip_grad_norm_` multiplies by, inverted. One pass
-    over the gradients less: 0.2-0.4 ms of a 12 ms step of nanoGPT's Shakespeare model on 2 cores.
+    kernel divides each gradient by `optimizer.grad_scale` (the hook torch's GradScaler uses), here
+    max(1, (‖g‖ + 10⁻⁶) / max_norm), the inverse of the factor `clip_grad_norm_` multiplies by.
+    One pass over the gradients less: 0.2-0.4 ms of a 12 ms step of nanoGPT's Shakespeare model
+    on 2 cores.
     Otherwise (FSDP's DTensors, an fp16 GradScaler, unfused AdamW) `clip_grad_norm_` scales first.
     """
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if not max_norm:
         scaler.step(optimizer)
         return None
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     folded = optimizer.defaults.get("fused") and not scaler.is_enabled()
     if not folded or any(isinstance(p.grad, DTensor) for p in params):
         norm = nn.utils.clip_grad_norm_(params, max_norm)
