@@ -51,7 +51,22 @@ WEIGHT_RTOL = 1e-5
 
 
 def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    """Run cmd; on a timeout, stop it with SIGTERM, on which torchrun also stops its workers (each in
+    a session of its own: a SIGKILL would leave them running), and fail showing its output."""
+    with subprocess.Popen(
+        cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                out, err = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            pytest.fail(f"no exit after {timeout:.0f} s: {cmd}\n{out[-2000:]}\n{err[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _train(out: Path, *extra: str, nproc: int = 1) -> str:
