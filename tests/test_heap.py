@@ -16,14 +16,27 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _page_faults_of_growing_buffers(keep: bool) -> int:
-    """Minor page faults, in a fresh process, of writing buffers of 1, 2, ..., 16 MiB in turn."""
-    code = textwrap.dedent(
+def _with_heap_in_fresh_process(body: str, env: dict[str, str] | None = None) -> str:
+    """stdout of `body` run by a fresh interpreter, with `heap` loaded from its file (no torch)."""
+    load = textwrap.dedent(
         f"""
-        import importlib.util, resource
+        import importlib.util
         spec = importlib.util.spec_from_file_location("heap", {heap.__file__!r})
         heap = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(heap)
+        """
+    )
+    code = load + textwrap.dedent(body)
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    return run.stdout.strip()
+
+
+def _page_faults_of_growing_buffers(keep: bool) -> int:
+    """Minor page faults, in a fresh process, of writing buffers of 1, 2, ..., 16 MiB in turn."""
+    body = f"""
+        import resource
         if {keep}:
             assert heap.keep_freed_memory()
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -32,9 +45,7 @@ def _page_faults_of_growing_buffers(keep: bool) -> int:
             del buffer
         print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         """
-    )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return int(run.stdout)
+    return int(_with_heap_in_fresh_process(body))
 
 
 def test_freed_buffers_are_reused_without_page_faults():
@@ -47,22 +58,11 @@ def test_freed_buffers_are_reused_without_page_faults():
     assert default > 4 * kept
 
 
-def _malloc_in_use(env: dict[str, str]) -> str:
-    code = (
-        "import importlib.util\n"
-        f"spec = importlib.util.spec_from_file_location('heap', {heap.__file__!r})\n"
-        "heap = importlib.util.module_from_spec(spec)\n"
-        "spec.loader.exec_module(heap)\n"
-        "print(heap.malloc_in_use())\n"
-    )
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    return run.stdout.strip()
-
-
 def test_malloc_in_use_names_glibc_or_the_preloaded_tcmalloc() -> None:
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    assert _malloc_in_use(env) == "glibc"
+    in_use = "print(heap.malloc_in_use())"
+    assert _with_heap_in_fresh_process(in_use, env) == "glibc"
     tcmalloc = ctypes.util.find_library("tcmalloc_minimal")
     if tcmalloc is None:
         pytest.skip("no tcmalloc here (Debian: libtcmalloc-minimal4)")
-    assert _malloc_in_use({**env, "LD_PRELOAD": tcmalloc}) == "tcmalloc"
+    assert _with_heap_in_fresh_process(in_use, {**env, "LD_PRELOAD": tcmalloc}) == "tcmalloc"
