@@ -150,11 +150,14 @@ def blockwise_attention(
 def blockwise_is_faster(q: Tensor, t_k: int) -> bool:
     """Whether `blockwise_attention` beats torch's fused SDPA kernel for this shape.
 
-    From one run of `python benchmarks/cpu_attention.py --threads 2` (torch 2.13 CPU, 2 cores; ms,
-    fused vs formula); elsewhere, and on accelerators, the fused kernel is used.
+    From `python benchmarks/cpu_attention.py --threads 2` (torch 2.13 CPU, 2 cores; ms, fused vs
+    formula) on two CPUs: an Intel one with avx512_bf16 (bf16 rows) and an AMD EPYC with AVX2 only
+    (fp32 rows, 2026-12-01). Elsewhere, and on accelerators, the fused kernel is used.
     - Training in bf16/fp16: torch's CPU flash-attention backward is slow at short context (T=64:
       2.91 vs 1.05 eager, 3.01 vs 0.83 compiled); compiled, the formula still wins at T=256 (3.04
       vs 1.94), eagerly not reliably (2.85 vs 2.44 in that run, 2.86 vs 3.60 in another).
+    - Training in fp32, compiled: the formula wins up to T=256 (T=64: 2.18 vs 1.49, T=128: 2.76 vs
+      2.55, T=256: 4.12 vs 3.13); eagerly the fused kernel does (T=64: 1.86 vs 2.07).
     - Decoding one token: the fused kernel is slow in bf16 over a masked cache (0.74 vs 0.48 at 2048
       slots), and under torch.compile inductor fuses the formula (0.74 vs 0.09 bf16, 0.11 vs 0.08
       fp32).
@@ -165,7 +168,7 @@ def blockwise_is_faster(q: Tensor, t_k: int) -> bool:
     reduced = q.dtype in (torch.bfloat16, torch.float16)
     compiling = torch.compiler.is_compiling()
     if q.requires_grad:
-        return reduced and t_k <= (256 if compiling else 128)
+        return t_k <= 256 if compiling else reduced and t_k <= 128
     if q.shape[2] == 1:
         return reduced or compiling
     return reduced and compiling
