@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from decoderlm.attention import blockwise_attention, blockwise_is_faster
+from decoderlm.train import cpu_has_native_bf16
 
 # (name, B, H, Hkv, Tq, Tk, head_dim, training)
 SHAPES = [
@@ -124,8 +125,11 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch._dynamo.config.cache_size_limit = 64  # one graph per shape and dtype
+    # Without native bf16 (AVX512-BF16/AMX), oneDNN's bf16 matmuls run at ~0.3 GFLOP/s: skip them.
+    dtypes = DTYPES if cpu_has_native_bf16() else (torch.float32,)
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms, best of {args.repeats}"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, native bf16 "
+        f"{cpu_has_native_bf16()}; ms, best of {args.repeats}"
     )
     print(
         "| shape | dtype | eager sdpa | eager blockwise | rule | compiled sdpa "
@@ -134,7 +138,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     rows = []
     for shape in shapes:
-        for dtype in DTYPES:
+        for dtype in dtypes:
             r = measure(shape, dtype, args.repeats)
             rows.append(r)
             print(
