@@ -336,6 +336,19 @@ def test_fp16_on_cpu_is_refused_and_auto_picks_native_bf16() -> None:
     assert auto == (torch.bfloat16 if native else torch.float32)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_on_a_cpu_is_taken_only_where_native(monkeypatch, native: bool) -> None:
+    monkeypatch.setattr("decoderlm.train.cpu_has_native_bf16", lambda: native)
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
+    if native:
+        assert resolve_dtype("bf16", cpu) == torch.bfloat16
+    else:
+        with pytest.raises(DecoderLMError, match="bf16' needs a CPU with native bf16"):
+            resolve_dtype("bf16", cpu)
+    assert resolve_dtype("fp32", cpu) == torch.float32
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
