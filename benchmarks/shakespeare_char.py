@@ -124,7 +124,8 @@ def our_recipe(vocab_size: int, budget_s: float) -> tuple[ModelConfig, TrainConf
     # parameters, batch 64, lr 3e-3) reached val 1.533-1.548, d_model 192 (1.6M) 1.536; six layers
     # of 128 and dropout 0.1 (2.3× slower steps under torch.compile on the CPU) did worse. On the
     # AMD EPYC in fp32 (~4× fewer tokens in the budget): d_model 192 1.619; d_model 128 1.563 at
-    # batch 64 and 1.562 at batch 32 with lr 3e-3, 1.547 at batch 32 with lr 5e-3.
+    # batch 64 and 1.562 at batch 32 with lr 3e-3; at batch 32 with lr 5e-3, 1.547 (1.555 with a cold
+    # compile cache, 43 s of the budget; 1.587 for seed 1338, in a spell 13% slower).
     model = ModelConfig.from_preset(
         "llama-tiny",  # RoPE, RMSNorm, SwiGLU, GQA 4→2
         vocab_size=vocab_size,
