@@ -173,17 +173,17 @@ def run_recipe(
     final = checkpoint.load_model(out / name)
     val = evaluate_tokens(final, data.load_split(data_dir, "val")).loss
     dtype = resolve_dtype(cfg.dtype, torch.device("cpu"))
-    mfu = final.flops_per_token(model.context_length) * tokens_per_s / peaks[dtype]
+    bound = peaks[dtype] / final.flops_per_token(model.context_length)  # tokens/s at the peak
     return {
         "recipe": name,
         "steps": summary["step"],
         "tokens_per_s": tokens_per_s,
-        "mfu": mfu,
+        "mfu": tokens_per_s / bound,
         "wall_s": wall,
         "val_loss": val,
         "dtype": str(dtype).removeprefix("torch."),
         "parameters": summary["parameters"],
-        "bound_tokens_per_s": peaks[dtype] / final.flops_per_token(model.context_length),
+        "bound_tokens_per_s": bound,
     }
 
 
