@@ -2,9 +2,9 @@
 
     python benchmarks/attention.py [--quick] [--out PNG] [--json PATH]
 
-Backends, all called through `decoderlm.attention.attend` as the model calls them: `math` (our
+Backends, all called through `decoderlm.model.attention.attend` as the model calls them: `math` (our
 explicit softmax(QKᵀ/√d + M)V, which materialises the (T, T) weights), `sdpa` (torch's fused
-`scaled_dot_product_attention`) and `flash` (our FlashAttention-2 in PyTorch, `decoderlm.flash`).
+`scaled_dot_product_attention`) and `flash` (our FlashAttention-2 in PyTorch, `decoderlm.model.flash`).
 Shapes: batch 1, 8 query heads sharing 2 K/V heads (GQA), head_dim 64, causal, T ∈ {512, …, 8192},
 float32 and bfloat16. `math` is skipped where its (T, T) tensors would exceed --math-limit-gib.
 
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from decoderlm.attention import attend
+from decoderlm.model.attention import attend
 
 BATCH, Q_HEADS, KV_HEADS, HEAD_DIM = 1, 8, 2, 64
 SEQ_LENS = (512, 1024, 2048, 4096, 8192)

@@ -2,7 +2,7 @@
 
     python benchmarks/cpu_attention.py [--quick] [--threads N] [--repeats R] [--json PATH]
 
-`decoderlm.attention.attend(backend="sdpa")` sends a CPU call to `blockwise_attention` (the
+`decoderlm.model.attention.attend(backend="sdpa")` sends a CPU call to `blockwise_attention` (the
 explicit softmax(QKᵀ/√d + M)V a block of 128 queries at a time, causal blocks skipping the keys
 they cannot see) when `blockwise_is_faster` says so, and to `F.scaled_dot_product_attention`
 otherwise. This prints the measurements behind that rule, for the shapes the library meets:
@@ -12,7 +12,7 @@ otherwise. This prints the measurements behind that rule, for the shapes the lib
 - prefill: forward of one 512- or 2048-token causal prompt, 8 query heads sharing 2 K/V heads of
   dimension 64 (the llama-55m preset of benchmarks/decode.py), under inference_mode;
 - decode: one query against a 256- or 2048-slot KV cache half filled (a key mask hides the empty
-  slots, as `decoderlm.generate` does with a static cache), under inference_mode;
+  slots, as `decoderlm.inference.generate` does with a static cache), under inference_mode;
 
 each in float32 and bfloat16, eager and under torch.compile. Times are the best of --repeats
 rounds (this CPU is shared), in milliseconds; "rule" is the path `blockwise_is_faster` picks.
@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from decoderlm.attention import blockwise_attention, blockwise_is_faster
-from decoderlm.train import cpu_has_native_bf16
+from decoderlm.model.attention import blockwise_attention, blockwise_is_faster
+from decoderlm.training.trainer import cpu_has_native_bf16
 
 # (name, B, H, Hkv, Tq, Tk, head_dim, training)
 SHAPES = [
@@ -54,7 +54,7 @@ def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 
 
 def blockwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
-    return blockwise_attention(q, k, v, causal=mask is None, key_mask=mask)
+    return blockwise_attention(q, k, v, causal=mask is None, key_padding_mask=mask)
 
 
 def best_ms(fn: Callable[[], object], repeats: int, budget_s: float = 0.2) -> float:

@@ -10,7 +10,7 @@ A LLaMA-shaped model of ~55M parameters (preset "llama-55m": d_model 512, 8 laye
   "× HF" is the median of the runs' ratios (each run times both sides back to back).
 - prefill tok/s: a 512-token prompt, 512 / (time to the first new token). Ours runs with
   `compile=True` as for decoding: the prefill is compiled too (prompts left-padded to a multiple
-  of 64), float32 linears calling oneDNN (see `decoderlm.decode_step.CPULinearKernels`).
+  of 64), float32 linears calling oneDNN (see `decoderlm.cpu.decode.CPULinearKernels`).
 - the memory-bandwidth floor: decoding one token reads every weight once, so it takes at least
   weight bytes / bandwidth. Two floors are shown:
   - the issue's: all the weights over the copy bandwidth (bytes read + written by a 256 MiB tensor
@@ -34,9 +34,9 @@ from collections.abc import Callable
 import torch
 
 from decoderlm import DecoderLM, ModelConfig
-from decoderlm.generate import generate
 from decoderlm.hf import to_hf
-from decoderlm.train import cpu_has_native_bf16
+from decoderlm.inference.generate import generate
+from decoderlm.training.trainer import cpu_has_native_bf16
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

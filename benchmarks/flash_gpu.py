@@ -44,7 +44,7 @@ def _grads(fn, q, k, v, do):
 def check(b: int, h: int, h_kv: int, t: int, d: int, dtype: torch.dtype) -> bool:
     """Ours vs an fp32 reference, next to torch SDPA in the same dtype: ours may err at most twice as
     much as SDPA plus 1e-3 (an eighth of a bf16 ulp at 1). Prints the max errors; True if all pass."""
-    from decoderlm.kernels.flash_triton import flash_attention_triton
+    from decoderlm.model.kernels.flash_triton import flash_attention_triton
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q, do = (torch.randn(b, h, t, d, device="cuda", generator=g, dtype=dtype) for _ in range(2))
@@ -85,7 +85,7 @@ def bench(args: argparse.Namespace) -> int:
     """Correctness first (MHA at T=1024, GQA with ragged T=1000), then the TFLOP/s table."""
     import triton
 
-    from decoderlm.kernels.flash_triton import flash_attention_triton
+    from decoderlm.model.kernels.flash_triton import flash_attention_triton
 
     dtype, h, d = getattr(torch, args.dtype), args.heads, args.head_dim
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
@@ -140,7 +140,7 @@ def compile_only(args: argparse.Namespace) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from decoderlm.kernels import flash_triton as ft
+    from decoderlm.model.kernels import flash_triton as ft
 
     if ft.INTERPRETED:
         print("flash_gpu.py: unset TRITON_INTERPRET to compile the kernels", file=sys.stderr)

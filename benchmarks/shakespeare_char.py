@@ -5,7 +5,7 @@
 
 The corpus (default ../shared/data/tinyshakespeare.txt beside the repository) is prepared with the
 char tokenizer, the last 10% of the characters being the validation split (nanoGPT's split by
-position). Recipes, each trained by `decoderlm.train.train` (the code path of `decoderlm train`):
+position). Recipes, each trained by `decoderlm.training.trainer.train` (the code path of `decoderlm train`):
 
 1. "nanoGPT recipe": nanoGPT's README recipe for a CPU ("I only have a macbook"): 4 layers, 4 heads,
    d_model 128, context 64, batch 12, 2000 iterations, lr 1e-3 cosine to 1e-4 with 100 warmup
@@ -27,7 +27,7 @@ checkpoint time excluded, like nanoGPT's per-iteration time) after the first int
 MFU, the model's matmul FLOPs per token (6N + attention, `DecoderLM.flops_per_token`) times tokens/s
 over the best n×n matmul FLOP/s measured here in the same dtype; wall time of the whole run
 (evaluations included); and the validation loss of the final weights over the *whole* val split
-(non-overlapping windows of the model's context, float32, `decoderlm.evaluate.evaluate_tokens`).
+(non-overlapping windows of the model's context, float32, `decoderlm.inference.evaluate.evaluate_tokens`).
 The nanoGPT row repeats figures measured with nanoGPT's code (`NANOGPT`). After the table: our
 speed-up over nanoGPT's figure and over the fp32 eager run, and the bound that the matmul peak puts
 on recipe 1: its FLOPs per token at 100% of the peak.
@@ -41,7 +41,7 @@ spread: one seed cannot tell a 0.02 gap from chance.
 
 This CPU is shared: timings move with the other processes (the load average is printed). The
 allocator is printed too: on Linux, `LD_PRELOAD=libtcmalloc_minimal.so.4 python benchmarks/...`
-trains a few % faster than glibc's malloc (see `decoderlm.heap`).
+trains a few % faster than glibc's malloc (see `decoderlm.cpu.heap`).
 """
 
 from __future__ import annotations
@@ -60,16 +60,17 @@ from pathlib import Path
 
 import torch
 
-from decoderlm import ModelConfig, checkpoint, data, heap
-from decoderlm.evaluate import evaluate_tokens
-from decoderlm.train import (
+from decoderlm import ModelConfig, checkpoint, data
+from decoderlm.cpu import heap
+from decoderlm.inference.evaluate import evaluate_tokens
+from decoderlm.training.train_config import TrainConfig
+from decoderlm.training.trainer import (
     cpu_has_native_bf16,
     cpu_threads,
     measure_peak_flops,
     resolve_dtype,
     train,
 )
-from decoderlm.train_config import TrainConfig
 
 DEFAULT_DATA = (
     Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare.txt"

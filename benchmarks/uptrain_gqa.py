@@ -3,7 +3,7 @@
 The paper's recipe (§2.1): take a multi-head (MHA) checkpoint, mean-pool the K/V projection heads
 of each group (`decoderlm.gqa`), then up-train for a fraction α = 5% of the original steps. Here:
 
-1. train a Llama-style MHA char model for `--steps` steps (`decoderlm.train.train`);
+1. train a Llama-style MHA char model for `--steps` steps (`decoderlm.training.trainer.train`);
 2. pool it into G K/V heads for each `--groups` G and measure the val loss before any training;
 3. up-train each pooled model for α·steps with `init_from` (what `decoderlm train --init-from`
    does), on a different data order (seed + 1), and measure again.
@@ -11,7 +11,7 @@ A control row trains the MHA model itself for the same α·steps, separating wha
 what the extra steps give.
 
 Val loss: mean next-token loss in nats over the whole validation split (the last 10% of the text),
-non-overlapping windows of the context length (`decoderlm.evaluate.evaluate_tokens`), float32.
+non-overlapping windows of the context length (`decoderlm.inference.evaluate.evaluate_tokens`), float32.
 
     python benchmarks/uptrain_gqa.py                 # ~9 CPU-minutes (~5 min on 2 idle cores)
     python benchmarks/uptrain_gqa.py --quick         # smoke run, seconds
@@ -28,11 +28,11 @@ from pathlib import Path
 import numpy as np
 
 from decoderlm import checkpoint, data, gqa
-from decoderlm.config import ModelConfig
-from decoderlm.evaluate import evaluate_tokens
-from decoderlm.kv_cache import kv_cache_bytes_per_token
-from decoderlm.train import train
-from decoderlm.train_config import TrainConfig
+from decoderlm.inference.evaluate import evaluate_tokens
+from decoderlm.model.config import ModelConfig
+from decoderlm.model.kv_cache import kv_cache_bytes_per_token
+from decoderlm.training.train_config import TrainConfig
+from decoderlm.training.trainer import train
 
 DEFAULT_DATA = (
     Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare.txt"

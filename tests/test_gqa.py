@@ -7,12 +7,12 @@ import torch
 
 from decoderlm import checkpoint
 from decoderlm.cli import main
-from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
-from decoderlm.generate import generate
 from decoderlm.gqa import pool_kv, to_gqa
-from decoderlm.kv_cache import StaticKVCache
-from decoderlm.model import DecoderLM
+from decoderlm.inference.generate import generate
+from decoderlm.model.config import ModelConfig
+from decoderlm.model.kv_cache import StaticKVCache
+from decoderlm.model.lm import DecoderLM
 from decoderlm.tokenizer import Tokenizer
 
 N_HEADS, HEAD_DIM, D_MODEL = 4, 8, 32

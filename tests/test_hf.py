@@ -20,10 +20,10 @@ transformers = pytest.importorskip("transformers")
 
 from decoderlm import checkpoint, hf  # noqa: E402
 from decoderlm.cli import main  # noqa: E402
-from decoderlm.config import ModelConfig  # noqa: E402
 from decoderlm.errors import DecoderLMError  # noqa: E402
-from decoderlm.generate import generate  # noqa: E402
-from decoderlm.model import DecoderLM  # noqa: E402
+from decoderlm.inference.generate import generate  # noqa: E402
+from decoderlm.model.config import ModelConfig  # noqa: E402
+from decoderlm.model.lm import DecoderLM  # noqa: E402
 from decoderlm.tokenizer import Tokenizer  # noqa: E402
 
 # fp32 logits of O(1) through 2 layers: both sides round differently (fused SDPA, RoPE angles in

@@ -1,10 +1,11 @@
 """decoderlm: decoder-only Transformer language models, from the attention formula to a working LM."""
 
-from decoderlm import generate  # a callable module: decoderlm.generate(model, prompt, ...)
-from decoderlm.config import PRESETS, ModelConfig
 from decoderlm.errors import ConfigError, DecoderLMError
+from decoderlm.inference.generate import generate
 from decoderlm.loading import load
-from decoderlm.model import DecoderLM, next_token_loss
+from decoderlm.model import PRESETS, DecoderLM, ModelConfig, next_token_loss
+from decoderlm.model.attention import scaled_dot_product_attention
+from decoderlm.model.flash import flash_attention
 
 __version__ = "0.1.0"
 
@@ -15,7 +16,9 @@ __all__ = [
     "DecoderLMError",
     "ModelConfig",
     "__version__",
+    "flash_attention",
     "generate",
     "load",
     "next_token_loss",
+    "scaled_dot_product_attention",
 ]

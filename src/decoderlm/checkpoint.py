@@ -39,9 +39,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
-from decoderlm.model import DecoderLM
+from decoderlm.model.config import ModelConfig
+from decoderlm.model.lm import DecoderLM
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

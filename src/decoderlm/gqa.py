@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from decoderlm import checkpoint
-from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
-from decoderlm.model import DecoderLM
+from decoderlm.model.config import ModelConfig
+from decoderlm.model.lm import DecoderLM
 
 
 def pool_kv(tensor: torch.Tensor, config: ModelConfig, n_kv_heads: int) -> torch.Tensor:

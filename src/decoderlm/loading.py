@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from decoderlm import checkpoint
-from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
-from decoderlm.model import DecoderLM
+from decoderlm.model.config import ModelConfig
+from decoderlm.model.lm import DecoderLM
 
 if TYPE_CHECKING:
     from decoderlm.tokenizer import Tokenizer

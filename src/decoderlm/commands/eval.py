@@ -1,4 +1,4 @@
-"""`decoderlm eval`: loss, perplexity and bits per byte on a text file (logic in decoderlm.evaluate)."""
+"""`decoderlm eval`: loss, perplexity and bits per byte on a text file (logic in decoderlm.inference.evaluate)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from decoderlm.errors import DecoderLMError
-    from decoderlm.evaluate import evaluate_file
+    from decoderlm.inference.evaluate import evaluate_file
     from decoderlm.loading import load
 
     model, tokenizer = load(args.checkpoint, device=args.device, dtype=args.dtype)

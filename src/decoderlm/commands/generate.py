@@ -1,4 +1,4 @@
-"""`decoderlm generate`: stream a continuation of a prompt to stdout (logic in decoderlm.generate)."""
+"""`decoderlm generate`: stream a continuation of a prompt to stdout (logic in decoderlm.inference.generate)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from decoderlm.generate import stream
+    from decoderlm.inference.stream import stream
     from decoderlm.loading import load
 
     prompt = _read_prompt(args)

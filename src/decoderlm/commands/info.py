@@ -21,10 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from decoderlm.config import ModelConfig
-    from decoderlm.kv_cache import attention_kind, kv_cache_table
     from decoderlm.loading import parse_dtype, read_config
-    from decoderlm.model import DecoderLM
+    from decoderlm.model.config import ModelConfig
+    from decoderlm.model.kv_cache import attention_kind, kv_cache_table
+    from decoderlm.model.lm import DecoderLM
 
     config = ModelConfig.from_preset(args.preset) if args.preset else read_config(args.checkpoint)
     dtype = parse_dtype(args.dtype)

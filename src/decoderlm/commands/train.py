@@ -1,4 +1,4 @@
-"""`decoderlm train`: train a model into a run directory (logic in decoderlm.train).
+"""`decoderlm train`: train a model into a run directory (logic in decoderlm.training.trainer).
 
 With no arguments this is the main job: prepare the Python standard library (BPE, cached), train
 the llama-tiny model for about five minutes, save the run and print samples. Every ModelConfig and
@@ -17,8 +17,8 @@ import shlex
 import typing
 from typing import Any
 
-from decoderlm.config import ModelConfig
 from decoderlm.errors import ConfigError
+from decoderlm.model.config import ModelConfig
 
 HELP = "train a model (no arguments: ~5 minutes on the Python stdlib, the main job)"
 
@@ -27,7 +27,7 @@ MODEL_FIELDS_SKIPPED = ("vocab_size", "extra")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from decoderlm.train_config import TrainConfig
+    from decoderlm.training.train_config import TrainConfig
 
     parser.add_argument(
         "--config", metavar="FILE", help="TOML file with [model] and [train] tables"
@@ -61,8 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from decoderlm.train import latest_run, train
-    from decoderlm.train_config import TrainConfig, build_configs, read_config_file
+    from decoderlm.training.train_config import TrainConfig, build_configs, read_config_file
+    from decoderlm.training.trainer import latest_run, train
 
     file = read_config_file(args.config) if args.config else {}
     model = {**file.get("model", {}), **_flag_values(args, ModelConfig)}

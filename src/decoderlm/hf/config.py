@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
+from decoderlm.model.config import ModelConfig
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_MODEL_TYPES = ("gpt2", *LLAMA_FAMILY)

@@ -21,7 +21,7 @@ from decoderlm import checkpoint
 from decoderlm.errors import DecoderLMError
 from decoderlm.hf.config import config_from_hf, config_to_hf
 from decoderlm.hf.weights import state_dict_from_hf, state_dict_to_hf
-from decoderlm.model import DecoderLM
+from decoderlm.model.lm import DecoderLM
 
 if TYPE_CHECKING:
     from decoderlm.tokenizer import Tokenizer

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from decoderlm.config import ModelConfig
 from decoderlm.errors import DecoderLMError
-from decoderlm.model import DecoderLM
+from decoderlm.model.config import ModelConfig
+from decoderlm.model.lm import DecoderLM
 
 # Buffers some HF checkpoints carry that are not weights: GPT-2's causal-mask buffers, old RoPE tables.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")

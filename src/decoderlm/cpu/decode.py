@@ -1,0 +1,276 @@
+"""The forward passes of decoding, the prompt's prefill and the one-token step, and their compilation.
+
+- `next_logits`: one forward pass over a KV cache, returning the next token's logits.
+- `CPULinearKernels`: F.linear on the CPU through the kernel fastest for its shape.
+- `compiled_prefill`: `next_logits` under torch.compile, one graph per (padded) prompt shape.
+- `CompiledStep`: the one-token step, run once per generated token, compiled ahead of time. It is
+  exported with `torch.export` and compiled by AOTInductor into a shared library that Python calls
+  directly: no torch.compile wrapper and no guard checks, which took ~0.2 ms of a 1.9 ms bfloat16
+  step of the 55M-parameter model of benchmarks/decode.py. The model's weights and the cache
+  buffers are inputs of the library, not constants baked into it, so one library serves every
+  model of the same architecture and shapes; it is cached on disk under a hash of the exported
+  graph (and of everything else the generated code depends on).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from decoderlm.model.kv_cache import StaticKVCache, StaticLayerCache
+from decoderlm.model.lm import DecoderLM
+
+
+class CPULinearKernels(TorchFunctionMode):
+    """F.linear on the CPU through the kernel that is fastest for its shape (see benchmarks/decode.py).
+
+    The products are the same; only the order of the sums differs.
+    - One row under compilation (decoding one sequence, which is bound by reading the weights):
+      y_n = Σ_k x_k W_nk as a product and a row sum, which inductor fuses into one vectorised pass
+      streaming W at close to memory bandwidth; F.linear's GEMV reaches about half of that.
+    - The other float32 calls without autograd (prefill, evaluation, the LM head of the last
+      position; eager or compiled): oneDNN's dense linear (`onednn_linear`), which ran 2-3× faster
+      than the MKL sgemm/sgemv behind F.linear on the (AMD) CPU this was measured on (llama-55m
+      shapes: 0.8 ms against 1.8 for 512×512→768; 1.2 ms against 3.9 for the 512→32000 head).
+    """
+
+    def __init__(self, compiling: bool = False) -> None:
+        super().__init__()
+        self.compiling = compiling  # inside a function being compiled (torch.compile, torch.export)
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.linear or args[0].device.type != "cpu":
+            return func(*args, **kwargs)
+        x, weight = args[0], args[1]  # (..., K), (N, K)
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        rows = x.shape[:-1].numel()
+        if self.compiling and rows == 1:
+            y = (x.unsqueeze(-2) * weight).sum(-1)  # (..., N)
+            return y if bias is None else y + bias
+        tensors = [t for t in (x, weight, bias) if t is not None]
+        plain_float32 = all(
+            type(t) in (Tensor, nn.Parameter) and t.dtype == torch.float32 for t in tensors
+        )
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        if plain_float32 and not needs_grad and _HAS_ONEDNN:
+            return onednn_linear(x, weight, bias)  # (..., N)
+        return func(*args, **kwargs)
+
+
+_HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(
+    torch.ops.mkldnn, "_linear_pointwise"
+)
+
+
+@torch.library.custom_op("decoderlm::onednn_linear", mutates_args=())
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x Wᵀ + b by oneDNN's dense linear (inference only); an opaque op, so that torch.compile
+    calls it as it is rather than lowering it to the MKL GEMM behind F.linear."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def next_logits(
+    model: DecoderLM,
+    cache: Sequence[StaticLayerCache],
+    idx: Tensor,
+    positions: Tensor,
+    key_padding_mask: Tensor | None,
+    compiling: bool = False,
+    state: dict[str, Tensor] | None = None,
+) -> Tensor:
+    """Logits (B, V), in float32, of the token after idx (B, T) at `positions` (B, T).
+
+    state: tensors to use in place of the model's parameters and buffers, by name (as in
+    `torch.func.functional_call`); the model's own when None.
+    """
+    # Eager one-token steps skip the mode: its Python hook on every op costs more than it saves.
+    mode = CPULinearKernels(compiling) if compiling or idx.shape[1] > 1 else nullcontext()
+    args = (idx, positions, key_padding_mask, cache)
+    with mode:
+        if state is None:
+            logits = model(*args, last_only=True)
+        else:
+            logits = torch.func.functional_call(model, state, args, {"last_only": True})
+    return logits[:, -1].float()
+
+
+def _prefill_logits(
+    model: DecoderLM,
+    cache: StaticKVCache,
+    idx: Tensor,
+    positions: Tensor,
+    key_padding_mask: Tensor | None,
+) -> Tensor:
+    """`next_logits` with `compiling=True` (CPULinearKernels' choices for compiled code), the
+    function torch.compile compiles for the prefill (one graph per padded prompt length and model)."""
+    return next_logits(model, cache, idx, positions, key_padding_mask, compiling=True)
+
+
+@functools.cache
+def compiled_prefill() -> Callable[..., Tensor]:
+    """`next_logits` of a prompt (model, cache, idx, positions, key_padding_mask) under torch.compile."""
+    return torch.compile(_prefill_logits, dynamic=False)
+
+
+# Inductor inlines cheap pointwise results (the normalised activations) into their consumers; inside
+# a weight reduction that means recomputing them for every output row. Materialising them instead
+# made the one-token step ~10% (float32) to ~20% (bfloat16) faster.
+_INDUCTOR_OPTIONS = {"realize_opcount_threshold": 4, "realize_reads_threshold": 1}
+
+
+class _OneTokenStep(nn.Module):
+    """The one-token step as a function of tensors only, for torch.export.
+
+    forward(*state, *keys, *values, token, slot, pad): the model's parameters and buffers (in the
+    order of `names`), each layer's key and value buffers (B, Hkv, S, hd), the new tokens (B, 1),
+    the cache slot they go to (1,) and each row's left padding (B,) → logits (B, V) in float32.
+    """
+
+    def __init__(self, model: DecoderLM, names: list[str]) -> None:
+        super().__init__()
+        self.model, self.names = model, names
+
+    def forward(self, *tensors: Tensor) -> Tensor:
+        n, n_layers = len(self.names), self.model.config.n_layers
+        state = dict(zip(self.names, tensors[:n], strict=True))
+        keys, values = tensors[n : n + n_layers], tensors[n + n_layers : n + 2 * n_layers]
+        token, slot, pad = tensors[n + 2 * n_layers :]  # (B, 1), (1,), (B,)
+        slots = torch.arange(keys[0].shape[2], device=token.device)  # (S,)
+        key_padding_mask = (slots >= pad[:, None]) & (
+            slots <= slot
+        )  # (B, S): each row's tokens so far
+        positions = (slot - pad)[:, None]  # (B, 1): 0 at each row's first real token
+        cache = [StaticLayerCache(k, v, slot) for k, v in zip(keys, values, strict=True)]
+        return next_logits(self.model, cache, token, positions, key_padding_mask, True, state)
+
+
+class CompiledStep:
+    """The one-token step of `model` over `cache`, compiled ahead of time by AOTInductor.
+
+    `step(token, slot, pad)` writes the K/V of token (B, 1) to cache slot `slot` (1,) of every row
+    and returns the logits (B, V) in float32 of the token after it; row b has `pad[b]` slots of left
+    padding, so its key mask is slots pad[b]..slot and its position slot − pad[b]. The library is
+    made (or found) once per model object and shapes in a process.
+    """
+
+    def __init__(self, model: DecoderLM, cache: StaticKVCache) -> None:
+        state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        self.inputs = [
+            *state.values(),
+            *(layer.k for layer in cache.layers),
+            *(layer.v for layer in cache.layers),
+        ]
+        batch = cache.layers[0].k.shape[0]
+        self.run = _step_library(model, list(state), self.inputs, batch)
+
+    def __call__(self, token: Tensor, slot: Tensor, pad: Tensor) -> Tensor:
+        return self.run([*self.inputs, token, slot, pad])[0]
+
+
+def _spec(t: Tensor) -> tuple[Any, ...]:
+    return tuple(t.shape), t.stride(), t.dtype, t.device
+
+
+def _step_library(
+    model: DecoderLM, names: list[str], inputs: list[Tensor], batch: int
+) -> Callable[[list[Tensor]], list[Tensor]]:
+    key = (
+        id(model),
+        type(model),
+        json.dumps(model.config.to_dict(), sort_keys=True, default=str),
+        tuple(names),
+        tuple(_spec(t) for t in inputs),  # the batch size and cache length among them
+        torch.get_num_threads(),  # the generated code's OpenMP thread count
+    )
+    if key not in _LIBRARIES:
+        _LIBRARIES[key] = _build_step_library(model, names, inputs, batch)
+    return _LIBRARIES[key]
+
+
+_LIBRARIES: dict[tuple[Any, ...], Callable[[list[Tensor]], list[Tensor]]] = {}
+
+
+def _build_step_library(
+    model: DecoderLM, names: list[str], inputs: list[Tensor], batch: int
+) -> Callable[[list[Tensor]], list[Tensor]]:
+    """Export the step, then load its library from the disk cache or compile it there first."""
+    device = inputs[0].device
+    extra = [
+        torch.zeros(batch, 1, dtype=torch.long, device=device),  # token
+        torch.zeros(1, dtype=torch.long, device=device),  # slot
+        torch.zeros(batch, dtype=torch.long, device=device),  # pad
+    ]
+    # Stand-ins of the same layout: the real cache holds inference tensors, which export rejects.
+    with torch.inference_mode(False), torch.no_grad():
+        examples = [
+            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in inputs
+        ]
+        program = torch.export.export(
+            _OneTokenStep(model, names), tuple(examples + extra), strict=False
+        )
+    graph = program.graph_module.print_readable(
+        print_output=False, include_stride=True, include_device=True
+    )
+    digest = hashlib.sha256(
+        "\n".join(
+            [
+                torch.__version__,
+                str(torch.get_num_threads()),
+                str(torch.backends.cpu.get_cpu_capability()),
+                json.dumps(_INDUCTOR_OPTIONS, sort_keys=True),
+                graph,
+            ]
+        ).encode()
+    ).hexdigest()[:32]
+    path = _cache_dir() / f"step-{digest}.pt2"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
+        os.close(fd)
+        try:
+            with warnings.catch_warnings():
+                # torch's own packaging code trips one of torch's deprecation warnings (2.13).
+                warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+                torch._inductor.aoti_compile_and_package(
+                    program, package_path=tmp, inductor_configs=dict(_INDUCTOR_OPTIONS)
+                )
+            os.replace(tmp, path)  # atomic: another process sees the whole file or none
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    return _load(str(path))
+
+
+@functools.cache
+def _load(path: str) -> Callable[[list[Tensor]], list[Tensor]]:
+    """The library's entry point: flat input list → flat output list. Loaded once per process,
+    however many models (of the same architecture and shapes) use it."""
+    return torch._inductor.aoti_load_package(path).loader.run
+
+
+def _cache_dir() -> Path:
+    """Where compiled step libraries are kept: beside torch.compile's own cache (inductor's)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "decoderlm"

@@ -1,0 +1,66 @@
+"""Keep freed memory in the process for reuse, so that a loop's buffers stop page-faulting.
+
+A training step allocates its activations and frees them again, at the same sizes, every step.
+glibc's malloc gives allocations above a threshold their own pages from the kernel (mmap) and
+returns them when freed; it also gives back the top of its heap once enough of it is free. The
+threshold starts at 128 KiB and rises to the size of the largest such buffer freed so far, so
+whether a step's buffers are fresh pages depends on what the process did before. When they are,
+the first write to each 4 KiB page is a page fault, with the kernel zeroing the page. In a bare
+training loop of the nanoGPT CPU recipe (`benchmarks/shakespeare_char.py`) this came and went from
+one process to the next: 0 to 1,000 faults per step and, when they occurred, steps 1-23% slower
+(fastest of 6×50 steps: 12.6-15.5 ms against 12.0-12.7 ms in runs paired in time). With both
+thresholds raised: < 1 fault per step.
+
+`keep_freed_memory` raises them with `mallopt`: allocations up to 32 MiB (the largest threshold
+glibc accepts) come from the heap, and the heap keeps up to 1 GiB of free memory. This is what the
+allocators PyTorch's CPU tuning guide suggests preloading (jemalloc, tcmalloc) do, without a
+preload. The cost is memory kept by the process after a peak instead of returned to the system.
+
+Preloading tcmalloc still helps: glibc spends ~0.8 ms of a 12 ms step of that recipe in malloc and
+free, on the main thread while the other cores wait. With `LD_PRELOAD=libtcmalloc_minimal.so.4`
+(Debian: libtcmalloc-minimal4), the recipe trained 2-5% faster in `decoderlm.training.trainer` (two pairs
+of runs, each pair back to back); a bare step loop, in six pairs: −1% to 8% faster while the
+machine was calm, 25% while it was loaded. jemalloc was erratic (7% faster to 15% slower).
+`malloc_in_use` says which one a process has.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import platform
+from pathlib import Path
+
+# mallopt parameters, from glibc's <malloc.h>.
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 32 * 2**20  # bytes: larger allocations still get pages of their own
+TRIM_THRESHOLD = 2**30  # bytes of free memory the heap keeps before returning any
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Raise glibc's mmap and trim thresholds for this process; False where there is no glibc.
+
+    Both are needed: setting either one also turns off glibc's dynamic mmap threshold, so the trim
+    threshold alone sent every large buffer to mmap (2,500 faults per step of the recipe above).
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    applied = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+    return bool(applied and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1)
+
+
+PRELOADABLE = ("tcmalloc", "jemalloc", "mimalloc")
+
+
+def malloc_in_use() -> str:
+    """The allocator of this process: a preloaded one by name, else "glibc" or "system"."""
+    maps = Path("/proc/self/maps")
+    mapped = maps.read_text() if maps.exists() else ""
+    found = [name for name in PRELOADABLE if f"lib{name}" in mapped]
+    if found:
+        return found[0]
+    return "glibc" if platform.libc_ver()[0] == "glibc" else "system"

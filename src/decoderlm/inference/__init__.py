@@ -1,0 +1,1 @@
+"""Inference: sampling, generation over a KV cache, streaming text, evaluation."""

@@ -1,0 +1,229 @@
+"""Autoregressive generation over a static KV cache: prefill, one-token steps, padded batches.
+
+The prompt is run once (prefill) to fill the cache; every later step feeds one token per row with
+explicit positions, so RoPE, learned and sinusoidal positions are right at every step. Prompts of
+different lengths are left-padded: each row counts its positions from 0 at its first real token and
+a key mask hides its padding, so a row decodes exactly as it would alone.
+
+Sampling (`decoderlm.inference.sampling`) applies the repetition penalty, temperature, top-k and
+top-p in Hugging Face's order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+from decoderlm.cpu.decode import CompiledStep, compiled_prefill, next_logits
+from decoderlm.errors import DecoderLMError
+from decoderlm.inference.sampling import SamplingParams, sample_next
+from decoderlm.model.kv_cache import StaticKVCache
+from decoderlm.model.lm import DecoderLM
+
+Prompt = Tensor | Sequence[Sequence[int]] | Sequence[int]
+
+# Rows stop being checked for end-of-text on every step (a host sync); `generate` looks every this many.
+EOS_CHECK_INTERVAL = 16
+# Compiled decoding sizes its cache in multiples of this, so nearby lengths share one compiled graph.
+COMPILE_CACHE_MULTIPLE = 256
+# Compiled prefill left-pads prompts to a multiple of this, for the same reason.
+COMPILE_PREFILL_MULTIPLE = 64
+
+
+@contextmanager
+def evaluating(model: DecoderLM) -> Iterator[None]:
+    """Eval mode (no dropout) and no autograd for the duration; the model's mode is restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def prompt_rows(prompt: Prompt, vocab_size: int) -> list[list[int]]:
+    """Normalise a prompt — (B, T) or (T,) ids, a list of id lists, or one id list — to id lists."""
+    if isinstance(prompt, Tensor):
+        if prompt.is_floating_point() or prompt.dim() not in (1, 2):
+            raise DecoderLMError(
+                f"prompt tensor must hold integer token ids, shape (B, T) or (T,); got "
+                f"{prompt.dtype} of shape {tuple(prompt.shape)}"
+            )
+        prompt = prompt.tolist()
+    rows = list(prompt)
+    if rows and not isinstance(rows[0], Sequence | Tensor):
+        rows = [rows]  # a single sequence of ids
+    rows = [[int(t) for t in row] for row in rows]
+    if not rows or any(len(row) == 0 for row in rows):
+        raise DecoderLMError("empty prompt: give at least one token per row")
+    bad = [t for row in rows for t in row if not 0 <= t < vocab_size]
+    if bad:
+        raise DecoderLMError(
+            f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+        )
+    return rows
+
+
+def check_lengths(
+    rows: list[list[int]], max_new_tokens: int, context_length: int, sliding_window: bool
+) -> None:
+    """DecoderLMError if a prompt is longer than the context, or the generation would outgrow it."""
+    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
+        raise DecoderLMError(f"max_new_tokens={max_new_tokens!r} must be an integer ≥ 0")
+    longest = max(len(row) for row in rows)
+    if longest > context_length:
+        raise DecoderLMError(
+            f"prompt has {longest} tokens, more than the model's context_length={context_length}"
+        )
+    if longest + max_new_tokens > context_length and not sliding_window:
+        raise DecoderLMError(
+            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+            f"context_length={context_length}; generate fewer tokens or use a sliding window"
+        )
+
+
+def decode_steps(
+    model: DecoderLM,
+    rows: list[list[int]],
+    max_new_tokens: int,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    sliding_window: bool = False,
+    compile: bool = False,
+) -> Iterator[Tensor]:
+    """Yield the new token of every row, (B,) on the model's device, `max_new_tokens` times.
+
+    Call it under `torch.inference_mode()` with the model in eval mode. Nothing here waits for the
+    device: the caller decides when to look at the tokens (and to stop). Past `context_length`,
+    either raise (default) or, with `sliding_window`, drop the oldest quarter of the context and
+    refill the cache from the rest (one prefill), so every token still sees ≥ 3/4 of a context.
+    """
+    cfg = model.config
+    context = cfg.context_length
+    check_lengths(rows, max_new_tokens, context, sliding_window)
+    n = max(len(row) for row in rows)  # the first fill: the prompts, left-padded to n tokens
+    weight = model.tok_emb.weight
+    device = weight.device
+    if compile:
+        rounded = math.ceil(n / COMPILE_PREFILL_MULTIPLE) * COMPILE_PREFILL_MULTIPLE
+        n = rounded if rounded + max_new_tokens <= context else n
+    max_len = min(n + max_new_tokens, context)
+    if compile:
+        max_len = min(math.ceil(max_len / COMPILE_CACHE_MULTIPLE) * COMPILE_CACHE_MULTIPLE, context)
+    cache = StaticKVCache(cfg, len(rows), max_len, weight.dtype, device)
+    step = CompiledStep(model, cache) if compile else None
+    seen = None
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(len(rows), cfg.vocab_size, dtype=torch.bool, device=device)  # (B, V)
+        for b, row in enumerate(rows):
+            seen[b, row] = True
+
+    produced = 0
+    while True:  # one pass per cache fill; more than one only with the sliding window
+        pad = torch.tensor([n - len(row) for row in rows], device=device)  # (B,) left padding
+        slots = torch.arange(max_len, device=device)  # (S,)
+        filled = slots[None, :] >= pad[:, None]  # (B, S) key mask: real tokens, not padding
+        padded = bool(pad.any())
+        idx = torch.tensor([[0] * (n - len(row)) + row for row in rows], device=device)  # (B, n)
+        positions = (slots[None, :n] - pad[:, None]).clamp(min=0)  # (B, n): 0 at the 1st token
+        cache.seek(slots[:n], n)
+        prefill = compiled_prefill() if compile else next_logits
+        logits = prefill(model, cache, idx, positions, filled[:, :n] if padded else None)
+        filled &= slots < n  # from here on: the slots holding a real token
+        new: list[Tensor] = []
+        slot = torch.zeros(1, dtype=torch.long, device=device)  # (1,) the slot being written
+        while True:
+            token = sample_next(logits, params, seen, generator)  # (B,)
+            yield token
+            new.append(token)
+            produced += 1
+            if produced == max_new_tokens:
+                return
+            if seen is not None:
+                seen.scatter_(1, token[:, None], True)
+            if n == max_len:
+                break  # the cache is full: slide the window
+            slot.fill_(n)
+            if step is not None:  # fixed shapes: attends the whole buffer, masked in the step
+                logits = step(token[:, None], slot, pad)
+            else:
+                filled[:, n] = True
+                cache.seek(slot, n + 1)
+                key_padding_mask = filled[:, : n + 1] if padded else None
+                logits = next_logits(
+                    model, cache, token[:, None], (slot - pad)[:, None], key_padding_mask
+                )
+            n += 1
+        keep = context - max(1, context // 4)
+        generated = torch.stack(new, dim=1).tolist()  # (B, n_new)
+        rows = [(row + extra)[-keep:] for row, extra in zip(rows, generated, strict=True)]
+        n = keep
+
+
+def generate(
+    model: DecoderLM,
+    prompt: Prompt,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float = 1.0,
+    seed: int | None = None,
+    eos_id: int | None = None,
+    num_samples: int = 1,
+    sliding_window: bool = False,
+    compile: bool = False,
+) -> list[list[int]]:
+    """Continue each prompt row by up to `max_new_tokens` tokens; returns one id list per row.
+
+    prompt: a (B, T) LongTensor, or a list of token-id lists of different lengths (left-padded
+    internally). Each returned list is the row's prompt ids followed by its new ids, ending at
+    (and including) `eos_id` if that was generated. With `num_samples` > 1, each prompt gives that
+    many rows, in order (prompt 0 sample 0, prompt 0 sample 1, ...). temperature 0 = greedy. A seed
+    makes sampling reproducible; without one, torch's global generator is used. `compile` compiles
+    the prefill with torch.compile and the one-token step ahead of time with AOTInductor (see
+    `decoderlm.cpu.decode`; the first call of a shape pays for the compilation, and prompts are
+    left-padded to a multiple of 64 so that nearby lengths share one prefill graph).
+    """
+    params = SamplingParams(temperature, top_k, top_p, repetition_penalty)
+    if not (isinstance(num_samples, int) and num_samples >= 1):
+        raise DecoderLMError(f"num_samples={num_samples!r} must be an integer ≥ 1")
+    rows = [row for row in prompt_rows(prompt, model.config.vocab_size) for _ in range(num_samples)]
+    check_lengths(rows, max_new_tokens, model.config.context_length, sliding_window)
+    if max_new_tokens == 0:
+        return rows
+    generator = make_generator(seed, model.tok_emb.weight.device)
+    new: list[Tensor] = []
+    with evaluating(model):
+        steps = decode_steps(
+            model, rows, max_new_tokens, params, generator, sliding_window, compile
+        )
+        done = torch.zeros(len(rows), dtype=torch.bool, device=model.tok_emb.weight.device)
+        for i, token in enumerate(steps):
+            new.append(token)
+            if eos_id is not None:
+                done |= token == eos_id
+                if (i + 1) % EOS_CHECK_INTERVAL == 0 and bool(done.all()):
+                    break
+    generated = torch.stack(new, dim=1).tolist()  # (B, n_new): the only host copy of the tokens
+    return [row + _until(extra, eos_id) for row, extra in zip(rows, generated, strict=True)]
+
+
+def _until(ids: list[int], eos_id: int | None) -> list[int]:
+    """ids up to and including the first eos_id."""
+    if eos_id is not None and eos_id in ids:
+        return ids[: ids.index(eos_id) + 1]
+    return ids
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    if not isinstance(seed, int):
+        raise DecoderLMError(f"seed={seed!r} must be an integer (or None)")
+    return torch.Generator(device=device).manual_seed(seed)

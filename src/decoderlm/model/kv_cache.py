@@ -1,0 +1,122 @@
+"""A static key/value cache for autoregressive decoding (the gpt-fast layout).
+
+Each layer's keys and values live in buffers allocated once per generation, shaped
+(batch, n_kv_heads, max_len, head_dim). A forward pass writes its new K/V (after RoPE) into them
+with `index_copy_` at the cache slots it is told, then attends to the slots filled so far — so a
+decoding step allocates no new K/V memory and never re-attends the prompt from scratch.
+
+With grouped-query (Ainslie et al., 2023) or multi-query attention (Shazeer, 2019) only the
+n_kv_heads shared heads are stored: the cache is n_kv_heads / n_heads the size of an MHA cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from torch import Tensor
+
+from decoderlm.model.config import ModelConfig
+
+
+def kv_cache_bytes_per_token(config: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes the cache stores per token and sequence: 2 (K and V) · n_layers · n_kv_heads · head_dim · size."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * element
+
+
+def kv_cache_bytes(
+    config: ModelConfig, n_tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.float32
+) -> int:
+    """Bytes of a cache holding `n_tokens` tokens for each of `batch_size` sequences."""
+    return batch_size * n_tokens * kv_cache_bytes_per_token(config, dtype)
+
+
+def attention_kind(config: ModelConfig) -> str:
+    """ "MHA", "GQA" or "MQA" from the number of K/V heads."""
+    if config.n_kv_heads == config.n_heads:
+        return "MHA"
+    return "MQA" if config.n_kv_heads == 1 else "GQA"
+
+
+def kv_cache_table(
+    config: ModelConfig,
+    contexts: tuple[int, ...] = (4096, 32768, 131072),
+    dtype: torch.dtype = torch.float32,
+) -> list[dict[str, object]]:
+    """Cache bytes per token and at each context (batch 1) for this model and its MHA and MQA twins.
+
+    The twins keep every other number of the shape (layers, heads, head_dim), so the rows differ
+    only in n_kv_heads: the memory GQA and MQA save at long context.
+    """
+    variants = {"model": config.n_kv_heads, "MHA": config.n_heads, "MQA": 1}
+    rows = []
+    for name, n_kv in variants.items():
+        twin = dataclasses.replace(config, n_kv_heads=n_kv)
+        rows.append(
+            {
+                "variant": name,
+                "attention": attention_kind(twin),
+                "n_kv_heads": n_kv,
+                "bytes_per_token": kv_cache_bytes_per_token(twin, dtype),
+                "bytes_at": {n: kv_cache_bytes(twin, n, 1, dtype) for n in contexts},
+            }
+        )
+    return rows
+
+
+class StaticLayerCache:
+    """One layer's buffers. `update(k, v)` stores this step's K/V and returns the keys/values to attend."""
+
+    def __init__(self, k: Tensor, v: Tensor, slots: Tensor | None = None) -> None:
+        self.k, self.v = k, v  # (B, Hkv, max_len, hd) each
+        # (T,) the slots written by the next update
+        self.slots = torch.zeros(1, dtype=torch.long, device=k.device) if slots is None else slots
+        self.end: int | None = None  # attend to slots [0, end); None = the whole buffer
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k, v (B, Hkv, T, hd) go to `slots`; returns (B, Hkv, end or max_len, hd) keys and values."""
+        self.k.index_copy_(2, self.slots, k)
+        self.v.index_copy_(2, self.slots, v)
+        if self.end is None:
+            return self.k, self.v
+        return self.k[:, :, : self.end], self.v[:, :, : self.end]
+
+
+class StaticKVCache:
+    """The caches of all layers, indexed as `kv_caches[i]` by `DecoderLM.forward`.
+
+    Before each forward call `seek(slots, end)`: the new tokens go to cache slots `slots` (T,), and
+    attention sees slots [0, end). Filling slots 0..T−1 with end = T is a prefill whose causal mask
+    (aligned bottom-right by the attention) is the usual triangle. `end=None` attends the whole
+    buffer, a fixed shape for `torch.compile`; the caller's key mask then hides the unfilled slots.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        batch_size: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.max_len = max_len
+        shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
+        zeros = functools.partial(torch.zeros, shape, dtype=dtype, device=device)
+        self.layers = [StaticLayerCache(zeros(), zeros()) for _ in range(config.n_layers)]
+
+    def __getitem__(self, i: int) -> StaticLayerCache:
+        return self.layers[i]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def seek(self, slots: Tensor, end: int | None) -> None:
+        for layer in self.layers:
+            layer.slots, layer.end = slots, end
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all K and V buffers."""
+        return sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers)

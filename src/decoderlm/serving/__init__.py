@@ -1,0 +1,1 @@
+"""Serving: a continuous-batching engine over a paged KV pool, and an OpenAI-compatible HTTP app."""

@@ -1,0 +1,1 @@
+"""Training: the loop, run resolution, TrainConfig, the optimizer, reporting, runtime and distribution."""

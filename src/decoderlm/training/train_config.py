@@ -1,0 +1,174 @@
+"""TrainConfig: the training hyperparameters (validated), and the run description from files/flags.
+
+`read_config_file` reads a TOML run description; `build_configs` merges a preset, field overrides
+and, when resuming, the run's saved configuration into a ModelConfig and a TrainConfig.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from decoderlm import checkpoint
+from decoderlm.errors import ConfigError, DecoderLMError
+from decoderlm.model.config import ModelConfig, dataclass_from_dict
+from decoderlm.training import distributed
+
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+DEFAULT_PRESET = "llama-tiny"  # the main job's model: RoPE, GQA, RMSNorm, SwiGLU (`ModelConfig`)
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 16  # sequences per optimizer step, summed over micro-steps and processes
+    grad_accum: int = 1  # micro-steps per optimizer step (each batch_size / grad_accum sequences)
+    lr: float = 2e-3  # peak learning rate, reached after warmup (small models take large rates)
+    min_lr: float = 2e-4  # the cosine's floor at the end of the run (lr/10, as in Chinchilla)
+    warmup_steps: int = 50  # linear warmup from lr/warmup_steps to lr
+    weight_decay: float = 0.1  # decoupled (AdamW), on linear-layer weights only
+    beta1: float = 0.9
+    beta2: float = 0.95  # GPT-3/Llama: faster-adapting second moment than 0.999 for LMs
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; 0 = no clipping
+    max_steps: int = 0  # stop after this many optimizer steps; 0 = no step limit
+    max_time: float = 300.0  # seconds of training before stopping (summed over resumes); 0 = none
+    decay_steps: int = 0  # steps of the cosine decay (nanoGPT's lr_decay_iters); 0 = max_steps
+    eval_interval: int = 100  # steps between evaluations (val loss, perplexity, bits/byte, sample)
+    eval_iters: int = 10  # val batches per evaluation
+    checkpoint_interval: int = 100  # steps between checkpoints; 0 = only at the end
+    keep_last: int = 2  # checkpoints kept besides the best one
+    log_interval: int = 10  # steps between metrics.jsonl lines and progress-bar updates
+    sample_tokens: int = 64  # tokens generated for the sample shown at each evaluation
+    sample_prompt: str = ""  # "" = from end-of-text (the main job: "def")
+    temperature: float = 0.8  # sampling temperature of the samples
+    top_k: int = 50  # sample among the k most likely tokens; 0 = all
+    seed: int = 1337  # model init, data order and sampling all follow from it
+    device: str = "auto"  # auto (CUDA if available), cpu, cuda, cuda:N
+    dtype: str = "auto"  # autocast dtype: auto (bf16 where native), fp32, bf16, fp16 (CUDA only)
+    compile: bool = False  # torch.compile the training forward pass
+    threads: int = 0  # CPU threads for torch; 0 = auto: the cores not already busy (`cpu_threads`)
+    strategy: str = "none"  # data parallelism under torchrun: none, ddp, fsdp
+    without_replacement: bool = False  # each epoch visits every non-overlapping window once
+    peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = measure a matmul at the start
+
+    def __post_init__(self) -> None:
+        hints = {f.name: f.type for f in dataclasses.fields(self)}
+        for name, kind in hints.items():
+            value = getattr(self, name)
+            if kind == "bool":
+                ok = isinstance(value, bool)
+            elif kind == "int":
+                ok = isinstance(value, int) and not isinstance(value, bool)
+            elif kind == "float":
+                ok = isinstance(value, int | float) and not isinstance(value, bool)
+            else:
+                ok = isinstance(value, str)
+            if not ok:
+                raise ConfigError(f"{name}={value!r} must be of type {kind}")
+        positive = ("batch_size", "grad_accum", "eval_iters", "keep_last", "log_interval")
+        for name in positive:
+            _require(getattr(self, name) >= 1, name, getattr(self, name), "must be ≥ 1")
+        non_negative = (
+            *("warmup_steps", "max_steps", "max_time", "decay_steps", "eval_interval"),
+            *("checkpoint_interval", "sample_tokens", "weight_decay", "grad_clip", "top_k"),
+            "threads",
+        )
+        for name in non_negative:
+            _require(getattr(self, name) >= 0, name, getattr(self, name), "must be ≥ 0")
+        _require(self.lr > 0, "lr", self.lr, "must be > 0")
+        _require(
+            0 <= self.min_lr <= self.lr, "min_lr", self.min_lr, f"must be in [0, lr={self.lr}]"
+        )
+        for name in ("beta1", "beta2"):
+            _require(0 <= getattr(self, name) < 1, name, getattr(self, name), "must be in [0, 1)")
+        _require(self.eps > 0, "eps", self.eps, "must be > 0")
+        _require(self.temperature >= 0, "temperature", self.temperature, "must be ≥ 0")
+        _require(self.seed >= 0, "seed", self.seed, "must be ≥ 0")
+        _require(self.peak_flops >= 0, "peak_flops", self.peak_flops, "must be ≥ 0")
+        _require(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
+        strategies = distributed.STRATEGIES
+        _require(
+            self.strategy in strategies,
+            "strategy",
+            self.strategy,
+            f"must be one of {', '.join(strategies)}",
+        )
+        if self.batch_size % self.grad_accum:
+            raise ConfigError(
+                f"batch_size={self.batch_size} must be divisible by grad_accum={self.grad_accum}"
+            )
+        if not self.max_steps and not self.max_time:
+            raise ConfigError("max_steps=0 and max_time=0: set at least one to end the run")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        return dataclass_from_dict(cls, values, "train")
+
+
+def _require(ok: bool, name: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={value!r} {rule}")
+
+
+# ---- configuration from files -----------------------------------------------------------------
+
+CONFIG_FILE_KEYS = ("preset", "data", "input", "out", "tokenizer", "vocab_size", "model", "train")
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A TOML run description: [model] and [train] tables of fields, plus optional top-level keys
+    preset, data, input (a list of paths), out, tokenizer and vocab_size (as the CLI flags)."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
+
+    path = Path(path)
+    try:
+        values = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise DecoderLMError(f"no such config file: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DecoderLMError(f"cannot read config file {path}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise DecoderLMError(f"{path} is not valid TOML: {exc}") from None
+    unknown = sorted(set(values) - set(CONFIG_FILE_KEYS))
+    if unknown:
+        raise DecoderLMError(
+            f"{path}: unknown key {unknown[0]!r}; allowed: {', '.join(CONFIG_FILE_KEYS)}"
+        )
+    for table in ("model", "train"):
+        if not isinstance(values.get(table, {}), dict):
+            raise DecoderLMError(f"{path}: {table!r} must be a table ([{table}])")
+    return values
+
+
+def build_configs(
+    preset: str | None = None,
+    model: dict[str, Any] | None = None,
+    train: dict[str, Any] | None = None,
+    resume_from: str | Path | None = None,
+) -> tuple[ModelConfig | None, TrainConfig]:
+    """ModelConfig and TrainConfig from a preset and field overrides (e.g. a TOML file, then flags).
+
+    Model fields apply to the preset (default llama-tiny), or when resuming without a preset to the
+    run's own model; with neither a preset nor model fields the model is left to `train`. When
+    resuming, the training fields start from the run's saved ones, so `--resume --max-steps 2000`
+    changes only the step limit.
+    """
+    saved: dict[str, Any] = {}
+    ckpt = checkpoint.latest_checkpoint(resume_from) if resume_from is not None else None
+    if ckpt is not None:
+        saved = checkpoint.read_run_config(ckpt)
+    train_config = TrainConfig.from_dict({**saved.get("train", {}), **(train or {})})
+    if preset is None and not model:
+        return None, train_config
+    if preset is None and "model" in saved:
+        return ModelConfig.from_dict({**saved["model"], **(model or {})}), train_config
+    return ModelConfig.from_preset(preset or DEFAULT_PRESET, **(model or {})), train_config

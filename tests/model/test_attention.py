@@ -1,0 +1,269 @@
+"""Attention: the formula, its masks, MHA/GQA/MQA, and every backend against a float64 reference."""
+
+import pytest
+import torch
+
+from decoderlm import DecoderLM, ModelConfig
+from decoderlm.model.attention import (
+    CausalSelfAttention,
+    attend,
+    blockwise_attention,
+    build_mask,
+    causal_mask,
+    scaled_dot_product_attention,
+    softmax_zero_if_empty,
+)
+from decoderlm.model.block import Block
+
+BACKENDS = ["math", "sdpa", "flash"]
+
+
+@pytest.mark.parametrize("d_k", [64, 256])
+def test_dot_product_variance_grows_with_dk_and_scaling_restores_unit_variance(d_k):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(200_000, d_k, generator=g, dtype=torch.float64)
+    k = torch.randn(200_000, d_k, generator=g, dtype=torch.float64)
+    dots = (q * k).sum(-1)
+    # var(q·k) = d_k for independent unit-variance entries; 200k samples → relative error ~0.3%.
+    assert dots.var().item() == pytest.approx(d_k, rel=0.02)
+    assert (dots / d_k**0.5).var().item() == pytest.approx(1.0, rel=0.02)
+
+
+def test_causal_weights_rows_sum_to_one_and_upper_triangle_is_zero():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 8, 64) for _ in range(3))
+    out, weights = scaled_dot_product_attention(q, k, v, causal_mask(8, 8))
+    assert out.shape == (2, 4, 8, 64) and weights.shape == (2, 4, 8, 8)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, 8))
+    assert torch.all(weights.triu(diagonal=1) == 0)
+    assert torch.all(weights[..., causal_mask(8, 8)] > 0)
+
+
+def test_additive_mask_equals_boolean_mask():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    keep = causal_mask(5, 5)
+    additive = torch.zeros(5, 5).masked_fill(~keep, float("-inf"))  # M = 0 or −∞
+    torch.testing.assert_close(
+        scaled_dot_product_attention(q, k, v, additive)[0],
+        scaled_dot_product_attention(q, k, v, keep)[0],
+    )
+
+
+def test_causal_mask_is_bottom_right_aligned_for_cached_queries():
+    # 2 queries that are the last 2 of 5 positions: query 0 is position 3, it sees keys 0..3.
+    expected = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(causal_mask(2, 5), expected)
+
+
+def test_seed_block_maps_shape_to_itself():
+    block = Block(ModelConfig.from_preset("seed"))
+    x = torch.randn(8, 64, 256)
+    assert block(x).shape == (8, 64, 256)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_without_positions_or_mask_attention_is_permutation_equivariant(backend):
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=16, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, attn_backend=backend
+    )
+    attn = CausalSelfAttention(cfg).eval()
+    x = torch.randn(2, 9, 32)
+    perm = torch.randperm(9)
+    with torch.no_grad():
+        y = attn(x, causal=False)
+        y_perm = attn(x[:, perm], causal=False)
+    torch.testing.assert_close(y_perm, y[:, perm], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_kv_heads", [1, 2])
+def test_gqa_equals_mha_with_repeated_kv(n_kv_heads):
+    torch.manual_seed(0)
+    h, hd, d = 4, 8, 32
+    gqa_cfg = ModelConfig(
+        vocab_size=16, d_model=d, n_layers=1, n_heads=h, n_kv_heads=n_kv_heads, attn_backend="math"
+    )
+    mha_cfg = ModelConfig(vocab_size=16, d_model=d, n_layers=1, n_heads=h, attn_backend="math")
+    gqa, mha = CausalSelfAttention(gqa_cfg), CausalSelfAttention(mha_cfg)
+    wq, wk, wv = gqa.qkv.weight.split(gqa.split_sizes)
+    bq, bk, bv = gqa.qkv.bias.split(gqa.split_sizes)
+    group = h // n_kv_heads
+
+    def repeat(
+        w,
+    ):  # (Hkv·hd, …) → (H·hd, …): K/V head j serves query heads j·group … (j+1)·group − 1
+        return w.unflatten(0, (n_kv_heads, hd)).repeat_interleave(group, 0).flatten(0, 1)
+
+    with torch.no_grad():
+        mha.qkv.weight.copy_(torch.cat([wq, repeat(wk), repeat(wv)]))
+        mha.qkv.bias.copy_(torch.cat([bq, repeat(bk), repeat(bv)]))
+        mha.proj.load_state_dict(gqa.proj.state_dict())
+    x = torch.randn(2, 7, d)
+    torch.testing.assert_close(gqa(x), mha(x), rtol=1e-5, atol=1e-6)
+
+
+def _reference_and_inputs(b, h, h_kv, t_q, t_k, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q64 = torch.randn(b, h, t_q, d, generator=g, dtype=torch.float64)
+    k64 = torch.randn(b, h_kv, t_k, d, generator=g, dtype=torch.float64)
+    v64 = torch.randn(b, h_kv, t_k, d, generator=g, dtype=torch.float64)
+    do64 = torch.randn(b, h, t_q, d, generator=g, dtype=torch.float64)
+    return [t.to(dtype).requires_grad_() for t in (q64, k64, v64)], (q64, k64, v64), do64
+
+
+def _left_padding(b: int, t_k: int) -> torch.Tensor:
+    """(b, t_k) key mask: row 0 starts with t_k // 3 padding keys, as a shorter prompt in a batch."""
+    key_padding_mask = torch.ones(b, t_k, dtype=torch.bool)
+    key_padding_mask[0, : t_k // 3] = False
+    return key_padding_mask
+
+
+CASES = [  # (b, h, h_kv, t_q, t_k, causal, padded)
+    (2, 4, 4, 1, 1, True, False),
+    (2, 4, 2, 7, 7, True, False),
+    (1, 4, 1, 129, 129, True, False),
+    (1, 4, 2, 129, 129, False, False),
+    (1, 2, 1, 1000, 1000, True, False),
+    (2, 4, 2, 33, 33, True, True),
+    (2, 4, 2, 5, 40, True, True),  # queries are the last 5 of 40 cached positions
+    (2, 4, 2, 1, 40, False, True),  # one decode step over a key mask
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("b", "h", "h_kv", "t_q", "t_k", "causal", "padded"), CASES)
+def test_backend_matches_float64_reference(backend, b, h, h_kv, t_q, t_k, causal, padded):
+    d = 16
+    (q, k, v), (q64, k64, v64), do64 = _reference_and_inputs(b, h, h_kv, t_q, t_k, d, torch.float32)
+    key_padding_mask = _left_padding(b, t_k) if padded else None
+    out, _ = attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask, backend=backend)
+    out.backward(do64.float())
+    ref_inputs = [t.clone().requires_grad_() for t in (q64, k64, v64)]
+    ref, _ = scaled_dot_product_attention(
+        *ref_inputs, build_mask(t_q, t_k, causal, key_padding_mask, q.device)
+    )
+    ref.backward(do64)
+    # float32 against float64: outputs to 1e-5, gradients (a longer chain of float32 sums) to 5e-5.
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip((q, k, v), ref_inputs, strict=True):
+        torch.testing.assert_close(ours.grad.double(), theirs.grad, rtol=5e-5, atol=5e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_bf16_stays_close_to_float64(backend):
+    (q, k, v), (q64, k64, v64), _ = _reference_and_inputs(1, 4, 2, 100, 100, 32, torch.bfloat16)
+    out, _ = attend(q, k, v, causal=True, backend=backend)
+    ref, _ = scaled_dot_product_attention(q64, k64, v64, causal_mask(100, 100))
+    # bf16 keeps 8 bits of mantissa (relative rounding 2^-9 ≈ 0.002) in inputs and output.
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("t_q", "t_k", "causal", "padded"),
+    [
+        (13, 13, True, False),
+        (13, 13, True, True),
+        (7, 13, True, True),  # the last 7 of 13 cached positions
+        (1, 13, True, True),  # one decode step
+        (13, 13, False, True),
+    ],
+)
+def test_blockwise_attention_equals_the_formula(t_q, t_k, causal, padded):
+    (q, k, v), _, _ = _reference_and_inputs(2, 4, 2, t_q, t_k, 8, torch.float64)
+    key_padding_mask = _left_padding(2, t_k) if padded else None
+    expected, _ = scaled_dot_product_attention(
+        q, k, v, build_mask(t_q, t_k, causal, key_padding_mask, q.device)
+    )
+    out = blockwise_attention(
+        q, k, v, causal=causal, key_padding_mask=key_padding_mask, block_size=5
+    )
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("t", [64, 200])  # the explicit formula (T ≤ 128), torch's fused kernel
+def test_sdpa_backend_bf16_training_gradients_stay_close_to_float64(t):
+    (q, k, v), (q64, k64, v64), do64 = _reference_and_inputs(2, 4, 2, t, t, 32, torch.bfloat16)
+    out, _ = attend(q, k, v, causal=True, backend="sdpa")
+    out.backward(do64.to(torch.bfloat16))
+    refs = [x.clone().requires_grad_() for x in (q64, k64, v64)]
+    ref, _ = scaled_dot_product_attention(*refs, causal_mask(t, t))
+    ref.backward(do64)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    for ours, theirs in zip((q, k, v), refs, strict=True):
+        # Gradients sum T bf16-rounded products: relative error a few × 2^-9, on values of O(1).
+        torch.testing.assert_close(ours.grad.double(), theirs.grad, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("position", ["rope", "learned", "sinusoidal", "none"])
+def test_model_is_causal_changing_token_j_leaves_earlier_logits_unchanged(backend, position):
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=50,
+        context_length=32,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        position=position,
+        attn_backend=backend,
+    )
+    model = DecoderLM(cfg).eval()
+    idx = torch.randint(0, 50, (2, 20))
+    changed = idx.clone()
+    j = 11
+    changed[:, j] = (idx[:, j] + 1) % 50
+    with torch.no_grad():
+        a, b = model(idx), model(changed)
+    torch.testing.assert_close(a[:, :j], b[:, :j], rtol=0, atol=1e-6)
+    assert (a[:, j:] - b[:, j:]).abs().amax() > 1e-3
+
+
+def test_attention_module_returns_weights_with_math_path():
+    cfg = ModelConfig(
+        vocab_size=16, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, attn_backend="sdpa"
+    )
+    attn = CausalSelfAttention(cfg)
+    out, weights = attn(torch.randn(1, 6, 32), need_weights=True)
+    assert out.shape == (1, 6, 32) and weights.shape == (1, 4, 6, 6)
+    assert torch.all(weights.triu(1) == 0)
+
+
+def test_softmax_zero_if_empty_is_softmax_with_zero_rows_and_zero_gradients_where_all_masked():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(3, 4, 9, generator=g, dtype=torch.float64)
+    hidden = torch.rand(3, 4, 9, generator=g) < 0.5
+    hidden[..., 0] = False  # every row keeps key 0 visible,
+    hidden[0, 1] = True  # but this one, whose keys are all masked
+    visible = ~hidden.all(-1)
+    masked = scores.masked_fill(hidden, float("-inf")).requires_grad_()
+    weights = softmax_zero_if_empty(masked)
+    expected = torch.softmax(masked.detach()[visible], -1)
+    torch.testing.assert_close(weights[visible], expected, rtol=1e-12, atol=1e-15)
+    assert torch.all(weights[0, 1] == 0)
+    upstream = torch.randn(3, 4, 9, generator=g, dtype=torch.float64)
+    (weights * upstream).sum().backward()
+    ref = masked.detach()[visible].requires_grad_()
+    (torch.softmax(ref, -1) * upstream[visible]).sum().backward()
+    torch.testing.assert_close(masked.grad[visible], ref.grad, rtol=1e-12, atol=1e-15)
+    assert torch.all(masked.grad[0, 1] == 0)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_compiled_formula_matches_eager_forward_and_backward(padded):
+    # Traced, the formula uses softmax_zero_if_empty; eagerly torch.softmax.
+    (q, k, v), _, do64 = _reference_and_inputs(2, 4, 2, 12, 12, 8, torch.float32)
+    key_padding_mask = _left_padding(2, 12) if padded else None
+
+    def run(fn):
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*inputs, causal=True, key_padding_mask=key_padding_mask)
+        out.backward(do64.float())
+        return out, [t.grad for t in inputs]
+
+    eager, eager_grads = run(blockwise_attention)
+    compiled, compiled_grads = run(torch.compile(blockwise_attention, fullgraph=True))
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    for ours, theirs in zip(compiled_grads, eager_grads, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
