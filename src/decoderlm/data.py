@@ -429,8 +429,8 @@ class BatchSampler:
     Batches are drawn `chunk` at a time (one generator, one gather, up to 64 batches and 2¹⁸
     tokens): chunk c from `numpy.random.Generator(PCG64(SeedSequence([seed, mode, c])))`. Batch k
     is row k mod chunk of chunk k // chunk, so the state is just k (`step`) and a resumed sampler
-    continues the same stream exactly. (Drawn one at a time, a batch of nanoGPT's Shakespeare
-    recipe took 0.3 ms of numpy calls on the caches a training step had just cooled: 2% of a step.)
+    continues the same stream exactly. (Drawn one at a time, the numpy calls of each batch run on
+    caches a training step has just cooled, a measurable share of a small model's step.)
 
     - With replacement (default): window starts uniform in [0, len(tokens) - context_length).
     - `without_replacement`: the non-overlapping windows starting at multiples of context_length,

@@ -205,7 +205,12 @@ def test_causal_skips_key_tiles_above_the_diagonal(monkeypatch):
         ((1, 3, 4, 8), (1, 2, 4, 8), None, "multiple of key/value heads 2"),
         ((1, 2, 4, 8), (1, 2, 4, 16), None, "share batch and head_dim"),
         ((2, 4, 8), (2, 4, 8), None, "must be 4-D"),
-        ((1, 2, 4, 8), (1, 2, 4, 8), (1, 5), r"key_padding_mask must be bool of shape \(1, 4\)"),
+        (
+            (1, 2, 4, 8),
+            (1, 2, 4, 8),
+            (1, 5),
+            r"key_padding_mask must be bool of shape \(B, Tk\) = \(1, 4\)",
+        ),
     ],
 )
 def test_bad_shapes_raise_one_line_errors(q_shape, kv_shape, mask_shape, match):

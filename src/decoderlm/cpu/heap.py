@@ -7,21 +7,17 @@ threshold starts at 128 KiB and rises to the size of the largest such buffer fre
 whether a step's buffers are fresh pages depends on what the process did before. When they are,
 the first write to each 4 KiB page is a page fault, with the kernel zeroing the page. In a bare
 training loop of the nanoGPT CPU recipe (`benchmarks/shakespeare_char.py`) this came and went from
-one process to the next: 0 to 1,000 faults per step and, when they occurred, steps 1-23% slower
-(fastest of 6×50 steps: 12.6-15.5 ms against 12.0-12.7 ms in runs paired in time). With both
-thresholds raised: < 1 fault per step.
+one process to the next: from none to a thousand faults per step, and slower steps when they
+occurred. With both thresholds raised: < 1 fault per step (the figures: benchmarks/README.md).
 
 `keep_freed_memory` raises them with `mallopt`: allocations up to 32 MiB (the largest threshold
 glibc accepts) come from the heap, and the heap keeps up to 1 GiB of free memory. This is what the
 allocators PyTorch's CPU tuning guide suggests preloading (jemalloc, tcmalloc) do, without a
 preload. The cost is memory kept by the process after a peak instead of returned to the system.
 
-Preloading tcmalloc still helps: glibc spends ~0.8 ms of a 12 ms step of that recipe in malloc and
-free, on the main thread while the other cores wait. With `LD_PRELOAD=libtcmalloc_minimal.so.4`
-(Debian: libtcmalloc-minimal4), the recipe trained 2-5% faster in `decoderlm.training.trainer` (two pairs
-of runs, each pair back to back); a bare step loop, in six pairs: −1% to 8% faster while the
-machine was calm, 25% while it was loaded. jemalloc was erratic (7% faster to 15% slower).
-`malloc_in_use` says which one a process has.
+Preloading tcmalloc can still help: glibc's malloc and free run on the main thread while the
+other cores wait (`LD_PRELOAD=libtcmalloc_minimal.so.4`, Debian: libtcmalloc-minimal4; measured in
+benchmarks/README.md). `malloc_in_use` says which allocator a process has.
 """
 
 from __future__ import annotations

@@ -25,10 +25,8 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.model.kernels import triton_available
 
 # Tile sizes. A tile is (B·Hkv, G·BLOCK_Q, BLOCK_K) scores: big enough that the matmuls are
-# BLAS-sized and Python overhead vanishes, small enough (2 MiB in fp32 at G = 4) to stay in cache.
-# Measured fwd+bwd, one thread, T = 4096, Hq = 8, Hkv = 2, d = 64, fp32, BLOCK_Q × BLOCK_K: seconds
-# 64×512: 0.83, 128×256: 0.81, 128×512: 0.78, 128×1024: 0.83, 256×512: 0.85, 512×512: 1.01;
-# torch SDPA: 0.73.
+# BLAS-sized and Python overhead vanishes, small enough (2 MiB in fp32 at G = 4) to stay in cache
+# (the tile-size sweep is in benchmarks/README.md, "attention.py").
 BLOCK_Q = 128  # query positions per tile (× G rows for the G query heads of one K/V head)
 BLOCK_K = 512  # key positions per tile
 MAX_TILE_ELEMENTS = 1 << 21  # shrink BLOCK_Q for many heads so one fp32 score tile stays ≤ 8 MiB
@@ -48,7 +46,7 @@ def flash_attention(
     key_padding_mask: (B, Tk) bool, True = valid key. A query with no valid key gets output 0.
     scale: defaults to 1/√D. Returns q's dtype; float16/bfloat16 are accumulated in float32.
     """
-    _check_inputs(q, k, v, key_padding_mask)
+    check_inputs(q, k, v, key_padding_mask, "flash_attention")
     if (
         q.is_cuda and triton_available()
     ):  # on a GPU: the IO-aware Triton kernel (decoderlm.model.kernels)
@@ -252,34 +250,33 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> None:
-    """Raise DecoderLMError, one line, for shapes or dtypes that flash_attention cannot take."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+def check_inputs(
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, caller: str
+) -> None:
+    """Raise DecoderLMError, one line, for inputs no attention kernel can take (shared by
+    `flash_attention` and the Triton kernel, which adds its own limits)."""
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise DecoderLMError(
-            f"flash_attention: q, k, v must be 4-D (B, H, T, D), got {q.dim()}-D, {k.dim()}-D, "
-            f"{v.dim()}-D"
+            f"{caller}: q must be 4-D (B, Hq, Tq, D) and k, v 4-D of one shape (B, Hkv, Tk, D); "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    if k.shape != v.shape:
-        raise DecoderLMError(f"flash_attention: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
     (b, h_q, _, d), (b_k, h_kv, t_k, d_k) = q.shape, k.shape
     if b != b_k or d != d_k:
         raise DecoderLMError(
-            f"flash_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must share batch and "
-            "head_dim"
+            f"{caller}: q {tuple(q.shape)} and k/v {tuple(k.shape)} must share batch and head_dim"
         )
     if h_kv == 0 or h_q % h_kv:
         raise DecoderLMError(
-            f"flash_attention: query heads {h_q} must be a multiple of key/value heads {h_kv}"
+            f"{caller}: query heads {h_q} must be a multiple of key/value heads {h_kv}"
         )
     if not q.is_floating_point() or not (q.dtype == k.dtype == v.dtype):
         raise DecoderLMError(
-            f"flash_attention: q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, "
-            f"{v.dtype}"
+            f"{caller}: q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
         )
     if key_padding_mask is not None and (
         key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (b, t_k)
     ):
         raise DecoderLMError(
-            f"flash_attention: key_padding_mask must be bool of shape ({b}, {t_k}), got "
+            f"{caller}: key_padding_mask must be bool of shape (B, Tk) = ({b}, {t_k}), got "
             f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
         )

@@ -26,6 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.model.flash import check_inputs
 
 HEAD_DIMS = (16, 32, 64, 128)  # powers of two (tl.arange) that fit a tile in on-chip memory
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -351,35 +352,15 @@ def _row_major(x: Tensor) -> Tensor:
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> None:
     """Raise DecoderLMError, in one line, for any input the kernels cannot take."""
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        raise DecoderLMError(
-            f"flash_attention_triton expects q (B, Hq, Tq, D) and k, v of one shape (B, Hkv, Tk, D); "
-            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    (b, n_heads, _, d), (b_k, n_kv_heads, t_k, d_k) = q.shape, k.shape
-    if b_k != b or d_k != d:
-        raise DecoderLMError(
-            f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on batch size and head_dim"
-        )
-    if n_heads % n_kv_heads:
-        raise DecoderLMError(
-            f"query heads={n_heads} must be a multiple of key/value heads={n_kv_heads}"
-        )
+    check_inputs(q, k, v, key_padding_mask, "flash_attention_triton")
+    d = q.shape[-1]
     if d not in HEAD_DIMS:
         raise DecoderLMError(
             f"head_dim={d} is not supported by the Triton flash kernel (allowed: {HEAD_DIMS})"
         )
-    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+    if q.dtype not in DTYPES:
         raise DecoderLMError(
-            f"q, k, v must share one dtype among float16, bfloat16, float32; "
-            f"got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
-    if key_padding_mask is not None and (
-        key_padding_mask.shape != (b, t_k) or key_padding_mask.dtype != torch.bool
-    ):
-        raise DecoderLMError(
-            f"key_padding_mask must be bool of shape (B, Tk)=({b}, {t_k}); got "
-            f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+            f"flash_attention_triton: dtype {q.dtype} is not one of float16, bfloat16, float32"
         )
     for name, x in (("q", q), ("k", k), ("v", v)):
         if (x.shape[2] - 1) * x.stride(2) + d >= 2**31:
