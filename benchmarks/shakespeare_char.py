@@ -63,14 +63,14 @@ import torch
 from decoderlm import ModelConfig, checkpoint, data
 from decoderlm.cpu import heap
 from decoderlm.inference.evaluate import evaluate_tokens
-from decoderlm.training.train_config import TrainConfig
-from decoderlm.training.trainer import (
+from decoderlm.training.runtime import (
     cpu_has_native_bf16,
     cpu_threads,
     measure_peak_flops,
     resolve_dtype,
-    train,
 )
+from decoderlm.training.train_config import TrainConfig
+from decoderlm.training.trainer import train
 
 DEFAULT_DATA = (
     Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare.txt"

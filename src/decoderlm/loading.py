@@ -13,32 +13,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from decoderlm import checkpoint
+from decoderlm.dtypes import parse_dtype
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.config import ModelConfig
 from decoderlm.model.lm import DecoderLM
 
 if TYPE_CHECKING:
     from decoderlm.tokenizer import Tokenizer
-
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
-
-def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """A torch dtype from a dtype or its name ("float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16")."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise DecoderLMError(
-            f"dtype={dtype!r} is not supported; choose one of: {', '.join(DTYPES)}"
-        )
-    return DTYPES[dtype]
 
 
 def read_config(path: str | Path) -> ModelConfig:
@@ -66,7 +47,7 @@ def load(
     path = Path(path)
     if not path.is_dir():
         raise DecoderLMError(f"no such checkpoint directory: {path}")
-    dtype = parse_dtype(dtype)
+    dtype = None if dtype is None else parse_dtype(dtype)
     from decoderlm import hf
 
     if hf.is_hf_checkpoint(path):

@@ -218,7 +218,7 @@ def _worker(run_dir: Path) -> None:
     optimizer.step()
     with torch.no_grad():
         logits = model(tokens[:, :-1])  # (4, 16, 64), the same batch on both ranks
-    model_sd, optim_sd = distributed.full_state_dicts(model, optimizer, info)
+    model_sd, optim_sd = distributed.full_state_dicts(model, optimizer)
 
     # DDP: the same weights on every rank; the gradients agree once they are all-reduced.
     ddp = distributed.wrap_model(DecoderLM(TIED), "ddp", info)

@@ -22,8 +22,10 @@ from decoderlm import ModelConfig, checkpoint, data
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.lm import DecoderLM
 from decoderlm.training.optim import clip_and_step, learning_rate, param_groups
+from decoderlm.training.run import resolve_run
+from decoderlm.training.runtime import resolve_dtype
 from decoderlm.training.train_config import TrainConfig
-from decoderlm.training.trainer import resolve_dtype, train
+from decoderlm.training.trainer import Trainer, train
 
 WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "log", "and", "then"]
 
@@ -109,7 +111,8 @@ KILL_DURING_SAVE = """
 import json, sys, time
 from pathlib import Path
 from decoderlm import checkpoint
-from decoderlm.training.trainer import train
+from decoderlm.training.run import resolve_run
+from decoderlm.training.trainer import Trainer, train
 sys.path.insert(0, {tests!r})
 from test_train import tiny_model, tiny_train
 
@@ -204,6 +207,42 @@ def test_compiled_training_saves_plain_parameter_names(
     assert set(load_file(str(out / "model.safetensors"))) == set(
         checkpoint.model_state_dict(DecoderLM(tiny_model(vocab_size=15)))
     )
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_cpu_kernels_switch_the_cpu_paths_and_the_heap_setting(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, enabled: bool
+) -> None:
+    from decoderlm.cpu.embedding import CPUEmbedding
+
+    heap_calls = []
+    monkeypatch.setattr("decoderlm.cpu.heap.keep_freed_memory", lambda: heap_calls.append(1))
+    cfg = tiny_train(cpu_kernels=enabled)
+    run = resolve_run(tmp_path / "run", model=tiny_model(), train=cfg, data_dir=data_dir)
+    trainer = Trainer(run, progress=False)
+    try:
+        assert isinstance(trainer.model.tok_emb, CPUEmbedding) == enabled
+        assert len(heap_calls) == int(enabled)
+    finally:
+        trainer.close()
+
+
+def test_cpu_kernels_leave_the_losses_as_they_are(data_dir: Path, tmp_path: Path) -> None:
+    cfg = tiny_train(max_steps=4, eval_interval=0, checkpoint_interval=0)
+    for enabled in (True, False):
+        out = tmp_path / str(enabled)
+        train(
+            tiny_model(),
+            dataclasses.replace(cfg, cpu_kernels=enabled),
+            data_dir,
+            out,
+            progress=False,
+        )
+    fast, plain = losses(tmp_path / "True"), losses(tmp_path / "False")
+    assert [s for s, _ in fast] == [s for s, _ in plain] == [1, 2, 3, 4]
+    # Only the order of float32 sums differs: after 4 AdamW steps the losses agree to 1e-5.
+    for (_, a), (_, b) in zip(fast, plain, strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
 
 
 def test_run_directory_holds_config_tokenizer_metrics_and_loads(
@@ -338,7 +377,7 @@ def test_fp16_on_cpu_is_refused_and_auto_picks_native_bf16() -> None:
 
 @pytest.mark.parametrize("native", [True, False])
 def test_bf16_on_a_cpu_is_taken_only_where_native(monkeypatch, native: bool) -> None:
-    monkeypatch.setattr("decoderlm.training.trainer.cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr("decoderlm.training.runtime.cpu_has_native_bf16", lambda: native)
     cpu = torch.device("cpu")
     assert resolve_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
     if native:
@@ -371,14 +410,14 @@ def test_unknown_train_field_lists_the_allowed_ones() -> None:
 
 
 def test_auto_threads_leave_out_the_cores_busy_right_now(monkeypatch):
-    import decoderlm.training.trainer as train_module
+    import decoderlm.training.runtime as runtime
 
     samples = iter([(100, 400), (150, 500)])  # (busy, total) jiffies: half the machine busy
-    monkeypatch.setattr(train_module, "_cpu_jiffies", lambda: next(samples))
-    monkeypatch.setattr(train_module.os, "cpu_count", lambda: 4)
-    monkeypatch.setattr(train_module, "TORCH_DEFAULT_THREADS", 4)
-    assert train_module.busy_cores(window_s=0) == 2.0
-    monkeypatch.setattr(train_module, "busy_cores", lambda: 3.7)
-    assert train_module.cpu_threads() == 1  # never fewer than one
-    monkeypatch.setattr(train_module, "busy_cores", lambda: 0.0)
-    assert train_module.cpu_threads() == 4
+    monkeypatch.setattr(runtime, "_cpu_jiffies", lambda: next(samples))
+    monkeypatch.setattr(runtime.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(runtime, "TORCH_DEFAULT_THREADS", 4)
+    assert runtime.busy_cores(window_s=0) == 2.0
+    monkeypatch.setattr(runtime, "busy_cores", lambda: 3.7)
+    assert runtime.cpu_threads() == 1  # never fewer than one
+    monkeypatch.setattr(runtime, "busy_cores", lambda: 0.0)
+    assert runtime.cpu_threads() == 4

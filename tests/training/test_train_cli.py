@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from decoderlm import ModelConfig, checkpoint
 from decoderlm.cli import build_parser, main
@@ -78,6 +81,75 @@ def test_resume_flag_continues_with_new_step_limit(toml_run: Path, tmp_path: Pat
     assert steps == [1, 2, 3, 4, 5]
     assert checkpoint.read_run_config(run)["train"]["lr"] == 0.005  # the rest as saved
     assert checkpoint.latest_checkpoint(run).name == "step_00000005"
+
+
+@pytest.fixture(scope="module")
+def char_run(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], Path]:
+    """(argv, run): 6 steps on --input prepared with the char tokenizer, a checkpoint every 3."""
+    run = tmp_path_factory.mktemp("char") / "run"
+    argv = ["train", *TINY, "--input", str(corpus), "--tokenizer", "char", "--out", str(run)]
+    argv += ["--dropout", "0.1", "--max-steps", "6", "--checkpoint-interval", "3"]
+    argv += ["--log-interval", "1", "--eval-interval", "0"]
+    assert main(argv) == 0
+    return argv, run
+
+
+def _losses(run: Path) -> list[tuple[int, float]]:
+    rows = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    return [(row["step"], row["train_loss"]) for row in rows]
+
+
+def test_the_same_command_plus_resume_continues_exactly(
+    char_run: tuple[list[str], Path], tmp_path: Path
+) -> None:
+    import shutil
+
+    argv, uninterrupted = char_run
+    run = Path(argv[argv.index("--out") + 1])
+    crashed = tmp_path / "run"
+    shutil.copytree(uninterrupted, crashed)
+    # A crash after step 3's checkpoint: step 6's checkpoint never happened.
+    shutil.rmtree(crashed / "checkpoints" / "step_00000006")
+    argv = [crashed.as_posix() if a == run.as_posix() else a for a in argv]
+    assert main([*argv, "--resume"]) == 0
+    assert _losses(crashed) == _losses(uninterrupted)  # exact float equality, steps 1..6
+    assert [step for step, _ in _losses(crashed)] == [1, 2, 3, 4, 5, 6]
+    resumed = load_file(str(crashed / "model.safetensors"))
+    reference = load_file(str(uninterrupted / "model.safetensors"))
+    assert resumed.keys() == reference.keys()
+    assert all(torch.equal(resumed[name], reference[name]) for name in reference)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        (
+            "--input",
+            "{other}",
+            r"inputs \S+other.txt differ from \S+words.txt, which \S+ was prepared",
+        ),
+        ("--tokenizer", "bpe", r"tokenizer 'bpe' differs from 'char', which \S+ was prepared"),
+    ],
+)
+def test_resume_with_other_inputs_or_tokenizer_is_a_one_line_error(
+    char_run: tuple[list[str], Path],
+    flag: str,
+    value: str,
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    argv, run = char_run
+    other = tmp_path / "other.txt"
+    other.write_text("some other text\n" * 50)
+    argv = list(argv)
+    argv[argv.index(flag) + 1] = value.format(other=other)
+    steps = _losses(run)
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("decoderlm: error: "), err
+    assert re.search(message, err), err
+    assert _losses(run) == steps  # the run is left as it was
 
 
 def test_plot_writes_a_png(toml_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -153,7 +225,7 @@ def test_user_errors_are_one_line_with_exit_status_2(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("decoderlm: error: "), err
-    assert __import__("re").search(message, err), err
+    assert re.search(message, err), err
 
 
 def test_non_finite_loss_exits_nonzero_with_one_line_and_keeps_the_checkpoint(

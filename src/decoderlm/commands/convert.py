@@ -9,8 +9,6 @@ from decoderlm.errors import DecoderLMError
 
 HELP = "convert checkpoints: --from-hf DIR, --to-hf RUN, or --to-gqa G RUN (mean-pooled K/V heads)"
 
-DTYPES = ("float32", "bfloat16", "float16")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_mutually_exclusive_group(required=True)
@@ -33,15 +31,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--from-hf: accept pytorch_model.bin (loaded with torch.load(weights_only=True))",
     )
     parser.add_argument(
-        "--dtype", choices=DTYPES, help="--from-hf: weight dtype of the run (default float32)"
+        "--dtype",
+        metavar="NAME",
+        help="--from-hf: weight dtype of the run: float32, bfloat16 or float16 (default float32)",
     )
     parser.add_argument("--force", action="store_true", help="write into a non-empty --out")
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from decoderlm import gqa, hf
+    from decoderlm.dtypes import parse_dtype
 
     source = args.from_hf or args.to_hf or args.gqa_run
     if args.to_gqa is not None and args.gqa_run is None:
@@ -54,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         )
     _check_out(Path(source), Path(args.out), args.force)
     if args.from_hf:
-        dtype = getattr(torch, args.dtype) if args.dtype else None
+        dtype = parse_dtype(args.dtype) if args.dtype else None
         out = hf.import_hf(args.from_hf, args.out, dtype=dtype, allow_pickle=args.allow_pickle)
     elif args.to_hf:
         out = hf.export_hf(args.to_hf, args.out)

@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from decoderlm.loading import parse_dtype, read_config
+    from decoderlm.dtypes import parse_dtype
+    from decoderlm.loading import read_config
     from decoderlm.model.config import ModelConfig
     from decoderlm.model.kv_cache import attention_kind, kv_cache_table
     from decoderlm.model.lm import DecoderLM

@@ -1,4 +1,5 @@
-"""`decoderlm train`: train a model into a run directory (logic in decoderlm.training.trainer).
+"""`decoderlm train`: train a model into a run directory (decoderlm.training.run resolves it,
+decoderlm.training.trainer trains it).
 
 With no arguments this is the main job: prepare the Python standard library (BPE, cached), train
 the llama-tiny model for about five minutes, save the run and print samples. Every ModelConfig and
@@ -61,32 +62,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from decoderlm.training.train_config import TrainConfig, build_configs, read_config_file
-    from decoderlm.training.trainer import latest_run, train
+    from decoderlm.training.run import resolve_run
+    from decoderlm.training.train_config import TrainConfig, read_config_file
+    from decoderlm.training.trainer import train_run
 
     file = read_config_file(args.config) if args.config else {}
-    model = {**file.get("model", {}), **_flag_values(args, ModelConfig)}
-    train_fields = {**file.get("train", {}), **_flag_values(args, TrainConfig)}
-    out = args.out or file.get("out")
-    if args.resume and out is None:
-        out = latest_run()
-    model_config, train_config = build_configs(
-        args.preset or file.get("preset"), model, train_fields, out if args.resume else None
-    )
     inputs = args.input or file.get("input")
-    vocab_size = args.vocab_size or file.get("vocab_size") or 8192
-    summary = train(
-        model_config,
-        train_config,
-        data_dir=args.data or file.get("data"),
-        out_dir=out,
+    vocab_size = args.vocab_size or file.get("vocab_size")
+    run = resolve_run(
+        args.out or file.get("out"),
         resume=args.resume,
         init_from=args.init_from,
+        preset=args.preset or file.get("preset"),
+        model={**file.get("model", {}), **_flag_values(args, ModelConfig)},
+        train={**file.get("train", {}), **_flag_values(args, TrainConfig)},
+        data_dir=args.data or file.get("data"),
         inputs=[inputs] if isinstance(inputs, str) else inputs,
-        tokenizer=args.tokenizer or file.get("tokenizer") or "bpe",
-        vocab_size=_parse(int, "vocab_size", vocab_size),
+        tokenizer=args.tokenizer or file.get("tokenizer"),
+        vocab_size=None if vocab_size is None else _parse(int, "vocab_size", vocab_size),
         progress=not args.quiet,
     )
+    summary = train_run(run, progress=not args.quiet)
     if summary["rank"] == 0:  # under torchrun, one report for the job
         _print_summary(summary)
     return 130 if summary["stopped"] == "interrupted" else 0

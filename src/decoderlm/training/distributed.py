@@ -24,7 +24,7 @@ How the trainer uses it (all calls are collective: every rank makes them, in the
             loss.backward()
     optimizer.step()
     global_loss = all_reduce_mean(loss_sum, info)         # the same float on every rank
-    model_sd, optim_sd = full_state_dicts(model, optimizer, info)  # full on rank 0, {} elsewhere
+    model_sd, optim_sd = full_state_dicts(model, optimizer)  # full on rank 0, {} elsewhere
     run_on_main(lambda: save(model_sd, optim_sd), info)   # written once; a failure stops all ranks
     ...
     shutdown(info)
@@ -199,7 +199,7 @@ def _fsdp_no_sync(module: FSDPModule) -> Iterator[None]:
 
 
 def full_state_dicts(
-    wrapped: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo
+    wrapped: nn.Module, optimizer: torch.optim.Optimizer
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(model, optimizer) state dicts as full CPU tensors with plain parameter names.
 
@@ -263,15 +263,6 @@ def run_on_main(fn: Callable[[], T], info: DistInfo) -> T | None:
     if message[0] is not None:
         raise DecoderLMError(f"stopped because rank 0 failed: {message[0]}")
     return result
-
-
-def barrier(info: DistInfo) -> None:
-    """Wait until every rank gets here (e.g. until rank 0 has written a checkpoint)."""
-    if info.distributed:
-        if info.device.type == "cuda":
-            dist.barrier(device_ids=[info.device.index])
-        else:
-            dist.barrier()
 
 
 def shutdown(info: DistInfo) -> None:

@@ -57,9 +57,8 @@ def clip_and_step(
 
     With the fused AdamW on plain tensors and no fp16 scaler, the clip rides in the step: the fused
     kernel divides each gradient by `optimizer.grad_scale` (the hook torch's GradScaler uses), here
-    max(1, (‖g‖ + 10⁻⁶) / max_norm), the inverse of the factor `clip_grad_norm_` multiplies by.
-    One pass over the gradients less: 0.2-0.4 ms of a 12 ms step of nanoGPT's Shakespeare model
-    on 2 cores.
+    max(1, (‖g‖ + 10⁻⁶) / max_norm), the inverse of the factor `clip_grad_norm_` multiplies by:
+    one pass over the gradients less (see benchmarks/shakespeare_char.py).
     Otherwise (FSDP's DTensors, an fp16 GradScaler, unfused AdamW) `clip_grad_norm_` scales first.
     """
     if not max_norm:

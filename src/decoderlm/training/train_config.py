@@ -1,7 +1,7 @@
-"""TrainConfig: the training hyperparameters (validated), and the run description from files/flags.
+"""TrainConfig: the training hyperparameters (validated), and the TOML run description.
 
-`read_config_file` reads a TOML run description; `build_configs` merges a preset, field overrides
-and, when resuming, the run's saved configuration into a ModelConfig and a TrainConfig.
+`read_config_file` reads a TOML run description; `decoderlm.training.run.resolve_run` merges it,
+the flags and, when resuming, the run's saved configuration.
 """
 
 from __future__ import annotations
@@ -12,13 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from decoderlm import checkpoint
+from decoderlm import dtypes
 from decoderlm.errors import ConfigError, DecoderLMError
-from decoderlm.model.config import ModelConfig, dataclass_from_dict
+from decoderlm.model.config import dataclass_from_dict
 from decoderlm.training import distributed
 
-DTYPES = ("auto", "fp32", "bf16", "fp16")
-DEFAULT_PRESET = "llama-tiny"  # the main job's model: RoPE, GQA, RMSNorm, SwiGLU (`ModelConfig`)
+DTYPES = ("auto", *dtypes.DTYPES)  # auto: bf16 where native, else fp32 (`runtime.resolve_dtype`)
 
 
 @dataclass
@@ -47,9 +46,10 @@ class TrainConfig:
     top_k: int = 50  # sample among the k most likely tokens; 0 = all
     seed: int = 1337  # model init, data order and sampling all follow from it
     device: str = "auto"  # auto (CUDA if available), cpu, cuda, cuda:N
-    dtype: str = "auto"  # autocast dtype: auto (bf16 where native), fp32, bf16, fp16 (CUDA only)
+    dtype: str = "auto"  # autocast: auto (bf16 where native), fp32, bf16, fp16 (CUDA only)
     compile: bool = False  # torch.compile the training forward pass
     threads: int = 0  # CPU threads for torch; 0 = auto: the cores not already busy (`cpu_threads`)
+    cpu_kernels: bool = True  # CPU only: cpu.optimize (embedding grad, attention), cpu.heap
     strategy: str = "none"  # data parallelism under torchrun: none, ddp, fsdp
     without_replacement: bool = False  # each epoch visits every non-overlapping window once
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = measure a matmul at the start
@@ -147,28 +147,3 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         if not isinstance(values.get(table, {}), dict):
             raise DecoderLMError(f"{path}: {table!r} must be a table ([{table}])")
     return values
-
-
-def build_configs(
-    preset: str | None = None,
-    model: dict[str, Any] | None = None,
-    train: dict[str, Any] | None = None,
-    resume_from: str | Path | None = None,
-) -> tuple[ModelConfig | None, TrainConfig]:
-    """ModelConfig and TrainConfig from a preset and field overrides (e.g. a TOML file, then flags).
-
-    Model fields apply to the preset (default llama-tiny), or when resuming without a preset to the
-    run's own model; with neither a preset nor model fields the model is left to `train`. When
-    resuming, the training fields start from the run's saved ones, so `--resume --max-steps 2000`
-    changes only the step limit.
-    """
-    saved: dict[str, Any] = {}
-    ckpt = checkpoint.latest_checkpoint(resume_from) if resume_from is not None else None
-    if ckpt is not None:
-        saved = checkpoint.read_run_config(ckpt)
-    train_config = TrainConfig.from_dict({**saved.get("train", {}), **(train or {})})
-    if preset is None and not model:
-        return None, train_config
-    if preset is None and "model" in saved:
-        return ModelConfig.from_dict({**saved["model"], **(model or {})}), train_config
-    return ModelConfig.from_preset(preset or DEFAULT_PRESET, **(model or {})), train_config

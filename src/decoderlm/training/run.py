@@ -1,0 +1,258 @@
+"""Resolving a training run: which directory, which checkpoint, which data, which configuration.
+
+`resolve_run` is the one place that turns a request (the CLI's flags and TOML file, or `train()`'s
+arguments) into a `Run`:
+
+- the run directory: OUT, else with `resume` the newest run under runs/, else runs/<date-time>;
+- resume: OUT's latest checkpoint; its saved TrainConfig is the base that given fields override
+  (so `--resume --max-steps 2000` changes only the step limit), its model is the model;
+- `init_from`: a run whose model and weights a new run starts from (fine-tuning);
+- data: a prepared data directory, or inputs prepared into OUT/data, or the Python standard
+  library (the main job). When resuming, or when OUT/data is already there, the inputs, tokenizer
+  and vocabulary size given must be those its meta.json recorded, so that the same command plus
+  `--resume` continues the run exactly;
+- agreement: model fields given for a resumed or initialised run must equal its saved model's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from decoderlm import checkpoint, data
+from decoderlm.errors import DecoderLMError
+from decoderlm.model.config import ModelConfig
+from decoderlm.training import distributed
+from decoderlm.training.train_config import TrainConfig
+
+DEFAULT_PRESET = "llama-tiny"  # the main job's model: RoPE, GQA, RMSNorm, SwiGLU (`ModelConfig`)
+DEFAULT_TOKENIZER = "bpe"
+DEFAULT_VOCAB_SIZE = 8192
+# What the main job's samples continue (its corpus is Python source). No trailing space: byte-level
+# BPE joins a space to the word after it (" foo"), so "def " would make the model start a new word.
+MAIN_JOB_PROMPT = "def"
+RUNS_DIR = Path("runs")  # where runs go without --out: runs/<date-time>
+
+
+@dataclass(frozen=True)
+class Run:
+    """Everything a training run starts from; made by `resolve_run`, consumed by the Trainer."""
+
+    out: Path  # the run directory
+    model_config: ModelConfig  # with the data's vocab_size
+    train_config: TrainConfig
+    data_dir: Path  # a prepared data directory
+    meta: dict[str, Any]  # its meta.json
+    info: distributed.DistInfo  # where this process sits in the job
+    checkpoint: Path | None = None  # the checkpoint a resumed run continues
+    state: dict[str, Any] = field(default_factory=dict)  # that checkpoint's trainer state
+    init_from: Path | None = None  # the run whose weights a new run starts from
+
+
+def resolve_run(
+    out_dir: str | Path | None = None,
+    *,
+    resume: bool = False,
+    init_from: str | Path | None = None,
+    model: ModelConfig | dict[str, Any] | None = None,
+    preset: str | None = None,
+    train: TrainConfig | dict[str, Any] | None = None,
+    data_dir: str | Path | None = None,
+    inputs: Sequence[str | Path] | None = None,
+    tokenizer: str | None = None,
+    vocab_size: int | None = None,
+    progress: bool = True,
+) -> Run:
+    """The run that these arguments describe, its data prepared (rank 0 first, under torchrun).
+
+    `model`/`train`: a whole config, or a dict of fields over the base: for the model `preset`
+    (default llama-tiny) or, without a preset, the resumed/initialised run's model; for training
+    the resumed run's saved TrainConfig, else the defaults. `tokenizer` and `vocab_size` default
+    to "bpe" and 8192 where data is prepared; None elsewhere means "not given" (nothing to check).
+    Joins the torchrun job (`distributed.init_distributed`) on the run's device.
+    """
+    if data_dir is not None and inputs is not None:
+        raise DecoderLMError("give either a data directory or inputs to prepare, not both")
+    out = Path(out_dir) if out_dir is not None else latest_run() if resume else default_run_dir()
+    ckpt = _resume_checkpoint(out, resume)
+    saved_config = checkpoint.read_run_config(ckpt) if ckpt is not None else {}
+    state = checkpoint.load_trainer_state(ckpt) if ckpt is not None else {}
+    if isinstance(train, TrainConfig):
+        train_config = train
+    else:
+        train_config = TrainConfig.from_dict({**saved_config.get("train", {}), **(train or {})})
+    info = distributed.init_distributed(train_config.device)
+
+    if data_dir is not None:
+        found = Path(data_dir)
+    elif ckpt is not None:
+        found = _resumed_data(out, Path(state["data_dir"]), inputs, tokenizer, vocab_size)
+    else:
+
+        def prepare() -> Path:
+            return _prepare(out, inputs, tokenizer, vocab_size, progress)
+
+        found = distributed.run_on_main(prepare, info)  # a failure stops every rank
+        if not info.is_main:  # rank 0 has prepared it: this only finds it
+            found = prepare()
+        if inputs is None and train_config.sample_prompt == "":  # the main job
+            train_config = dataclasses.replace(train_config, sample_prompt=MAIN_JOB_PROMPT)
+    meta = data.read_meta(found)
+
+    source = ckpt if ckpt is not None else init_from
+    model_config = _model_config(model, preset, source, found, meta["vocab_size"])
+    return Run(
+        out=out,
+        model_config=model_config,
+        train_config=train_config,
+        data_dir=found,
+        meta=meta,
+        info=info,
+        checkpoint=ckpt,
+        state=state,
+        init_from=Path(init_from) if init_from is not None and ckpt is None else None,
+    )
+
+
+def default_run_dir() -> Path:
+    return RUNS_DIR / datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def latest_run(runs_dir: str | Path = RUNS_DIR) -> Path:
+    """The most recently checkpointed run under `runs_dir` (for `--resume` without `--out`)."""
+    runs = [p for p in Path(runs_dir).glob("*") if checkpoint.latest_checkpoint(p) is not None]
+    if not runs:
+        raise DecoderLMError(f"no run with a checkpoint in {runs_dir}/: give --out RUN to resume")
+    return max(runs, key=lambda p: checkpoint.latest_checkpoint(p).stat().st_mtime)
+
+
+def _resume_checkpoint(out: Path, resume: bool) -> Path | None:
+    """OUT's latest checkpoint when resuming (there must be one); None for a new run (none allowed)."""
+    latest = checkpoint.latest_checkpoint(out)
+    if resume and latest is None:
+        raise DecoderLMError(f"cannot resume: {out} has no checkpoint (start without --resume)")
+    if not resume and latest is not None:
+        raise DecoderLMError(
+            f"{out} already holds a run (checkpoint {latest.name}): pass --resume to "
+            "continue it, or choose another --out"
+        )
+    return latest
+
+
+def _resumed_data(
+    out: Path,
+    saved: Path,
+    inputs: Sequence[str | Path] | None,
+    tokenizer: str | None,
+    vocab_size: int | None,
+) -> Path:
+    """The data a resumed run continues on: OUT/data when inputs are given (where they were
+    prepared), else the directory the checkpoint names; what was given must match it."""
+    if inputs is None:
+        _check_same_source(saved, None, tokenizer, vocab_size)
+        return saved
+    prepared = out / "data"
+    if not (prepared / data.META_FILE).is_file():
+        raise DecoderLMError(
+            f"cannot resume with inputs: {prepared} holds no prepared data (this run trained on "
+            f"{saved}); resume without --input"
+        )
+    _check_same_source(prepared, inputs, tokenizer, vocab_size)
+    return prepared
+
+
+def _prepare(
+    out: Path,
+    inputs: Sequence[str | Path] | None,
+    tokenizer: str | None,
+    vocab_size: int | None,
+    progress: bool,
+) -> Path:
+    """A new run's data: the cached standard library, or `inputs` prepared into OUT/data (or
+    found there, from an attempt that stopped before its first checkpoint)."""
+    if inputs is None:
+        return data.prepare_default_corpus(
+            tokenizer or DEFAULT_TOKENIZER, vocab_size or DEFAULT_VOCAB_SIZE, progress=progress
+        )
+    prepared = out / "data"
+    if (prepared / data.META_FILE).is_file():  # meta.json is written last
+        _check_same_source(prepared, inputs, tokenizer, vocab_size)
+        return prepared
+    tokenizer, vocab_size = tokenizer or DEFAULT_TOKENIZER, vocab_size or DEFAULT_VOCAB_SIZE
+    data.prepare(list(inputs), prepared, tokenizer, vocab_size, progress=progress)
+    return prepared
+
+
+def _check_same_source(
+    data_dir: Path,
+    inputs: Sequence[str | Path] | None,
+    tokenizer: str | None,
+    vocab_size: int | None,
+) -> None:
+    """A one-line error unless the given inputs, tokenizer and vocab_size (None: not given) are
+    those `data_dir` was prepared from, as its meta.json recorded them."""
+    source = data.read_meta(data_dir).get("source", {})
+    recorded_inputs = source.get("inputs", [])
+    if inputs is not None and _resolved(inputs) != _resolved(recorded_inputs):
+        raise DecoderLMError(
+            f"inputs {' '.join(map(str, inputs))} differ from {' '.join(recorded_inputs)}, "
+            f"which {data_dir} was prepared from: give the run's inputs or a new --out"
+        )
+    recorded_tokenizer = source.get("tokenizer")
+    if tokenizer is not None and _resolved([tokenizer]) != _resolved([recorded_tokenizer or ""]):
+        raise DecoderLMError(
+            f"tokenizer {tokenizer!r} differs from {recorded_tokenizer!r}, which {data_dir} was "
+            "prepared with: give the run's tokenizer or a new --out"
+        )
+    recorded_vocab = source.get("vocab_size")  # recorded for BPE only
+    if vocab_size is not None and recorded_vocab is not None and vocab_size != recorded_vocab:
+        raise DecoderLMError(
+            f"vocab_size={vocab_size} differs from {recorded_vocab}, which {data_dir} was "
+            "prepared with: give the run's vocab_size or a new --out"
+        )
+
+
+def _resolved(paths: Sequence[str | Path]) -> list[Path]:
+    """Absolute paths ("bpe" and "char" stay distinct from each other and from any file)."""
+    return [Path(p).resolve() for p in paths]
+
+
+def _model_config(
+    model: ModelConfig | dict[str, Any] | None,
+    preset: str | None,
+    source: str | Path | None,
+    data_dir: Path,
+    vocab: int,
+) -> ModelConfig:
+    """The model to train, with the data's vocabulary size: the source run's (resumed or
+    initialised from), which the requested fields must agree with; else the requested one."""
+    saved = ModelConfig.from_dict(checkpoint.read_run_config(source)["model"]) if source else None
+    requested = model if isinstance(model, ModelConfig) else None
+    if preset is not None or (isinstance(model, dict) and model):
+        fields = model if isinstance(model, dict) else {}
+        if preset is None and saved is not None:
+            requested = ModelConfig.from_dict({**saved.to_dict(), **fields})
+        else:
+            requested = ModelConfig.from_preset(preset or DEFAULT_PRESET, **fields)
+    if requested is not None:
+        requested = dataclasses.replace(requested, vocab_size=vocab)
+    if saved is None:
+        return requested or ModelConfig.from_preset(DEFAULT_PRESET, vocab_size=vocab)
+    if saved.vocab_size != vocab:
+        raise DecoderLMError(
+            f"the model in {source} has vocab_size={saved.vocab_size}, the data in "
+            f"{data_dir} has {vocab}: use data made with the run's tokenizer.json"
+        )
+    if requested is not None:
+        mine, theirs = requested.to_dict(), saved.to_dict()
+        for name in mine:
+            if name != "extra" and mine[name] != theirs[name]:
+                raise DecoderLMError(
+                    f"model field {name}={mine[name]!r} differs from {source}'s "
+                    f"{name}={theirs[name]!r}; the model of a resumed/initialised run is fixed"
+                )
+    return saved
