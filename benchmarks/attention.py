@@ -7,6 +7,7 @@ explicit softmax(QKᵀ/√d + M)V, which materialises the (T, T) weights), `sdpa
 `scaled_dot_product_attention`) and `flash` (our FlashAttention-2 in PyTorch, `decoderlm.model.flash`).
 Shapes: batch 1, 8 query heads sharing 2 K/V heads (GQA), head_dim 64, causal, T ∈ {512, …, 8192},
 float32 and bfloat16. `math` is skipped where its (T, T) tensors would exceed --math-limit-gib.
+The CPU paths of `decoderlm.cpu` are not applied here (benchmarks/cpu_attention.py measures them).
 
 Time: one warm-up step, then the best of --repeats steps (forward, then backward of a fixed random
 dO). The minimum, because this CPU is shared: it is the run least disturbed by other processes.

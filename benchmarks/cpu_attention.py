@@ -2,10 +2,11 @@
 
     python benchmarks/cpu_attention.py [--quick] [--threads N] [--repeats R] [--json PATH]
 
-`decoderlm.model.attention.attend(backend="sdpa")` sends a CPU call to `blockwise_attention` (the
-explicit softmax(QKᵀ/√d + M)V a block of 128 queries at a time, causal blocks skipping the keys
-they cannot see) when `blockwise_is_faster` says so, and to `F.scaled_dot_product_attention`
-otherwise. This prints the measurements behind that rule, for the shapes the library meets:
+With the CPU paths applied (`decoderlm.cpu.optimize`), a model's attention with backend "sdpa" is
+`decoderlm.cpu.attention.cpu_attend`, which sends a CPU call to `blockwise_attention` (the explicit
+softmax(QKᵀ/√d + M)V a block of 128 queries at a time, causal blocks skipping the keys they cannot
+see) when `blockwise_is_faster` says so, and to `F.scaled_dot_product_attention` otherwise. This
+prints the measurements behind that rule, for the shapes the library meets:
 
 - train: forward + backward of a causal batch (B·H = 48 heads of dimension 32 at T = 64, the
   nanoGPT CPU recipe; the same number of tokens at T = 128 and 256);
@@ -30,8 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from decoderlm.model.attention import blockwise_attention, blockwise_is_faster
-from decoderlm.training.trainer import cpu_has_native_bf16
+from decoderlm.cpu.attention import blockwise_attention, blockwise_is_faster
+from decoderlm.training.runtime import cpu_has_native_bf16
 
 # (name, B, H, Hkv, Tq, Tk, head_dim, training)
 SHAPES = [

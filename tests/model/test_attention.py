@@ -3,15 +3,13 @@
 import pytest
 import torch
 
-from decoderlm import DecoderLM, ModelConfig
+from decoderlm import DecoderLM, DecoderLMError, ModelConfig
 from decoderlm.model.attention import (
     CausalSelfAttention,
     attend,
-    blockwise_attention,
     build_mask,
     causal_mask,
     scaled_dot_product_attention,
-    softmax_zero_if_empty,
 )
 from decoderlm.model.block import Block
 
@@ -48,6 +46,54 @@ def test_additive_mask_equals_boolean_mask():
         scaled_dot_product_attention(q, k, v, additive)[0],
         scaled_dot_product_attention(q, k, v, keep)[0],
     )
+
+
+def test_seed_float_keep_mask_gives_causal_weights_and_the_float64_output():
+    torch.manual_seed(0)
+    T = 6
+    q, k, v = (torch.randn(2, 3, T, 16) for _ in range(3))
+    mask = torch.tril(torch.ones(T, T)).unsqueeze(0).unsqueeze(0)  # the seed's: 1 = attend
+    out, weights = scaled_dot_product_attention(q, k, v, mask)
+    assert torch.all(weights.triu(diagonal=1) == 0)
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    scores = (q64 @ k64.transpose(-2, -1)) / 16**0.5
+    ref = torch.softmax(scores.masked_fill(mask == 0, float("-inf")), dim=-1) @ v64
+    # float32 against float64, T = 6 terms of O(1): rounding ~1e-7.
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_float_masks_of_zeros_are_additive_and_other_values_are_refused():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    unmasked, _ = scaled_dot_product_attention(q, k, v)
+    all_zero, _ = scaled_dot_product_attention(q, k, v, torch.zeros(4, 4))  # M = 0: no 1, additive
+    torch.testing.assert_close(all_zero, unmasked, rtol=0, atol=0)
+    for values in ([0.0, 0.5], [1.0, float("-inf")]):  # neither convention
+        bad = torch.tensor(values).repeat(4, 2)  # (4, 4)
+        with pytest.raises(DecoderLMError, match=r"values \{.*\}.*keep-mask.*additive") as info:
+            scaled_dot_product_attention(q, k, v, bad)
+        assert "\n" not in str(info.value)
+
+
+def _additive(keep: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))  # M = 0 or −∞
+
+
+@pytest.mark.parametrize(
+    "as_mask", [torch.Tensor.bool, torch.Tensor.float, _additive], ids=["bool", "float", "additive"]
+)
+def test_row_with_every_key_masked_has_zero_weights_output_and_gradients(as_mask):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 3, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 2, 5, 8, generator=g, requires_grad=True) for _ in range(2))
+    keep = torch.ones(3, 5, dtype=torch.bool)
+    keep[1] = False  # query 1 sees no key
+    out, weights = scaled_dot_product_attention(q, k, v, as_mask(keep))
+    out.backward(torch.randn(out.shape, generator=g))
+    assert torch.all(weights[:, :, 1] == 0) and torch.all(out[:, :, 1] == 0)
+    assert torch.all(q.grad[:, :, 1] == 0)
+    assert torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
+    torch.testing.assert_close(weights[:, :, [0, 2]].sum(-1), torch.ones(1, 2, 2))
 
 
 def test_causal_mask_is_bottom_right_aligned_for_cached_queries():
@@ -159,29 +205,7 @@ def test_backend_bf16_stays_close_to_float64(backend):
     torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize(
-    ("t_q", "t_k", "causal", "padded"),
-    [
-        (13, 13, True, False),
-        (13, 13, True, True),
-        (7, 13, True, True),  # the last 7 of 13 cached positions
-        (1, 13, True, True),  # one decode step
-        (13, 13, False, True),
-    ],
-)
-def test_blockwise_attention_equals_the_formula(t_q, t_k, causal, padded):
-    (q, k, v), _, _ = _reference_and_inputs(2, 4, 2, t_q, t_k, 8, torch.float64)
-    key_padding_mask = _left_padding(2, t_k) if padded else None
-    expected, _ = scaled_dot_product_attention(
-        q, k, v, build_mask(t_q, t_k, causal, key_padding_mask, q.device)
-    )
-    out = blockwise_attention(
-        q, k, v, causal=causal, key_padding_mask=key_padding_mask, block_size=5
-    )
-    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize("t", [64, 200])  # the explicit formula (T ≤ 128), torch's fused kernel
+@pytest.mark.parametrize("t", [64, 200])
 def test_sdpa_backend_bf16_training_gradients_stay_close_to_float64(t):
     (q, k, v), (q64, k64, v64), do64 = _reference_and_inputs(2, 4, 2, t, t, 32, torch.bfloat16)
     out, _ = attend(q, k, v, causal=True, backend="sdpa")
@@ -228,42 +252,3 @@ def test_attention_module_returns_weights_with_math_path():
     out, weights = attn(torch.randn(1, 6, 32), need_weights=True)
     assert out.shape == (1, 6, 32) and weights.shape == (1, 4, 6, 6)
     assert torch.all(weights.triu(1) == 0)
-
-
-def test_softmax_zero_if_empty_is_softmax_with_zero_rows_and_zero_gradients_where_all_masked():
-    g = torch.Generator().manual_seed(0)
-    scores = torch.randn(3, 4, 9, generator=g, dtype=torch.float64)
-    hidden = torch.rand(3, 4, 9, generator=g) < 0.5
-    hidden[..., 0] = False  # every row keeps key 0 visible,
-    hidden[0, 1] = True  # but this one, whose keys are all masked
-    visible = ~hidden.all(-1)
-    masked = scores.masked_fill(hidden, float("-inf")).requires_grad_()
-    weights = softmax_zero_if_empty(masked)
-    expected = torch.softmax(masked.detach()[visible], -1)
-    torch.testing.assert_close(weights[visible], expected, rtol=1e-12, atol=1e-15)
-    assert torch.all(weights[0, 1] == 0)
-    upstream = torch.randn(3, 4, 9, generator=g, dtype=torch.float64)
-    (weights * upstream).sum().backward()
-    ref = masked.detach()[visible].requires_grad_()
-    (torch.softmax(ref, -1) * upstream[visible]).sum().backward()
-    torch.testing.assert_close(masked.grad[visible], ref.grad, rtol=1e-12, atol=1e-15)
-    assert torch.all(masked.grad[0, 1] == 0)
-
-
-@pytest.mark.parametrize("padded", [False, True])
-def test_compiled_formula_matches_eager_forward_and_backward(padded):
-    # Traced, the formula uses softmax_zero_if_empty; eagerly torch.softmax.
-    (q, k, v), _, do64 = _reference_and_inputs(2, 4, 2, 12, 12, 8, torch.float32)
-    key_padding_mask = _left_padding(2, 12) if padded else None
-
-    def run(fn):
-        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out = fn(*inputs, causal=True, key_padding_mask=key_padding_mask)
-        out.backward(do64.float())
-        return out, [t.grad for t in inputs]
-
-    eager, eager_grads = run(blockwise_attention)
-    compiled, compiled_grads = run(torch.compile(blockwise_attention, fullgraph=True))
-    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
-    for ours, theirs in zip(compiled_grads, eager_grads, strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)

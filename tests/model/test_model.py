@@ -5,7 +5,6 @@ import torch
 
 from decoderlm import DecoderLM, DecoderLMError, ModelConfig, next_token_loss
 from decoderlm.model.block import Block
-from decoderlm.model.layers import embedding
 
 
 def tiny(**overrides) -> ModelConfig:
@@ -118,19 +117,3 @@ def test_backends_give_the_same_model_in_float64(backend):
     idx = torch.randint(0, 97, (2, 23))
     with torch.no_grad():
         torch.testing.assert_close(other(idx), reference(idx), rtol=1e-10, atol=1e-10)
-
-
-@pytest.mark.parametrize("compiled", [False, True])
-def test_embedding_gradient_sums_the_rows_of_repeated_tokens_as_torch_does(compiled):
-    g = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, 7, (3, 20), generator=g)  # few rows: every token repeats
-    weight = torch.randn(7, 5, generator=g, dtype=torch.float64, requires_grad=True)
-    upstream = torch.randn(3, 20, 5, generator=g, dtype=torch.float64)
-    lookup = torch.compile(embedding, fullgraph=True) if compiled else embedding
-    out = lookup(idx, weight)
-    (out * upstream).sum().backward()
-    expected = torch.zeros(7, 5, dtype=torch.float64).index_add_(
-        0, idx.flatten(), upstream.flatten(0, 1)
-    )
-    torch.testing.assert_close(out, weight.detach()[idx], rtol=0, atol=0)
-    torch.testing.assert_close(weight.grad, expected, rtol=1e-12, atol=1e-12)

@@ -4,19 +4,21 @@ softmax(QKᵀ/√d_k + M)V from Vaswani et al. (2017); multi-query attention (Sh
 grouped-query attention (Ainslie et al., 2023): `n_heads` query heads share `n_kv_heads` K/V heads,
 each K/V head serving a contiguous group of `n_heads / n_kv_heads` query heads.
 
-Masks are boolean, True = "may attend". Causal masks are aligned bottom-right: query i of Tq attends
-keys j ≤ i + (Tk − Tq), which is the usual lower triangle when Tq == Tk and the right rule when the
-queries are the last Tq positions of a longer (cached) key sequence.
+Masks built here are boolean, True = "may attend". Causal masks are aligned bottom-right: query i
+of Tq attends keys j ≤ i + (Tk − Tq), which is the usual lower triangle when Tq == Tk and the right
+rule when the queries are the last Tq positions of a longer (cached) key sequence.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from decoderlm.errors import DecoderLMError
 from decoderlm.model.config import ModelConfig
 from decoderlm.model.layers import make_norm
 from decoderlm.model.positional import apply_rope
@@ -50,6 +52,39 @@ def build_mask(
     return mask
 
 
+MaskedSoftmax = Callable[[Tensor, Tensor | None], Tensor]
+
+
+def masked_softmax(scores: Tensor, keep: Tensor | None) -> Tensor:
+    """softmax(scores + M), M = 0 where `keep` else −∞; a row with every key masked (0/0) → zeros.
+
+    The second masked_fill also zeroes the gradient of a row with every key masked.
+    """
+    if keep is None:
+        return torch.softmax(scores, dim=-1)
+    hidden = ~keep
+    return torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1).masked_fill(hidden, 0.0)
+
+
+def keep_mask(mask: Tensor) -> Tensor:
+    """The bool keep-mask (True = attend) of a mask in either convention of
+    `scaled_dot_product_attention`; any other mask is refused."""
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_floating_point():
+        zero, one = mask == 0, mask == 1
+        if bool((zero | one).all()) and bool(one.any()):
+            return one  # the seeds' float keep-mask: 1 = attend, 0 = hidden
+        if bool((zero | (mask == float("-inf"))).all()):
+            return zero  # additive: M = 0 (attend) or −∞ (hidden)
+    values = mask.unique().tolist()  # sorted
+    shown = ", ".join(map(str, values[:4])) + (", ..." if len(values) > 4 else "")
+    raise DecoderLMError(
+        f"attention mask of dtype {mask.dtype} has values {{{shown}}}; allowed: a keep-mask (bool, "
+        "or float of only 0 and 1: 1 = attend) or an additive mask (float of only 0 and -inf)"
+    )
+
+
 def scaled_dot_product_attention(
     q: Tensor,
     k: Tensor,
@@ -58,120 +93,31 @@ def scaled_dot_product_attention(
     *,
     scale: float | None = None,
     dropout_p: float = 0.0,
+    softmax: MaskedSoftmax = masked_softmax,
 ) -> tuple[Tensor, Tensor]:
     """softmax(QKᵀ/√d_k + M)V, returning (output, weights).
 
     q: (B, H, Tq, D); k, v: (B, Hkv, Tk, D) with H a multiple of Hkv (GQA/MQA without copying K/V).
-    mask: bool (True = attend; False → M = −∞) or additive float, broadcastable to (B, H, Tq, Tk).
-    Rows whose keys are all masked get zero weights (and a zero output, zero gradients), as torch
-    SDPA does.
+    mask, broadcastable to (B, H, Tq, Tk), in one of two conventions:
+    - keep-mask: bool, True = attend; or float with values only 0 and 1 (at least one 1),
+      1 = attend, as the seeds build it: `torch.tril(torch.ones(T, T))`;
+    - additive: float with values only 0 (attend) and −∞ (hidden), added to the scores as M.
+    Any other mask is refused (DecoderLMError). Rows whose keys are all masked get zero weights (and
+    a zero output, zero gradients), as torch SDPA does. `softmax(scores, keep)` computes the weights
+    (decoderlm.cpu passes a form that torch.compile fuses better).
     """
     b, h, t_q, d = q.shape
     h_kv, t_k = k.shape[1], k.shape[2]
     scale = d**-0.5 if scale is None else scale
+    keep = None if mask is None else keep_mask(mask)
     acc_dtype = torch.promote_types(q.dtype, torch.float32)  # scores and softmax in ≥ float32
     q_grouped = q.reshape(b, h_kv, h // h_kv, t_q, d)  # (B, Hkv, G, Tq, D)
     scores = q_grouped @ k.unsqueeze(2).transpose(-2, -1)  # QKᵀ: (B, Hkv, G, Tq, Tk)
     scores = scores.reshape(b, h, t_q, t_k).to(acc_dtype) * scale  # QKᵀ/√d_k: (B, H, Tq, Tk)
-    if torch.compiler.is_compiling():
-        weights = _masked_softmax_traced(scores, mask)
-    else:
-        weights = _masked_softmax_eager(scores, mask)
-    weights = weights.to(q.dtype)  # (B, H, Tq, Tk)
+    weights = softmax(scores, keep).to(q.dtype)  # (B, H, Tq, Tk)
     dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
     out = dropped.reshape(b, h_kv, h // h_kv, t_q, t_k) @ v.unsqueeze(2)  # (B, Hkv, G, Tq, D)
     return out.reshape(b, h, t_q, d), weights
-
-
-def _masked_softmax_eager(scores: Tensor, mask: Tensor | None) -> Tensor:
-    """softmax(scores + M) by torch's one-pass kernel; a row with every key masked (0/0) → zeros."""
-    if mask is None:
-        return torch.softmax(scores, dim=-1)
-    if mask.dtype != torch.bool:
-        return torch.softmax(scores + mask, dim=-1).nan_to_num(0.0)  # additive
-    hidden = ~mask
-    # The masked_fill's backward also zeroes the gradient of a row with every key masked.
-    return torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1).masked_fill(hidden, 0.0)
-
-
-def _masked_softmax_traced(scores: Tensor, mask: Tensor | None) -> Tensor:
-    """softmax(scores + M) as torch.compile fuses it best: M additive (its backward is the identity,
-    where a masked_fill's needs the mask again) and `softmax_zero_if_empty`, whose guard for empty
-    rows acts on per-row scalars. At B·H = 48, T = 64 (bf16, causal), forward + backward of the
-    attention took 575 µs against 808 µs for the eager form compiled."""
-    if mask is not None and mask.dtype == torch.bool:
-        mask = torch.where(mask, 0.0, float("-inf")).to(scores.dtype)  # M = 0 or −∞
-    return softmax_zero_if_empty(scores if mask is None else scores + mask)
-
-
-def softmax_zero_if_empty(scores: Tensor) -> Tensor:
-    """softmax over the last dim, with zeros for a row whose scores are all −∞ (every key masked).
-
-    softmax(s)_j = e^(s_j − m) / Σ_k e^(s_k − m) for any m; m = max_k s_k keeps it finite, and m needs
-    no gradient. A row with a finite score has Σ ≥ e^0 = 1; in a row of −∞ every e^(s_j − m) is 0,
-    so a finite m and Σ clamped to ≥ 1 make its weights (and their gradients) 0, not 0/0.
-    """
-    row_max = scores.amax(dim=-1, keepdim=True).detach()  # (..., 1)
-    exp = torch.exp(scores - row_max.clamp_min(torch.finfo(scores.dtype).min))
-    return exp / exp.sum(dim=-1, keepdim=True).clamp_min(1.0)
-
-
-def blockwise_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    causal: bool = True,
-    key_padding_mask: Tensor | None = None,
-    block_size: int = 128,
-    dropout_p: float = 0.0,
-) -> Tensor:
-    """`scaled_dot_product_attention`, `block_size` queries at a time (no weights returned).
-
-    Each block of queries is scored only against the keys it may see: with a causal mask, those
-    up to its last query (bottom-right alignment, as `causal_mask`). About half of the masked upper
-    triangle is never computed at long T, and no tensor larger than (B, H, block, Tk) is held.
-    q (B, H, Tq, D), k/v (B, Hkv, Tk, D), key_padding_mask (B, Tk) → (B, H, Tq, D).
-    """
-    t_q, t_k = q.shape[2], k.shape[2]
-    outs = []
-    for start in range(0, t_q, block_size):
-        stop = min(start + block_size, t_q)
-        seen = stop + t_k - t_q if causal else t_k  # keys visible to the block's last query
-        keys = None if key_padding_mask is None else key_padding_mask[:, :seen]
-        mask = build_mask(stop - start, seen, causal, keys, q.device)
-        q_block, k_seen, v_seen = q[:, :, start:stop], k[:, :, :seen], v[:, :, :seen]
-        outs.append(
-            scaled_dot_product_attention(q_block, k_seen, v_seen, mask, dropout_p=dropout_p)[0]
-        )
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (B, H, Tq, D)
-
-
-def blockwise_is_faster(q: Tensor, t_k: int) -> bool:
-    """Whether `blockwise_attention` beats torch's fused SDPA kernel for this shape.
-
-    From `python benchmarks/cpu_attention.py --threads 2` (torch 2.13 CPU, 2 cores; ms, fused vs
-    formula) on two CPUs: an Intel one with avx512_bf16 (bf16 rows) and an AMD EPYC with AVX2 only
-    (fp32 rows, 2026-12-01). Elsewhere, and on accelerators, the fused kernel is used.
-    - Training in bf16/fp16: torch's CPU flash-attention backward is slow at short context (T=64:
-      2.91 vs 1.05 eager, 3.01 vs 0.83 compiled); compiled, the formula still wins at T=256 (3.04
-      vs 1.94), eagerly not reliably (2.85 vs 2.44 in that run, 2.86 vs 3.60 in another).
-    - Training in fp32, compiled: the formula wins up to T=256 (T=64: 2.18 vs 1.49, T=128: 2.76 vs
-      2.55, T=256: 4.12 vs 3.13); eagerly the fused kernel does (T=64: 1.86 vs 2.07).
-    - Decoding one token: the fused kernel is slow in bf16 over a masked cache (0.74 vs 0.48 at 2048
-      slots), and under torch.compile inductor fuses the formula (0.74 vs 0.09 bf16, 0.11 vs 0.08
-      fp32).
-    - Prefill in bf16/fp16 under torch.compile: 3.15 vs 2.48 at T=512, 29.4 vs 15.4 at T=2048.
-    """
-    if q.device.type != "cpu":
-        return False
-    reduced = q.dtype in (torch.bfloat16, torch.float16)
-    compiling = torch.compiler.is_compiling()
-    if q.requires_grad:
-        return t_k <= 256 if compiling else reduced and t_k <= 128
-    if q.shape[2] == 1:
-        return reduced or compiling
-    return reduced and compiling
 
 
 def attend(
@@ -188,9 +134,8 @@ def attend(
     """Dispatch attention to a backend. q (B, H, Tq, D), k/v (B, Hkv, Tk, D) → ((B, H, Tq, D), weights).
 
     `math` is the explicit formula (the only one that returns weights), `sdpa` is torch's fused
-    kernel (or `blockwise_attention` on the CPU shapes where that is faster, `blockwise_is_faster`),
-    `flash` is our FlashAttention-2 (`decoderlm.model.flash`). K/V heads are never repeated in memory
-    by our code: GQA goes to SDPA as `enable_gqa` and to the other two by indexing/reshaping.
+    kernel, `flash` is our FlashAttention-2 (`decoderlm.model.flash`). K/V heads are never repeated
+    in memory: GQA goes to SDPA as `enable_gqa` and to the other two by indexing/reshaping.
     """
     t_q, t_k = q.shape[2], k.shape[2]
     if need_weights or backend == "math":
@@ -200,13 +145,8 @@ def attend(
         from decoderlm.model.flash import flash_attention
 
         return flash_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask), None
-    if blockwise_is_faster(q, t_k):
-        out = blockwise_attention(
-            q, k, v, causal=causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p
-        )
-        return out, None
     gqa = q.shape[1] != k.shape[1]
-    if key_padding_mask is None and (not causal or t_q == t_k):
+    if key_padding_mask is None and (not causal or t_q == t_k):  # no mask tensor needed
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=causal and t_q > 1, dropout_p=dropout_p, enable_gqa=gqa
         )
@@ -229,6 +169,8 @@ class CausalSelfAttention(nn.Module):
             config.head_dim,
         )
         self.backend = config.attn_backend
+        # The attention function, `attend` or one with its signature (decoderlm.cpu.optimize).
+        self.attend: Callable[..., tuple[Tensor, Tensor | None]] = attend
         self.dropout_p = config.dropout
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.split_sizes = (q_size, kv_size, kv_size)
@@ -266,7 +208,7 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # (B, Hkv, Tk, hd)
-        out, weights = attend(
+        out, weights = self.attend(
             q,
             k,
             v,

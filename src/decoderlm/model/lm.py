@@ -17,7 +17,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.model.attention import LayerCache
 from decoderlm.model.block import Block
 from decoderlm.model.config import ModelConfig
-from decoderlm.model.layers import RMSNorm, embedding, make_norm
+from decoderlm.model.layers import RMSNorm, make_norm
 from decoderlm.model.positional import LearnedPositions, RotaryEmbedding, SinusoidalPositions
 
 
@@ -93,7 +93,7 @@ class DecoderLM(nn.Module):
                     f"sequence length {t} exceeds context_length={self.config.context_length}"
                 )
             positions = torch.arange(t, device=idx.device)  # (T,)
-        x = embedding(idx, self.tok_emb.weight) * self.emb_scale  # (B, T, d_model)
+        x = self.tok_emb(idx) * self.emb_scale  # (B, T, d_model)
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions)  # (B, T, d_model)
         x = self.drop(x)

@@ -1,0 +1,145 @@
+"""Attention on the CPU: the explicit formula a block of queries at a time, where it beats SDPA.
+
+Blockwise evaluation of softmax(QKᵀ/√d_k + M)V (Rabe & Staats, 2021, "Self-attention does not
+need O(n²) memory"; the query blocking of FlashAttention, Dao et al., 2022) without the online
+softmax: each block of queries is scored only against the keys it may see. `cpu_attend` has the
+signature of `decoderlm.model.attention.attend` and replaces it in every `CausalSelfAttention`
+(`decoderlm.cpu.optimize`); it calls the blockwise formula on the CPU shapes where
+`blockwise_is_faster` says so and the model's `attend` everywhere else.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from decoderlm.model.attention import (
+    MaskedSoftmax,
+    attend,
+    build_mask,
+    masked_softmax,
+    scaled_dot_product_attention,
+)
+
+
+def softmax_zero_if_empty(scores: Tensor) -> Tensor:
+    """softmax over the last dim, with zeros for a row whose scores are all −∞ (every key masked).
+
+    softmax(s)_j = e^(s_j − m) / Σ_k e^(s_k − m) for any m; m = max_k s_k keeps it finite, and m needs
+    no gradient. A row with a finite score has Σ ≥ e^0 = 1; in a row of −∞ every e^(s_j − m) is 0,
+    so a finite m and Σ clamped to ≥ 1 make its weights (and their gradients) 0, not 0/0.
+    """
+    row_max = scores.amax(dim=-1, keepdim=True).detach()  # (..., 1)
+    exp = torch.exp(scores - row_max.clamp_min(torch.finfo(scores.dtype).min))
+    return exp / exp.sum(dim=-1, keepdim=True).clamp_min(1.0)
+
+
+def additive_masked_softmax(scores: Tensor, keep: Tensor | None) -> Tensor:
+    """softmax(scores + M) as torch.compile fuses it best (see benchmarks/cpu_attention.py).
+
+    M is added (its backward is the identity, where a masked_fill's needs the mask again), and
+    `softmax_zero_if_empty` guards the rows with every key masked by per-row scalars.
+    """
+    if keep is not None:
+        mask = torch.where(keep, 0.0, float("-inf")).to(scores.dtype)  # M = 0 or −∞
+        scores = scores + mask  # (B, H, Tq, Tk)
+    return softmax_zero_if_empty(scores)
+
+
+def _softmax() -> MaskedSoftmax:
+    """The masked softmax for the formula: torch's fused softmax eagerly, the additive one traced."""
+    return additive_masked_softmax if torch.compiler.is_compiling() else masked_softmax
+
+
+def blockwise_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = True,
+    key_padding_mask: Tensor | None = None,
+    block_size: int = 128,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """`scaled_dot_product_attention`, `block_size` queries at a time (no weights returned).
+
+    Each block of queries is scored only against the keys it may see: with a causal mask, those
+    up to its last query (bottom-right alignment, as `causal_mask`). About half of the masked upper
+    triangle is never computed at long T, and no tensor larger than (B, H, block, Tk) is held.
+    q (B, H, Tq, D), k/v (B, Hkv, Tk, D), key_padding_mask (B, Tk) → (B, H, Tq, D).
+    """
+    t_q, t_k = q.shape[2], k.shape[2]
+    softmax = _softmax()
+    outs = []
+    for start in range(0, t_q, block_size):
+        stop = min(start + block_size, t_q)
+        seen = stop + t_k - t_q if causal else t_k  # keys visible to the block's last query
+        keys = None if key_padding_mask is None else key_padding_mask[:, :seen]
+        mask = build_mask(stop - start, seen, causal, keys, q.device)
+        q_block, k_seen, v_seen = q[:, :, start:stop], k[:, :, :seen], v[:, :, :seen]
+        out, _ = scaled_dot_product_attention(
+            q_block, k_seen, v_seen, mask, dropout_p=dropout_p, softmax=softmax
+        )
+        outs.append(out)  # (B, H, stop − start, D)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (B, H, Tq, D)
+
+
+def blockwise_is_faster(q: Tensor, t_k: int) -> bool:
+    """Whether `blockwise_attention` beats torch's fused SDPA kernel for this shape.
+
+    The rule of `python benchmarks/cpu_attention.py` (which prints, for each shape, the measured
+    times and the path this rule picks), run on an Intel CPU with avx512_bf16 and on an AMD EPYC
+    with AVX2 only; elsewhere, and on accelerators, the fused kernel is used.
+    - Training: torch's CPU flash-attention backward is slow at short context in bf16/fp16; under
+      torch.compile the formula wins up to T = 256 in every dtype, eagerly up to T = 128 in
+      bf16/fp16 only.
+    - Decoding one token: the fused kernel is slow in bf16 over a masked cache, and under
+      torch.compile inductor fuses the formula in every dtype.
+    - Prefill: the formula wins in bf16/fp16 under torch.compile.
+    """
+    if q.device.type != "cpu":
+        return False
+    reduced = q.dtype in (torch.bfloat16, torch.float16)
+    compiling = torch.compiler.is_compiling()
+    if q.requires_grad:
+        return t_k <= 256 if compiling else reduced and t_k <= 128
+    if q.shape[2] == 1:
+        return reduced or compiling
+    return reduced and compiling
+
+
+def cpu_attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = True,
+    key_padding_mask: Tensor | None = None,
+    backend: str = "sdpa",
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """`attend`, with the CPU's faster paths: q (B, H, Tq, D), k/v (B, Hkv, Tk, D) → (out, weights).
+
+    backend "sdpa": `blockwise_attention` where `blockwise_is_faster`; backend "math" (or
+    need_weights) on the CPU: the formula with the softmax torch.compile fuses best; otherwise
+    the model's `attend`.
+    """
+    if q.device.type == "cpu" and (need_weights or backend == "math"):
+        mask = build_mask(q.shape[2], k.shape[2], causal, key_padding_mask, q.device)
+        return scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout_p, softmax=_softmax())
+    if backend == "sdpa" and blockwise_is_faster(q, k.shape[2]):
+        out = blockwise_attention(
+            q, k, v, causal=causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p
+        )
+        return out, None
+    return attend(
+        q,
+        k,
+        v,
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+        backend=backend,
+        dropout_p=dropout_p,
+        need_weights=need_weights,
+    )
