@@ -22,6 +22,41 @@ class RequestParams:
     seed: int | None = None  # its own torch.Generator: the same text alone or in a crowd
     logprobs: int | None = None  # None: none; k ≥ 0: the chosen token's logprob and the top-k
     stop_at_eot: bool = True  # end at the tokenizer's end-of-text token
+    n: int = 1  # completions of the prompt, separate sequences; sample j draws from seed + j
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("max_tokens", self.max_tokens, "an integer ≥ 0", _is_int(self.max_tokens, 0)),
+            ("n", self.n, "an integer ≥ 1", _is_int(self.n, 1)),
+            ("seed", self.seed, "an integer or None", self.seed is None or _is_int(self.seed)),
+            (
+                "logprobs",
+                self.logprobs,
+                "an integer ≥ 0 or None",
+                self.logprobs is None or _is_int(self.logprobs, 0),
+            ),
+            (
+                "stop",
+                self.stop,
+                "a tuple of strings",
+                isinstance(self.stop, tuple) and all(isinstance(s, str) for s in self.stop),
+            ),
+            (
+                "sampling",
+                self.sampling,
+                "a SamplingParams",
+                isinstance(self.sampling, SamplingParams),
+            ),
+        )
+        for name, value, allowed, ok in checks:
+            if not ok:
+                raise DecoderLMError(f"{name}={value!r} must be {allowed}")
+
+
+def _is_int(value: object, least: int | None = None) -> bool:
+    return (
+        isinstance(value, int) and not isinstance(value, bool) and (least is None or value >= least)
+    )
 
 
 @dataclass(frozen=True)
@@ -37,7 +72,8 @@ class TokenEvent:
 
     `text` is UTF-8 safe and never holds a partial stop string; `finish_reason` is None until the
     last event of the sequence, then "stop" (end-of-text or a stop string), "length"
-    (max_tokens or the context) or "cancelled".
+    (max_tokens or the context), "cancelled", or "error" (the engine failed; it takes no more
+    requests). `index` is the sequence's number among the request's `n`.
     """
 
     token_id: int | None  # None on a final event that carries no token
@@ -45,6 +81,7 @@ class TokenEvent:
     logprob: float | None = None
     top_logprobs: tuple[TopLogprob, ...] = ()
     finish_reason: str | None = None
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,7 +111,12 @@ class EngineStats:
     prefix_cache_hit_tokens: int  # prompt tokens whose KV blocks were reused
     max_running_seen: int  # the most sequences that ran at once since start
     tokens_per_s: float  # generated tokens per second over the last few seconds
+    preemptions: int = 0  # running sequences sent back to the queue (KV pool full) since start
 
 
 class QueueFullError(DecoderLMError):
     """The engine's waiting queue is full: the request is refused (HTTP 429)."""
+
+
+class EngineStoppedError(DecoderLMError):
+    """The engine is shutting down (or failed): the request is refused (HTTP 503)."""

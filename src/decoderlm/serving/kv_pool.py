@@ -1,0 +1,196 @@
+"""KV memory as a pool of fixed-size blocks: PagedAttention (Kwon et al., 2023, "Efficient Memory
+Management for LLM Serving with PagedAttention"), after vLLM's block manager.
+
+A sequence's keys and values live in `block_size`-token blocks anywhere in one preallocated pool;
+its block table maps token position p to slot `blocks[p // block_size] · block_size + p %
+block_size`. Blocks are refcounted so that sequences sharing a full-block prompt prefix share its
+blocks (prefix caching): a full, computed block is registered under a hash of every token up to its
+end, and a freed block keeps that registration until the pool hands it out again (least recently
+freed first), so a later request with the same prefix can still find it.
+
+`PagedKVCache` is the model's side: it implements the `LayerCache` protocol by writing each new
+token's K/V to its slot and gathering each row's slots into one (B, Hkv, Tk, hd) tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from decoderlm.errors import DecoderLMError
+from decoderlm.model.config import ModelConfig
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+}
+
+
+def parse_bytes(value: int | str) -> int:
+    """A byte count from an int or a string such as "512MiB", "1GiB", "64KB" or "4096"."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    match = (
+        re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", value)
+        if isinstance(value, str)
+        else None
+    )
+    if match is None or float(match[1]) <= 0:
+        raise DecoderLMError(
+            f"kv_cache_memory={value!r} must be a positive number of bytes or a size such as "
+            "'512MiB' or '1GiB' (units B, KiB, MiB, GiB, KB, MB, GB)"
+        )
+    return int(float(match[1]) * _UNITS[match[2] or ""])
+
+
+def blocks_for(n_tokens: int, block_size: int) -> int:
+    """Blocks holding n_tokens tokens: ⌈n_tokens / block_size⌉."""
+    return -(-n_tokens // block_size)
+
+
+def prefix_keys(tokens: Sequence[int], block_size: int) -> list[bytes]:
+    """One key per full block of `tokens`: key_i = SHA-256(key_{i−1} ‖ the block's token ids).
+
+    Chained, so key_i names the whole prefix tokens[: (i + 1) · block_size], not just block i.
+    """
+    keys, key = [], b""
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        block = tokens[start : start + block_size]
+        key = hashlib.sha256(key + b"".join(t.to_bytes(4, "little") for t in block)).digest()
+        keys.append(key)
+    return keys
+
+
+class BlockPool:
+    """Block ids 0..num_blocks−1: allocation, refcounts, and the prefix cache over full blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.prefix_caching = prefix_caching
+        self.refs = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
+        self._cached: dict[bytes, int] = {}  # prefix key → block holding that prefix's last block
+        self._key_of: dict[int, bytes] = {}  # block → its key, while registered
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (cached blocks no sequence holds count as free)."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def allocate(self, keys: Sequence[bytes], n_blocks: int) -> tuple[list[int], int] | None:
+        """Blocks for a sequence of `n_blocks` blocks whose full blocks have `keys`, or None if short.
+
+        The leading blocks found in the prefix cache are shared (their refcount goes up); the
+        rest are fresh. Returns (block table, number of blocks reused from the cache).
+        """
+        hits = []
+        for key in keys[:n_blocks] if self.prefix_caching else ():
+            block = self._cached.get(key)
+            if block is None:
+                break
+            hits.append(block)
+        revived = sum(1 for b in hits if self.refs[b] == 0)  # cached but free: leaves the free list
+        if n_blocks - len(hits) + revived > len(self._free):
+            return None
+        for block in hits:
+            self._free.pop(block, None)
+            self.refs[block] += 1
+        return hits + [self._take() for _ in range(n_blocks - len(hits))], len(hits)
+
+    def grow(self) -> int | None:
+        """One fresh block, or None when the pool is full."""
+        return self._take() if self._free else None
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference to each block; a block nobody holds returns to the free list.
+
+        Last blocks first, so that a prefix's tail is handed out (and forgotten) before its head.
+        """
+        for block in reversed(blocks):
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self._free[block] = None
+
+    def register(self, block: int, key: bytes) -> None:
+        """Record that `block` holds the computed K/V of the full-block prefix named `key`."""
+        if self.prefix_caching and key not in self._cached and block not in self._key_of:
+            self._cached[key], self._key_of[block] = block, key
+
+    def _take(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        key = self._key_of.pop(block, None)
+        if key is not None:
+            del self._cached[key]  # its contents are about to be overwritten
+        self.refs[block] = 1
+        return block
+
+
+class PagedLayerCache:
+    """One layer's K and V pools, (num_blocks · block_size, Hkv, hd) each: a `LayerCache`."""
+
+    def __init__(self, k: Tensor, v: Tensor) -> None:
+        self.k, self.v = k, v
+        self.write: Tensor | None = None  # (B, T) slots of the new tokens
+        self.read: Tensor | None = None  # (B, Tk) slots of every key each row attends
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k, v (B, Hkv, T, hd) go to their slots; returns the rows' keys/values (B, Hkv, Tk, hd)."""
+        slots = self.write.flatten()  # (B·T,)
+        self.k.index_copy_(0, slots, k.transpose(1, 2).flatten(0, 1))  # (B·T, Hkv, hd)
+        self.v.index_copy_(0, slots, v.transpose(1, 2).flatten(0, 1))
+        return self.k[self.read].transpose(1, 2), self.v[self.read].transpose(1, 2)
+
+
+class PagedKVCache:
+    """The pools of all layers, indexed as `kv_caches[i]` by `DecoderLM.forward`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.block_size = block_size
+        shape = (num_blocks * block_size, config.n_kv_heads, config.head_dim)
+        self.layers = [
+            PagedLayerCache(
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(config.n_layers)
+        ]
+
+    def __getitem__(self, i: int) -> PagedLayerCache:
+        return self.layers[i]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def slots(self, table: Tensor, positions: Tensor) -> Tensor:
+        """Pool slots of token `positions` (B, T) given block tables (B, n_blocks): same shape."""
+        block = torch.gather(table, 1, positions // self.block_size)  # (B, T)
+        return (
+            block * self.block_size + positions % self.block_size
+        )  # slot = b·block_size + p mod bs
+
+    def seek(self, write: Tensor, read: Tensor) -> None:
+        """Before a forward pass: the new tokens go to slots `write` (B, T); rows attend `read` (B, Tk)."""
+        for layer in self.layers:
+            layer.write, layer.read = write, read

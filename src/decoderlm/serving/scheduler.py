@@ -1,0 +1,135 @@
+"""Continuous batching with chunked prefill over a block pool, after vLLM's scheduler (Kwon et al.,
+2023, "Efficient Memory Management for LLM Serving with PagedAttention"; Yu et al., 2022, Orca, for
+iteration-level scheduling; Agrawal et al., 2024, Sarathi-Serve, for chunked prefill).
+
+Every step, each running sequence whose K/V is computed up to its last token decodes one token;
+then up to `prefill_chunk` prompt tokens of the sequences still prefilling are run, oldest first,
+so a long prompt delays the running streams by at most one chunk per step.
+
+Admission is FIFO: the head of the waiting queue is admitted when the pool has blocks for its
+tokens plus one more token (the K/V of its first generated token), so a new sequence reaches its
+first decode step without preempting anyone. A running sequence that needs a block when the pool
+is full preempts the newest running sequence: its blocks are freed and it goes back to the front
+of the queue, to be recomputed (prompt and tokens so far) when blocks free up.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from decoderlm.serving.kv_pool import BlockPool, blocks_for, prefix_keys
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One stream of tokens: the prompt, then what was generated; and where its K/V lives."""
+
+    tokens: list[int]  # prompt + generated so far
+    n_prompt: int
+    max_len: int  # the sequence ends at this many tokens (prompt + max_tokens, or the context)
+    blocks: list[int] = field(default_factory=list)  # block table
+    n_computed: int = 0  # tokens whose K/V is in the pool
+    n_registered: int = 0  # leading blocks offered to the prefix cache
+
+    @property
+    def n_pending(self) -> int:
+        """Tokens to run through the model before the next one can be sampled."""
+        return len(self.tokens) - self.n_computed
+
+
+@dataclass
+class Plan:
+    """One step's work: sequences decoding one token, and (sequence, n tokens) prefill chunks."""
+
+    decode: list[Sequence]
+    prefill: list[tuple[Sequence, int]]
+
+
+class Scheduler:
+    """The waiting queue and the running batch over one `BlockPool`; `schedule()` plans a step."""
+
+    def __init__(self, pool: BlockPool, prefill_chunk: int) -> None:
+        self.pool, self.prefill_chunk = pool, prefill_chunk
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is the newest
+        self.prefix_hit_tokens = 0
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or cancelled sequence out, freeing its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def schedule(self) -> Plan:
+        """The running sequences grow first (preempting if they must), then the queue is admitted."""
+        decode = [s for s in self.running if s.n_pending == 1]
+        for seq in list(decode):
+            if seq in self.running and not self._make_room(seq):
+                decode.remove(seq)  # preempted itself
+        decode = [s for s in decode if s in self.running]  # minus those preempted for others
+        self._admit()
+        budget, prefill, decoding = self.prefill_chunk, [], set(decode)
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq not in decoding and seq.n_pending > 0:
+                n = min(seq.n_pending, budget)
+                prefill.append((seq, n))
+                budget -= n
+        return Plan(decode, prefill)
+
+    def computed(self, seq: Sequence, n: int) -> None:
+        """n more tokens of `seq` have their K/V in the pool; its new full blocks join the cache."""
+        seq.n_computed += n
+        full = seq.n_computed // self.pool.block_size
+        if full > seq.n_registered:
+            keys = prefix_keys(seq.tokens[: full * self.pool.block_size], self.pool.block_size)
+            for i in range(seq.n_registered, full):
+                self.pool.register(seq.blocks[i], keys[i])
+            seq.n_registered = full
+
+    def _admit(self) -> None:
+        size = self.pool.block_size
+        while self.waiting:
+            seq = self.waiting[0]
+            # At least the last token is run, for its logits: reuse at most ⌊(n − 1)/bs⌋ blocks.
+            keys = prefix_keys(seq.tokens[: len(seq.tokens) - 1], size)
+            got = self.pool.allocate(keys, blocks_for(len(seq.tokens) + 1, size))
+            if got is None:
+                return
+            seq.blocks, reused = got
+            seq.n_registered, seq.n_computed = reused, reused * size
+            self.prefix_hit_tokens += seq.n_computed
+            self.running.append(self.waiting.popleft())
+
+    def _make_room(self, seq: Sequence) -> bool:
+        """A block for `seq`'s next token, preempting the newest sequences while the pool is full.
+
+        False if `seq` itself was the newest and was preempted.
+        """
+        if seq.n_computed // self.pool.block_size < len(seq.blocks):
+            return True
+        while (block := self.pool.grow()) is None:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        seq.blocks.append(block)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.free(seq.blocks)
+        seq.blocks, seq.n_computed, seq.n_registered = [], 0, 0

@@ -1,0 +1,384 @@
+"""The continuous-batching engine: block pool, admission, chunked prefill, stops, cancellation, and
+exactness against `decoderlm.generate` on each prompt alone (float64, and float32 up to near-ties)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+import torch
+
+from decoderlm import DecoderLM, DecoderLMError, ModelConfig, generate
+from decoderlm.inference.sampling import SamplingParams
+from decoderlm.model.kv_cache import kv_cache_bytes_per_token
+from decoderlm.serving.engine import Engine
+from decoderlm.serving.kv_pool import BlockPool, parse_bytes, prefix_keys
+from decoderlm.serving.types import (
+    EngineStoppedError,
+    QueueFullError,
+    RequestParams,
+    TokenEvent,
+)
+from decoderlm.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyz .,\n"
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.train_char([ALPHABET])  # 30 characters + <|endoftext|>
+
+
+def tiny_model(
+    tok: Tokenizer, dtype: torch.dtype = torch.float64, n_kv_heads: int = 2, **overrides
+) -> DecoderLM:
+    torch.manual_seed(0)
+    config = dict(
+        vocab_size=tok.vocab_size,
+        context_length=128,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=n_kv_heads,
+        mlp="swiglu",
+        norm="rmsnorm",
+        position="rope",
+        bias=False,
+        init_std=0.5,  # at 0.02 (tied embeddings) greedy decoding repeats the last character
+    )
+    return DecoderLM(ModelConfig(**{**config, **overrides})).to(dtype).eval()
+
+
+def random_prompts(n: int, vocab: int, lengths: tuple[int, int], seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(*lengths, (n,), generator=g).tolist()
+    return [torch.randint(0, vocab - 1, (size,), generator=g).tolist() for size in sizes]
+
+
+def run_staggered(engine: Engine, requests: list[tuple[list[int], RequestParams]]) -> list[list]:
+    """Submit one request per step (each arrives while the earlier ones decode); events per request."""
+    events: list[list[TokenEvent]] = [[] for _ in requests]
+    for i, (prompt, params) in enumerate(requests):
+        engine.submit(prompt, params, on_event=events[i].append)
+        engine.step()
+    while engine.step():
+        pass
+    return events
+
+
+def token_ids(events: list[TokenEvent]) -> list[int]:
+    return [e.token_id for e in events if e.token_id is not None]
+
+
+# The block pool.
+
+
+def test_kv_cache_memory_parses_sizes_and_refuses_others_in_one_line():
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("1GiB") == 2**30
+    assert parse_bytes(4096) == 4096
+    for bad in ("12 parsecs", "-1MiB", 0, "", 1.5):
+        with pytest.raises(DecoderLMError, match="kv_cache_memory=") as info:
+            parse_bytes(bad)
+        assert "\n" not in str(info.value)
+
+
+def test_pool_allocates_frees_and_refuses_when_short():
+    pool = BlockPool(num_blocks=8, block_size=4)
+    a, _ = pool.allocate([], 3)
+    b, _ = pool.allocate([], 5)
+    assert sorted(a + b) == list(range(8)) and pool.num_free == 0
+    assert pool.allocate([], 1) is None and pool.grow() is None
+    pool.free(a)
+    assert pool.num_free == 3 and pool.num_used == 5
+    pool.free(b)
+    assert pool.num_free == 8 and pool.refs == [0] * 8
+
+
+def test_prefix_blocks_are_shared_refcounted_and_survive_until_reused():
+    pool = BlockPool(num_blocks=6, block_size=4)
+    keys = prefix_keys(list(range(10)), 4)  # two full blocks
+    assert len(keys) == 2 and keys != prefix_keys([*range(4), 9, 9, 9, 9], 4)
+    first, reused = pool.allocate(keys, 3)
+    assert reused == 0
+    for block, key in zip(first, keys, strict=False):
+        pool.register(block, key)
+    second, reused = pool.allocate(keys, 3)
+    assert reused == 2 and second[:2] == first[:2] and second[2] != first[2]
+    assert [pool.refs[b] for b in first] == [2, 2, 1]
+    pool.free(first)
+    pool.free(second)
+    assert pool.num_free == 6
+    third, reused = pool.allocate(keys[:1], 1)  # freed, but still cached: found again
+    assert reused == 1 and third == first[:1]
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+def test_admission_under_one_budget_scales_with_the_kv_heads(tok, n_kv_heads):
+    # A budget of 8 MHA blocks of 16 tokens. Each 16-token prompt takes 2 blocks (its 16 tokens
+    # and the first generated one), so MHA admits 4; GQA with 2 KV heads 8; MQA 16: × n_heads/n_kv.
+    mha = tiny_model(tok, n_kv_heads=4)
+    budget = 8 * 16 * kv_cache_bytes_per_token(mha.config, torch.float64)
+    engine = Engine(tiny_model(tok, n_kv_heads=n_kv_heads), tok, kv_cache_memory=budget)
+    for prompt in random_prompts(20, tok.vocab_size, (16, 17)):
+        engine.submit(prompt, RequestParams(max_tokens=1), on_event=lambda e: None)
+    engine.step()
+    stats = engine.stats()
+    assert stats.kv_blocks_total == 8 * 4 // n_kv_heads
+    assert stats.max_running_seen == 4 * 4 // n_kv_heads
+    assert stats.waiting == 20 - stats.max_running_seen
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_get_a_token_every_step(tok):
+    model = tiny_model(tok)
+    engine = Engine(model, tok, block_size=4, prefill_chunk=8)
+    params = RequestParams(max_tokens=30, sampling=GREEDY, stop_at_eot=False)
+    short = [[] for _ in range(3)]
+    for i, prompt in enumerate(random_prompts(3, tok.vocab_size, (2, 3))):
+        engine.submit(prompt, params, on_event=short[i].append)
+    engine.step()  # the three 2-token prefills (one chunk of 8) and their first tokens
+    long_prompt = random_prompts(1, tok.vocab_size, (60, 61), seed=2)[0]
+    long: list[TokenEvent] = []
+    engine.submit(long_prompt, params, on_event=long.append)
+    for step in range(1, 9):
+        engine.step()
+        assert [len(events) for events in short] == [1 + step] * 3
+        assert len(long) == (1 if step == 8 else 0)  # 60 tokens in chunks of 8: 8 steps
+    while engine.step():
+        pass
+    assert token_ids(long) == generate(model, [long_prompt], 30, temperature=0)[0][60:]
+
+
+def test_a_stop_string_across_tokens_is_held_back_and_never_emitted(tok):
+    model = tiny_model(tok)
+    engine = Engine(model, tok)
+    # Seeded sampling: varied text (greedy decoding of this model repeats one character), and
+    # the same text again in the second run.
+    params = RequestParams(max_tokens=24, seed=7, stop_at_eot=False)
+    free = engine.generate([[0, 1, 2]], params)[0]
+    pieces = [tok.decode([t]) for t in free.token_ids]
+    text = "".join(pieces)
+
+    def clean_stop_at(k: int) -> bool:  # the text of tokens k..k+2 first occurs at token k,
+        stop, before = "".join(pieces[k : k + 3]), "".join(pieces[:k])  # and no earlier text
+        return text.find(stop) == len(before) and stop[0] not in before  # could start it
+
+    k = next(k for k in range(2, 20) if clean_stop_at(k))
+    stop = "".join(pieces[k : k + 3])
+    events = run_staggered(engine, [([0, 1, 2], replace(params, stop=(stop,)))])[0]
+    assert [e.text for e in events] == [*pieces[:k], "", "", ""]  # nothing of the stop leaks
+    assert events[-1].finish_reason == "stop" and len(events) == k + 3
+
+
+def test_cancelling_frees_the_blocks_and_ends_with_cancelled(tok):
+    engine = Engine(tiny_model(tok), tok, block_size=4)
+    params = RequestParams(max_tokens=40, sampling=GREEDY, stop_at_eot=False)
+    a, b = [], []
+    engine.submit([1] * 10, params, request_id="a", on_event=a.append)
+    engine.submit([2] * 6, params, request_id="b", on_event=b.append)
+    for _ in range(3):
+        engine.step()
+    assert engine.stats().kv_blocks_used == 3 + 2  # 13 and 9 tokens in blocks of 4
+    engine.cancel("a")
+    engine.step()
+    assert a[-1] == TokenEvent(None, "", finish_reason="cancelled")
+    assert engine.stats().kv_blocks_used == 3  # b: 10 tokens, the KV of 9 in blocks of 4
+    engine.cancel("b")
+    engine.step()
+    assert engine.stats().kv_blocks_used == 0 and engine.stats().running == 0
+
+
+def test_a_full_waiting_queue_refuses_with_queue_full_error(tok):
+    engine = Engine(tiny_model(tok), tok, max_queue=2)
+    for _ in range(2):
+        engine.submit([1, 2], RequestParams(max_tokens=4), on_event=lambda e: None)
+    with pytest.raises(QueueFullError, match="waiting queue is full"):
+        engine.submit([1, 2], RequestParams(max_tokens=4), on_event=lambda e: None)
+    engine.step()  # both admitted: the queue has room again
+    engine.submit([1, 2], RequestParams(max_tokens=4), on_event=lambda e: None)
+    assert engine.stats().waiting == 1
+
+
+def test_requests_that_cannot_fit_are_refused_in_one_line(tok):
+    model = tiny_model(tok)
+    with pytest.raises(DecoderLMError, match="holds no KV block"):
+        Engine(model, tok, kv_cache_memory=100)
+    engine = Engine(model, tok, kv_cache_memory=4 * 16 * engine_bytes(model), block_size=16)
+    with pytest.raises(DecoderLMError, match="needs 5 KV blocks but kv_cache_memory holds 4"):
+        engine.submit([1] * 60, RequestParams(max_tokens=20), on_event=lambda e: None)
+    with pytest.raises(DecoderLMError, match="max_tokens=-1 must be an integer ≥ 0"):
+        RequestParams(max_tokens=-1)
+
+
+def engine_bytes(model: DecoderLM) -> int:
+    return kv_cache_bytes_per_token(model.config, model.tok_emb.weight.dtype)
+
+
+def test_generation_ends_at_the_context_with_length(tok):
+    model = tiny_model(tok, context_length=32)
+    (done,) = Engine(model, tok).generate([[3] * 28], RequestParams(100, GREEDY, stop_at_eot=False))
+    assert len(done.token_ids) == 4 and done.finish_reason == "length"
+
+
+# Exactness: each request equals its solo run.
+
+
+def mixed_requests(tok: Tokenizer, n: int) -> list[tuple[list[int], RequestParams]]:
+    """n prompts of 1..40 tokens, a few sharing a 12-token prefix, with 5..24 new tokens each."""
+    prompts = random_prompts(n, tok.vocab_size, (1, 41))
+    shared = prompts[0][:12] if len(prompts[0]) >= 12 else [7] * 12
+    prompts[1::4] = [shared + p for p in prompts[1::4]]
+    sizes = torch.randint(5, 25, (n,), generator=torch.Generator().manual_seed(3)).tolist()
+    return [
+        (p, RequestParams(m, GREEDY, stop_at_eot=False))
+        for p, m in zip(prompts, sizes, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("memory_blocks", [512, 40], ids=["roomy-pool", "preempting-pool"])
+def test_32_concurrent_greedy_requests_equal_their_solo_generate_in_float64(tok, memory_blocks):
+    model = tiny_model(tok)
+    engine = Engine(
+        model,
+        tok,
+        kv_cache_memory=memory_blocks * 4 * engine_bytes(model),
+        block_size=4,
+        prefill_chunk=16,
+    )
+    requests = mixed_requests(tok, 32)
+    events = run_staggered(engine, requests)
+    for (prompt, params), got in zip(requests, events, strict=True):
+        solo = generate(model, [prompt], params.max_tokens, temperature=0)[0][len(prompt) :]
+        # float64: batched and solo kernels differ by rounding (~1e-15), far below any argmax gap.
+        assert token_ids(got) == solo
+        assert got[-1].finish_reason == "length"
+    stats = engine.stats()
+    assert stats.kv_blocks_used == 0 and stats.prefix_cache_hit_tokens >= 12
+    assert (stats.preemptions > 0) == (memory_blocks == 40)
+    print(f"{memory_blocks} blocks: {stats}")
+
+
+def test_32_concurrent_greedy_requests_in_float32_differ_from_solo_only_at_near_ties(tok):
+    model = tiny_model(tok, torch.float32)
+    engine = Engine(model, tok, block_size=4, prefill_chunk=16)
+    requests = mixed_requests(tok, 32)
+    flips = []
+    for (prompt, params), got in zip(requests, run_staggered(engine, requests), strict=True):
+        solo = generate(model, [prompt], params.max_tokens, temperature=0)[0][len(prompt) :]
+        ids = token_ids(got)
+        if ids != solo:  # the first differing choice must be a tie within float32 rounding
+            i = next(i for i, (a, b) in enumerate(zip(ids, solo, strict=True)) if a != b)
+            with torch.inference_mode():
+                logits = model(torch.tensor([prompt + solo[:i]]))[0, -1]
+            gap = float((logits[solo[i]] - logits[ids[i]]).abs())
+            flips.append(gap)
+            assert gap < 1e-5 * float(logits.abs().max()) + 1e-6, f"a real divergence: gap {gap}"
+    print(f"float32: {len(flips)} of 32 requests flipped at a near-tie (logit gaps {flips})")
+
+
+def test_a_seeded_sampled_request_equals_its_solo_run_in_a_crowd(tok):
+    model = tiny_model(tok)
+    sampling = SamplingParams(temperature=0.9, top_k=12, top_p=0.95, repetition_penalty=1.3)
+    prompt = [4, 8, 15, 16, 23]
+    mine = RequestParams(30, sampling, seed=1234, stop_at_eot=False, n=2)
+    crowd = [
+        (p, RequestParams(20, sampling, stop_at_eot=False)) for p in random_prompts(6, 31, (1, 20))
+    ]
+    engine = Engine(model, tok, block_size=4, prefill_chunk=8)
+    events = run_staggered(engine, [*crowd[:3], (prompt, mine), *crowd[3:]])[3]
+    solo = [
+        generate(model, [prompt], 30, seed=seed, **vars(sampling))[0][len(prompt) :]
+        for seed in (1234, 1235)  # sample j of a request draws from seed + j
+    ]
+    assert [token_ids([e for e in events if e.index == j]) for j in (0, 1)] == solo
+
+
+def test_logprobs_are_the_raw_log_softmax_with_the_top_k(tok):
+    model = tiny_model(tok)
+    engine = Engine(model, tok)
+    prompt = [5, 6, 7]
+    sampling = SamplingParams(temperature=0.7, repetition_penalty=1.5)  # neither changes logprobs
+    (done,) = engine.generate([prompt], RequestParams(6, sampling, seed=0, logprobs=3))
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(torch.tensor([prompt + done.token_ids]))[0].float(), -1)
+    for i, (token, lp, top) in enumerate(
+        zip(done.token_ids, done.logprobs, done.top_logprobs, strict=True)
+    ):
+        row = ref[len(prompt) - 1 + i]  # (V,) the distribution token i was drawn from
+        assert lp == pytest.approx(float(row[token]), abs=1e-6)
+        assert [t.token_id for t in top] == row.topk(3).indices.tolist()
+        assert [t.logprob for t in top] == pytest.approx(row.topk(3).values.tolist(), abs=1e-6)
+        assert [t.text for t in top] == [tok.decode([t.token_id]) for t in top]
+
+
+# The asynchronous interface.
+
+
+def test_streams_run_concurrently_on_the_thread_and_an_abandoned_one_is_cancelled(tok):
+    model = tiny_model(tok)
+    engine = Engine(model, tok, block_size=4)
+    params = RequestParams(12, GREEDY, stop_at_eot=False)
+
+    async def main() -> tuple[list[TokenEvent], list[TokenEvent]]:
+        async def collect(prompt: list[int], limit: int) -> list[TokenEvent]:
+            events = []
+            async for event in engine.stream(prompt, params):
+                events.append(event)
+                if len(events) == limit:
+                    break  # leaving early cancels the request
+            return events
+
+        return await asyncio.gather(collect([1, 2, 3], 99), collect([9] * 20, 3))
+
+    full, cut = asyncio.run(main())
+    engine.shutdown(grace_s=5)
+    assert token_ids(full) == generate(model, [[1, 2, 3]], 12, temperature=0)[0][3:]
+    assert full[-1].finish_reason == "length" and len(cut) == 3
+    stats = engine.stats()
+    assert stats.running == stats.waiting == stats.kv_blocks_used == 0
+    with pytest.raises(EngineStoppedError):
+        engine.submit([1], params, on_event=lambda e: None)
+
+
+def test_shutdown_lets_running_requests_finish_and_cancels_the_waiting(tok):
+    engine = Engine(tiny_model(tok), tok, block_size=4)
+    first, second = [], []
+    params = RequestParams(4, GREEDY, stop_at_eot=False)
+    engine.submit([1, 2, 3], params, on_event=first.append)
+    engine.step()
+    engine.submit([4, 5, 6], params, on_event=second.append)
+    engine.shutdown(grace_s=30)
+    assert first[-1].finish_reason == "length" and len(token_ids(first)) == 4
+    assert second == [TokenEvent(None, "", finish_reason="cancelled")]
+
+
+def test_generate_on_the_background_thread_equals_generate_stepped_inline(tok):
+    model = tiny_model(tok)
+    requests = mixed_requests(tok, 6)
+    params = RequestParams(10, GREEDY, stop_at_eot=False)
+    inline = Engine(model, tok, block_size=4).generate([p for p, _ in requests], params)
+    threaded = Engine(model, tok, block_size=4, max_queue=2)  # also: more prompts than the queue
+    threaded.start()
+    try:
+        assert threaded.generate([p for p, _ in requests], params) == inline
+    finally:
+        threaded.shutdown(grace_s=5)
+
+
+def test_end_of_text_ends_with_stop_and_is_the_last_token_id(tok):
+    model = tiny_model(tok)
+    prompts = random_prompts(40, tok.vocab_size, (1, 10))
+    free = Engine(model, tok).generate(prompts, RequestParams(40, GREEDY, stop_at_eot=False))
+    # A prompt whose free continuation contains <|endoftext|>: with stop_at_eot it ends there.
+    i, cut = next(
+        (i, c.token_ids.index(tok.eot_id) + 1)
+        for i, c in enumerate(free)
+        if tok.eot_id in c.token_ids
+    )
+    (done,) = Engine(model, tok).generate([prompts[i]], RequestParams(40, GREEDY))
+    assert done.token_ids == free[i].token_ids[:cut] and done.finish_reason == "stop"
+    assert done.text == tok.decode(free[i].token_ids[: cut - 1])  # the text has no <|endoftext|>
