@@ -252,3 +252,25 @@ def test_attention_module_returns_weights_with_math_path():
     out, weights = attn(torch.randn(1, 6, 32), need_weights=True)
     assert out.shape == (1, 6, 32) and weights.shape == (1, 4, 6, 6)
     assert torch.all(weights.triu(1) == 0)
+
+
+def test_attn_scale_none_multiplies_scores_by_one_in_every_backend():
+    """attn_scale="none" is softmax(QKᵀ + M)V: each backend equals the float64 formula with scale 1."""
+    torch.manual_seed(0)
+    base = dict(vocab_size=32, context_length=16, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2)
+    x = torch.randint(0, 32, (2, 16))
+    logits = {}
+    for backend in ("math", "sdpa", "flash"):
+        torch.manual_seed(0)
+        model = DecoderLM(ModelConfig(**base, attn_backend=backend, attn_scale="none")).double()
+        logits[backend] = model(x)
+    torch.manual_seed(0)
+    scaled = DecoderLM(ModelConfig(**base)).double()(x)
+    for backend in ("sdpa", "flash"):
+        torch.testing.assert_close(logits[backend], logits["math"], rtol=1e-10, atol=1e-10)
+    assert (logits["math"] - scaled).abs().max() > 1e-3  # the scale matters: not a no-op
+
+    q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64) for _ in range(3))
+    out, weights = scaled_dot_product_attention(q, k, v, scale=1.0)
+    torch.testing.assert_close(weights, torch.softmax(q @ k.transpose(-2, -1), dim=-1))
+    torch.testing.assert_close(out, weights @ v)

@@ -60,6 +60,7 @@ def blockwise_attention(
     key_padding_mask: Tensor | None = None,
     block_size: int = 128,
     dropout_p: float = 0.0,
+    scale: float | None = None,
 ) -> Tensor:
     """`scaled_dot_product_attention`, `block_size` queries at a time (no weights returned).
 
@@ -78,7 +79,7 @@ def blockwise_attention(
         mask = build_mask(stop - start, seen, causal, keys, q.device)
         q_block, k_seen, v_seen = q[:, :, start:stop], k[:, :, :seen], v[:, :, :seen]
         out, _ = scaled_dot_product_attention(
-            q_block, k_seen, v_seen, mask, dropout_p=dropout_p, softmax=softmax
+            q_block, k_seen, v_seen, mask, scale=scale, dropout_p=dropout_p, softmax=softmax
         )
         outs.append(out)  # (B, H, stop − start, D)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (B, H, Tq, D)
@@ -118,6 +119,7 @@ def cpu_attend(
     backend: str = "sdpa",
     dropout_p: float = 0.0,
     need_weights: bool = False,
+    scale: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """`attend`, with the CPU's faster paths: q (B, H, Tq, D), k/v (B, Hkv, Tk, D) → (out, weights).
 
@@ -127,10 +129,18 @@ def cpu_attend(
     """
     if q.device.type == "cpu" and (need_weights or backend == "math"):
         mask = build_mask(q.shape[2], k.shape[2], causal, key_padding_mask, q.device)
-        return scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout_p, softmax=_softmax())
+        return scaled_dot_product_attention(
+            q, k, v, mask, scale=scale, dropout_p=dropout_p, softmax=_softmax()
+        )
     if backend == "sdpa" and blockwise_is_faster(q, k.shape[2]):
         out = blockwise_attention(
-            q, k, v, causal=causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p
+            q,
+            k,
+            v,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            dropout_p=dropout_p,
+            scale=scale,
         )
         return out, None
     return attend(
@@ -142,4 +152,5 @@ def cpu_attend(
         backend=backend,
         dropout_p=dropout_p,
         need_weights=need_weights,
+        scale=scale,
     )

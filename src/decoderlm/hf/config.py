@@ -162,6 +162,8 @@ def hf_model_type(config: ModelConfig) -> str:
     c = config
     if c.norm_placement != "pre":
         _no_equivalent("Post-LN blocks (every supported HF family is Pre-LN)")
+    if c.attn_scale != "1/sqrt(head_dim)":
+        _no_equivalent(f"attn_scale={c.attn_scale!r} (every supported HF family scales by 1/√d)")
     if c.position == "learned":
         reasons = [
             (c.norm == "layernorm", f"norm={c.norm!r} (GPT-2 uses layernorm)"),

@@ -130,30 +130,35 @@ def attend(
     backend: str = "sdpa",
     dropout_p: float = 0.0,
     need_weights: bool = False,
+    scale: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Dispatch attention to a backend. q (B, H, Tq, D), k/v (B, Hkv, Tk, D) → ((B, H, Tq, D), weights).
 
     `math` is the explicit formula (the only one that returns weights), `sdpa` is torch's fused
     kernel, `flash` is our FlashAttention-2 (`decoderlm.model.flash`). K/V heads are never repeated
     in memory: GQA goes to SDPA as `enable_gqa` and to the other two by indexing/reshaping.
+    scale multiplies QKᵀ (None: 1/√D).
     """
     t_q, t_k = q.shape[2], k.shape[2]
     if need_weights or backend == "math":
         mask = build_mask(t_q, t_k, causal, key_padding_mask, q.device)
-        return scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout_p)
+        return scaled_dot_product_attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)
     if backend == "flash":
         from decoderlm.model.flash import flash_attention
 
-        return flash_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask), None
+        out = flash_attention(
+            q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale
+        )
+        return out, None
     gqa = q.shape[1] != k.shape[1]
     if key_padding_mask is None and (not causal or t_q == t_k):  # no mask tensor needed
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=causal and t_q > 1, dropout_p=dropout_p, enable_gqa=gqa
+            q, k, v, is_causal=causal and t_q > 1, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
         )
     else:
         mask = build_mask(t_q, t_k, causal, key_padding_mask, q.device)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
         )
     return out, None
 
@@ -169,6 +174,7 @@ class CausalSelfAttention(nn.Module):
             config.head_dim,
         )
         self.backend = config.attn_backend
+        self.scale = None if config.attn_scale == "1/sqrt(head_dim)" else 1.0  # None: 1/√head_dim
         # The attention function, `attend` or one with its signature (decoderlm.cpu.optimize).
         self.attend: Callable[..., tuple[Tensor, Tensor | None]] = attend
         self.dropout_p = config.dropout
@@ -217,6 +223,7 @@ class CausalSelfAttention(nn.Module):
             backend=self.backend,
             dropout_p=self.dropout_p if self.training else 0.0,
             need_weights=need_weights,
+            scale=self.scale,
         )
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, H·hd)
         out = self.resid_dropout(self.proj(out))  # (B, T, d_model)

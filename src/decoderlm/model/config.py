@@ -19,6 +19,8 @@ NORM_KINDS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
 POSITION_KINDS = ("sinusoidal", "learned", "rope", "none")
 ATTN_BACKENDS = ("math", "sdpa", "flash")
+# The score scale: the seeds' 1/√d_k keeps var(q·k) ≈ 1 at any head_dim; "none" is the ablation.
+ATTN_SCALES = ("1/sqrt(head_dim)", "none")
 ROPE_SCALING_TYPES = ("llama3", "linear")
 
 T = TypeVar("T")
@@ -47,6 +49,7 @@ class ModelConfig:
     tie_embeddings: bool = True  # LM head shares the token-embedding matrix
     dropout: float = 0.0  # on embeddings, attention weights and residual branches
     attn_backend: str = "sdpa"  # one of ATTN_BACKENDS
+    attn_scale: str = "1/sqrt(head_dim)"  # one of ATTN_SCALES: softmax(QKᵀ·scale + M)V
     init_std: float = 0.02  # GPT-2 initialisation; residual projections get init_std/√(2·n_layers)
     extra: dict[str, Any] = field(default_factory=dict)  # free-form notes (e.g. the preset name)
 
@@ -91,6 +94,7 @@ class ModelConfig:
         _choice(self, "norm_placement", NORM_PLACEMENTS)
         _choice(self, "position", POSITION_KINDS)
         _choice(self, "attn_backend", ATTN_BACKENDS)
+        _choice(self, "attn_scale", ATTN_SCALES)
         _require(self.norm_eps > 0, f"norm_eps={self.norm_eps}", "must be > 0")
         _require(0.0 <= self.dropout < 1.0, f"dropout={self.dropout}", "must be in [0, 1)")
         _require(self.init_std > 0, f"init_std={self.init_std}", "must be > 0")
