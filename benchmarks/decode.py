@@ -36,7 +36,7 @@ import torch
 from decoderlm import DecoderLM, ModelConfig
 from decoderlm.hf import to_hf
 from decoderlm.inference.generate import generate
-from decoderlm.training.trainer import cpu_has_native_bf16
+from decoderlm.training.runtime import cpu_has_native_bf16
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

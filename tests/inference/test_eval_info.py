@@ -234,3 +234,23 @@ def test_info_command_counts_parameters_and_kv_cache(capsys, run_dir):
     assert kv["MHA"]["bytes_at"]["131072"] == 131072 * 32768  # 4 GiB at 128k
     code, out, _ = cli(capsys, "info", "--checkpoint", run_dir, "--dtype", "bf16")
     assert code == 0 and "parameters" in out and "bfloat16" in out and "128k" in out
+
+
+def test_eval_with_and_without_cpu_kernels_agree():
+    model = tiny_model()
+    ids = torch.randint(0, 97, (100,), generator=torch.Generator().manual_seed(2))
+    fast, plain = evaluate_tokens(model, ids), evaluate_tokens(model, ids, cpu_kernels=False)
+    # float32 either way; the kernels only reorder the sums of each linear map (~1e-6 relative).
+    assert fast.loss == pytest.approx(plain.loss, rel=1e-5) and fast.n_tokens == plain.n_tokens
+
+
+def test_commands_give_the_same_results_with_no_cpu_kernels(capsys, run_dir, text_file):
+    argv = ["generate", "--checkpoint", run_dir, "--prompt", "All:", "--max-new-tokens", 12]
+    argv += ["--temperature", 0]
+    # float32: the kernels only reorder sums (~1e-6), below the argmax gaps of 12 greedy tokens.
+    assert cli(capsys, *argv, "--no-cpu-kernels") == cli(capsys, *argv)
+    argv = ["eval", "--checkpoint", run_dir, "--input", text_file, "--json"]
+    plain, fast = (
+        json.loads(cli(capsys, *argv, *extra)[1]) for extra in (["--no-cpu-kernels"], [])
+    )
+    assert plain["loss"] == pytest.approx(fast["loss"], rel=1e-5)

@@ -293,3 +293,45 @@ def test_compiled_prefill_pads_prompts_and_gives_the_eager_tokens():
     for prompts in ([[5, 6, 7], list(range(1, 71))], [list(range(1, 65))]):
         eager = generate(model, prompts, 10, temperature=0)
         assert generate(model, prompts, 10, temperature=0, compile=True) == eager
+
+
+def test_sampling_options_as_params_or_keywords_give_the_same_tokens():
+    model = tiny_model()
+    params = SamplingParams(temperature=0.7, top_k=5, repetition_penalty=1.2)
+    by_params = generate(model, [[1, 2, 3]], 15, params, seed=4)
+    assert by_params == generate(
+        model, [[1, 2, 3]], 15, temperature=0.7, top_k=5, repetition_penalty=1.2, seed=4
+    )
+    # Keywords replace only the fields they name: greedy, still with params' repetition penalty.
+    assert generate(model, [[1, 2, 3]], 15, params, temperature=0) == generate(
+        model, [[1, 2, 3]], 15, temperature=0, repetition_penalty=1.2
+    )
+
+
+def test_an_unknown_option_raises_one_line_naming_the_sampling_options(tokenizer):
+    allowed = "temperature, top_k, top_p, repetition_penalty"
+    with pytest.raises(DecoderLMError, match=f"unknown option temprature=0.5; .*{allowed}") as info:
+        generate(tiny_model(), [[1, 2]], 3, temprature=0.5)
+    assert "\n" not in str(info.value)
+    model = tiny_model(vocab_size=tokenizer.vocab_size)
+    with pytest.raises(DecoderLMError, match="unknown option topk=3"):
+        stream(model, tokenizer, "To", 3, topk=3)
+    with pytest.raises(DecoderLMError, match="must be a SamplingParams"):
+        generate(tiny_model(), [[1, 2]], 3, 0.8)  # a temperature where params goes
+
+
+def test_cpu_kernels_switch_routes_linears_to_onednn_or_leaves_them(monkeypatch):
+    if not decode_step._HAS_ONEDNN:
+        pytest.skip("this torch build has no oneDNN linear")
+    calls = []
+    kernel = decode_step.onednn_linear
+    monkeypatch.setattr(
+        decode_step, "onednn_linear", lambda *args: calls.append(1) or kernel(*args)
+    )
+    model = tiny_model(dtype=torch.float32, seed=3)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    plain = generate(model, prompts, 10, temperature=0, cpu_kernels=False)
+    assert calls == []  # off: every linear map is F.linear
+    # float32: oneDNN only reorders the sums (~1e-6), far below the argmax gaps.
+    assert generate(model, prompts, 10, temperature=0) == plain
+    assert calls  # on (the default): the prefill's linears went to oneDNN

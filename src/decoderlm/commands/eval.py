@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from decoderlm.commands.generate import add_cpu_kernels_argument
+
 HELP = "loss, perplexity and bits per byte of a checkpoint on a text file"
 
 
@@ -31,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", default=None, help="weights dtype: float32 (default), bfloat16, float16"
     )
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    add_cpu_kernels_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         batch_size=args.batch_size,
         progress=not args.json,
+        cpu_kernels=args.cpu_kernels,
     )
     if args.json:
         print(json.dumps({"checkpoint": args.checkpoint, "input": args.input, **result.to_dict()}))

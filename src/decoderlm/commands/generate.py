@@ -58,13 +58,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="compile the one-token step (AOTInductor) and the prefill (torch.compile)",
     )
+    add_cpu_kernels_argument(parser)
+
+
+def add_cpu_kernels_argument(parser: argparse.ArgumentParser) -> None:
+    """--no-cpu-kernels: the `cpu_kernels=False` of decoderlm.inference (generate and eval)."""
+    parser.add_argument(
+        "--no-cpu-kernels",
+        dest="cpu_kernels",
+        action="store_false",
+        help="run the model as defined, without decoderlm.cpu's attention and linear kernels",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    from decoderlm.inference.sampling import SamplingParams
     from decoderlm.inference.stream import stream
     from decoderlm.loading import load
 
     prompt = _read_prompt(args)
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty)
     if args.num_samples < 1:
         raise DecoderLMError(f"--num-samples={args.num_samples} must be ≥ 1")
     model, tokenizer = load(args.checkpoint, device=args.device, dtype=args.dtype)
@@ -86,14 +99,12 @@ def run(args: argparse.Namespace) -> int:
             tokenizer,
             prompt,
             max_new,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            repetition_penalty=args.repetition_penalty,
+            params,
             seed=None if args.seed is None else args.seed + i,
             stop=args.stop,
             sliding_window=args.sliding_window,
             compile=args.compile,
+            cpu_kernels=args.cpu_kernels,
         )  # checks its arguments before anything is printed
         sys.stdout.write(prompt)
         for piece in pieces:

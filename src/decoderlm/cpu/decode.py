@@ -1,27 +1,31 @@
-"""The forward passes of decoding, the prompt's prefill and the one-token step, and their compilation.
+"""CPU decoding speed paths: F.linear through the kernel that suits its shape, and the one-token
+step compiled ahead of time. Both are applied by their call sites (`decoderlm.inference`), which
+switch them off with `cpu_kernels=False`.
 
-- `next_logits`: one forward pass over a KV cache, returning the next token's logits.
-- `CPULinearKernels`: F.linear on the CPU through the kernel fastest for its shape.
-- `compiled_prefill`: `next_logits` under torch.compile, one graph per (padded) prompt shape.
+- `CPULinearKernels` (`linear_kernels`: it or nothing): F.linear on the CPU through the kernel
+  fastest for its shape.
 - `CompiledStep`: the one-token step, run once per generated token, compiled ahead of time. It is
   exported with `torch.export` and compiled by AOTInductor into a shared library that Python calls
-  directly: no torch.compile wrapper and no guard checks, which took ~0.2 ms of a 1.9 ms bfloat16
-  step of the 55M-parameter model of benchmarks/decode.py. The model's weights and the cache
-  buffers are inputs of the library, not constants baked into it, so one library serves every
-  model of the same architecture and shapes; it is cached on disk under a hash of the exported
-  graph (and of everything else the generated code depends on).
+  directly: no torch.compile wrapper and no guard checks to run for every token. The model's
+  weights and the cache buffers are inputs of the library, not constants baked into it, so one
+  library serves every model of the same architecture and shapes; it is cached on disk under a
+  hash of the exported graph (and of everything else the generated code depends on).
+  `torch._inductor.aoti_compile_and_package` and `torch._inductor.aoti_load_package` are the entry
+  points PyTorch documents for AOTInductor (docs.pytorch.org, torch.compiler_aot_inductor; a
+  prototype feature) despite the underscore in their module.
 """
 
 from __future__ import annotations
 
 import functools
+import getpass
 import hashlib
 import json
 import os
 import tempfile
 import warnings
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +44,10 @@ class CPULinearKernels(TorchFunctionMode):
     The products are the same; only the order of the sums differs.
     - One row under compilation (decoding one sequence, which is bound by reading the weights):
       y_n = Σ_k x_k W_nk as a product and a row sum, which inductor fuses into one vectorised pass
-      streaming W at close to memory bandwidth; F.linear's GEMV reaches about half of that.
+      streaming W at close to memory bandwidth, faster than F.linear's GEMV.
     - The other float32 calls without autograd (prefill, evaluation, the LM head of the last
-      position; eager or compiled): oneDNN's dense linear (`onednn_linear`), which ran 2-3× faster
-      than the MKL sgemm/sgemv behind F.linear on the (AMD) CPU this was measured on (llama-55m
-      shapes: 0.8 ms against 1.8 for 512×512→768; 1.2 ms against 3.9 for the 512→32000 head).
+      position; eager or compiled): oneDNN's dense linear (`onednn_linear`), faster than the MKL
+      sgemm/sgemv behind F.linear on the llama-55m shapes.
     """
 
     def __init__(self, compiling: bool = False) -> None:
@@ -90,52 +93,30 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def next_logits(
-    model: DecoderLM,
-    cache: Sequence[StaticLayerCache],
-    idx: Tensor,
-    positions: Tensor,
-    key_padding_mask: Tensor | None,
-    compiling: bool = False,
-    state: dict[str, Tensor] | None = None,
-) -> Tensor:
-    """Logits (B, V), in float32, of the token after idx (B, T) at `positions` (B, T).
-
-    state: tensors to use in place of the model's parameters and buffers, by name (as in
-    `torch.func.functional_call`); the model's own when None.
-    """
-    # Eager one-token steps skip the mode: its Python hook on every op costs more than it saves.
-    mode = CPULinearKernels(compiling) if compiling or idx.shape[1] > 1 else nullcontext()
-    args = (idx, positions, key_padding_mask, cache)
-    with mode:
-        if state is None:
-            logits = model(*args, last_only=True)
-        else:
-            logits = torch.func.functional_call(model, state, args, {"last_only": True})
-    return logits[:, -1].float()
+def linear_kernels(enabled: bool, compiling: bool = False) -> AbstractContextManager[Any]:
+    """`CPULinearKernels(compiling)` when `enabled`, else a context that changes nothing."""
+    return CPULinearKernels(compiling) if enabled else nullcontext()
 
 
-def _prefill_logits(
-    model: DecoderLM,
-    cache: StaticKVCache,
-    idx: Tensor,
-    positions: Tensor,
-    key_padding_mask: Tensor | None,
-) -> Tensor:
-    """`next_logits` with `compiling=True` (CPULinearKernels' choices for compiled code), the
-    function torch.compile compiles for the prefill (one graph per padded prompt length and model)."""
-    return next_logits(model, cache, idx, positions, key_padding_mask, compiling=True)
-
-
-@functools.cache
-def compiled_prefill() -> Callable[..., Tensor]:
-    """`next_logits` of a prompt (model, cache, idx, positions, key_padding_mask) under torch.compile."""
-    return torch.compile(_prefill_logits, dynamic=False)
+# The forward pass over a cache that the step compiles: (model, cache, idx (B, T), positions
+# (B, T), key_padding_mask (B, S) | None, state) → logits (B, V), as
+# `decoderlm.inference.generate.next_logits`.
+Forward = Callable[
+    [
+        DecoderLM,
+        Sequence[StaticLayerCache],
+        Tensor,
+        Tensor,
+        Tensor | None,
+        dict[str, Tensor] | None,
+    ],
+    Tensor,
+]
 
 
 # Inductor inlines cheap pointwise results (the normalised activations) into their consumers; inside
 # a weight reduction that means recomputing them for every output row. Materialising them instead
-# made the one-token step ~10% (float32) to ~20% (bfloat16) faster.
+# makes the one-token step faster, in float32 and more so in bfloat16.
 _INDUCTOR_OPTIONS = {"realize_opcount_threshold": 4, "realize_reads_threshold": 1}
 
 
@@ -144,12 +125,15 @@ class _OneTokenStep(nn.Module):
 
     forward(*state, *keys, *values, token, slot, pad): the model's parameters and buffers (in the
     order of `names`), each layer's key and value buffers (B, Hkv, S, hd), the new tokens (B, 1),
-    the cache slot they go to (1,) and each row's left padding (B,) → logits (B, V) in float32.
+    the cache slot they go to (1,) and each row's left padding (B,) → logits (B, V) in float32:
+    `forward` of the model over that cache, traced under `CPULinearKernels` if `cpu_kernels`.
     """
 
-    def __init__(self, model: DecoderLM, names: list[str]) -> None:
+    def __init__(
+        self, model: DecoderLM, names: list[str], forward: Forward, cpu_kernels: bool
+    ) -> None:
         super().__init__()
-        self.model, self.names = model, names
+        self.model, self.names, self.logits, self.cpu_kernels = model, names, forward, cpu_kernels
 
     def forward(self, *tensors: Tensor) -> Tensor:
         n, n_layers = len(self.names), self.model.config.n_layers
@@ -157,12 +141,11 @@ class _OneTokenStep(nn.Module):
         keys, values = tensors[n : n + n_layers], tensors[n + n_layers : n + 2 * n_layers]
         token, slot, pad = tensors[n + 2 * n_layers :]  # (B, 1), (1,), (B,)
         slots = torch.arange(keys[0].shape[2], device=token.device)  # (S,)
-        key_padding_mask = (slots >= pad[:, None]) & (
-            slots <= slot
-        )  # (B, S): each row's tokens so far
+        key_padding_mask = (slots >= pad[:, None]) & (slots <= slot)  # (B, S): each row's tokens
         positions = (slot - pad)[:, None]  # (B, 1): 0 at each row's first real token
         cache = [StaticLayerCache(k, v, slot) for k, v in zip(keys, values, strict=True)]
-        return next_logits(self.model, cache, token, positions, key_padding_mask, True, state)
+        with linear_kernels(self.cpu_kernels, compiling=True):
+            return self.logits(self.model, cache, token, positions, key_padding_mask, state)
 
 
 class CompiledStep:
@@ -170,19 +153,23 @@ class CompiledStep:
 
     `step(token, slot, pad)` writes the K/V of token (B, 1) to cache slot `slot` (1,) of every row
     and returns the logits (B, V) in float32 of the token after it; row b has `pad[b]` slots of left
-    padding, so its key mask is slots pad[b]..slot and its position slot − pad[b]. The library is
-    made (or found) once per model object and shapes in a process.
+    padding, so its key mask is slots pad[b]..slot and its position slot − pad[b]. `forward` is
+    the forward pass that is compiled (`decoderlm.inference.generate.next_logits`), under
+    `CPULinearKernels` unless `cpu_kernels` is False. The library is made (or found) once per model
+    object, forward, switch and shapes in a process.
     """
 
-    def __init__(self, model: DecoderLM, cache: StaticKVCache) -> None:
+    def __init__(
+        self, model: DecoderLM, cache: StaticKVCache, forward: Forward, cpu_kernels: bool = True
+    ) -> None:
         state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         self.inputs = [
             *state.values(),
             *(layer.k for layer in cache.layers),
             *(layer.v for layer in cache.layers),
         ]
-        batch = cache.layers[0].k.shape[0]
-        self.run = _step_library(model, list(state), self.inputs, batch)
+        step = _OneTokenStep(model, list(state), forward, cpu_kernels)
+        self.run = _step_library(step, self.inputs, batch=cache.layers[0].k.shape[0])
 
     def __call__(self, token: Tensor, slot: Tensor, pad: Tensor) -> Tensor:
         return self.run([*self.inputs, token, slot, pad])[0]
@@ -193,18 +180,20 @@ def _spec(t: Tensor) -> tuple[Any, ...]:
 
 
 def _step_library(
-    model: DecoderLM, names: list[str], inputs: list[Tensor], batch: int
+    step: _OneTokenStep, inputs: list[Tensor], batch: int
 ) -> Callable[[list[Tensor]], list[Tensor]]:
     key = (
-        id(model),
-        type(model),
-        json.dumps(model.config.to_dict(), sort_keys=True, default=str),
-        tuple(names),
+        id(step.model),
+        type(step.model),
+        json.dumps(step.model.config.to_dict(), sort_keys=True, default=str),
+        tuple(step.names),
+        step.logits,
+        step.cpu_kernels,
         tuple(_spec(t) for t in inputs),  # the batch size and cache length among them
         torch.get_num_threads(),  # the generated code's OpenMP thread count
     )
     if key not in _LIBRARIES:
-        _LIBRARIES[key] = _build_step_library(model, names, inputs, batch)
+        _LIBRARIES[key] = _build_step_library(step, inputs, batch)
     return _LIBRARIES[key]
 
 
@@ -212,7 +201,7 @@ _LIBRARIES: dict[tuple[Any, ...], Callable[[list[Tensor]], list[Tensor]]] = {}
 
 
 def _build_step_library(
-    model: DecoderLM, names: list[str], inputs: list[Tensor], batch: int
+    step: _OneTokenStep, inputs: list[Tensor], batch: int
 ) -> Callable[[list[Tensor]], list[Tensor]]:
     """Export the step, then load its library from the disk cache or compile it there first."""
     device = inputs[0].device
@@ -226,9 +215,7 @@ def _build_step_library(
         examples = [
             torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in inputs
         ]
-        program = torch.export.export(
-            _OneTokenStep(model, names), tuple(examples + extra), strict=False
-        )
+        program = torch.export.export(step, tuple(examples + extra), strict=False)
     graph = program.graph_module.print_readable(
         print_output=False, include_stride=True, include_device=True
     )
@@ -270,7 +257,14 @@ def _load(path: str) -> Callable[[list[Tensor]], list[Tensor]]:
 
 
 def _cache_dir() -> Path:
-    """Where compiled step libraries are kept: beside torch.compile's own cache (inductor's)."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return Path(cache_dir()) / "decoderlm"
+    """Where compiled step libraries are kept: beside torch.compile's own cache, in the directory
+    PyTorch documents for it ("Compile Time Caching Configuration"): $TORCHINDUCTOR_CACHE_DIR, by
+    default torchinductor_<user> in the system's temporary directory."""
+    root = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if root is None:
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):  # no name for this uid (as in some containers)
+            user = f"uid_{os.getuid()}"
+        root = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+    return Path(root).absolute() / "decoderlm"

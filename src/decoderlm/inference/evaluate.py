@@ -9,6 +9,9 @@ tokens of context: lower (better) loss, context/stride times the compute.
 
 Bits per byte = total nats / (ln 2 · UTF-8 bytes): unlike perplexity it does not depend on the
 tokenizer, so models with different vocabularies can be compared on the same text.
+
+On the CPU the forward passes take the speed paths of `decoderlm.cpu` (`decoderlm.cpu.optimized`
+and `decoderlm.cpu.decode.CPULinearKernels`) unless `cpu_kernels=False`.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from decoderlm.cpu.decode import CPULinearKernels
+from decoderlm.cpu import optimized
+from decoderlm.cpu.decode import linear_kernels
 from decoderlm.data import read_text_file
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.generate import evaluating
@@ -60,10 +64,8 @@ class EvalResult:
 def window_plan(n_tokens: int, context_length: int, stride: int) -> list[tuple[int, int, int]]:
     """(start, end, first_scored) per window: inputs tokens[start:end], targets tokens[start+1:end+1],
     scoring targets from index `first_scored` (in the stream) on, so that each target is scored once."""
-    plan, scored_to = (
-        [],
-        0,
-    )  # targets with stream index ≤ scored_to are done (token 0 is never a target)
+    plan: list[tuple[int, int, int]] = []
+    scored_to = 0  # targets with stream index ≤ scored_to are done (token 0 is never a target)
     for start in range(0, n_tokens - 1, stride):
         end = min(start + context_length, n_tokens - 1)
         plan.append((start, end, scored_to + 1))
@@ -80,8 +82,12 @@ def evaluate_tokens(
     stride: int | None = None,
     batch_size: int | None = None,
     progress: bool = False,
+    cpu_kernels: bool = True,
 ) -> EvalResult:
-    """Mean next-token loss of `model` over a 1-D stream of token ids (the first id is context only)."""
+    """Mean next-token loss of `model` over a 1-D stream of token ids (the first id is context only).
+
+    `cpu_kernels=False` runs the model as defined, without the CPU speed paths (module docstring).
+    """
     cfg = model.config
     context = cfg.context_length if context_length is None else context_length
     if not 1 <= context <= cfg.context_length:
@@ -107,7 +113,7 @@ def evaluate_tokens(
         from tqdm import tqdm
 
         batches = tqdm(batches, desc="eval", unit="batch")
-    with evaluating(model), CPULinearKernels():
+    with evaluating(model), optimized(model, enabled=cpu_kernels), linear_kernels(cpu_kernels):
         for batch in batches:
             x, y = _window_batch(ids, batch)  # (B, T) inputs and targets
             logits = model(x.to(device))  # (B, T, V); causal, so right padding changes nothing
@@ -140,6 +146,7 @@ def evaluate_text(
     max_tokens: int | None = None,
     batch_size: int | None = None,
     progress: bool = False,
+    cpu_kernels: bool = True,
 ) -> EvalResult:
     """Loss, perplexity and bits per byte of `model` on `text`.
 
@@ -159,7 +166,7 @@ def evaluate_text(
         ids = [eot, *ids]
     elif ids:
         n_bytes -= len(tokenizer.decode(ids[:1]).encode("utf-8"))
-    result = evaluate_tokens(model, ids, context_length, stride, batch_size, progress)
+    result = evaluate_tokens(model, ids, context_length, stride, batch_size, progress, cpu_kernels)
     bpb = bits_per_byte(result.loss, result.n_tokens, n_bytes)
     return EvalResult(**{**result.to_dict(), "bits_per_byte": bpb, "n_bytes": n_bytes})
 

@@ -6,22 +6,31 @@ different lengths are left-padded: each row counts its positions from 0 at its f
 a key mask hides its padding, so a row decodes exactly as it would alone.
 
 Sampling (`decoderlm.inference.sampling`) applies the repetition penalty, temperature, top-k and
-top-p in Hugging Face's order.
+top-p in Hugging Face's order; its options are the fields of `SamplingParams`, given once.
+
+On the CPU, decoding takes the speed paths of `decoderlm.cpu` from here, all switched by one
+keyword, `cpu_kernels` (default True): the attention/embedding paths of `decoderlm.cpu.optimized`,
+the linear kernels of `decoderlm.cpu.decode.CPULinearKernels` for the prefill, and (with
+`compile=True`) the same kernels in the compiled prefill and one-token step. Off, the model runs
+as defined, with F.linear.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from decoderlm.cpu.decode import CompiledStep, compiled_prefill, next_logits
+from decoderlm.cpu import optimized
+from decoderlm.cpu.decode import CompiledStep, linear_kernels
 from decoderlm.errors import DecoderLMError
-from decoderlm.inference.sampling import SamplingParams, sample_next
-from decoderlm.model.kv_cache import StaticKVCache
+from decoderlm.inference.sampling import SamplingParams, sample_next, sampling_params
+from decoderlm.model.kv_cache import StaticKVCache, StaticLayerCache
 from decoderlm.model.lm import DecoderLM
 
 Prompt = Tensor | Sequence[Sequence[int]] | Sequence[int]
@@ -44,6 +53,33 @@ def evaluating(model: DecoderLM) -> Iterator[None]:
             yield
     finally:
         model.train(was_training)
+
+
+def next_logits(
+    model: DecoderLM,
+    cache: Sequence[StaticLayerCache],
+    idx: Tensor,
+    positions: Tensor,
+    key_padding_mask: Tensor | None,
+    state: dict[str, Tensor] | None = None,
+) -> Tensor:
+    """Logits (B, V), in float32, of the token after idx (B, T) at `positions` (B, T), over a cache.
+
+    state: tensors to use in place of the model's parameters and buffers, by name (as in
+    `torch.func.functional_call`); the model's own when None.
+    """
+    args = (idx, positions, key_padding_mask, cache)
+    if state is None:
+        logits = model(*args, last_only=True)  # (B, 1, V)
+    else:
+        logits = torch.func.functional_call(model, state, args, {"last_only": True})
+    return logits[:, -1].float()
+
+
+@functools.cache
+def compiled_prefill() -> Callable[..., Tensor]:
+    """`next_logits` under torch.compile: one graph per (padded) prompt shape, model and kernels."""
+    return torch.compile(next_logits, dynamic=False)
 
 
 def prompt_rows(prompt: Prompt, vocab_size: int) -> list[list[int]]:
@@ -95,13 +131,17 @@ def decode_steps(
     generator: torch.Generator | None = None,
     sliding_window: bool = False,
     compile: bool = False,
+    cpu_kernels: bool = True,
 ) -> Iterator[Tensor]:
     """Yield the new token of every row, (B,) on the model's device, `max_new_tokens` times.
 
-    Call it under `torch.inference_mode()` with the model in eval mode. Nothing here waits for the
-    device: the caller decides when to look at the tokens (and to stop). Past `context_length`,
-    either raise (default) or, with `sliding_window`, drop the oldest quarter of the context and
-    refill the cache from the rest (one prefill), so every token still sees ≥ 3/4 of a context.
+    Call it under `torch.inference_mode()` with the model in eval mode (and, for the CPU attention
+    paths, `decoderlm.cpu.optimized`). Nothing here waits for the device: the caller decides when
+    to look at the tokens (and to stop). Past `context_length`, either raise (default) or, with
+    `sliding_window`, drop the oldest quarter of the context and refill the cache from the rest
+    (one prefill), so every token still sees ≥ 3/4 of a context. `cpu_kernels`: the prefill (and
+    with `compile` the one-token step) under `CPULinearKernels`; the eager one-token step never,
+    as the mode's Python hook on every op costs more than it saves there.
     """
     cfg = model.config
     context = cfg.context_length
@@ -116,7 +156,7 @@ def decode_steps(
     if compile:
         max_len = min(math.ceil(max_len / COMPILE_CACHE_MULTIPLE) * COMPILE_CACHE_MULTIPLE, context)
     cache = StaticKVCache(cfg, len(rows), max_len, weight.dtype, device)
-    step = CompiledStep(model, cache) if compile else None
+    step = CompiledStep(model, cache, next_logits, cpu_kernels) if compile else None
     seen = None
     if params.repetition_penalty != 1.0:
         seen = torch.zeros(len(rows), cfg.vocab_size, dtype=torch.bool, device=device)  # (B, V)
@@ -133,7 +173,8 @@ def decode_steps(
         positions = (slots[None, :n] - pad[:, None]).clamp(min=0)  # (B, n): 0 at the 1st token
         cache.seek(slots[:n], n)
         prefill = compiled_prefill() if compile else next_logits
-        logits = prefill(model, cache, idx, positions, filled[:, :n] if padded else None)
+        with linear_kernels(cpu_kernels and (compile or n > 1), compiling=compile):
+            logits = prefill(model, cache, idx, positions, filled[:, :n] if padded else None)
         filled &= slots < n  # from here on: the slots holding a real token
         new: list[Tensor] = []
         slot = torch.zeros(1, dtype=torch.long, device=device)  # (1,) the slot being written
@@ -169,28 +210,32 @@ def generate(
     model: DecoderLM,
     prompt: Prompt,
     max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    repetition_penalty: float = 1.0,
+    params: SamplingParams | None = None,
+    *,
     seed: int | None = None,
     eos_id: int | None = None,
     num_samples: int = 1,
     sliding_window: bool = False,
     compile: bool = False,
+    cpu_kernels: bool = True,
+    **sampling: Any,
 ) -> list[list[int]]:
     """Continue each prompt row by up to `max_new_tokens` tokens; returns one id list per row.
 
     prompt: a (B, T) LongTensor, or a list of token-id lists of different lengths (left-padded
     internally). Each returned list is the row's prompt ids followed by its new ids, ending at
     (and including) `eos_id` if that was generated. With `num_samples` > 1, each prompt gives that
-    many rows, in order (prompt 0 sample 0, prompt 0 sample 1, ...). temperature 0 = greedy. A seed
-    makes sampling reproducible; without one, torch's global generator is used. `compile` compiles
-    the prefill with torch.compile and the one-token step ahead of time with AOTInductor (see
+    many rows, in order (prompt 0 sample 0, prompt 0 sample 1, ...).
+
+    Sampling: `params`, and/or its fields as keywords (`temperature=0.8, top_k=50`; they win over
+    `params`); temperature 0 = greedy. Any other keyword raises DecoderLMError. A seed makes
+    sampling reproducible; without one, torch's global generator is used. `compile` compiles the
+    prefill with torch.compile and the one-token step ahead of time with AOTInductor (see
     `decoderlm.cpu.decode`; the first call of a shape pays for the compilation, and prompts are
     left-padded to a multiple of 64 so that nearby lengths share one prefill graph).
+    `cpu_kernels=False` switches off the CPU speed paths (module docstring).
     """
-    params = SamplingParams(temperature, top_k, top_p, repetition_penalty)
+    params = sampling_params(params, sampling)
     if not (isinstance(num_samples, int) and num_samples >= 1):
         raise DecoderLMError(f"num_samples={num_samples!r} must be an integer ≥ 1")
     rows = [row for row in prompt_rows(prompt, model.config.vocab_size) for _ in range(num_samples)]
@@ -199,9 +244,9 @@ def generate(
         return rows
     generator = make_generator(seed, model.tok_emb.weight.device)
     new: list[Tensor] = []
-    with evaluating(model):
+    with evaluating(model), optimized(model, enabled=cpu_kernels):
         steps = decode_steps(
-            model, rows, max_new_tokens, params, generator, sliding_window, compile
+            model, rows, max_new_tokens, params, generator, sliding_window, compile, cpu_kernels
         )
         done = torch.zeros(len(rows), dtype=torch.bool, device=model.tok_emb.weight.device)
         for i, token in enumerate(steps):

@@ -6,7 +6,9 @@ top-k (Fan et al., 2018) and nucleus / top-p (Holtzman et al., 2020).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -34,6 +36,24 @@ class SamplingParams:
             raise DecoderLMError(f"top_p={self.top_p!r} must be in (0, 1] (or None)")
         if not (isinstance(self.repetition_penalty, int | float) and self.repetition_penalty > 0):
             raise DecoderLMError(f"repetition_penalty={self.repetition_penalty!r} must be > 0")
+
+
+def sampling_params(params: SamplingParams | None, options: Mapping[str, Any]) -> SamplingParams:
+    """`params` (default `SamplingParams()`) with the fields named in `options` replaced, validated.
+
+    How `generate`, `stream` and `generate_text` take their sampling options: a `SamplingParams`,
+    keywords (`temperature=0.8, top_k=50`), or both, the keywords winning.
+    """
+    if params is not None and not isinstance(params, SamplingParams):
+        raise DecoderLMError(f"params={params!r} must be a SamplingParams (or None)")
+    allowed = [f.name for f in fields(SamplingParams)]
+    unknown = [name for name in options if name not in allowed]
+    if unknown:
+        raise DecoderLMError(
+            f"unknown option {unknown[0]}={options[unknown[0]]!r}; the sampling options are "
+            f"{', '.join(allowed)}"
+        )
+    return replace(params if params is not None else SamplingParams(), **options)
 
 
 def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
@@ -87,7 +107,7 @@ def draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
 
     Inverse-CDF sampling: the first token whose cumulative mass exceeds u · total, u ~ U[0, 1).
     Tokens of probability 0 are never drawn. It takes one random number per row, where
-    torch.multinomial draws V exponentials (0.54 ms against 0.03 ms for V = 32000 on the CPU).
+    torch.multinomial draws V exponentials, so it is the faster of the two for large vocabularies.
     """
     cdf = probs.double().cumsum(dim=-1)  # (B, V); float64 keeps the share of tokens of mass ~1e-9
     total = cdf[:, -1:].contiguous()  # (B, 1)

@@ -11,6 +11,7 @@ from typing import Any
 
 from torch import Tensor
 
+from decoderlm.cpu import optimized
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.generate import (
     check_lengths,
@@ -19,7 +20,7 @@ from decoderlm.inference.generate import (
     make_generator,
     prompt_rows,
 )
-from decoderlm.inference.sampling import SamplingParams
+from decoderlm.inference.sampling import SamplingParams, sampling_params
 from decoderlm.model import DecoderLM
 
 
@@ -91,23 +92,26 @@ def stream(
     tokenizer: Any,
     prompt: str,
     max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    repetition_penalty: float = 1.0,
+    params: SamplingParams | None = None,
+    *,
     seed: int | None = None,
     stop: Sequence[str] = (),
     stop_at_eot: bool = True,
     sliding_window: bool = False,
     compile: bool = False,
+    cpu_kernels: bool = True,
+    **sampling: Any,
 ) -> Iterator[str]:
     """An iterator over the continuation of `prompt`, as text pieces while they are generated.
 
     Stops after `max_new_tokens`, at the tokenizer's end-of-text token (unless `stop_at_eot` is
     False) or before the first of the `stop` strings (which is not yielded). Bad arguments raise
-    here, before anything is generated.
+    here, before anything is generated. Sampling (`params` and/or its fields as keywords), `seed`,
+    `sliding_window`, `compile` and `cpu_kernels` are those of
+    `decoderlm.inference.generate.generate`; the model is in eval mode (and, with `cpu_kernels`,
+    under `decoderlm.cpu.optimized`) while the iterator runs, restored when it ends or is closed.
     """
-    params = SamplingParams(temperature, top_k, top_p, repetition_penalty)
+    params = sampling_params(params, sampling)
     if not prompt:
         raise DecoderLMError("empty prompt: give some text to continue")
     ids = tokenizer.encode(prompt)
@@ -115,8 +119,11 @@ def stream(
     check_lengths(rows, max_new_tokens, model.config.context_length, sliding_window)
     eot = getattr(tokenizer, "eot_id", None) if stop_at_eot else None
     generator = make_generator(seed, model.tok_emb.weight.device)
-    steps = decode_steps(model, rows, max_new_tokens, params, generator, sliding_window, compile)
-    return _text_pieces(model, steps, IncrementalDecoder(tokenizer, ids), StopMatcher(stop), eot)
+    steps = decode_steps(
+        model, rows, max_new_tokens, params, generator, sliding_window, compile, cpu_kernels
+    )
+    decoder, matcher = IncrementalDecoder(tokenizer, ids), StopMatcher(stop)
+    return _text_pieces(model, steps, decoder, matcher, eot, cpu_kernels)
 
 
 def _text_pieces(
@@ -125,8 +132,9 @@ def _text_pieces(
     decoder: IncrementalDecoder,
     matcher: StopMatcher,
     eot: int | None,
+    cpu_kernels: bool,
 ) -> Iterator[str]:
-    with evaluating(model):
+    with evaluating(model), optimized(model, enabled=cpu_kernels):
         for token in steps:
             token_id = int(token[0])  # streaming needs each token on the host
             if token_id == eot:
@@ -144,7 +152,12 @@ def _text_pieces(
 
 
 def generate_text(
-    model: DecoderLM, tokenizer: Any, prompt: str, max_new_tokens: int, **kwargs: Any
+    model: DecoderLM,
+    tokenizer: Any,
+    prompt: str,
+    max_new_tokens: int,
+    params: SamplingParams | None = None,
+    **kwargs: Any,
 ) -> str:
-    """The continuation of `prompt` as one string (`stream` joined); same keyword arguments."""
-    return "".join(stream(model, tokenizer, prompt, max_new_tokens, **kwargs))
+    """The continuation of `prompt` as one string (`stream` joined); the same keyword arguments."""
+    return "".join(stream(model, tokenizer, prompt, max_new_tokens, params, **kwargs))
