@@ -1,0 +1,179 @@
+"""`decoderlm serve` under load: streaming clients at several concurrencies, vs transformers one at a time.
+
+The "llama-55m" preset (d_model 512, 8 layers, 8 heads, vocab 32000, random init) with 8, 2 and 1
+K/V heads, served over HTTP on 127.0.0.1 (uvicorn in a thread of this process) with one fixed KV
+budget (--kv-cache-memory), so fewer K/V heads let more sequences run at once. For each
+concurrency C, 2·C requests (C in flight at a time) of --prompt-tokens random tokens each stream
+--new-tokens greedy tokens; reported: aggregate generated tokens/s, time to first token and
+inter-token latency (p50/p99 over all requests and tokens, as the client sees the SSE chunks),
+and the most sequences the engine ran at once. The baseline runs the same prompts through
+`transformers`' `LlamaForCausalLM.generate` (the same weights, via `decoderlm.hf.to_hf`), one at a
+time. A vocabulary of 32000 distinct characters stands in for a tokenizer.
+
+    HF_HUB_OFFLINE=1 python benchmarks/serve.py [--concurrency 1 4 16 64] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import platform
+import random
+import time
+
+import httpx
+import torch
+
+from decoderlm import DecoderLM, ModelConfig
+from decoderlm.hf import to_hf
+from decoderlm.serving.app import Served, create_app
+from decoderlm.serving.chat import ChatTemplate
+from decoderlm.serving.engine import Engine
+from decoderlm.tokenizer import Tokenizer
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+async def one_request(
+    api: httpx.AsyncClient, ids: list[int], new: int
+) -> tuple[float, list[float], int]:
+    """(TTFT, inter-token gaps, tokens) of one streamed completion."""
+    body = {"prompt": ids, "max_tokens": new, "temperature": 0, "stream": True, "logprobs": 0}
+    start = time.perf_counter()
+    times = []
+    async with api.stream("POST", "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                tokens = chunk["choices"][0]["logprobs"]["tokens"] if chunk["choices"] else []
+                times += [time.perf_counter()] * len(tokens)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    return times[0] - start, gaps, len(times)
+
+
+async def load_level(base: str, prompts: list[list[int]], new: int, concurrency: int) -> dict:
+    limit = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=base, timeout=600) as api:
+
+        async def bounded(ids):
+            async with limit:
+                return await one_request(api, ids, new)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(bounded(p) for p in prompts))
+        elapsed = time.perf_counter() - start
+    ttft = [r[0] for r in results]
+    itl = [g for r in results for g in r[1]]
+    return {"tok_s": sum(r[2] for r in results) / elapsed, "ttft": ttft, "itl": itl}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--kv-heads", type=int, nargs="+", default=[8, 2, 1])
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--kv-cache-memory", default="64MiB")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny loads, 8/1 heads")
+    args = parser.parse_args()
+    if args.quick:
+        args.concurrency, args.kv_heads = [1, 4], [8, 1]
+        args.prompt_tokens, args.new_tokens = 16, 8
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tokenizer = Tokenizer.train_char(["".join(chr(0x4E00 + i) for i in range(31999))])
+    rng = random.Random(0)
+    print(f"CPU: {cpu_model()} ({torch.get_num_threads()} threads), torch {torch.__version__}")
+    print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new (greedy), "
+          f"KV budget {args.kv_cache_memory}")  # fmt: skip
+    header = f"{'kv heads':>8} {'clients':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
+    print(header + f"{'ITL p50':>8} {'ITL p99':>8} {'max running':>11}")
+    for kv_heads in args.kv_heads:
+        torch.manual_seed(0)
+        config = ModelConfig.from_preset("llama-55m", n_kv_heads=kv_heads, context_length=1024)
+        model = DecoderLM(config).eval()
+        for concurrency in args.concurrency:
+            prompts = [[rng.randrange(31999) for _ in range(args.prompt_tokens)]
+                       for _ in range(2 * concurrency)]  # fmt: skip
+            engine = Engine(model, tokenizer, kv_cache_memory=args.kv_cache_memory, max_queue=256)
+            served = Served(engine, tokenizer, "llama-55m", config.context_length,
+                            config.vocab_size, ChatTemplate())  # fmt: skip
+            with live_server(create_app(lambda s=served: s, grace_s=0)) as base:
+                r = asyncio.run(load_level(base, prompts, args.new_tokens, concurrency))
+            ms = 1000
+            print(f"{kv_heads:>8} {concurrency:>7} {r['tok_s']:>8.1f} "
+                  f"{percentile(r['ttft'], 0.5) * ms:>7.0f}ms {percentile(r['ttft'], 0.99) * ms:>7.0f}ms "
+                  f"{percentile(r['itl'], 0.5) * ms:>6.1f}ms {percentile(r['itl'], 0.99) * ms:>6.1f}ms "
+                  f"{engine.stats().max_running_seen:>11}")  # fmt: skip
+        hf_tok_s = transformers_one_at_a_time(model, prompts[: max(2, args.concurrency[0] * 2)],
+                                              args.new_tokens)  # fmt: skip
+        print(
+            f"{kv_heads:>8} {'HF 1×1':>7} {hf_tok_s:>8.1f}  (transformers generate, one at a time)"
+        )
+
+
+def transformers_one_at_a_time(model: DecoderLM, prompts: list[list[int]], new: int) -> float:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_config, hf_state = to_hf(model)
+    hf_config.pop("architectures", None)
+    hf = LlamaForCausalLM(LlamaConfig(**hf_config)).eval()
+    hf.load_state_dict(hf_state)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for ids in prompts:
+            hf.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new,
+                        do_sample=False, pad_token_id=0)  # fmt: skip
+    return len(prompts) * new / (time.perf_counter() - start)
+
+
+def live_server(app):
+    """uvicorn on a free loopback port in a thread (as tests/serving/conftest.py does)."""
+    import contextlib
+    import socket
+    import threading
+
+    import uvicorn
+
+    @contextlib.contextmanager
+    def running():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+        )
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.01)
+        base = f"http://127.0.0.1:{port}"
+        while httpx.get(f"{base}/health").status_code != 200:
+            time.sleep(0.01)
+        try:
+            yield base
+        finally:
+            server.should_exit = True
+            thread.join()
+
+    return running()
+
+
+if __name__ == "__main__":
+    main()

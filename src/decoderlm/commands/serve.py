@@ -1,0 +1,135 @@
+"""`decoderlm serve`: an OpenAI-compatible HTTP server for a checkpoint (logic in decoderlm.serving).
+
+The model loads after the server is up (GET /health answers 503 until it is ready). On SIGTERM
+the server stops accepting connections, lets running streams finish for --grace-period seconds,
+cancels what is left (those streams end with finish_reason "cancelled") and exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from pathlib import Path
+from typing import Any
+
+from decoderlm.errors import DecoderLMError
+
+HELP = (
+    "serve a checkpoint over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)"
+)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options `serve` and `chat` share: the checkpoint and the engine's sizes."""
+    parser.add_argument(
+        "--checkpoint", required=True, metavar="DIR", help="run or Hugging Face directory"
+    )
+    parser.add_argument(
+        "--dtype", default=None, help="weights dtype: float32 (default), bfloat16, float16"
+    )
+    parser.add_argument(
+        "--kv-cache-memory",
+        default="256MiB",
+        metavar="SIZE",
+        help="memory of the paged KV cache, e.g. 256MiB, 2GiB (default 256MiB)",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        metavar="N",
+        help="requests that may wait for KV room; more are refused with 429 (default 64)",
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    parser.add_argument(
+        "--grace-period",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long running streams may go on before they are cancelled (default 30)",
+    )
+
+
+def load_served(args: argparse.Namespace) -> Any:
+    """The `Served` of a checkpoint: model, tokenizer, a (not yet started) engine, chat template."""
+    from decoderlm.loading import load
+    from decoderlm.serving.app import Served
+    from decoderlm.serving.chat import load_chat_template
+    from decoderlm.serving.engine import Engine
+
+    model, tokenizer = load(args.checkpoint, dtype=args.dtype)
+    if tokenizer is None:
+        raise DecoderLMError(f"{args.checkpoint} has no tokenizer.json, so text cannot be encoded")
+    engine = Engine(
+        model, tokenizer, kv_cache_memory=args.kv_cache_memory, max_queue=args.max_queue
+    )
+    eot = "" if tokenizer.eot_id is None else tokenizer.decode([tokenizer.eot_id])
+    return Served(
+        engine=engine,
+        tokenizer=tokenizer,
+        model_name=Path(args.checkpoint).resolve().name,
+        context_length=model.config.context_length,
+        vocab_size=model.config.vocab_size,
+        chat_template=load_chat_template(args.checkpoint, eos_token=eot),
+    )
+
+
+def check_engine_arguments(args: argparse.Namespace) -> None:
+    """Refuse bad sizes before anything loads."""
+    from decoderlm.serving.kv_pool import parse_bytes
+
+    if not Path(args.checkpoint).is_dir():
+        raise DecoderLMError(f"no such checkpoint directory: {args.checkpoint}")
+    parse_bytes(args.kv_cache_memory)
+    if args.max_queue < 1:
+        raise DecoderLMError(f"--max-queue={args.max_queue} must be ≥ 1")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from decoderlm.serving.app import create_app, drain
+
+    check_engine_arguments(args)
+    if not 0 <= args.port <= 65535:
+        raise DecoderLMError(f"--port={args.port} must be in [0, 65535]")
+    if args.grace_period < 0:
+        raise DecoderLMError(f"--grace-period={args.grace_period} must be ≥ 0")
+    failures: list[BaseException] = []
+
+    def on_load_error(exc: BaseException) -> None:
+        failures.append(exc)
+        server.should_exit = True
+
+    app = create_app(lambda: load_served(args), on_load_error, grace_s=args.grace_period)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:
+                drain(app, args.grace_period)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        timeout_graceful_shutdown=int(args.grace_period) + 5,  # a backstop: drain cancels first
+    )
+    server = Server(config)
+    # uvicorn re-raises the SIGTERM it handled once it has shut down; a no-op handler makes that
+    # a clean exit (status 0) instead of death by the signal.
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if failures:
+        exc = failures[0]
+        raise exc if isinstance(exc, DecoderLMError) else DecoderLMError(f"loading failed: {exc}")
+    return 0

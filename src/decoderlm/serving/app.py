@@ -1,0 +1,568 @@
+"""The OpenAI-compatible HTTP app: request JSON → `RequestParams` → engine → `TokenEvent`s → JSON or SSE.
+
+It only translates: tokenizing, chat templates and the response shapes live here, scheduling and
+sampling in the engine. Each choice of a request (n per prompt) is one engine stream with request
+id "<id>-<i>"; its first event is awaited before the response starts, so a full queue is a 429 and
+not a broken stream. Streams are server-sent events, `data: {json}\\n\\n` ending with
+`data: [DONE]\\n\\n`, as OpenAI's clients parse them. A client that goes away cancels its streams.
+
+Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad field
+or a prompt that leaves no room in the context, 404 for an unknown model, 429 for a full queue, 503
+while the model loads or the server drains. `max_tokens` beyond the context is cut to fit
+(finish_reason "length"); the i-th of n choices uses seed + i.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from decoderlm.errors import DecoderLMError
+from decoderlm.serving import protocol
+from decoderlm.serving.chat import ChatTemplate
+from decoderlm.serving.metrics import Metrics
+from decoderlm.serving.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from decoderlm.serving.types import EngineStoppedError, QueueFullError, RequestParams, TokenEvent
+
+log = logging.getLogger("decoderlm.serve")
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+
+
+@dataclass
+class Served:
+    """What the app serves, once loaded: an engine (started by the app) and how to talk to it."""
+
+    engine: Any
+    tokenizer: Any
+    model_name: str
+    context_length: int
+    vocab_size: int
+    chat_template: ChatTemplate = field(default_factory=ChatTemplate)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
+
+    def response(self) -> JSONResponse:
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        return JSONResponse({"error": error}, status_code=self.status, headers=headers)
+
+
+class _State:
+    """The app's life: loading → serving → draining; and the request ids the engine is running."""
+
+    def __init__(
+        self, load: Callable[[], Served], on_load_error: Callable[[BaseException], None] | None
+    ) -> None:
+        self.load, self.on_load_error = load, on_load_error
+        self.served: Served | None = None
+        self.error: str | None = None
+        self.draining = False
+        self.inflight: set[str] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.metrics = Metrics(lambda: self.served.engine.stats() if self.served else None)
+
+    async def start(self) -> None:
+        try:
+            served = await asyncio.to_thread(self.load)
+            served.engine.start()
+        except Exception as exc:
+            self.error = f"loading failed: {exc}"
+            log.error("decoderlm serve: %s", self.error)
+            if self.on_load_error is not None:
+                self.on_load_error(exc)
+            return
+        self.served = served
+
+    def ready(self) -> Served:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", "service_unavailable")
+        if self.served is None:
+            raise APIError(503, self.error or "the model is loading", "service_unavailable")
+        return self.served
+
+    def drain(self, grace_s: float) -> None:
+        """Refuse new requests; after grace_s seconds cancel those still running."""
+        self.draining = True
+        asyncio.get_running_loop().call_later(grace_s, self.cancel_all)
+
+    def cancel_all(self) -> None:
+        for request_id in list(self.inflight):
+            self.served.engine.cancel(request_id)
+
+
+def drain(app: FastAPI, grace_s: float) -> None:
+    """Start a graceful shutdown (safe from a signal handler or another thread)."""
+    state: _State = app.state.server
+    if state.loop is not None:
+        state.loop.call_soon_threadsafe(state.drain, grace_s)
+
+
+class _Stream:
+    """One engine request (a prompt and its n sequences); its events timed for TTFT and ITL.
+
+    Sequence j of the request is choice `first_choice + j` of the response.
+    """
+
+    def __init__(
+        self,
+        state: _State,
+        request_id: str,
+        prompt_ids: list[int],
+        params: RequestParams,
+        first_choice: int,
+    ) -> None:
+        self.state, self.request_id, self.prompt_ids, self.params = (
+            state,
+            request_id,
+            prompt_ids,
+            params,
+        )
+        self.first_choice = first_choice
+        self.arrived = time.perf_counter()
+        self.last: dict[int, float] = {}  # choice → when its latest token arrived
+        self.n_tokens = 0
+        self.finished = False
+
+    def start(self) -> None:
+        """Submit to the engine (QueueFullError at once if its queue is full)."""
+        engine = self.state.served.engine
+        self.events = engine.stream(self.prompt_ids, self.params, request_id=self.request_id)
+        self.state.inflight.add(self.request_id)
+
+    async def stream(self) -> AsyncIterator[tuple[int, TokenEvent]]:
+        metrics = self.state.metrics
+        async for event in self.events:
+            choice = self.first_choice + event.index
+            if event.token_id is not None:
+                now = time.perf_counter()
+                histogram = metrics.itl if choice in self.last else metrics.ttft
+                histogram.observe(now - self.last.get(choice, self.arrived))
+                self.last[choice] = now
+                self.n_tokens += 1
+            yield choice, event
+        self.finished = True
+        self.state.inflight.discard(self.request_id)
+
+    def close(self) -> None:
+        """Cancel the engine's sequences unless they ended by themselves."""
+        if not self.finished and self.request_id in self.state.inflight:
+            self.state.served.engine.cancel(self.request_id)
+        self.state.inflight.discard(self.request_id)
+
+
+def _start_all(streams: list[_Stream]) -> None:
+    try:
+        for s in streams:
+            s.start()
+    except BaseException:
+        for s in streams:
+            s.close()
+        raise
+
+
+async def _merged(streams: list[_Stream]) -> AsyncIterator[tuple[int, TokenEvent]]:
+    """(choice, event) from all streams as they come; cancels what is left when it is closed."""
+    queue: asyncio.Queue[tuple[int, TokenEvent] | BaseException | None] = asyncio.Queue()
+
+    async def pump(s: _Stream) -> None:
+        try:
+            async for item in s.stream():
+                queue.put_nowait(item)
+            queue.put_nowait(None)
+        except Exception as exc:
+            queue.put_nowait(exc)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        remaining = len(streams)
+        while remaining:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                remaining -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for s in streams:
+            s.close()
+
+
+class _Format:
+    """The JSON of one endpoint's choices; `whole` is a non-streamed choice, else a chunk's."""
+
+    object: str
+    chunk_object: str
+
+    def __init__(self, served: Served, n_choices: int, logprobs: bool) -> None:
+        self.served, self.logprobs = served, logprobs
+        self.offsets = [0] * n_choices  # characters of text each choice has released
+
+    def opening(self, i: int) -> dict[str, Any] | None:
+        return None
+
+    def choice(self, i: int, events: list[TokenEvent], whole: bool) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _text(self, i: int, events: list[TokenEvent]) -> tuple[str, int]:
+        """The events' text, and the offset it starts at in choice i."""
+        text, start = "".join(e.text for e in events), self.offsets[i]
+        self.offsets[i] += len(text)
+        return text, start
+
+
+class _CompletionFormat(_Format):
+    object = chunk_object = "text_completion"
+
+    def __init__(self, served: Served, echoes: list[str], logprobs: bool) -> None:
+        super().__init__(served, len(echoes), logprobs)
+        self.echoes = echoes
+        self.offsets = [len(e) for e in echoes]
+
+    def opening(self, i: int) -> dict[str, Any] | None:
+        if not self.echoes[i]:
+            return None
+        return {"index": i, "text": self.echoes[i], "logprobs": None, "finish_reason": None}
+
+    def choice(self, i: int, events: list[TokenEvent], whole: bool) -> dict[str, Any]:
+        text, start = self._text(i, events)
+        logprobs = None
+        if self.logprobs:
+            logprobs = protocol.completion_logprobs(events, self.served.token_text, start)
+        return {
+            "index": i,
+            "text": self.echoes[i] + text if whole else text,
+            "logprobs": logprobs,
+            "finish_reason": events[-1].finish_reason if events else None,
+        }
+
+
+class _ChatFormat(_Format):
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+
+    def opening(self, i: int) -> dict[str, Any] | None:
+        delta = {"role": "assistant", "content": ""}
+        return {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+
+    def choice(self, i: int, events: list[TokenEvent], whole: bool) -> dict[str, Any]:
+        text, _ = self._text(i, events)
+        logprobs = protocol.chat_logprobs(events, self.served.token_text) if self.logprobs else None
+        message = {"role": "assistant", "content": text} if whole else {"content": text}
+        return {
+            "index": i,
+            ("message" if whole else "delta"): message if whole or text else {},
+            "logprobs": logprobs,
+            "finish_reason": events[-1].finish_reason if events else None,
+        }
+
+
+async def _respond(
+    request_id: str,
+    served: Served,
+    streams: list[_Stream],
+    fmt: _Format,
+    stream: bool,
+    include_usage: bool,
+) -> Response:
+    _start_all(streams)
+    n_choices = sum(s.params.n for s in streams)
+
+    def envelope(obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        created, model = served.created, served.model_name
+        return {
+            "id": request_id,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": choices,
+        }
+
+    def total_usage() -> dict[str, int]:
+        prompt_tokens = sum(len(s.prompt_ids) for s in streams)
+        return protocol.usage(prompt_tokens, sum(s.n_tokens for s in streams))
+
+    if not stream:
+        events: list[list[TokenEvent]] = [[] for _ in range(n_choices)]
+        async for i, event in _merged(streams):
+            events[i].append(event)
+        choices = [fmt.choice(i, e, whole=True) for i, e in enumerate(events)]
+        return JSONResponse(envelope(fmt.object, choices) | {"usage": total_usage()})
+
+    def sse(obj: dict[str, Any]) -> str:
+        if include_usage:
+            obj.setdefault("usage", None)
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            for i in range(n_choices):
+                opening = fmt.opening(i)
+                if opening is not None:
+                    yield sse(envelope(fmt.chunk_object, [opening]))
+            async for i, event in _merged(streams):
+                if event.text or event.finish_reason or fmt.logprobs:
+                    yield sse(envelope(fmt.chunk_object, [fmt.choice(i, [event], whole=False)]))
+            if include_usage:
+                yield sse(envelope(fmt.chunk_object, []) | {"usage": total_usage()})
+            yield "data: [DONE]\n\n"
+        finally:  # also when the client went away and the response was cancelled
+            for s in streams:
+                s.close()
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+
+
+def _check_model(served: Served, model: str | None) -> None:
+    if model is not None and model != served.model_name:
+        raise APIError(
+            404,
+            f"model {model!r} is not served here; this server serves {served.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _encode(served: Served, text: str, param: str) -> list[int]:
+    try:
+        ids = served.tokenizer.encode(text)
+    except DecoderLMError as exc:
+        raise APIError(400, str(exc), param=param) from None
+    if not ids:
+        raise APIError(400, f"{param} is empty: give at least one token", param=param)
+    return ids
+
+
+def _room(served: Served, ids: list[int], requested: int | None, param: str) -> int:
+    """max_tokens for a prompt: the request's (or the rest of the context), cut to fit the context."""
+    room = served.context_length - len(ids)
+    if room < 1:
+        raise APIError(
+            400,
+            f"{param} has {len(ids)} tokens; the model's context is {served.context_length} "
+            f"tokens, so a prompt may have at most {served.context_length - 1}",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return room if requested is None else min(requested, room)
+
+
+def _check_stream_options(body: protocol.Generation) -> bool:
+    if body.stream_options is not None and not body.stream:
+        raise APIError(
+            400, "stream_options is only allowed with stream=true", param="stream_options"
+        )
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+def _prompts(served: Served, prompt: protocol.Prompt) -> list[list[int]]:
+    """Token ids of each prompt of a completion request (text, texts, ids or lists of ids)."""
+    if isinstance(prompt, str):
+        return [_encode(served, prompt, "prompt")]
+    if isinstance(prompt[0], str):
+        return [_encode(served, p, "prompt") for p in prompt]
+    prompts = [prompt] if isinstance(prompt[0], int) else prompt
+    bad = [t for ids in prompts for t in ids if t >= served.vocab_size]
+    if bad:
+        raise APIError(
+            400,
+            f"prompt token id {bad[0]} is outside the vocabulary [0, {served.vocab_size})",
+            param="prompt",
+        )
+    return prompts
+
+
+async def _completions(state: _State, body: CompletionRequest) -> Response:
+    served = state.ready()
+    _check_model(served, body.model)
+    include_usage = _check_stream_options(body)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    requested = body.max_tokens or DEFAULT_COMPLETION_TOKENS
+    streams, echoes = [], []
+    for p, ids in enumerate(_prompts(served, body.prompt)):
+        max_tokens = _room(served, ids, requested, "prompt")
+        params = protocol.to_params(body, max_tokens, body.logprobs)
+        streams.append(_Stream(state, f"{request_id}-{p}", ids, params, p * body.n))
+        echoes += [served.tokenizer.decode(ids) if body.echo else ""] * body.n
+    fmt = _CompletionFormat(served, echoes, body.logprobs is not None)
+    return await _respond(request_id, served, streams, fmt, body.stream, include_usage)
+
+
+def _chat_prompt(served: Served, messages: list[protocol.ChatMessage], generation: bool) -> str:
+    return served.chat_template.render([m.as_dict() for m in messages], generation)
+
+
+async def _chat(state: _State, body: ChatRequest) -> Response:
+    served = state.ready()
+    _check_model(served, body.model)
+    include_usage = _check_stream_options(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    text = _chat_prompt(served, body.messages, body.add_generation_prompt)
+    ids = _encode(served, text, "messages")
+    max_tokens = _room(served, ids, body.max_completion_tokens or body.max_tokens, "messages")
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    params = protocol.to_params(body, max_tokens, logprobs, served.chat_template.stop)
+    streams = [_Stream(state, request_id, ids, params, 0)]
+    fmt = _ChatFormat(served, body.n, logprobs is not None)
+    return await _respond(request_id, served, streams, fmt, body.stream, include_usage)
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        reason = first.get("ctx", {}).get("error", "")
+        return APIError(400, f"the request body is not valid JSON: {reason}")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = loc[0] if loc else None  # the top-level field; the message has the whole path
+    got = f" (got {first['input']!r:.80})" if "input" in first and param else ""
+    message = f"{'.'.join(loc)}: {first['msg']}{got}" if param else first["msg"]
+    return APIError(400, message, param=param)
+
+
+def create_app(
+    load: Callable[[], Served],
+    on_load_error: Callable[[BaseException], None] | None = None,
+    grace_s: float = 30.0,
+) -> FastAPI:
+    """The app; `load()` runs in a thread at startup (GET /health is 503 until it returns)."""
+    state = _State(load, on_load_error)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.loop = asyncio.get_running_loop()
+        loading = asyncio.create_task(state.start())
+        yield
+        loading.cancel()
+        if state.served is not None:
+            await asyncio.to_thread(state.served.engine.shutdown, grace_s)
+
+    app = FastAPI(title="decoderlm", version="1", lifespan=lifespan)
+    app.state.server = state
+
+    @app.exception_handler(Exception)
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, APIError):
+            return exc.response()
+        if isinstance(exc, RequestValidationError):
+            return _validation_error(exc).response()
+        if isinstance(exc, QueueFullError):
+            return APIError(429, str(exc), "rate_limit_error", code="queue_full").response()
+        if isinstance(exc, EngineStoppedError):
+            return APIError(503, str(exc), "service_unavailable").response()
+        if isinstance(exc, DecoderLMError):
+            return APIError(400, str(exc)).response()
+        if isinstance(exc, HTTPException):
+            return APIError(exc.status_code, str(exc.detail), "invalid_request_error").response()
+        log.exception("decoderlm serve: internal error")
+        return APIError(500, f"internal error: {type(exc).__name__}", "server_error").response()
+
+    for exc_class in (APIError, RequestValidationError, DecoderLMError, HTTPException):
+        app.add_exception_handler(exc_class, on_error)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            state.ready()
+        except APIError as exc:
+            return JSONResponse({"status": exc.message}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        content, media_type = state.metrics.render()
+        return Response(content, media_type=media_type)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        served = state.ready()
+        model = {
+            "id": served.model_name,
+            "object": "model",
+            "created": served.created,
+            "owned_by": "decoderlm",
+            "max_model_len": served.context_length,
+        }
+        return {"object": "list", "data": [model]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Response:
+        return await _completions(state, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest) -> Response:
+        return await _chat(state, body)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        served = state.ready()
+        _check_model(served, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            text = _chat_prompt(served, body.messages, body.add_generation_prompt)
+        else:
+            text = body.prompt
+        try:
+            tokens = served.tokenizer.encode(text)
+        except DecoderLMError as exc:
+            raise APIError(400, str(exc), param="prompt") from None
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": served.context_length}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        served = state.ready()
+        _check_model(served, body.model)
+        bad = [t for t in body.tokens if not 0 <= t < served.vocab_size]
+        if bad:
+            raise APIError(
+                400,
+                f"token id {bad[0]} is outside the vocabulary [0, {served.vocab_size})",
+                param="tokens",
+            )
+        return {"prompt": served.tokenizer.decode(body.tokens)}
+
+    return app

@@ -1,0 +1,126 @@
+"""Chat templates: a list of messages rendered to one prompt string, as Hugging Face renders them.
+
+A checkpoint's template is the `chat_template` of the `tokenizer_config.json` beside it (or its
+`chat_template.jinja` file), a Jinja2 program run in a sandboxed environment with the globals that
+`transformers`' `apply_chat_template` provides: `messages`, `bos_token`, `eos_token`,
+`add_generation_prompt`, `raise_exception(message)` and the `tojson` filter.
+
+Runs of ours have none, so they get `DEFAULT_CHAT_TEMPLATE`: plain text that a model trained on
+any prose (even a character vocabulary) can encode,
+
+    System: You are terse.
+
+    User: Hi!
+
+    Assistant:
+
+and the next turn's start, "\\nUser:", as a stop string, since such a model never learnt to end a turn.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from decoderlm.errors import DecoderLMError
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+DEFAULT_STOP = ("\nUser:",)  # the default template's next user turn
+
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A Jinja2 chat template with the special tokens it may refer to, and the stops it implies."""
+
+    source: str = DEFAULT_CHAT_TEMPLATE
+    bos_token: str = ""
+    eos_token: str = ""
+    stop: tuple[str, ...] = DEFAULT_STOP
+
+    def __post_init__(self) -> None:
+        _compile(self.source)  # a syntax error is reported when the template is loaded
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text of `messages` ([{"role": ..., "content": ...}, ...])."""
+        import jinja2
+
+        try:
+            return _compile(self.source).render(
+                messages=messages,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except jinja2.TemplateError as exc:
+            raise DecoderLMError(f"the chat template refused the messages: {exc}") from None
+
+
+def load_chat_template(checkpoint_dir: str | Path, eos_token: str = "") -> ChatTemplate:
+    """The chat template beside a checkpoint, or the default one if there is none.
+
+    `eos_token` is used where tokenizer_config.json names none (ours: "<|endoftext|>").
+    """
+    directory = Path(checkpoint_dir)
+    config: dict[str, Any] = {}
+    config_file = directory / TOKENIZER_CONFIG_FILE
+    if config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise DecoderLMError(f"{config_file} is not valid JSON: {exc}") from None
+    source = config.get("chat_template")
+    if isinstance(
+        source, list
+    ):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default", next(iter(named.values()), None))
+    if source is None and (directory / TEMPLATE_FILE).is_file():
+        source = (directory / TEMPLATE_FILE).read_text(encoding="utf-8")
+    eos = _token_text(config.get("eos_token")) or eos_token
+    if not isinstance(source, str):
+        return ChatTemplate(eos_token=eos)
+    return ChatTemplate(source, _token_text(config.get("bos_token")), eos, stop=())
+
+
+def _token_text(token: Any) -> str:
+    """A special token as tokenizer_config.json stores it: a string or {"content": ...}."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else ""
+
+
+@lru_cache(maxsize=8)
+def _compile(source: str) -> Any:
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, **kwargs: Any) -> str:
+        # Jinja's own tojson escapes HTML characters; templates expect plain JSON.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, **kwargs)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise DecoderLMError(f"the chat template is not valid Jinja2: {exc}") from None

@@ -1,0 +1,77 @@
+"""Prometheus metrics of the server: the engine's state read at each scrape, and request latencies.
+
+The gauges and counters come from `EngineStats` when /metrics is scraped (so they cannot drift from
+the engine); the two histograms are observed by the HTTP layer as each token reaches it:
+time to first token (request received → first token) and inter-token latency (token → next token).
+Each app has its own registry, so several apps (tests) can live in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from decoderlm.serving.types import EngineStats
+
+PREFIX = "decoderlm"
+# Seconds: from a few milliseconds (a tiny model's step) to a minute (a long queue wait).
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class _EngineCollector(Collector):
+    """Yields the engine's gauges and counters from one `EngineStats` snapshot (none while loading)."""
+
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats()
+        if stats is None:
+            return
+        gauges = {
+            "requests_running": ("sequences decoding now", stats.running),
+            "requests_waiting": ("requests queued, not yet admitted", stats.waiting),
+            "kv_blocks_used": ("KV-cache blocks in use", stats.kv_blocks_used),
+            "kv_blocks_total": ("KV-cache blocks in the pool", stats.kv_blocks_total),
+            "max_running_seen": ("most sequences decoding at once", stats.max_running_seen),
+            "generation_tokens_per_second": ("recent generated tokens/s", stats.tokens_per_s),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        counters = {
+            "prompt_tokens": ("prompt tokens received", stats.prompt_tokens),
+            "generation_tokens": ("tokens generated", stats.generated_tokens),
+            "prefix_cache_hit_tokens": (
+                "prompt tokens served from cached KV blocks",
+                stats.prefix_cache_hit_tokens,
+            ),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+
+class Metrics:
+    """The server's registry; `render()` is the body and content type of GET /metrics."""
+
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(stats))
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "request received to its first token",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds",
+            "one token of a sequence to its next",
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        )
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,304 @@
+"""`decoderlm serve`'s app on a real uvicorn server: OpenAI clients, SSE framing, errors, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import decoderlm
+from conftest import CONTEXT, TEXT, make_served, wait_healthy
+from decoderlm.serving.app import create_app
+
+
+def solo(loaded, prompt: str, max_tokens: int, **kwargs) -> str:
+    """`decoderlm.generate` on the prompt alone, to end-of-text or max_tokens, as text."""
+    model, tokenizer = loaded
+    ids = tokenizer.encode(prompt)
+    out = decoderlm.generate(model, [ids], max_tokens, eos_id=tokenizer.eot_id, **kwargs)[0]
+    new = out[len(ids) :]
+    return tokenizer.decode(new[:-1] if new and new[-1] == tokenizer.eot_id else new)
+
+
+def client(base: str, async_: bool = False):
+    cls = openai.AsyncOpenAI if async_ else openai.OpenAI
+    return cls(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The `data:` payloads of an SSE body, checking that every event is `data: ...\\n\\n`."""
+    body = response.read().decode("utf-8")
+    assert body.endswith("data: [DONE]\n\n")
+    events = body.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), body[:500]
+    return [e[len("data: ") :] for e in events]
+
+
+def paced(step, seconds: float):
+    """An engine step that waits first: the engine's thread then streams slowly enough to catch."""
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+
+    return slow_step
+
+
+def until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_32_concurrent_streams_each_equal_their_solo_greedy_generate(server, loaded):
+    base, served = server
+    rng = random.Random(0)
+    chars = TEXT[:-5]  # one token per character: equal text is equal tokens
+    jobs = []
+    for _ in range(32):
+        prompt = "".join(rng.choice(chars) for _ in range(rng.randint(1, 60)))
+        jobs.append((prompt, rng.randint(1, CONTEXT - len(prompt))))
+
+    async def one(api, prompt, max_tokens):
+        stream = await api.completions.create(
+            model=served.model_name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+            stream=True,
+        )  # fmt: skip
+        pieces, reasons = [], []
+        async for chunk in stream:
+            pieces.append(chunk.choices[0].text)
+            reasons.append(chunk.choices[0].finish_reason)
+        return "".join(pieces), reasons
+
+    async def all_of_them():
+        async with client(base, async_=True) as api:
+            return await asyncio.gather(*(one(api, p, m) for p, m in jobs))
+
+    before = served.engine.stats().max_running_seen
+    results = asyncio.run(all_of_them())
+    for (prompt, max_tokens), (text, reasons) in zip(jobs, results, strict=True):
+        assert text == solo(loaded, prompt, max_tokens, temperature=0), prompt
+        assert reasons[:-1] == [None] * (len(reasons) - 1) and reasons[-1] in ("stop", "length")
+    assert served.engine.stats().max_running_seen > max(before, 1)  # they did run together
+
+
+def test_seeded_sampled_request_equals_its_solo_run_in_a_crowd(server, loaded):
+    base, _ = server
+    sampling = {"temperature": 0.9, "top_p": 0.95, "top_k": 40}
+    prompt, max_tokens = "Once upon a time", 40
+
+    def ask(api, seed):
+        r = api.completions.create(model=None, prompt=prompt, max_tokens=max_tokens, seed=seed,
+                                   temperature=0.9, top_p=0.95, extra_body={"top_k": 40})  # fmt: skip
+        return r.choices[0].text
+
+    api = client(base)
+    alone = ask(api, 1234)
+    crowd: list[str] = []
+    others = [threading.Thread(target=lambda s=s: crowd.append(ask(api, s))) for s in range(6)]
+    for t in others:
+        t.start()
+    in_crowd = ask(api, 1234)
+    for t in others:
+        t.join()
+    assert in_crowd == alone == solo(loaded, prompt, max_tokens, seed=1234, **sampling)
+    assert len(set(crowd)) > 1  # other seeds gave other texts: the sampling is not greedy
+
+
+def test_completion_fields_n_echo_logprobs_stop_and_usage(server, loaded):
+    base, _ = server
+    api = client(base)
+    r = api.completions.create(model=None, prompt=["ab", "xyz"], max_tokens=6, temperature=0,
+                               n=2, echo=True, logprobs=3)  # fmt: skip
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for choice, prompt in zip(r.choices, ["ab", "ab", "xyz", "xyz"], strict=True):
+        assert choice.text == prompt + solo(loaded, prompt, 6, temperature=0)
+        lp = choice.logprobs
+        assert "".join(lp.tokens) == choice.text[len(prompt) :]
+        assert lp.text_offset[0] == len(prompt)
+        assert all(len(top) == 3 and max(top.values()) <= 0 for top in lp.top_logprobs)
+        assert lp.token_logprobs == [max(top.values()) for top in lp.top_logprobs]  # greedy
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == sum(
+        len(c.logprobs.tokens) for c in r.choices
+    )
+    full = solo(loaded, "Hello", 30, temperature=0)
+    stop = full[5:7]
+    r = api.completions.create(model=None, prompt="Hello", max_tokens=30, temperature=0, stop=stop)
+    assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+
+
+def test_chat_uses_the_default_template_and_streams_deltas(server, loaded):
+    base, served = server
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    rendered = served.chat_template.render(messages)
+    assert rendered == "System: Be brief.\n\nUser: Hi!\n\nAssistant:"
+    expected = solo(loaded, rendered, 20, temperature=0).split("\nUser:")[0]
+    api = client(base)
+    r = api.chat.completions.create(model=served.model_name, messages=messages, max_tokens=20,
+                                    temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == expected
+    assert all(len(t.top_logprobs) == 2 for t in r.choices[0].logprobs.content)
+    stream = api.chat.completions.create(model=served.model_name, messages=messages,
+                                         max_tokens=20, temperature=0, stream=True,
+                                         stream_options={"include_usage": True})  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == len(rendered)
+
+
+def test_sse_framing_chunk_objects_usage_last_and_done(server):
+    base, _ = server
+    body = {"prompt": "é€😀", "max_tokens": 8, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    with httpx.stream("POST", f"{base}/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {c["object"] for c in chunks} == {"text_completion"}
+    assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["choices"] == []
+    assert 1 <= chunks[-1]["usage"]["completion_tokens"] <= 8
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+            "max_tokens": 4, "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=chat) as r:
+        chunks = [json.loads(e) for e in sse_events(r)[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert all("delta" in c["choices"][0] for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/completions", b"{not json", 400, None),
+        ("/v1/completions", b'["a list"]', 400, None),
+        ("/v1/completions", {"prompt": "Hi", "temperature": 2.5}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "Hi", "n": 0}, 400, "n"),
+        ("/v1/completions", {"prompt": "Hi", "top_p": 0}, 400, "top_p"),
+        ("/v1/completions", {"prompt": "Hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ("/v1/completions", {"prompt": "Hi", "stream_options": {}}, 400, "stream_options"),
+        ("/v1/completions", {"prompt": "a" * CONTEXT}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "ß not in the vocabulary"}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [10**6]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "Hi", "model": "gpt-4"}, 404, "model"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "king", "content": "x"}]},
+            400,
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            400,
+            "top_logprobs",
+        ),
+        ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+        ("/tokenize", {}, 400, "prompt"),
+    ],
+)
+def test_bad_requests_get_openai_shaped_errors_naming_the_field(server, path, body, status, param):
+    base, _ = server
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{base}{path}", headers={"content-type": "application/json"}, **kwargs)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    assert httpx.get(f"{base}/health").status_code == 200  # and the server lives on
+
+
+def test_tokenize_detokenize_round_trip_and_models(server):
+    base, served = server
+    r = httpx.post(f"{base}/tokenize", json={"prompt": "Hello é"}).json()
+    assert r["count"] == 7 and r["max_model_len"] == CONTEXT
+    assert httpx.post(f"{base}/detokenize", json={"tokens": r["tokens"]}).json() == {
+        "prompt": "Hello é"
+    }
+    chat = httpx.post(f"{base}/tokenize", json={"messages": [{"role": "user", "content": "Yo"}]})
+    assert chat.json()["count"] == len("User: Yo\n\nAssistant:")
+    models = client(base).models.list().data
+    assert [m.id for m in models] == [served.model_name]
+
+
+def test_health_and_metrics_parse_with_counts_that_moved(server):
+    base, _ = server
+    client(base).completions.create(model=None, prompt="Hi", max_tokens=5, temperature=0)
+    assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+    families = {
+        f.name: f for f in text_string_to_metric_families(httpx.get(f"{base}/metrics").text)
+    }
+    for name in ("requests_running", "requests_waiting", "kv_blocks_used", "kv_blocks_total"):
+        assert families[f"decoderlm_{name}"].type == "gauge"
+    value = {f.name: f.samples[0].value for f in families.values()}
+    assert value["decoderlm_prompt_tokens"] >= 2 and value["decoderlm_generation_tokens"] >= 5
+    assert value["decoderlm_kv_blocks_total"] > 0
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
+        family = families[f"decoderlm_{name}"]
+        count = next(s.value for s in family.samples if s.name.endswith("_count"))
+        assert family.type == "histogram" and count >= 1
+
+
+def test_health_is_503_while_loading_then_200(run_dir, loaded, start_server):
+    release = threading.Event()
+    served = make_served(run_dir, loaded, kv_cache_memory="1MiB")
+
+    def load():
+        release.wait(30)
+        return served
+
+    base = start_server(create_app(load, grace_s=0))
+    assert httpx.get(f"{base}/health").status_code == 503
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi"})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    release.set()
+    wait_healthy(base, timeout=10)
+
+
+def test_client_disconnect_mid_stream_cancels_its_request(server, monkeypatch):
+    base, served = server
+    engine = served.engine
+    cancelled: list[str] = []
+    cancel = engine.cancel
+    monkeypatch.setattr(engine, "cancel", lambda rid: (cancelled.append(rid), cancel(rid)))
+    monkeypatch.setattr(engine, "step", paced(engine.step, 0.01))
+    generated = engine.stats().generated_tokens
+    body = {"prompt": "A", "max_tokens": CONTEXT - 1, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        first = json.loads(next(line for line in lines if line)[len("data: ") :])
+    until(lambda: engine.stats().running == 0)
+    assert set(cancelled) == {f"{first['id']}-0"}  # by the app, and by the closed iterator
+    assert engine.stats().running == 0
+    assert engine.stats().generated_tokens - generated < CONTEXT - 1
+
+
+def test_a_full_queue_is_refused_with_429(run_dir, loaded, start_server, monkeypatch):
+    # One sequence's worth of KV blocks and a queue of one: A runs, B (a long prompt) waits, C is refused.
+    served = make_served(run_dir, loaded, kv_cache_memory=CONTEXT * 256, max_queue=1)
+    monkeypatch.setattr(served.engine, "step", paced(served.engine.step, 0.01))
+    base = start_server(create_app(lambda: served, grace_s=0))
+    wait_healthy(base)
+    stats = served.engine.stats
+    long = {"prompt": "A", "max_tokens": CONTEXT - 1, "temperature": 0, "stream": True}
+    waits = {"prompt": "B" * (CONTEXT - 16), "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=long) as a:
+        assert a.status_code == 200
+        with httpx.stream("POST", f"{base}/v1/completions", json=waits) as b:
+            assert b.status_code == 200
+            until(lambda: stats().running == 1 and stats().waiting == 1)
+            c = httpx.post(f"{base}/v1/completions", json={"prompt": "C"})
+            assert c.status_code == 429 and c.headers["retry-after"] == "1"
+            assert c.json()["error"]["code"] == "queue_full"

@@ -1,0 +1,96 @@
+"""`decoderlm serve` as a process (SIGTERM drains and exits 0), `decoderlm chat`, and chat templates."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from conftest import free_port, wait_healthy
+from decoderlm.cli import main
+from decoderlm.errors import DecoderLMError
+from decoderlm.serving.chat import ChatTemplate, load_chat_template
+
+LLAMA2_STYLE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+    "{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% else %} {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def test_checkpoint_chat_template_renders_like_transformers(tmp_path):
+    config = {"chat_template": LLAMA2_STYLE, "bos_token": {"content": "<s>"}, "eos_token": "</s>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    template = load_chat_template(tmp_path)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    assert template.render(messages) == "<s>[INST] Hi [/INST] Yo</s>"
+    assert template.stop == ()
+    with pytest.raises(DecoderLMError, match="roles must alternate"):
+        template.render(messages[::-1])
+
+
+def test_default_template_without_a_tokenizer_config(tmp_path):
+    template = load_chat_template(tmp_path, eos_token="<|endoftext|>")
+    assert template.render([{"role": "user", "content": "Hi"}], add_generation_prompt=False) == (
+        "User: Hi\n\n"
+    )
+    assert template.stop == ("\nUser:",)
+    with pytest.raises(DecoderLMError, match="not valid Jinja2"):
+        ChatTemplate("{% for %}")
+
+
+def test_chat_command_streams_replies_and_resets(run_dir, monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi!\n/reset\nHey\n/quit\n"))
+    argv = ["chat", "--checkpoint", str(run_dir), "--max-tokens", "5", "--temperature", "0"]
+    assert main([*argv, "--kv-cache-memory", "1MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "/reset starts over" in out and "(new conversation)" in out
+    assert main([*argv, "--top-p", "2"]) == 2
+
+
+def test_sigterm_lets_a_running_stream_finish_then_exits_0(run_dir):
+    port = free_port()
+    cmd = [sys.executable, "-m", "decoderlm.cli", "serve", "--checkpoint", str(run_dir),
+           "--port", str(port), "--kv-cache-memory", "1MiB", "--grace-period", "5"]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy_process(base, proc)
+        body = {"prompt": "A", "max_tokens": 60, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        reason = json.loads(rest[-2][len("data: ") :])["choices"][0]["finish_reason"]
+        assert reason in ("stop", "length")  # finished within the grace period, not cancelled
+        assert proc.wait(timeout=30) == 0
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{base}/health")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def wait_healthy_process(base: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        try:
+            wait_healthy(base, timeout=0.5)
+            return
+        except (httpx.TransportError, RuntimeError):
+            time.sleep(0.1)
+    raise RuntimeError("decoderlm serve did not become healthy")
