@@ -335,3 +335,24 @@ def test_cpu_kernels_switch_routes_linears_to_onednn_or_leaves_them(monkeypatch)
     # float32: oneDNN only reorders the sums (~1e-6), far below the argmax gaps.
     assert generate(model, prompts, 10, temperature=0) == plain
     assert calls  # on (the default): the prefill's linears went to oneDNN
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(top_p=5e-324),  # rounds to 0 in float32
+        SamplingParams(temperature=1e-300),  # l / T overflows float32
+        SamplingParams(repetition_penalty=1e-300),  # l / penalty overflows float32
+    ],
+)
+def test_extreme_sampling_values_still_draw_a_valid_token(params):
+    """Values at the edge of float32 never give NaN probabilities or an id outside the vocabulary:
+    the most likely token survives top-p, and a vanishing temperature behaves as greedy."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0], [0.5, -2.0, 4.0, 0.0]])
+    seen = torch.ones_like(logits, dtype=torch.bool)
+    generator = torch.Generator().manual_seed(0)
+    # A vanishing penalty sends every positive logit to the same (largest) value: any of them.
+    allowed = [{1}, {2}] if params.repetition_penalty == 1.0 else [{0, 1, 2}, {0, 2}]
+    for _ in range(20):
+        token = sample_next(logits, params, seen, generator).tolist()
+        assert all(t in ok for t, ok in zip(token, allowed, strict=True)), token

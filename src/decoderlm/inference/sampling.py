@@ -78,6 +78,7 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked strictly above
     drop_sorted = mass_before >= p  # the set already reached p without this token
+    drop_sorted[:, 0] = False  # the most likely token always stays (a p that rounds to 0 in fp32)
     drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
     return logits.masked_fill(drop, float("-inf"))
 
@@ -91,10 +92,15 @@ def sample_next(
     """Next token ids (B,) from logits (B, V); `seen` (B, V) bool marks tokens for the repetition penalty."""
     logits = logits.float()
     if seen is not None and params.repetition_penalty != 1.0:
+        # A tiny penalty can push a logit past the float32 range: +∞ becomes the largest float.
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+        logits = logits.clamp(max=torch.finfo(logits.dtype).max)
     if params.temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits / params.temperature
+    # (l − max l) / T in float64: the softmax of l / T, and no ∞ − ∞ (NaN) for a tiny T, which
+    # float64 also keeps from rounding to 0.
+    logits = logits.double()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     if params.top_k is not None:
         logits = top_k_filter(logits, params.top_k)
     if params.top_p is not None:
