@@ -1,0 +1,67 @@
+"""`decoderlm lab`: a controlled ablation study (logic in decoderlm.lab) into OUT: results.json,
+report.md and the plots.
+
+    decoderlm lab attention-variants --quick --out lab/attn
+    decoderlm lab --spec study.toml --input corpus.txt --out lab/mine
+
+Without --data/--input the built-in studies train on ../shared/data/tinyshakespeare.txt beside
+the repository (char-level). Running the same command again continues an interrupted study.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+HELP = "ablation studies (attention variants, positions, scaling, norm placement, GQA up-training)"
+STUDY_NAMES = ("attention-variants", "positions", "scaling", "norm-placement", "uptrain-gqa")
+DEFAULT_CORPUS = (
+    Path(__file__).resolve().parents[3].parent / "shared" / "data" / "tinyshakespeare.txt"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "study", nargs="?", metavar="STUDY", help=f"one of {', '.join(STUDY_NAMES)}"
+    )
+    parser.add_argument("--spec", metavar="TOML", help="a study of your own (instead of STUDY)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--data", metavar="DIR", help="a prepared data directory")
+    source.add_argument(
+        "--input", nargs="+", metavar="PATH", help="text files, prepared (char-level) into OUT/data"
+    )
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--budget-tokens", type=int, metavar="N", help="training tokens per run")
+    budget.add_argument(
+        "--budget-seconds", type=float, metavar="S", help="seconds of training per run"
+    )
+    parser.add_argument("--seeds", type=int, metavar="K", help="seeds per variant (default 2)")
+    parser.add_argument("--quick", action="store_true", help="small models and budget (≤ 3 min)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from decoderlm.errors import DecoderLMError
+    from decoderlm.lab import report, runner, spec, studies
+
+    if (args.study is None) == (args.spec is None):
+        raise DecoderLMError(f"give a STUDY ({', '.join(STUDY_NAMES)}) or --spec FILE, not both")
+    study = studies.builtin(args.study, args.quick) if args.study else spec.load_spec(args.spec)
+    if args.seeds is not None and args.seeds < 1:
+        raise DecoderLMError(f"--seeds={args.seeds} must be ≥ 1")
+    study = study.with_budget(args.budget_tokens, args.budget_seconds, args.seeds)
+    inputs = args.input
+    if args.data is None and inputs is None:
+        if not DEFAULT_CORPUS.is_file():
+            raise DecoderLMError(f"no default corpus at {DEFAULT_CORPUS}: give --data or --input")
+        inputs = [DEFAULT_CORPUS]
+    ours = sys.argv[1:2] == ["lab"]  # run as `decoderlm lab ...`, not from Python
+    command = shlex.join(["decoderlm", *sys.argv[1:]]) if ours else ""
+    results = runner.run_study(
+        study, args.out, args.data, inputs, progress=not args.quiet, command=command
+    )
+    print(f"wrote {report.write_report(results, args.out)}")
+    return 0

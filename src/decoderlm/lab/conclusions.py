@@ -1,0 +1,168 @@
+"""The "what this shows" paragraph of each study, filled from results.json.
+
+Each built-in study states the claim the literature expects and then says, from the measured
+numbers and the seed rule of `decoderlm.lab.stats`, whether the data support it; a study of the
+user's own (`--spec`) gets the ranking against the best variant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from decoderlm.lab.stats import Summary, distinguishable, verdict
+
+
+def _loss(results: dict[str, Any], name: str, key: str = "val_loss") -> Summary | None:
+    row = results["summary"].get(name, {})
+    return Summary(**row[key]) if key in row and row[key]["n"] else None
+
+
+def _compare(results: dict[str, Any], a: str, b: str, key: str = "val_loss") -> str:
+    sa, sb = _loss(results, a, key), _loss(results, b, key)
+    if sa is None or sb is None:
+        return f"{a} vs {b}: no finite {key} to compare"
+    return verdict(a, sa, b, sb)
+
+
+def ranking(results: dict[str, Any]) -> list[str]:
+    """Each variant against the one with the lowest mean val loss."""
+    scored = {n: s for n in results["summary"] if (s := _loss(results, n)) is not None}
+    if len(scored) < 2:
+        return []
+    best = min(scored, key=lambda n: scored[n].mean)
+    return [_compare(results, best, n) for n in scored if n != best]
+
+
+def _worse(results: dict[str, Any], a: str, b: str, key: str = "val_loss") -> bool:
+    """a's mean is distinguishably above b's."""
+    sa, sb = _loss(results, a, key), _loss(results, b, key)
+    return sa is not None and sb is not None and distinguishable(sa, sb) and sa.mean > sb.mean
+
+
+def _supported(ok: bool) -> str:
+    return "The data support this." if ok else "The data do not support this at these seeds."
+
+
+def attention_variants(results: dict[str, Any]) -> str:
+    table = results["summary"]
+    mha, mqa = table["MHA"], table["MQA"]
+    ratio = mha["kv_bytes_per_token"] / mqa["kv_bytes_per_token"]
+    lines = [
+        "Expected: grouped-query attention keeps multi-head quality at a fraction of the KV cache; "
+        "MQA saves the most memory at some cost in quality.",
+        f"Measured: {'; '.join(_compare(results, 'MHA', n) for n in ('GQA-4', 'GQA-2', 'MQA'))}.",
+        f"The cache per token falls {ratio:g}× from MHA to MQA, so the longest context in the "
+        f"budget grows from {mha['kv_max_context']:,} to {mqa['kv_max_context']:,} tokens.",
+        _supported(not any(_worse(results, n, "MHA") for n in ("GQA-4", "GQA-2"))),
+    ]
+    return " ".join(lines)
+
+
+def positions(results: dict[str, Any]) -> str:
+    parts = []
+    for name in results["summary"]:
+        at1, at4 = _loss(results, name, "loss_1x"), _loss(results, name, "loss_4x")
+        if at1 is not None and at4 is not None:
+            parts.append(f"{name} {at1.mean:.3f} → {at4.mean:.3f}")
+        elif at1 is not None:
+            parts.append(f"{name} {at1.mean:.3f} → n/a (no positions past the table)")
+    degrades = [n for n in ("sinusoidal", "rope") if _rises(results, n)]
+    return " ".join(
+        [
+            "Expected: the models rank close at the training context; past it, sinusoidal and "
+            "RoPE degrade (they never saw those positions), learned positions cannot run at all.",
+            f"At the training context: {'; '.join(ranking(results)) or 'one variant'}.",
+            f"Loss at 1× → 4× the training context: {', '.join(parts)}.",
+            _supported(len(degrades) == 2),
+        ]
+    )
+
+
+def _rises(results: dict[str, Any], name: str) -> bool:
+    """loss_4x distinguishably above loss_1x for this variant."""
+    a, b = _loss(results, name, "loss_4x"), _loss(results, name, "loss_1x")
+    return a is not None and b is not None and distinguishable(a, b) and a.mean > b.mean
+
+
+def scaling(results: dict[str, Any]) -> str:
+    stats = results["init_stats"]
+    first, last = stats[0][0], stats[0][-1]
+    lines = [
+        "Expected: var(q·k) grows as d_k while var(q·k/√d_k) stays at 1, so without the scale "
+        "the softmax saturates (entropy → 0) and its gradient vanishes as d_k grows.",
+        f"Measured (seed 0): var(q·k) = {first['var_qk']:.1f} at d_k = {first['d_k']} and "
+        f"{last['var_qk']:.1f} at d_k = {last['d_k']}; scaled {first['var_qk_scaled']:.2f} and "
+        f"{last['var_qk_scaled']:.2f}; entropy unscaled {first['entropy_raw']:.2f} → "
+        f"{last['entropy_raw']:.2f} nats, scaled {first['entropy_scaled']:.2f} → "
+        f"{last['entropy_scaled']:.2f}.",
+    ]
+    ok = (
+        last["entropy_raw"] < last["entropy_scaled"]
+        and last["grad_norm_raw"] < last["grad_norm_scaled"]
+    )
+    lines.append(_supported(ok))
+    names = list(results["summary"])
+    if names:
+        pairs = [(a, b) for a in names for b in names if a.split()[0] == b.split()[0] and a < b]
+        lines.append("Trained: " + "; ".join(_compare(results, a, b) for a, b in pairs) + ".")
+    return " ".join(lines)
+
+
+def norm_placement(results: dict[str, Any]) -> str:
+    table = results["summary"]
+    k = results["spec"]["seeds"]
+    pre = {n: r for n, r in table.items() if n.startswith("pre")}
+    post = {n: r for n, r in table.items() if n.startswith("post")}
+    post_div = sum(r["diverged"] for r in post.values())
+    pre_div = sum(r["diverged"] for r in pre.values())
+    pairs = [(n, "post" + n[3:]) for n in pre if "post" + n[3:] in post]
+    without = [p for p in pairs if "no-warmup" in p[0]]
+    post_hurt = [p for p in without if _worse(results, p[1], p[0]) or table[p[1]]["diverged"]]
+    return " ".join(
+        [
+            "Expected (Xiong et al., 2020): Post-LN needs warmup and diverges or lags at large "
+            "learning rates and depth; Pre-LN trains without warmup.",
+            f"Diverged runs: Pre-LN {pre_div}/{len(pre) * k}, Post-LN {post_div}/{len(post) * k}.",
+            f"Without warmup, Post-LN is worse or diverged in {len(post_hurt)} of {len(without)} "
+            "settings: " + "; ".join(_compare(results, a, b) for a, b in without) + ".",
+            _supported(bool(without) and len(post_hurt) > len(without) / 2),
+        ]
+    )
+
+
+def uptrain_gqa(results: dict[str, Any]) -> str:
+    names = ("GQA-4", "GQA-2", "MQA")
+    control_ok = not _worse(results, "MHA-continued", "MHA")
+    up_ok = not any(_worse(results, f"{n} up-trained", f"{n} scratch") for n in names)
+    return " ".join(
+        [
+            "Expected (Ainslie et al., 2023): mean-pooled, briefly up-trained GQA/MQA match or beat "
+            "the same shapes trained from scratch, and the up-training schedule does not harm "
+            "the MHA original (the control).",
+            f"Control: {_compare(results, 'MHA-continued', 'MHA')}.",
+            "Up-trained vs scratch: "
+            + "; ".join(_compare(results, f"{n} up-trained", f"{n} scratch") for n in names)
+            + ".",
+            _supported(control_ok and up_ok),
+        ]
+    )
+
+
+CONCLUSIONS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "attention-variants": attention_variants,
+    "positions": positions,
+    "scaling": scaling,
+    "norm-placement": norm_placement,
+    "uptrain-gqa": uptrain_gqa,
+}
+
+
+def conclude(results: dict[str, Any]) -> str:
+    study = CONCLUSIONS.get(results["study"])
+    if study is not None and results["spec"]["builtin"]:
+        return study(results)
+    lines = ranking(results)
+    if not lines:
+        return "Fewer than two variants with a finite val loss: nothing to compare."
+    return "Val loss against the best variant: " + "; ".join(lines) + "."

@@ -1,0 +1,155 @@
+"""What a study measures on a finished run, and the attention statistics at initialisation.
+
+- quality: val loss and bits/byte (`decoderlm.inference.evaluate.evaluate_tokens`);
+- decode speed: new tokens per second of greedy `decoderlm.inference.generate.generate`;
+- extrapolation: loss per position bucket of windows 1×, 2×, 4× the training context (Press et
+  al., 2022, ALiBi §2: sinusoidal/RoPE models degrade past the length they were trained on);
+- divergence: the first non-finite or exploding training step (Xiong et al., 2020, Post-LN);
+- init statistics (Vaswani et al., 2017, footnote 4): for q, k with independent unit-variance
+  components, q·k = Σᵢ qᵢkᵢ has mean 0 and variance d_k, so unscaled logits grow as √d_k, the
+  softmax saturates (entropy → 0) and its Jacobian diag(p) − ppᵀ vanishes; q·k/√d_k has variance 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from decoderlm.checkpoint import METRICS_FILE
+from decoderlm.inference.generate import generate
+from decoderlm.model.lm import DecoderLM
+
+DIVERGENCE_FACTOR = 1.5  # "exploding": a training loss above 1.5 × the first step's loss
+EXTRAPOLATION_FACTORS = (1, 2, 4)  # window lengths, in training contexts
+BUCKETS_PER_CONTEXT = 4  # position buckets per training context length
+
+
+def read_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl of a run (a torn last line skipped; no file: no rows)."""
+    path = run_dir / METRICS_FILE
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def curves(rows: list[dict[str, Any]]) -> dict[str, list[list[float]]]:
+    """[step, value] pairs of the logged series: val loss, train loss and the gradient norm."""
+    series = {"val_loss": "val_loss", "train_loss": "train_loss", "grad_norm": "grad_norm"}
+    return {name: [[r["step"], r[key]] for r in rows if key in r] for name, key in series.items()}
+
+
+def first_divergent_step(rows: list[dict[str, Any]], nonfinite_step: int | None) -> int | None:
+    """The first logged step whose train loss is non-finite or > DIVERGENCE_FACTOR × the first
+    logged loss; or `nonfinite_step` (where the trainer stopped on a non-finite loss); or None."""
+    losses = [(r["step"], r["train_loss"]) for r in rows if "train_loss" in r]
+    if losses:
+        first = losses[0][1]
+        for step, loss in losses:
+            if not math.isfinite(loss) or loss > DIVERGENCE_FACTOR * first:
+                return step
+    return nonfinite_step
+
+
+@torch.no_grad()
+def decode_tokens_per_s(
+    model: DecoderLM, batch_size: int, new_tokens: int, prompt_len: int = 8
+) -> float:
+    """Generated tokens per second (all rows) of greedy decoding from `prompt_len`-token prompts,
+    after one untimed warm-up call."""
+    prompt = [[i % model.config.vocab_size for i in range(prompt_len)]] * batch_size
+    new_tokens = min(new_tokens, model.config.context_length - prompt_len)
+    generate(model, prompt, 2, temperature=0.0)
+    start = time.perf_counter()
+    generate(model, prompt, new_tokens, temperature=0.0)
+    return batch_size * new_tokens / (time.perf_counter() - start)
+
+
+@torch.no_grad()
+def position_losses(model: DecoderLM, tokens: np.ndarray, max_windows: int) -> dict[str, Any]:
+    """Mean loss per position bucket of windows of factor × the training context, per factor.
+
+    The model is rebuilt at the longer context (sinusoidal tables and RoPE angles are functions of
+    the position, not parameters); a learned table has no rows past the training context, so
+    those factors are None. Returns {"bucket": tokens per bucket, "<factor>x": [loss per bucket]
+    or None, "<factor>x_mean": the window's mean loss or None}.
+    """
+    cfg = model.config
+    width = max(1, cfg.context_length // BUCKETS_PER_CONTEXT)
+    out: dict[str, Any] = {"bucket": width}
+    ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
+    for factor in EXTRAPOLATION_FACTORS:
+        length = factor * cfg.context_length
+        n_windows = min(max_windows, (ids.numel() - 1) // length)
+        if (cfg.position == "learned" and factor > 1) or n_windows < 1:
+            out[f"{factor}x"] = out[f"{factor}x_mean"] = None
+            continue
+        long = DecoderLM(dataclasses.replace(cfg, context_length=length))
+        long.load_state_dict(model.state_dict())
+        long.eval()
+        windows = ids[: n_windows * length + 1]
+        x = windows[:-1].view(n_windows, length)  # (W, L)
+        y = windows[1:].view(n_windows, length)  # (W, L)
+        nats = torch.cat(
+            [
+                F.cross_entropy(long(xb).flatten(0, 1), yb.flatten(), reduction="none").view_as(yb)
+                for xb, yb in zip(x.split(8), y.split(8), strict=True)
+            ]
+        )  # (W, L): −log p(x_{t+1} | x_≤t)
+        per_position = nats.mean(0)  # (L,)
+        out[f"{factor}x"] = per_position.view(-1, width).mean(1).tolist()  # (L / width,)
+        out[f"{factor}x_mean"] = float(per_position.mean())
+    return out
+
+
+def attention_init_stats(
+    d_ks: tuple[int, ...],
+    seed: int,
+    d_model: int = 256,
+    n_queries: int = 256,
+    n_keys: int = 64,
+) -> list[dict[str, float]]:
+    """var(q·k) and var(q·k/√d_k), softmax entropy and ‖∂softmax/∂s‖_F, per d_k, at initialisation.
+
+    Inputs x ~ N(0, I) (what a LayerNorm hands the attention), projections W ~ N(0, 1/d_model)
+    (LeCun), so each component of q = xW_Q and k = xW_K has unit variance; every query attends
+    `n_keys` keys of other tokens.
+    """
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for d_k in d_ks:
+        w_q = torch.randn(d_model, d_k, generator=g) / math.sqrt(d_model)  # (d, d_k)
+        w_k = torch.randn(d_model, d_k, generator=g) / math.sqrt(d_model)  # (d, d_k)
+        q = torch.randn(n_queries, d_model, generator=g) @ w_q  # (N, d_k)
+        k = torch.randn(n_queries, n_keys, d_model, generator=g) @ w_k  # (N, T, d_k)
+        s = torch.einsum("nd,ntd->nt", q, k)  # q·k: (N, T)
+        row = {"d_k": d_k, "var_qk": float(s.var()), "var_qk_scaled": float((s / d_k**0.5).var())}
+        for name, scores in (("raw", s), ("scaled", s / math.sqrt(d_k))):  # QKᵀ vs QKᵀ/√d_k
+            row[f"entropy_{name}"] = float(softmax_entropy(scores).mean())
+            row[f"grad_norm_{name}"] = float(softmax_jacobian_norm(scores).mean())
+        rows.append(row)
+    return rows
+
+
+def softmax_entropy(scores: torch.Tensor) -> torch.Tensor:
+    """H(p) = −Σ p log p of p = softmax(scores) over the last dim, in nats: (..., T) → (...)."""
+    logp = torch.log_softmax(scores, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def softmax_jacobian_norm(scores: torch.Tensor) -> torch.Tensor:
+    """‖J‖_F of J = ∂softmax(s)/∂s = diag(p) − ppᵀ: ‖J‖²_F = Σp² − 2Σp³ + (Σp²)²; (..., T) → (...)."""
+    p = torch.softmax(scores, dim=-1)
+    p2, p3 = (p**2).sum(-1), (p**3).sum(-1)
+    return (p2 - 2 * p3 + p2**2).clamp_min(0).sqrt()

@@ -1,0 +1,322 @@
+"""Running a study: every (variant, seed) run trained, measured and collected into results.json.
+
+Layout of the output directory:
+
+    OUT/data/                      the prepared corpus (unless --data names one)
+    OUT/runs/<variant>/seed<k>/    a training run directory (decoderlm.training) + lab.json
+    OUT/results.json               every run's numbers and the per-variant summaries
+
+Resume: a run with a lab.json is finished and is re-used as it is (its configs must be the ones
+the study asks for now); a run with a checkpoint but no lab.json continues from it
+(`train(resume=True)`); anything else in its directory is cleared and the run starts over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from decoderlm import checkpoint, data, gqa
+from decoderlm.errors import DecoderLMError
+from decoderlm.inference.evaluate import bits_per_byte, evaluate_tokens
+from decoderlm.lab import measure
+from decoderlm.lab.spec import StudySpec, Variant, count_params
+from decoderlm.lab.stats import summarise
+from decoderlm.model.kv_cache import kv_cache_bytes_per_token
+from decoderlm.training.trainer import train
+
+RESULTS_FILE = "results.json"
+RUN_RESULT_FILE = "lab.json"
+EVAL_TOKENS = 32_768  # val tokens scored per run (the split's first ones: the same for every run)
+DECODE_BATCHES = (1, 16)
+DECODE_TOKENS = 32
+EXTRAPOLATION_WINDOWS = 16
+INIT_D_KS = (16, 32, 64, 128, 256)
+# The trainer's one-line error when a loss is not finite (decoderlm.training.trainer._train_step).
+NONFINITE = re.compile(r"training loss is (\S+) at step (\d+)")
+SUMMARISED = ("val_loss", "val_bpb", "train_tokens_per_s", "decode_tps_b1", "decode_tps_b16")
+SUMMARISED += ("val_loss_pooled", "loss_1x", "loss_2x", "loss_4x", "final_train_loss")
+
+
+def run_study(
+    spec: StudySpec,
+    out: str | Path,
+    data_dir: str | Path | None = None,
+    inputs: Sequence[str | Path] | None = None,
+    progress: bool = True,
+    command: str = "",
+) -> dict[str, Any]:
+    """Train and measure every run of `spec` not already finished in `out`; write results.json."""
+    start = time.perf_counter()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    data_dir = _data(out, data_dir, inputs)
+    meta = data.read_meta(data_dir)
+    val = data.load_split(data_dir, "val")[:EVAL_TOKENS]
+    plan = [(v, seed) for v in spec.variants for seed in range(spec.seeds)]
+    weights = [_weight(spec, v, seed) for v, seed in plan]
+    unit = "tok" if spec.budget_tokens is not None else "s"
+    runs = []
+    with tqdm(
+        total=sum(weights), desc=spec.name, unit=unit, unit_scale=True, disable=not progress
+    ) as bar:
+        for (variant, seed), weight in zip(plan, weights, strict=True):
+            bar.set_postfix_str(f"{variant.name} seed {seed}")
+            run_dir = out / "runs" / variant.name / f"seed{seed}"
+            result = _finished(spec, variant, seed, run_dir, meta)
+            if result is None:
+                result = _json_safe(_run(spec, variant, seed, run_dir, out, data_dir, meta, val))
+                checkpoint.write_json(run_dir / RUN_RESULT_FILE, result)
+            runs.append(result)
+            bar.update(weight)
+    init_stats = None
+    if spec.init_stats is not None:
+        d_ks = tuple(spec.init_stats.get("d_k", INIT_D_KS))
+        init_stats = [measure.attention_init_stats(d_ks, seed) for seed in range(spec.seeds)]
+    results = {
+        "study": spec.name,
+        "description": spec.description,
+        "spec": dataclasses.asdict(spec),
+        "command": command or " ".join(sys.argv),
+        "environment": environment(),
+        "data": {"dir": str(data_dir), **{k: meta[k] for k in ("vocab_size", "train_tokens")}},
+        "eval_tokens": len(val),
+        "runs": runs,
+        "summary": summary(spec, runs),
+        "init_stats": init_stats,
+        "wall_s": time.perf_counter() - start,  # this invocation
+        "runs_wall_s": sum(r["wall_s"] for r in runs),  # all runs, across resumed invocations
+    }
+    checkpoint.write_json(out / RESULTS_FILE, _json_safe(results))
+    return results
+
+
+def summary(spec: StudySpec, runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per variant: params, KV bytes/token, and mean/spread/n of each summarised metric."""
+    table = {}
+    for variant in spec.variants:
+        mine = [r for r in runs if r["variant"] == variant.name]
+        row: dict[str, Any] = {k: mine[0][k] for k in ("params", "kv_bytes_per_token")}
+        row["kv_max_context"] = mine[0]["kv_max_context"]
+        row["diverged"] = sum(r["diverged_step"] is not None for r in mine)
+        for key in SUMMARISED:
+            values = [r.get(key) for r in mine]
+            if any(v is not None for v in values):
+                row[key] = dataclasses.asdict(summarise(values))
+        table[variant.name] = row
+    return table
+
+
+def environment() -> dict[str, str]:
+    """git commit, CPU, Python and torch versions: what a reader needs to reproduce the numbers."""
+    import torch
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {
+        "git_commit": commit or "unknown",
+        "cpu": _cpu_name(),
+        "cores": str(os.cpu_count()),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _data(out: Path, data_dir: str | Path | None, inputs: Sequence[str | Path] | None) -> Path:
+    """The prepared data: `data_dir`, else `inputs` prepared (char-level) into OUT/data once."""
+    if data_dir is not None:
+        data.read_meta(data_dir)  # a one-line error if it is not a prepared directory
+        return Path(data_dir)
+    if not inputs:
+        raise DecoderLMError("give the study's data: --data DIR or --input PATH...")
+    prepared = out / "data"
+    if not (prepared / data.META_FILE).is_file():
+        data.prepare(list(inputs), prepared, tokenizer="char", progress=False)
+    return prepared
+
+
+def _weight(spec: StudySpec, variant: Variant, seed: int) -> float:
+    """A run's share of the progress bar: its training tokens (or seconds)."""
+    cfg = spec.train_config(variant, seed)
+    if spec.budget_tokens is None:
+        return cfg.max_time
+    return cfg.max_steps * cfg.batch_size * spec.model_config(variant).context_length
+
+
+def _configs(spec: StudySpec, variant: Variant, seed: int, vocab: int) -> dict[str, Any]:
+    model = spec.model_config(variant, vocab)
+    if variant.pool_kv_heads is not None:
+        model = dataclasses.replace(model, n_kv_heads=variant.pool_kv_heads)
+    return {"model": model.to_dict(), "train": spec.train_config(variant, seed).to_dict()}
+
+
+def _finished(
+    spec: StudySpec, variant: Variant, seed: int, run_dir: Path, meta: dict[str, Any]
+) -> dict[str, Any] | None:
+    """The run's lab.json if it is finished with the configs the study asks for now."""
+    path = run_dir / RUN_RESULT_FILE
+    if not path.is_file():
+        return None
+    result = json.loads(path.read_text())
+    want = _configs(spec, variant, seed, meta["vocab_size"])
+    have = {"model": dict(result["model"]), "train": result["train"]}
+    have["model"]["extra"] = want["model"]["extra"]  # notes (gqa_from_n_kv_heads) aside
+    if have != want:
+        raise DecoderLMError(
+            f"{run_dir} was trained with other settings than variant {variant.name!r} asks for "
+            "now; use a new --out (or delete that run to retrain it)"
+        )
+    return result
+
+
+def _run(
+    spec: StudySpec,
+    variant: Variant,
+    seed: int,
+    run_dir: Path,
+    out: Path,
+    data_dir: Path,
+    meta: dict[str, Any],
+    val: Any,
+) -> dict[str, Any]:
+    """Train (or continue) one run and measure it; the run's lab.json content."""
+    start = time.perf_counter()
+    model_config = spec.model_config(variant, meta["vocab_size"])
+    train_config = spec.train_config(variant, seed)
+    resume = checkpoint.latest_checkpoint(run_dir) is not None
+    if not resume and run_dir.exists():
+        shutil.rmtree(run_dir)  # died before its first checkpoint: start over
+    init_from, pooled_loss = None, None
+    if variant.init_from is not None:
+        model_config = None  # the model is the one initialised from (or resumed)
+        init_from = out / "runs" / variant.init_from / f"seed{seed}"
+        if variant.pool_kv_heads is not None:
+            pooled = out / "runs" / variant.name / f"seed{seed}-pooled"
+            if not (pooled / checkpoint.CONFIG_FILE).is_file():  # save_model writes it last
+                gqa.convert_run(init_from, pooled, variant.pool_kv_heads)
+            init_from = pooled
+            pooled_loss = evaluate_tokens(checkpoint.load_model(pooled), val).loss
+        if resume:
+            init_from = None  # the run's own checkpoint holds the weights
+    nonfinite_step = None
+    try:
+        summary = train(
+            model_config,
+            train_config,
+            data_dir,
+            run_dir,
+            resume=resume,
+            init_from=init_from,
+            progress=False,
+        )
+    except DecoderLMError as exc:  # a diverged run is a result, not a failure of the study
+        match = NONFINITE.search(str(exc))
+        if match is None:
+            raise
+        nonfinite_step = int(match.group(2))
+        summary = {"stopped": "diverged", "step": nonfinite_step - 1}
+    if summary["stopped"] == "interrupted":
+        raise KeyboardInterrupt
+    config = checkpoint.read_run_config(run_dir)
+    result = _measure(spec, run_dir, config, val, meta, nonfinite_step)
+    return {
+        "variant": variant.name,
+        "seed": seed,
+        "group": variant.group,
+        "run_dir": str(run_dir),
+        "model": config["model"],
+        "train": train_config.to_dict(),
+        "steps": summary["step"],
+        "stopped": summary["stopped"],
+        "val_loss_pooled": pooled_loss,
+        **result,
+        "wall_s": time.perf_counter() - start,
+    }
+
+
+def _measure(
+    spec: StudySpec,
+    run_dir: Path,
+    config: dict[str, Any],
+    val: Any,
+    meta: dict[str, Any],
+    nonfinite_step: int | None,
+) -> dict[str, Any]:
+    from decoderlm.model.config import ModelConfig
+
+    model_config = ModelConfig.from_dict(config["model"])
+    rows = measure.read_rows(run_dir)
+    kv = kv_cache_bytes_per_token(model_config)
+    speeds = sorted(r["tokens_per_s"] for r in rows if "tokens_per_s" in r)
+    losses = [r["train_loss"] for r in rows if "train_loss" in r]
+    result: dict[str, Any] = {
+        "params": count_params(model_config),
+        "kv_bytes_per_token": kv,
+        "kv_max_context": spec.kv_budget_bytes // kv,  # one sequence's cache within the budget
+        "train_tokens_per_s": speeds[len(speeds) // 2] if speeds else None,  # the median row
+        "final_train_loss": losses[-1] if losses and nonfinite_step is None else math.nan,
+        "diverged_step": measure.first_divergent_step(rows, nonfinite_step),
+        "curves": measure.curves(rows),
+        "val_loss": math.nan,
+        "val_bpb": math.nan,
+    }
+    if nonfinite_step is not None:
+        return result  # no final weights to measure
+    model = checkpoint.load_model(run_dir)
+    loss = evaluate_tokens(model, val).loss
+    result["val_loss"] = loss
+    result["val_bpb"] = bits_per_byte(loss, meta["val_tokens"], meta["val_bytes"])
+    if "decode" in spec.measures:
+        for batch in DECODE_BATCHES:
+            result[f"decode_tps_b{batch}"] = measure.decode_tokens_per_s(
+                model, batch, DECODE_TOKENS
+            )
+    if "extrapolation" in spec.measures:
+        positions = measure.position_losses(model, val, EXTRAPOLATION_WINDOWS)
+        result["positions"] = positions
+        for factor in measure.EXTRAPOLATION_FACTORS:
+            result[f"loss_{factor}x"] = positions[f"{factor}x_mean"]
+    return result
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN/inf → None (strict JSON), recursively."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value

@@ -1,0 +1,217 @@
+"""The five built-in studies: each a `StudySpec` over small char-level models.
+
+Default budgets are sized for ≤ 30 minutes per study on 2 CPU cores, `quick` for ≤ 3 (smaller
+models, fewer tokens); both are token budgets, so the numbers do not depend on the machine's load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from decoderlm.errors import DecoderLMError
+from decoderlm.lab.spec import StudySpec, Variant
+from decoderlm.model.config import ModelConfig
+from decoderlm.training.train_config import TrainConfig
+
+SCALE_FIELD = "attn_scale"  # ModelConfig: "1/sqrt(head_dim)" (default) or "none"
+UPTRAIN_FRACTION = 0.05  # α of Ainslie et al. (2023): up-training steps / original steps
+UPTRAIN_SEED_OFFSET = 1000  # up-training draws new batches (the original saw the first ones)
+
+
+def base_model(quick: bool) -> dict[str, Any]:
+    """Llama-style (RoPE, RMSNorm, SwiGLU, no biases) char model: 8 heads, 4 layers × 64 wide
+    (quick: 2 × 32), context 128 (quick: 64)."""
+    return dict(
+        context_length=64 if quick else 128,
+        d_model=32 if quick else 64,
+        n_layers=2 if quick else 4,
+        n_heads=8,
+        mlp="swiglu",
+        norm="rmsnorm",
+        position="rope",
+        bias=False,
+        dropout=0.0,
+    )
+
+
+def base_train() -> dict[str, Any]:
+    return dict(
+        batch_size=16,
+        lr=3e-3,
+        min_lr=3e-4,
+        checkpoint_interval=0,  # the final checkpoint only (and one on Ctrl-C)
+        eval_iters=4,
+        sample_tokens=8,
+        dtype="fp32",  # bf16 autocast costs more than it saves at this width on a CPU
+        peak_flops=1e12,  # MFU is not used here: skip measuring the peak at each run's start
+    )
+
+
+def budget(quick: bool, full: int, fast: int) -> int:
+    return fast if quick else full
+
+
+def attention_variants(quick: bool) -> StudySpec:
+    heads = base_model(quick)["n_heads"]
+    groups = (("MHA", heads), ("GQA-4", 4), ("GQA-2", 2), ("MQA", 1))
+    return StudySpec(
+        name="attention-variants",
+        description=(
+            "Multi-head vs grouped-query (4 and 2 K/V heads) vs multi-query attention "
+            "(Shazeer, 2019; Ainslie et al., 2023) at matched size: quality, speed and KV memory."
+        ),
+        model=base_model(quick),
+        train=base_train(),
+        variants=[
+            Variant(name, model={"n_kv_heads": g}, match_params=g != heads) for name, g in groups
+        ],
+        budget_tokens=budget(quick, 1_000_000, 120_000),
+        reference="MHA",
+        measures=("decode",),
+    )
+
+
+def positions(quick: bool) -> StudySpec:
+    kinds = ("sinusoidal", "learned", "rope", "none")
+    return StudySpec(
+        name="positions",
+        description=(
+            "Sinusoidal (Vaswani et al., 2017) vs learned (GPT-2) vs rotary (Su et al., 2021) vs no "
+            "positions (NoPE, Kazemnejad et al., 2023): loss at the training context and at 2× "
+            "and 4× it."
+        ),
+        model=base_model(quick),
+        train=base_train(),
+        variants=[Variant(kind, model={"position": kind}) for kind in kinds],
+        budget_tokens=budget(quick, 1_000_000, 120_000),
+        measures=("extrapolation",),
+        notes=["learned positions add context_length × d_model parameters (not matched)"],
+    )
+
+
+def scaling(quick: bool) -> StudySpec:
+    variants = []
+    notes = []
+    if SCALE_FIELD in {f.name for f in dataclasses.fields(ModelConfig)}:
+        for d_k in (64, 256):
+            for scale, label in (("1/sqrt(head_dim)", "scaled"), ("none", "unscaled")):
+                model = {"n_heads": 2, "head_dim": d_k, SCALE_FIELD: scale}
+                variants.append(Variant(f"d_k={d_k} {label}", model=model, group=f"d_k={d_k}"))
+    else:
+        notes.append(
+            f"trained with/without scale: skipped, ModelConfig has no {SCALE_FIELD!r} field yet"
+        )
+    return StudySpec(
+        name="scaling",
+        description=(
+            "Why attention divides by √d_k (Vaswani et al., 2017, §3.2.1): q·k statistics at "
+            "initialisation against d_k, then training with and without the scale."
+        ),
+        model=base_model(quick),
+        train=base_train(),
+        variants=variants,
+        budget_tokens=budget(quick, 600_000, 80_000),
+        init_stats={"d_k": [16, 32, 64, 128, 256]},
+        notes=notes,
+    )
+
+
+def norm_placement(quick: bool) -> StudySpec:
+    depths = (2, 4) if quick else (2, 6)
+    variants = []
+    for placement in ("pre", "post"):
+        for depth in depths:
+            for lr in (1e-3, 1e-2):
+                for warmup in (True, False):
+                    name = f"{placement}-LN L{depth} lr{lr:g} {'warmup' if warmup else 'no-warmup'}"
+                    train: dict[str, Any] = {"lr": lr, "min_lr": lr / 10}
+                    if not warmup:
+                        train["warmup_steps"] = 0
+                    model = {"norm_placement": placement, "n_layers": depth}
+                    group = f"L{depth} lr{lr:g} {'warmup' if warmup else 'no-warmup'}"
+                    variants.append(Variant(name, model=model, train=train, group=group))
+    return StudySpec(
+        name="norm-placement",
+        description=(
+            "Pre-LN vs Post-LN (Xiong et al., 2020) at increasing depth and learning rate, with "
+            "and without warmup: final loss, divergence and gradient norms."
+        ),
+        model={**base_model(quick), "norm": "layernorm"},
+        # grad_clip huge: clipping effectively off (it would hide divergence), yet the trainer
+        # still computes and logs the gradient norm; every step logged to catch divergence.
+        train={**base_train(), "grad_clip": 1e6, "log_interval": 1},
+        variants=variants,
+        budget_tokens=budget(quick, 200_000, 12_000),
+        measures=("divergence",),
+        warmup_fraction=0.2,
+    )
+
+
+def uptrain_gqa(quick: bool) -> StudySpec:
+    base = base_train()
+    heads = base_model(quick)["n_heads"]
+    up = {  # continue the original's schedule from where it ended: its floor lr, briefly warmed
+        "lr": base["min_lr"],  # (Adam's moments start afresh)
+        "min_lr": base["min_lr"],
+        "seed": TrainConfig.seed + UPTRAIN_SEED_OFFSET,
+    }
+    variants = [Variant("MHA", model={"n_kv_heads": heads})]
+    variants.append(
+        Variant(
+            "MHA-continued",
+            model={"n_kv_heads": heads},
+            train=up,
+            budget_scale=UPTRAIN_FRACTION,
+            init_from="MHA",
+        )
+    )
+    for name, g in (("GQA-4", 4), ("GQA-2", 2), ("MQA", 1)):
+        variants.append(
+            Variant(
+                f"{name} up-trained",
+                model={"n_kv_heads": heads},
+                train=up,
+                budget_scale=UPTRAIN_FRACTION,
+                init_from="MHA",
+                pool_kv_heads=g,
+                group=name,
+            )
+        )
+        variants.append(
+            Variant(
+                f"{name} scratch",
+                model={"n_kv_heads": g},
+                budget_scale=1 + UPTRAIN_FRACTION,
+                group=name,
+            )
+        )
+    return StudySpec(
+        name="uptrain-gqa",
+        description=(
+            "The GQA recipe (Ainslie et al., 2023, §2.1): train MHA, mean-pool its K/V heads to "
+            f"GQA/MQA, up-train for α = {UPTRAIN_FRACTION:.0%} of the steps; against GQA/MQA "
+            "trained from scratch on the same total budget (1 + α), and MHA continued under "
+            "the same up-training as the control."
+        ),
+        model=base_model(quick),
+        train=base,
+        variants=variants,
+        budget_tokens=budget(quick, 900_000, 120_000),
+    )
+
+
+STUDIES: dict[str, Callable[[bool], StudySpec]] = {
+    "attention-variants": attention_variants,
+    "positions": positions,
+    "scaling": scaling,
+    "norm-placement": norm_placement,
+    "uptrain-gqa": uptrain_gqa,
+}
+
+
+def builtin(name: str, quick: bool = False) -> StudySpec:
+    if name not in STUDIES:
+        raise DecoderLMError(f"unknown study {name!r}; allowed: {', '.join(STUDIES)}")
+    return dataclasses.replace(STUDIES[name](quick), builtin=True)

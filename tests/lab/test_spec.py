@@ -1,0 +1,164 @@
+"""Study specs (TOML and built-in), size matching, the seed statistics and the init measurements."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from decoderlm.cli import main
+from decoderlm.errors import DecoderLMError
+from decoderlm.lab import measure, stats, studies
+from decoderlm.lab.spec import count_params, load_spec, match_d_ff
+from decoderlm.model.config import ModelConfig
+
+STUDY_TOML = """
+name = "mine"
+seeds = 3
+budget_tokens = 4096
+reference = "base"
+
+[model]
+context_length = 32
+d_model = 32
+n_layers = 2
+n_heads = 4
+
+[train]
+batch_size = 4
+
+[[variants]]
+name = "base"
+
+[[variants]]
+name = "gqa"
+model = { n_kv_heads = 2 }
+match_params = true
+
+[[variants]]
+name = "post-nope-wide"
+model = { norm_placement = "post", position = "none", d_model = 64 }
+train = { lr = 1e-3 }
+"""
+
+
+def write(tmp_path, text):
+    path = tmp_path / "study.toml"
+    path.write_text(text)
+    return path
+
+
+def test_toml_spec_gives_each_variant_its_configs(tmp_path):
+    spec = load_spec(write(tmp_path, STUDY_TOML))
+    assert [v.name for v in spec.variants] == ["base", "gqa", "post-nope-wide"]
+    wide = spec.variant("post-nope-wide")
+    cfg = spec.model_config(wide)
+    assert (cfg.norm_placement, cfg.position, cfg.d_model, cfg.n_layers) == ("post", "none", 64, 2)
+    train = spec.train_config(wide, seed=2)
+    assert train.lr == 1e-3
+    assert train.max_steps == 4096 // (4 * 32) == 32  # the budget in steps of batch × context
+    assert train.seed == 1337 + 2
+    assert spec.train_config(spec.variant("base"), 2).seed == train.seed  # same seed, same batches
+    gqa = spec.model_config(spec.variant("gqa"))
+    ref = count_params(spec.model_config(spec.variant("base")))
+    assert gqa.n_kv_heads == 2 and abs(count_params(gqa) - ref) <= 0.02 * ref
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('name = "x"\nbogus = 1\n[[variants]]\nname = "a"\n', "unknown key 'bogus'"),
+        ('[[variants]]\nname = "a"\nmodel = { n_kv_heads = 5 }\n', "variant 'a': n_heads=12"),
+        ('[[variants]]\nname = "a"\n[[variants]]\nname = "a"\n', "'a' is repeated"),
+        ('[[variants]]\nname = "a"\ninit_from = "b"\n', "must name an earlier variant"),
+    ],
+)
+def test_bad_spec_is_a_one_line_error(tmp_path, text, message):
+    with pytest.raises(DecoderLMError, match=message) as info:
+        load_spec(write(tmp_path, text))
+    assert "\n" not in str(info.value)
+
+
+def test_match_d_ff_lands_within_two_percent_and_refuses_the_impossible():
+    mha = ModelConfig(vocab_size=65, context_length=64, d_model=64, n_layers=4, n_heads=8)
+    target = count_params(mha)
+    for n_kv in (4, 2, 1):
+        matched = match_d_ff(dataclasses.replace(mha, n_kv_heads=n_kv), target)
+        assert matched.d_ff > mha.d_ff  # fewer K/V weights, a wider MLP
+        assert abs(count_params(matched) - target) <= 0.02 * target
+    with pytest.raises(DecoderLMError, match="cannot match"):
+        match_d_ff(mha, target // 100)  # the embeddings alone are larger
+
+
+@pytest.mark.parametrize("quick", [True, False])
+@pytest.mark.parametrize("name", list(studies.STUDIES))
+def test_builtin_studies_are_valid_and_matched(name, quick):
+    spec = studies.builtin(name, quick)
+    assert spec.builtin and spec.seeds == 2
+    for variant in spec.variants:
+        spec.train_config(variant, 0)
+        if variant.match_params:
+            ref = count_params(spec.model_config(spec.variant(spec.reference)))
+            assert abs(count_params(spec.model_config(variant)) - ref) <= 0.02 * ref
+
+
+def test_summary_and_the_seed_rule():
+    a = stats.summarise([1.0, 1.2])
+    assert (a.mean, a.n) == (pytest.approx(1.1), 2)
+    assert a.spread == pytest.approx(math.sqrt(0.02))  # ddof = 1
+    close = stats.summarise([1.05, 1.15])
+    far = stats.summarise([2.0, 2.1])
+    assert stats.verdict("a", a, "b", close) == "a vs b: not distinguishable at 2 seeds"
+    assert stats.verdict("a", a, "far", far).startswith("a better than far by 0.9500")
+    one = stats.summarise([1.0])
+    assert not stats.distinguishable(one, stats.summarise([5.0]))  # one seed: no spread known
+    diverged = stats.summarise([None, float("nan"), 3.0])
+    assert (diverged.n, diverged.n_total, diverged.mean) == (1, 3, 3.0)
+
+
+def test_var_qk_at_init_is_d_k_and_the_scale_brings_it_to_one():
+    rows = measure.attention_init_stats((16, 64, 256), seed=0)
+    at64 = rows[1]
+    assert at64["var_qk"] == pytest.approx(64, rel=0.10)
+    assert at64["var_qk_scaled"] == pytest.approx(1, rel=0.10)
+    big = rows[2]  # unscaled logits saturate the softmax: lower entropy, vanishing gradient
+    assert big["entropy_raw"] < big["entropy_scaled"] <= math.log(64)
+    assert big["grad_norm_raw"] < big["grad_norm_scaled"]
+
+
+def test_softmax_jacobian_norm_matches_autograd():
+    s = torch.randn(5, dtype=torch.float64)
+    jac = torch.autograd.functional.jacobian(lambda x: torch.softmax(x, -1), s)
+    assert measure.softmax_jacobian_norm(s).item() == pytest.approx(
+        torch.linalg.matrix_norm(jac).item(), rel=1e-12
+    )
+
+
+def test_trained_scale_variants_exist_once_the_config_has_the_field():
+    if "attn_scale" not in {f.name for f in dataclasses.fields(ModelConfig)}:
+        pytest.skip("ModelConfig has no 'attn_scale' field yet (the lead adds it)")
+    spec = studies.builtin("scaling", quick=True)
+    scales = {spec.model_config(v).attn_scale for v in spec.variants}
+    assert scales == {"1/sqrt(head_dim)", "none"}
+    assert {spec.model_config(v).head_dim for v in spec.variants} == {64, 256}
+
+
+def test_first_divergent_step_is_the_first_exploding_or_non_finite_loss():
+    rows = [{"step": s, "train_loss": loss} for s, loss in enumerate([4.0, 3.0, 5.9, 6.1], 1)]
+    assert measure.first_divergent_step(rows, None) == 4  # 6.1 > 1.5 × 4.0
+    assert measure.first_divergent_step(rows[:3], None) is None
+    assert measure.first_divergent_step([], 1) == 1  # stopped on a non-finite first step
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["lab", "--out", "x"], "give a STUDY"),
+        (["lab", "nope", "--out", "x"], "unknown study 'nope'"),
+        (["lab", "positions", "--seeds", "0", "--out", "x"], "--seeds=0 must be ≥ 1"),
+    ],
+)
+def test_cli_user_errors_are_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
