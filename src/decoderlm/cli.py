@@ -18,7 +18,20 @@ from decoderlm import __version__, commands
 from decoderlm.errors import DecoderLMError
 
 # The order in which `decoderlm --help` lists the commands: the main job's data flow.
-ORDER = ("prepare", "train", "generate", "chat", "eval", "info", "convert", "quantize", "serve", "lab", "attention", "plot")
+ORDER = (
+    "prepare",
+    "train",
+    "generate",
+    "chat",
+    "eval",
+    "info",
+    "convert",
+    "quantize",
+    "serve",
+    "lab",
+    "attention",
+    "plot",
+)
 
 
 def _command_modules() -> dict[str, object]:
