@@ -41,7 +41,9 @@ def _worse(results: dict[str, Any], a: str, b: str, key: str = "val_loss") -> bo
 
 
 def _supported(ok: bool) -> str:
-    return "The data support this." if ok else "The data do not support this at these seeds."
+    if ok:
+        return "The data are consistent with this (no difference against it at these seeds)."
+    return "The data do not support this at these seeds."
 
 
 def attention_variants(results: dict[str, Any]) -> str:
