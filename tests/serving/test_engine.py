@@ -218,6 +218,39 @@ def engine_bytes(model: DecoderLM) -> int:
     return kv_cache_bytes_per_token(model.config, model.tok_emb.weight.dtype)
 
 
+def test_int8_pool_counts_its_scales_in_the_blocks_the_budget_holds(tok):
+    # float32, 2 layers, 2 KV heads of 8: 2·2·2·8·4 = 256 bytes per token; int8 2·2·2·(8 + 4) = 96
+    # (the 4-byte scales are a third of it at head_dim 8). A budget of 8 float32 blocks of 16
+    # tokens holds ⌊8 · 256 / 96⌋ = 21 int8 blocks; 16-token prompts take 2 blocks: 10 admitted.
+    model = tiny_model(tok, torch.float32)
+    budget = 8 * 16 * engine_bytes(model)
+    engine = Engine(model, tok, kv_cache_memory=budget, kv_cache_dtype="int8")
+    assert engine.bytes_per_token == kv_cache_bytes_per_token(model.config, "int8") == 96
+    assert engine.cache.nbytes == 21 * 16 * 96 <= budget  # the buffers allocated, scales included
+    for prompt in random_prompts(20, tok.vocab_size, (16, 17)):
+        engine.submit(prompt, RequestParams(max_tokens=1), on_event=lambda e: None)
+    engine.step()
+    stats = engine.stats()
+    assert stats.kv_blocks_total == 21 and stats.kv_bytes_per_token == 96
+    assert stats.max_running_seen == 10 and stats.waiting == 10
+    with pytest.raises(DecoderLMError, match="kv_cache_dtype='fp8'"):
+        Engine(model, tok, kv_cache_dtype="fp8")
+
+
+def test_int8_engine_requests_equal_their_solo_int8_generate_in_float64(tok):
+    # Each (token, head) vector has its own scale, so a row's int8 K/V are the same in the paged
+    # pool as in generate's static cache; float64 leaves the rest ~1e-15 apart.
+    model = tiny_model(tok)
+    engine = Engine(model, tok, block_size=4, prefill_chunk=16, kv_cache_dtype="int8")
+    requests = mixed_requests(tok, 8)
+    events = run_staggered(engine, requests)
+    for (prompt, params), got in zip(requests, events, strict=True):
+        solo = generate(model, [prompt], params.max_tokens, temperature=0, kv_cache_dtype="int8")
+        assert token_ids(got) == solo[0][len(prompt) :]
+    pool = engine.cache[0].k  # what the requests were decoded from: int8 values and scales
+    assert pool.values.dtype == torch.int8 and bool(pool.scales.any())
+
+
 def test_generation_ends_at_the_context_with_length(tok):
     model = tiny_model(tok, context_length=32)
     (done,) = Engine(model, tok).generate([[3] * 28], RequestParams(100, GREEDY, stop_at_eot=False))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from decoderlm.commands.generate import add_cpu_kernels_argument
+from decoderlm.commands.generate import add_cpu_kernels_argument, add_kv_cache_dtype_argument
 
 HELP = "loss, perplexity and bits per byte of a checkpoint on a text file"
 
@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     add_cpu_kernels_argument(parser)
+    add_kv_cache_dtype_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,9 +55,11 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         progress=not args.json,
         cpu_kernels=args.cpu_kernels,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     if args.json:
-        print(json.dumps({"checkpoint": args.checkpoint, "input": args.input, **result.to_dict()}))
+        source = {"checkpoint": args.checkpoint, "input": args.input}
+        print(json.dumps({**source, "kv_cache_dtype": args.kv_cache_dtype, **result.to_dict()}))
         return 0
     windows = (
         "non-overlapping windows"
@@ -68,5 +71,6 @@ def run(args: argparse.Namespace) -> int:
         f"bits per byte {result.bits_per_byte:.4f}\n"
         f"{result.n_tokens:,} tokens, {result.n_bytes:,} bytes, {windows} of "
         f"{result.context_length} tokens"
+        + (f", through an {args.kv_cache_dtype} KV cache" if args.kv_cache_dtype else "")
     )
     return 0

@@ -59,6 +59,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compile the one-token step (AOTInductor) and the prefill (torch.compile)",
     )
     add_cpu_kernels_argument(parser)
+    add_kv_cache_dtype_argument(parser)
+
+
+def add_kv_cache_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """--kv-cache-dtype: the `kv_cache_dtype` of decoderlm.inference (generate and eval)."""
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("int8",),
+        default=None,
+        help="int8: quantize the KV cache, one scale per token and head (default: the weights' dtype)",
+    )
 
 
 def add_cpu_kernels_argument(parser: argparse.ArgumentParser) -> None:
@@ -105,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
             sliding_window=args.sliding_window,
             compile=args.compile,
             cpu_kernels=args.cpu_kernels,
+            kv_cache_dtype=args.kv_cache_dtype,
         )  # checks its arguments before anything is printed
         sys.stdout.write(prompt)
         for piece in pieces:

@@ -12,6 +12,10 @@ tokenizer, so models with different vocabularies can be compared on the same tex
 
 On the CPU the forward passes take the speed paths of `decoderlm.cpu` (`decoderlm.cpu.optimized`
 and `decoderlm.cpu.decode.CPULinearKernels`) unless `cpu_kernels=False`.
+
+`kv_cache_dtype="int8"` scores the model as it decodes over an int8 cache
+(`decoderlm.model.int8_cache`): each window's forward pass writes its K/V to a fresh cache at
+positions 0..T−1 and attends them from there, so the keys and values are quantized as cached ones.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from decoderlm.cpu.decode import linear_kernels
 from decoderlm.data import read_text_file
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.generate import evaluating
+from decoderlm.model.int8_cache import check_kv_cache_dtype, make_static_cache
 from decoderlm.model.lm import DecoderLM
 
 # Windows per forward pass are chosen so that a batch holds about this many tokens (bounds the
@@ -83,11 +88,14 @@ def evaluate_tokens(
     batch_size: int | None = None,
     progress: bool = False,
     cpu_kernels: bool = True,
+    kv_cache_dtype: str | None = None,
 ) -> EvalResult:
     """Mean next-token loss of `model` over a 1-D stream of token ids (the first id is context only).
 
-    `cpu_kernels=False` runs the model as defined, without the CPU speed paths (module docstring).
+    `cpu_kernels=False` runs the model as defined, without the CPU speed paths; `kv_cache_dtype`
+    "int8" runs each window through an int8 cache (module docstring).
     """
+    check_kv_cache_dtype(kv_cache_dtype)
     cfg = model.config
     context = cfg.context_length if context_length is None else context_length
     if not 1 <= context <= cfg.context_length:
@@ -116,13 +124,25 @@ def evaluate_tokens(
     with evaluating(model), optimized(model, enabled=cpu_kernels), linear_kernels(cpu_kernels):
         for batch in batches:
             x, y = _window_batch(ids, batch)  # (B, T) inputs and targets
-            logits = model(x.to(device))  # (B, T, V); causal, so right padding changes nothing
+            logits = _window_logits(model, x.to(device), kv_cache_dtype)  # (B, T, V)
             flat_logits, flat_targets = logits.flatten(0, 1).float(), y.to(device).flatten()
             nats = F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE, reduction="sum")
             total_nats += nats.item()
             n_scored += int((y != IGNORE).sum())
     loss = total_nats / n_scored
     return EvalResult(loss, math.exp(min(loss, 700.0)), n_scored, context, stride)
+
+
+def _window_logits(model: DecoderLM, x: Tensor, kv_cache_dtype: str | None) -> Tensor:
+    """Logits (B, T, V) of windows x (B, T), causal (so right padding changes nothing); through a
+    fresh cache at slots 0..T−1 when `kv_cache_dtype` is given."""
+    if kv_cache_dtype is None:
+        return model(x)
+    b, t = x.shape
+    dtype = model.tok_emb.weight.dtype
+    cache = make_static_cache(model.config, b, t, dtype, x.device, kv_cache_dtype)
+    cache.seek(torch.arange(t, device=x.device), t)  # a prefill: the usual causal triangle
+    return model(x, None, None, cache)
 
 
 def _window_batch(ids: Tensor, batch: list[tuple[int, int, int]]) -> tuple[Tensor, Tensor]:
@@ -147,6 +167,7 @@ def evaluate_text(
     batch_size: int | None = None,
     progress: bool = False,
     cpu_kernels: bool = True,
+    kv_cache_dtype: str | None = None,
 ) -> EvalResult:
     """Loss, perplexity and bits per byte of `model` on `text`.
 
@@ -166,7 +187,9 @@ def evaluate_text(
         ids = [eot, *ids]
     elif ids:
         n_bytes -= len(tokenizer.decode(ids[:1]).encode("utf-8"))
-    result = evaluate_tokens(model, ids, context_length, stride, batch_size, progress, cpu_kernels)
+    result = evaluate_tokens(
+        model, ids, context_length, stride, batch_size, progress, cpu_kernels, kv_cache_dtype
+    )
     bpb = bits_per_byte(result.loss, result.n_tokens, n_bytes)
     return EvalResult(**{**result.to_dict(), "bits_per_byte": bpb, "n_bytes": n_bytes})
 

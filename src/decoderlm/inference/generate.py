@@ -30,7 +30,8 @@ from decoderlm.cpu import optimized
 from decoderlm.cpu.decode import CompiledStep, linear_kernels
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.sampling import SamplingParams, sample_next, sampling_params
-from decoderlm.model.kv_cache import StaticKVCache, StaticLayerCache
+from decoderlm.model.int8_cache import check_kv_cache_dtype, make_static_cache
+from decoderlm.model.kv_cache import StaticLayerCache
 from decoderlm.model.lm import DecoderLM
 
 Prompt = Tensor | Sequence[Sequence[int]] | Sequence[int]
@@ -123,6 +124,17 @@ def check_lengths(
         )
 
 
+def check_cache_options(kv_cache_dtype: str | None, compile: bool) -> None:
+    """DecoderLMError for an unknown `kv_cache_dtype`, or "int8" with `compile`: the AOT-compiled
+    step of `decoderlm.cpu.decode` takes plain K/V buffers as its inputs, not int8 values and scales."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if compile and kv_cache_dtype == "int8":
+        raise DecoderLMError(
+            "compile=True does not support kv_cache_dtype='int8' (the compiled one-token step "
+            "takes plain K/V buffers); drop one of the two"
+        )
+
+
 def decode_steps(
     model: DecoderLM,
     rows: list[list[int]],
@@ -132,6 +144,7 @@ def decode_steps(
     sliding_window: bool = False,
     compile: bool = False,
     cpu_kernels: bool = True,
+    kv_cache_dtype: str | None = None,
 ) -> Iterator[Tensor]:
     """Yield the new token of every row, (B,) on the model's device, `max_new_tokens` times.
 
@@ -141,11 +154,13 @@ def decode_steps(
     `sliding_window`, drop the oldest quarter of the context and refill the cache from the rest
     (one prefill), so every token still sees ≥ 3/4 of a context. `cpu_kernels`: the prefill (and
     with `compile` the one-token step) under `CPULinearKernels`; the eager one-token step never,
-    as the mode's Python hook on every op costs more than it saves there.
+    as the mode's Python hook on every op costs more than it saves there. `kv_cache_dtype`: None
+    caches K/V in the model's dtype, "int8" quantizes them (`decoderlm.model.int8_cache`).
     """
     cfg = model.config
     context = cfg.context_length
     check_lengths(rows, max_new_tokens, context, sliding_window)
+    check_cache_options(kv_cache_dtype, compile)
     n = max(len(row) for row in rows)  # the first fill: the prompts, left-padded to n tokens
     weight = model.tok_emb.weight
     device = weight.device
@@ -155,7 +170,7 @@ def decode_steps(
     max_len = min(n + max_new_tokens, context)
     if compile:
         max_len = min(math.ceil(max_len / COMPILE_CACHE_MULTIPLE) * COMPILE_CACHE_MULTIPLE, context)
-    cache = StaticKVCache(cfg, len(rows), max_len, weight.dtype, device)
+    cache = make_static_cache(cfg, len(rows), max_len, weight.dtype, device, kv_cache_dtype)
     step = CompiledStep(model, cache, next_logits, cpu_kernels) if compile else None
     seen = None
     if params.repetition_penalty != 1.0:
@@ -218,6 +233,7 @@ def generate(
     sliding_window: bool = False,
     compile: bool = False,
     cpu_kernels: bool = True,
+    kv_cache_dtype: str | None = None,
     **sampling: Any,
 ) -> list[list[int]]:
     """Continue each prompt row by up to `max_new_tokens` tokens; returns one id list per row.
@@ -233,20 +249,31 @@ def generate(
     prefill with torch.compile and the one-token step ahead of time with AOTInductor (see
     `decoderlm.cpu.decode`; the first call of a shape pays for the compilation, and prompts are
     left-padded to a multiple of 64 so that nearby lengths share one prefill graph).
-    `cpu_kernels=False` switches off the CPU speed paths (module docstring).
+    `cpu_kernels=False` switches off the CPU speed paths (module docstring). `kv_cache_dtype="int8"`
+    keeps the cache in int8 with a scale per token and head (`decoderlm.model.int8_cache`: half
+    the bytes of a bfloat16 cache, plus the scales); not with `compile`.
     """
     params = sampling_params(params, sampling)
     if not (isinstance(num_samples, int) and num_samples >= 1):
         raise DecoderLMError(f"num_samples={num_samples!r} must be an integer ≥ 1")
     rows = [row for row in prompt_rows(prompt, model.config.vocab_size) for _ in range(num_samples)]
     check_lengths(rows, max_new_tokens, model.config.context_length, sliding_window)
+    check_cache_options(kv_cache_dtype, compile)
     if max_new_tokens == 0:
         return rows
     generator = make_generator(seed, model.tok_emb.weight.device)
     new: list[Tensor] = []
     with evaluating(model), optimized(model, enabled=cpu_kernels):
         steps = decode_steps(
-            model, rows, max_new_tokens, params, generator, sliding_window, compile, cpu_kernels
+            model,
+            rows,
+            max_new_tokens,
+            params,
+            generator,
+            sliding_window,
+            compile,
+            cpu_kernels,
+            kv_cache_dtype,
         )
         done = torch.zeros(len(rows), dtype=torch.bool, device=model.tok_emb.weight.device)
         for i, token in enumerate(steps):

@@ -14,6 +14,7 @@ from torch import Tensor
 from decoderlm.cpu import optimized
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.generate import (
+    check_cache_options,
     check_lengths,
     decode_steps,
     evaluating,
@@ -100,6 +101,7 @@ def stream(
     sliding_window: bool = False,
     compile: bool = False,
     cpu_kernels: bool = True,
+    kv_cache_dtype: str | None = None,
     **sampling: Any,
 ) -> Iterator[str]:
     """An iterator over the continuation of `prompt`, as text pieces while they are generated.
@@ -107,7 +109,7 @@ def stream(
     Stops after `max_new_tokens`, at the tokenizer's end-of-text token (unless `stop_at_eot` is
     False) or before the first of the `stop` strings (which is not yielded). Bad arguments raise
     here, before anything is generated. Sampling (`params` and/or its fields as keywords), `seed`,
-    `sliding_window`, `compile` and `cpu_kernels` are those of
+    `sliding_window`, `compile`, `cpu_kernels` and `kv_cache_dtype` are those of
     `decoderlm.inference.generate.generate`; the model is in eval mode (and, with `cpu_kernels`,
     under `decoderlm.cpu.optimized`) while the iterator runs, restored when it ends or is closed.
     """
@@ -117,10 +119,19 @@ def stream(
     ids = tokenizer.encode(prompt)
     rows = prompt_rows([ids], model.config.vocab_size)
     check_lengths(rows, max_new_tokens, model.config.context_length, sliding_window)
+    check_cache_options(kv_cache_dtype, compile)
     eot = getattr(tokenizer, "eot_id", None) if stop_at_eot else None
     generator = make_generator(seed, model.tok_emb.weight.device)
     steps = decode_steps(
-        model, rows, max_new_tokens, params, generator, sliding_window, compile, cpu_kernels
+        model,
+        rows,
+        max_new_tokens,
+        params,
+        generator,
+        sliding_window,
+        compile,
+        cpu_kernels,
+        kv_cache_dtype,
     )
     decoder, matcher = IncrementalDecoder(tokenizer, ids), StopMatcher(stop)
     return _text_pieces(model, steps, decoder, matcher, eot, cpu_kernels)

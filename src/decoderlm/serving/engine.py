@@ -32,6 +32,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.inference.generate import evaluating, make_generator, prompt_rows
 from decoderlm.inference.sampling import sample_next
 from decoderlm.inference.stream import IncrementalDecoder, StopMatcher
+from decoderlm.model.int8_cache import check_kv_cache_dtype
 from decoderlm.model.kv_cache import kv_cache_bytes_per_token
 from decoderlm.model.lm import DecoderLM
 from decoderlm.serving.kv_pool import BlockPool, PagedKVCache, blocks_for, parse_bytes
@@ -85,7 +86,12 @@ class Engine:
         max_queue: int = 64,
         prefill_chunk: int = 128,
         prefix_caching: bool = True,
+        kv_cache_dtype: str | None = None,
     ) -> None:
+        """kv_cache_memory: the byte budget of the KV pool, which holds
+        ⌊budget / (block_size · bytes per token)⌋ blocks; kv_cache_dtype: None (K/V in the model's
+        dtype) or "int8" (`decoderlm.model.int8_cache`, whose scales the bytes per token count)."""
+        check_kv_cache_dtype(kv_cache_dtype)
         for name, value in (
             ("block_size", block_size),
             ("max_queue", max_queue),
@@ -95,7 +101,9 @@ class Engine:
         self.model, self.tokenizer, self.max_queue = model, tokenizer, max_queue
         weight = model.tok_emb.weight
         self.device = weight.device
-        self.bytes_per_token = kv_cache_bytes_per_token(model.config, weight.dtype)
+        self.bytes_per_token = kv_cache_bytes_per_token(
+            model.config, kv_cache_dtype or weight.dtype
+        )
         num_blocks = parse_bytes(kv_cache_memory) // (block_size * self.bytes_per_token)
         if num_blocks == 0:
             raise DecoderLMError(
@@ -103,7 +111,9 @@ class Engine:
                 f"{block_size} tokens takes {block_size * self.bytes_per_token} bytes"
             )
         self.pool = BlockPool(num_blocks, block_size, prefix_caching)
-        self.cache = PagedKVCache(model.config, num_blocks, block_size, weight.dtype, self.device)
+        self.cache = PagedKVCache(
+            model.config, num_blocks, block_size, weight.dtype, self.device, kv_cache_dtype
+        )
         self.scheduler = Scheduler(self.pool, prefill_chunk)
         self._lock = threading.Condition()  # guards everything below, and the scheduler
         self._requests: dict[str, _Request] = {}

@@ -9,7 +9,9 @@ end, and a freed block keeps that registration until the pool hands it out again
 freed first), so a later request with the same prefix can still find it.
 
 `PagedKVCache` is the model's side: it implements the `LayerCache` protocol by writing each new
-token's K/V to its slot and gathering each row's slots into one (B, Hkv, Tk, hd) tensor.
+token's K/V to its slot and gathering each row's slots into one (B, Hkv, Tk, hd) tensor. With
+kv_cache_dtype "int8" its pools are `decoderlm.model.int8_cache.Int8Buffer`s: int8 K/V and one
+scale per (slot, head), quantized as they are written and dequantized as they are gathered.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import Tensor
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.config import ModelConfig
+from decoderlm.model.int8_cache import Int8Buffer, check_kv_cache_dtype
 
 _UNITS = {
     "": 1,
@@ -143,7 +146,7 @@ class BlockPool:
 class PagedLayerCache:
     """One layer's K and V pools, (num_blocks · block_size, Hkv, hd) each: a `LayerCache`."""
 
-    def __init__(self, k: Tensor, v: Tensor) -> None:
+    def __init__(self, k: Tensor | Int8Buffer, v: Tensor | Int8Buffer) -> None:
         self.k, self.v = k, v
         self.write: Tensor | None = None  # (B, T) slots of the new tokens
         self.read: Tensor | None = None  # (B, Tk) slots of every key each row attends
@@ -157,7 +160,12 @@ class PagedLayerCache:
 
 
 class PagedKVCache:
-    """The pools of all layers, indexed as `kv_caches[i]` by `DecoderLM.forward`."""
+    """The pools of all layers, indexed as `kv_caches[i]` by `DecoderLM.forward`.
+
+    dtype: the model's; kv_cache_dtype: None (pools in `dtype`) or "int8" (`Int8Buffer` pools,
+    handing attention their K/V in `dtype`). `nbytes` = num_blocks · block_size ·
+    `kv_cache_bytes_per_token(config, kv_cache_dtype or dtype)`.
+    """
 
     def __init__(
         self,
@@ -166,22 +174,29 @@ class PagedKVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        kv_cache_dtype: str | None = None,
     ) -> None:
+        check_kv_cache_dtype(kv_cache_dtype)
         self.block_size = block_size
         shape = (num_blocks * block_size, config.n_kv_heads, config.head_dim)
-        self.layers = [
-            PagedLayerCache(
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
-            for _ in range(config.n_layers)
-        ]
+
+        def pool() -> Tensor | Int8Buffer:
+            if kv_cache_dtype == "int8":
+                return Int8Buffer(shape, dtype, device)
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.layers = [PagedLayerCache(pool(), pool()) for _ in range(config.n_layers)]
 
     def __getitem__(self, i: int) -> PagedLayerCache:
         return self.layers[i]
 
     def __len__(self) -> int:
         return len(self.layers)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all K and V pools (with an int8 cache, their scales too)."""
+        return sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers)
 
     def slots(self, table: Tensor, positions: Tensor) -> Tensor:
         """Pool slots of token `positions` (B, T) given block tables (B, n_blocks): same shape."""
