@@ -12,6 +12,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from decoderlm.commands.generate import add_kv_cache_dtype_argument
 from decoderlm.errors import DecoderLMError
 
 HELP = (
@@ -40,6 +41,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="requests that may wait for KV room; more are refused with 429 (default 64)",
     )
+    add_kv_cache_dtype_argument(parser)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +68,11 @@ def load_served(args: argparse.Namespace) -> Any:
     if tokenizer is None:
         raise DecoderLMError(f"{args.checkpoint} has no tokenizer.json, so text cannot be encoded")
     engine = Engine(
-        model, tokenizer, kv_cache_memory=args.kv_cache_memory, max_queue=args.max_queue
+        model,
+        tokenizer,
+        kv_cache_memory=args.kv_cache_memory,
+        max_queue=args.max_queue,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     eot = "" if tokenizer.eot_id is None else tokenizer.decode([tokenizer.eot_id])
     return Served(
