@@ -176,7 +176,10 @@ def load_model(
     run_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> DecoderLM:
     """Build the model of a run directory and load its weights (in eval mode)."""
-    config = ModelConfig.from_dict(read_run_config(run_dir)["model"])
+    run_config = read_run_config(run_dir)
+    if "quantization" in run_config:  # written by decoderlm.quant.io
+        raise DecoderLMError(f"{run_dir} holds quantized weights; load it with decoderlm.load")
+    config = ModelConfig.from_dict(run_config["model"])
     weights = Path(run_dir) / WEIGHTS_FILE
     latest = latest_checkpoint(run_dir)
     if not weights.is_file() and latest is not None:  # killed before the newest was published

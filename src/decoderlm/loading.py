@@ -2,7 +2,7 @@
 
 A run directory (config.json with a "model" section, model.safetensors, tokenizer.json) is what
 `decoderlm train` writes; a Hugging Face directory (config.json with a "model_type") is read by
-`decoderlm.hf.load_hf`.
+`decoderlm.hf.load_hf`; a quantized run (`decoderlm quantize`) by `decoderlm.quant.load_quantized`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,12 @@ def load(
 
     if hf.is_hf_checkpoint(path):
         return hf.load_hf(path, device=device, dtype=dtype)
-    model = checkpoint.load_model(path, device, dtype)
+    from decoderlm.quant.io import load_quantized, read_quantization
+
+    if read_quantization(checkpoint.read_run_config(path)) is not None:
+        model = load_quantized(path, device, dtype)
+    else:
+        model = checkpoint.load_model(path, device, dtype)
     tokenizer_file = path / checkpoint.TOKENIZER_FILE
     if not tokenizer_file.is_file():
         return model, None

@@ -1,0 +1,45 @@
+"""`decoderlm quantize`: int8 / int4 weight-only quantization (logic in decoderlm.quant)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+HELP = "quantize a run or Hugging Face checkpoint's weights to int8 or int4 (a new run directory)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # dest `source`: `args.run` is taken by the CLI's dispatch (decoderlm.cli).
+    parser.add_argument("source", metavar="RUN_OR_HF_DIR", help="the float checkpoint")
+    parser.add_argument(
+        "--to",
+        required=True,
+        metavar="FORMAT",
+        help="int8 (per output channel) or int4 (per group of inputs, LM head int8)",
+    )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        metavar="G",
+        help="int4: inputs per scale, 32, 64 or 128 (default 64)",
+    )
+    parser.add_argument("--out", required=True, help="output run directory (must be new or empty)")
+    parser.add_argument("--force", action="store_true", help="write into a non-empty --out")
+
+
+def run(args: argparse.Namespace) -> int:
+    from decoderlm.checkpoint import TOKENIZER_FILE
+    from decoderlm.commands.convert import _check_out
+    from decoderlm.loading import load
+    from decoderlm.quant.apply import check_settings, quantize
+    from decoderlm.quant.io import save_quantized
+
+    check_settings(args.to, args.group_size)
+    source = Path(args.source)
+    _check_out(source, Path(args.out), args.force)
+    model, _ = load(source)
+    quantize(model, to=args.to, group_size=args.group_size)
+    tokenizer_file = source / TOKENIZER_FILE
+    out = save_quantized(args.out, model, tokenizer_file if tokenizer_file.is_file() else None)
+    print(f"wrote {out}")
+    return 0
