@@ -63,10 +63,10 @@ def test_int8_padded_rows_decode_as_each_row_alone():
     assert batched == alone
 
 
-def test_int8_sliding_window_refills_and_keeps_generating():
+def test_int8_cache_refills_past_the_context_and_keeps_generating():
     model = tiny_model()
     out = generate(
-        model, [[4, 8, 15]], 200, temperature=0, sliding_window=True, kv_cache_dtype="int8"
+        model, [[4, 8, 15]], 200, temperature=0, refill_past_context=True, kv_cache_dtype="int8"
     )
     assert len(out[0]) == 203
 

@@ -22,8 +22,8 @@ from decoderlm import PRESETS, ConfigError, DecoderLM, ModelConfig
         (dict(attn_backend="flash", dropout=0.1), "attn_backend='flash' has no attention dropout"),
         (dict(position="rope", head_dim=15), "head_dim=15 must be even for RoPE"),
         (
-            dict(rope_scaling={"type": "yarn", "factor": 2.0}),
-            "rope_scaling type='yarn' is not supported",
+            dict(rope_scaling={"type": "su", "factor": 2.0}),
+            "rope_scaling type='su' is not supported",
         ),
     ],
 )

@@ -135,7 +135,7 @@ def test_beyond_context_is_an_error_by_default():
 
 
 @pytest.mark.parametrize("position", ["rope", "learned"])
-def test_sliding_window_keeps_generating_past_the_context(position):
+def test_refill_past_context_keeps_generating_past_the_context(position):
     context, prompt, n = 32, [4, 8, 15, 16, 23, 42], 70
     model = tiny_model(context_length=context, position=position)
     keep = context - context // 4  # the window keeps the newest 3/4 of a context when full
@@ -145,6 +145,6 @@ def test_sliding_window_keeps_generating_past_the_context(position):
             seq.append(int(model(torch.tensor([seq[start:]]))[0, -1].argmax()))
             if len(seq) - start > context:
                 start = len(seq) - keep
-    out = generate(model, [prompt], n, temperature=0, sliding_window=True)[0]
+    out = generate(model, [prompt], n, temperature=0, refill_past_context=True)[0]
     assert len(out) == len(prompt) + n > 2 * context
     assert out == seq

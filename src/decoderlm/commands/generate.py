@@ -47,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="stop before this text (repeatable)",
     )
     parser.add_argument(
-        "--sliding-window", action="store_true", help="keep generating past the context length"
+        "--refill-past-context",
+        action="store_true",
+        help="keep generating past the context length: drop the oldest quarter, refill the cache",
     )
     parser.add_argument(
         "--dtype", default=None, help="weights dtype: float32 (default), bfloat16, float16"
@@ -99,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         room = model.config.context_length - len(tokenizer.encode(prompt))
         max_new = (
             DEFAULT_MAX_NEW_TOKENS
-            if args.sliding_window
+            if args.refill_past_context
             else max(0, min(DEFAULT_MAX_NEW_TOKENS, room))
         )
     for i in range(args.num_samples):
@@ -113,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             params,
             seed=None if args.seed is None else args.seed + i,
             stop=args.stop,
-            sliding_window=args.sliding_window,
+            refill_past_context=args.refill_past_context,
             compile=args.compile,
             cpu_kernels=args.cpu_kernels,
             kv_cache_dtype=args.kv_cache_dtype,

@@ -107,7 +107,7 @@ def prompt_rows(prompt: Prompt, vocab_size: int) -> list[list[int]]:
 
 
 def check_lengths(
-    rows: list[list[int]], max_new_tokens: int, context_length: int, sliding_window: bool
+    rows: list[list[int]], max_new_tokens: int, context_length: int, refill_past_context: bool
 ) -> None:
     """DecoderLMError if a prompt is longer than the context, or the generation would outgrow it."""
     if not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
@@ -117,10 +117,11 @@ def check_lengths(
         raise DecoderLMError(
             f"prompt has {longest} tokens, more than the model's context_length={context_length}"
         )
-    if longest + max_new_tokens > context_length and not sliding_window:
+    if longest + max_new_tokens > context_length and not refill_past_context:
         raise DecoderLMError(
             f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-            f"context_length={context_length}; generate fewer tokens or use a sliding window"
+            f"context_length={context_length}; generate fewer tokens, or refill past it "
+            "(refill_past_context=True, --refill-past-context)"
         )
 
 
@@ -141,7 +142,7 @@ def decode_steps(
     max_new_tokens: int,
     params: SamplingParams,
     generator: torch.Generator | None = None,
-    sliding_window: bool = False,
+    refill_past_context: bool = False,
     compile: bool = False,
     cpu_kernels: bool = True,
     kv_cache_dtype: str | None = None,
@@ -151,7 +152,7 @@ def decode_steps(
     Call it under `torch.inference_mode()` with the model in eval mode (and, for the CPU attention
     paths, `decoderlm.cpu.optimized`). Nothing here waits for the device: the caller decides when
     to look at the tokens (and to stop). Past `context_length`, either raise (default) or, with
-    `sliding_window`, drop the oldest quarter of the context and refill the cache from the rest
+    `refill_past_context`, drop the oldest quarter of the context and refill the cache from the rest
     (one prefill), so every token still sees ≥ 3/4 of a context. `cpu_kernels`: the prefill (and
     with `compile` the one-token step) under `CPULinearKernels`; the eager one-token step never,
     as the mode's Python hook on every op costs more than it saves there. `kv_cache_dtype`: None
@@ -159,7 +160,7 @@ def decode_steps(
     """
     cfg = model.config
     context = cfg.context_length
-    check_lengths(rows, max_new_tokens, context, sliding_window)
+    check_lengths(rows, max_new_tokens, context, refill_past_context)
     check_cache_options(kv_cache_dtype, compile)
     n = max(len(row) for row in rows)  # the first fill: the prompts, left-padded to n tokens
     weight = model.tok_emb.weight
@@ -179,7 +180,7 @@ def decode_steps(
             seen[b, row] = True
 
     produced = 0
-    while True:  # one pass per cache fill; more than one only with the sliding window
+    while True:  # one pass per cache fill; more than one only with refill_past_context
         pad = torch.tensor([n - len(row) for row in rows], device=device)  # (B,) left padding
         slots = torch.arange(max_len, device=device)  # (S,)
         filled = slots[None, :] >= pad[:, None]  # (B, S) key mask: real tokens, not padding
@@ -230,7 +231,7 @@ def generate(
     seed: int | None = None,
     eos_id: int | None = None,
     num_samples: int = 1,
-    sliding_window: bool = False,
+    refill_past_context: bool = False,
     compile: bool = False,
     cpu_kernels: bool = True,
     kv_cache_dtype: str | None = None,
@@ -257,7 +258,7 @@ def generate(
     if not (isinstance(num_samples, int) and num_samples >= 1):
         raise DecoderLMError(f"num_samples={num_samples!r} must be an integer ≥ 1")
     rows = [row for row in prompt_rows(prompt, model.config.vocab_size) for _ in range(num_samples)]
-    check_lengths(rows, max_new_tokens, model.config.context_length, sliding_window)
+    check_lengths(rows, max_new_tokens, model.config.context_length, refill_past_context)
     check_cache_options(kv_cache_dtype, compile)
     if max_new_tokens == 0:
         return rows
@@ -270,7 +271,7 @@ def generate(
             max_new_tokens,
             params,
             generator,
-            sliding_window,
+            refill_past_context,
             compile,
             cpu_kernels,
             kv_cache_dtype,

@@ -98,7 +98,7 @@ def stream(
     seed: int | None = None,
     stop: Sequence[str] = (),
     stop_at_eot: bool = True,
-    sliding_window: bool = False,
+    refill_past_context: bool = False,
     compile: bool = False,
     cpu_kernels: bool = True,
     kv_cache_dtype: str | None = None,
@@ -109,7 +109,7 @@ def stream(
     Stops after `max_new_tokens`, at the tokenizer's end-of-text token (unless `stop_at_eot` is
     False) or before the first of the `stop` strings (which is not yielded). Bad arguments raise
     here, before anything is generated. Sampling (`params` and/or its fields as keywords), `seed`,
-    `sliding_window`, `compile`, `cpu_kernels` and `kv_cache_dtype` are those of
+    `refill_past_context`, `compile`, `cpu_kernels` and `kv_cache_dtype` are those of
     `decoderlm.inference.generate.generate`; the model is in eval mode (and, with `cpu_kernels`,
     under `decoderlm.cpu.optimized`) while the iterator runs, restored when it ends or is closed.
     """
@@ -118,7 +118,7 @@ def stream(
         raise DecoderLMError("empty prompt: give some text to continue")
     ids = tokenizer.encode(prompt)
     rows = prompt_rows([ids], model.config.vocab_size)
-    check_lengths(rows, max_new_tokens, model.config.context_length, sliding_window)
+    check_lengths(rows, max_new_tokens, model.config.context_length, refill_past_context)
     check_cache_options(kv_cache_dtype, compile)
     eot = getattr(tokenizer, "eot_id", None) if stop_at_eot else None
     generator = make_generator(seed, model.tok_emb.weight.device)
@@ -128,7 +128,7 @@ def stream(
         max_new_tokens,
         params,
         generator,
-        sliding_window,
+        refill_past_context,
         compile,
         cpu_kernels,
         kv_cache_dtype,

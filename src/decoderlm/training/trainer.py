@@ -350,7 +350,7 @@ class Trainer:
             seed=cfg.seed,
             eos_id=eot,
             num_samples=n,
-            sliding_window=True,
+            refill_past_context=True,
         )
         start = 1 if prompt == [eot] else 0
         return [self.tokenizer.decode(_strip(row[start:], eot)) for row in rows]
