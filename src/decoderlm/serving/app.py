@@ -9,7 +9,8 @@ not a broken stream. Streams are server-sent events, `data: {json}\\n\\n` ending
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad field
 or a prompt that leaves no room in the context, 404 for an unknown model, 429 for a full queue, 503
 while the model loads or the server drains. `max_tokens` beyond the context is cut to fit
-(finish_reason "length"); the i-th of n choices uses seed + i.
+(finish_reason "length"); the i-th of n choices uses seed + i. The playground page and its
+endpoints (/, /v1/model_card, /v1/engine_stats, /v1/attention) are in serving/playground.py.
 """
 
 from __future__ import annotations
@@ -354,7 +355,7 @@ async def _respond(
     return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
 
-def _check_model(served: Served, model: str | None) -> None:
+def check_model(served: Served, model: str | None) -> None:
     if model is not None and model != served.model_name:
         raise APIError(
             404,
@@ -364,7 +365,7 @@ def _check_model(served: Served, model: str | None) -> None:
         )
 
 
-def _encode(served: Served, text: str, param: str) -> list[int]:
+def encode(served: Served, text: str, param: str) -> list[int]:
     try:
         ids = served.tokenizer.encode(text)
     except DecoderLMError as exc:
@@ -399,9 +400,9 @@ def _check_stream_options(body: protocol.Generation) -> bool:
 def _prompts(served: Served, prompt: protocol.Prompt) -> list[list[int]]:
     """Token ids of each prompt of a completion request (text, texts, ids or lists of ids)."""
     if isinstance(prompt, str):
-        return [_encode(served, prompt, "prompt")]
+        return [encode(served, prompt, "prompt")]
     if isinstance(prompt[0], str):
-        return [_encode(served, p, "prompt") for p in prompt]
+        return [encode(served, p, "prompt") for p in prompt]
     prompts = [prompt] if isinstance(prompt[0], int) else prompt
     bad = [t for ids in prompts for t in ids if t >= served.vocab_size]
     if bad:
@@ -415,7 +416,7 @@ def _prompts(served: Served, prompt: protocol.Prompt) -> list[list[int]]:
 
 async def _completions(state: _State, body: CompletionRequest) -> Response:
     served = state.ready()
-    _check_model(served, body.model)
+    check_model(served, body.model)
     include_usage = _check_stream_options(body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     requested = body.max_tokens or DEFAULT_COMPLETION_TOKENS
@@ -429,19 +430,28 @@ async def _completions(state: _State, body: CompletionRequest) -> Response:
     return await _respond(request_id, served, streams, fmt, body.stream, include_usage)
 
 
-def _chat_prompt(served: Served, messages: list[protocol.ChatMessage], generation: bool) -> str:
+def chat_prompt(served: Served, messages: list[protocol.ChatMessage], generation: bool) -> str:
     return served.chat_template.render([m.as_dict() for m in messages], generation)
+
+
+def request_text(served: Served, body: TokenizeRequest) -> str:
+    """The text of a body with exactly one of prompt and messages (rendered by the chat template)."""
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+    if body.messages is not None:
+        return chat_prompt(served, body.messages, body.add_generation_prompt)
+    return body.prompt
 
 
 async def _chat(state: _State, body: ChatRequest) -> Response:
     served = state.ready()
-    _check_model(served, body.model)
+    check_model(served, body.model)
     include_usage = _check_stream_options(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    text = _chat_prompt(served, body.messages, body.add_generation_prompt)
-    ids = _encode(served, text, "messages")
+    text = chat_prompt(served, body.messages, body.add_generation_prompt)
+    ids = encode(served, text, "messages")
     max_tokens = _room(served, ids, body.max_completion_tokens or body.max_tokens, "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     params = protocol.to_params(body, max_tokens, logprobs, served.chat_template.stop)
@@ -539,15 +549,9 @@ def create_app(
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         served = state.ready()
-        _check_model(served, body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
-        if body.messages is not None:
-            text = _chat_prompt(served, body.messages, body.add_generation_prompt)
-        else:
-            text = body.prompt
+        check_model(served, body.model)
         try:
-            tokens = served.tokenizer.encode(text)
+            tokens = served.tokenizer.encode(request_text(served, body))
         except DecoderLMError as exc:
             raise APIError(400, str(exc), param="prompt") from None
         return {"tokens": tokens, "count": len(tokens), "max_model_len": served.context_length}
@@ -555,7 +559,7 @@ def create_app(
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
         served = state.ready()
-        _check_model(served, body.model)
+        check_model(served, body.model)
         bad = [t for t in body.tokens if not 0 <= t < served.vocab_size]
         if bad:
             raise APIError(
@@ -565,4 +569,7 @@ def create_app(
             )
         return {"prompt": served.tokenizer.decode(body.tokens)}
 
+    from decoderlm.serving.playground import add_playground  # it imports this module's helpers
+
+    add_playground(app, state)
     return app

@@ -1,0 +1,134 @@
+"""The playground: a web page at `/` (plain HTML, CSS, JS in serving/static, no build step, no
+network) and the three JSON endpoints it reads besides the OpenAI ones.
+
+- GET /v1/model_card: the model's shape (MHA/GQA/MQA, head_dim, positions, context) and what its
+  KV cache costs per token and at 4k/32k/128k tokens, beside its MHA and MQA twins
+  (`decoderlm.model.kv_cache.kv_cache_table`, as `decoderlm info` prints it).
+- GET /v1/engine_stats: the engine's `EngineStats` (sequences running and waiting, KV blocks,
+  tokens/s), as /metrics exports them.
+- POST /v1/attention: the attention weights of one layer (one head or all) for a text of at most
+  MAX_ATTENTION_TOKENS tokens, by the exact math path (`decoderlm.inference.attention_maps`), with
+  every layer's mean attention entropy. Longer texts keep their first tokens ("truncated": true).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+from pydantic import Field
+
+from decoderlm.errors import DecoderLMError
+from decoderlm.inference.attention_maps import attention_maps, check_index
+from decoderlm.model.kv_cache import attention_kind, kv_cache_table
+from decoderlm.serving.app import APIError, check_model, encode, request_text
+from decoderlm.serving.protocol import TokenizeRequest
+
+if TYPE_CHECKING:
+    from decoderlm.serving.app import _State
+
+STATIC = Path(__file__).parent / "static"
+MAX_ATTENTION_TOKENS = 256  # 256² weights per head: a readable map and a JSON body of a few MB
+WEIGHT_DECIMALS = 5  # weights are rounded to this many decimals in the JSON
+CONTEXTS = (4096, 32768, 131072)  # the model card's KV-cache sizes
+
+
+class AttentionRequest(TokenizeRequest):
+    """A text (prompt, or chat messages as rendered) and which map: a layer, one head or all."""
+
+    add_generation_prompt: bool = False  # the text as it stands, not awaiting a reply
+    layer: int = Field(0, description="0-based layer")
+    head: int | None = Field(None, description="0-based head; null: every head of the layer")
+
+
+def model_card(served: Any) -> dict[str, Any]:
+    """The model card of the served model: shape, positions, parameters, KV-cache costs."""
+    model = served.engine.model
+    config, dtype = model.config, model.tok_emb.weight.dtype
+    return {
+        "model": served.model_name,
+        "parameters": model.num_params(),
+        "n_layers": config.n_layers,
+        "d_model": config.d_model,
+        "n_heads": config.n_heads,
+        "n_kv_heads": config.n_kv_heads,
+        "attention": attention_kind(config),
+        "head_dim": config.head_dim,
+        "position": config.position,
+        "context_length": config.context_length,
+        "vocab_size": config.vocab_size,
+        "sliding_window": config.sliding_window,
+        "dtype": str(dtype).removeprefix("torch."),
+        "kv_cache_bytes_per_token": served.engine.stats().kv_bytes_per_token,
+        "kv_cache": kv_cache_table(config, CONTEXTS, dtype),
+    }
+
+
+def _check_field(name: str, value: int, count: int) -> None:
+    """`check_index` as a 400 naming the field."""
+    try:
+        check_index(name, value, count)
+    except DecoderLMError as exc:
+        raise APIError(400, str(exc), param=name) from None
+
+
+def attention(served: Any, body: AttentionRequest) -> dict[str, Any]:
+    """The weights of body.layer (body.head, or all heads) for the body's text; runs the model."""
+    model = served.engine.model
+    config = model.config
+    _check_field("layer", body.layer, config.n_layers)
+    if body.head is not None:
+        _check_field("head", body.head, config.n_heads)
+    param = "prompt" if body.prompt is not None else "messages"
+    ids = encode(served, request_text(served, body), param)
+    cap = min(MAX_ATTENTION_TOKENS, config.context_length)
+    kept = ids[:cap]
+    maps = attention_maps(model, kept)
+    heads = list(range(config.n_heads)) if body.head is None else [body.head]
+    weights = maps.weights[body.layer, 0, heads].double().round(decimals=WEIGHT_DECIMALS)
+    return {
+        "model": served.model_name,
+        "tokens": [served.token_text(t) for t in kept],
+        "token_ids": kept,
+        "n_tokens": len(kept),
+        "prompt_tokens": len(ids),
+        "truncated": len(ids) > cap,
+        "max_tokens": cap,
+        "n_layers": config.n_layers,
+        "n_heads": config.n_heads,
+        "n_kv_heads": config.n_kv_heads,
+        "layer": body.layer,
+        "heads": heads,
+        "weights": weights.tolist(),  # (len(heads), T, T): row i, query i; column j, key j
+        "decimals": WEIGHT_DECIMALS,
+        "entropy": maps.entropy.tolist(),  # (n_layers,) mean attention entropy, nats
+    }
+
+
+def add_playground(app: FastAPI, state: _State) -> None:
+    """Serve the page at / (and /static/*) and its endpoints on `app`."""
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> FileResponse:
+        return FileResponse(STATIC / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.get("/v1/model_card")
+    async def get_model_card() -> dict[str, Any]:
+        return model_card(state.ready())
+
+    @app.get("/v1/engine_stats")
+    async def engine_stats() -> dict[str, Any]:
+        return dataclasses.asdict(state.ready().engine.stats())
+
+    @app.post("/v1/attention")
+    async def post_attention(body: AttentionRequest) -> dict[str, Any]:
+        served = state.ready()
+        check_model(served, body.model)
+        return await asyncio.to_thread(attention, served, body)
