@@ -1,7 +1,8 @@
 """The README's Python examples run as tests (sybil), in a folder holding the runs they name.
 
 `pytest` collects README.md (pyproject.toml: testpaths); each ```python block runs in order in one
-namespace, in a temporary working directory where `runs/mine` (a tiny random run with a character
+namespace (but a block after `<!-- skip: next -->`: the OpenAI client example needs a running
+server, which tests/serving/test_server.py starts for the same calls), in a temporary working directory where `runs/mine` (a tiny random run with a character
 tokenizer), `runs/mha`, `path/to/hf_dir` (its Hugging Face export) and `val.txt` exist.
 """
 
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from sybil import Sybil
-from sybil.parsers.markdown import PythonCodeBlockParser
+from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
 
 TEXT = "def add(a, b):\n    return a + b\n\n" * 40
 
@@ -52,7 +53,7 @@ def _teardown(namespace: dict[str, Any]) -> None:
 
 
 pytest_collect_file = Sybil(
-    parsers=[PythonCodeBlockParser()],
+    parsers=[PythonCodeBlockParser(), SkipParser()],
     patterns=["README.md"],
     setup=_workspace,
     teardown=_teardown,
