@@ -293,8 +293,9 @@ def test_missing_and_misshaped_tensors_are_named(tmp_path):
 
 def test_unsupported_rope_type_and_bias_mix_are_refused():
     base = HF_CONFIGS["llama"]().to_dict()
-    with pytest.raises(DecoderLMError, match=r"rope_type='yarn'.*default, linear, llama3"):
-        hf.config_from_hf({**base, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
+    supported = "default, linear, dynamic, yarn, longrope, llama3"
+    with pytest.raises(DecoderLMError, match=rf"rope_type='proportional'.*{supported}"):
+        hf.config_from_hf({**base, "rope_parameters": {"rope_type": "proportional"}})
     with pytest.raises(DecoderLMError, match=r"attention_bias=True.*mlp_bias=False"):
         hf.config_from_hf({**base, "attention_bias": True, "mlp_bias": False})
 
@@ -303,12 +304,6 @@ def test_config_without_a_required_field_names_it():
     config = {k: v for k, v in HF_CONFIGS["qwen2"]().to_dict().items() if k != "hidden_size"}
     with pytest.raises(DecoderLMError, match=r"qwen2 config.json has no 'hidden_size'"):
         hf.config_from_hf(config)
-
-
-def test_sliding_window_caps_the_context_where_it_would_matter():
-    base = HF_CONFIGS["mistral"]().to_dict()
-    assert hf.config_from_hf({**base, "sliding_window": 16}).context_length == 16
-    assert hf.config_from_hf({**base, "sliding_window": None}).context_length == 64
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ from decoderlm.model.attention import (
     MaskedSoftmax,
     attend,
     build_mask,
+    effective_window,
     masked_softmax,
     scaled_dot_product_attention,
 )
@@ -61,23 +62,27 @@ def blockwise_attention(
     block_size: int = 128,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """`scaled_dot_product_attention`, `block_size` queries at a time (no weights returned).
 
     Each block of queries is scored only against the keys it may see: with a causal mask, those
-    up to its last query (bottom-right alignment, as `causal_mask`). About half of the masked upper
-    triangle is never computed at long T, and no tensor larger than (B, H, block, Tk) is held.
+    up to its last query (bottom-right alignment, as `causal_mask`), and with a sliding window
+    those from its first query's first key. About half of the masked upper triangle is never
+    computed at long T, and no tensor larger than (B, H, block, Tk) is held.
     q (B, H, Tq, D), k/v (B, Hkv, Tk, D), key_padding_mask (B, Tk) → (B, H, Tq, D).
     """
     t_q, t_k = q.shape[2], k.shape[2]
+    window = effective_window(causal, window, t_k)
     softmax = _softmax()
     outs = []
     for start in range(0, t_q, block_size):
         stop = min(start + block_size, t_q)
         seen = stop + t_k - t_q if causal else t_k  # keys visible to the block's last query
-        keys = None if key_padding_mask is None else key_padding_mask[:, :seen]
-        mask = build_mask(stop - start, seen, causal, keys, q.device)
-        q_block, k_seen, v_seen = q[:, :, start:stop], k[:, :, :seen], v[:, :, :seen]
+        first = 0 if window is None else max(0, start + t_k - t_q - window + 1)  # 1st query's 1st
+        keys = None if key_padding_mask is None else key_padding_mask[:, first:seen]
+        mask = build_mask(stop - start, seen - first, causal, keys, q.device, window)
+        q_block, k_seen, v_seen = q[:, :, start:stop], k[:, :, first:seen], v[:, :, first:seen]
         out, _ = scaled_dot_product_attention(
             q_block, k_seen, v_seen, mask, scale=scale, dropout_p=dropout_p, softmax=softmax
         )
@@ -120,6 +125,7 @@ def cpu_attend(
     dropout_p: float = 0.0,
     need_weights: bool = False,
     scale: float | None = None,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """`attend`, with the CPU's faster paths: q (B, H, Tq, D), k/v (B, Hkv, Tk, D) → (out, weights).
 
@@ -128,7 +134,7 @@ def cpu_attend(
     the model's `attend`.
     """
     if q.device.type == "cpu" and (need_weights or backend == "math"):
-        mask = build_mask(q.shape[2], k.shape[2], causal, key_padding_mask, q.device)
+        mask = build_mask(q.shape[2], k.shape[2], causal, key_padding_mask, q.device, window)
         return scaled_dot_product_attention(
             q, k, v, mask, scale=scale, dropout_p=dropout_p, softmax=_softmax()
         )
@@ -141,6 +147,7 @@ def cpu_attend(
             key_padding_mask=key_padding_mask,
             dropout_p=dropout_p,
             scale=scale,
+            window=window,
         )
         return out, None
     return attend(
@@ -153,4 +160,5 @@ def cpu_attend(
         dropout_p=dropout_p,
         need_weights=need_weights,
         scale=scale,
+        window=window,
     )

@@ -1,7 +1,11 @@
 """Hugging Face config.json ↔ ModelConfig for GPT-2 and the Llama family (Llama, Mistral, Qwen2, Qwen3).
 
-Reads both layouts of `transformers`: v4 (`rope_theta`, `rope_scaling`, `torch_dtype`) and v5
-(`rope_parameters`, `dtype`). Writes the v4 layout, which v4 (≥ 4.45) and v5 both read.
+Reads both layouts of `transformers`: v4 (`rope_theta`, `rope_scaling` with `type` or `rope_type`,
+`torch_dtype`) and v5 (`rope_parameters`, `dtype`). Writes the v4 layout, which v4 (≥ 4.45) and v5
+both read. Every RoPE scaling type of ours is one of transformers' (`ROPE_SCALING_KEYS`, same keys);
+the one difference is dynamic NTK, whose original length transformers takes from
+max_position_embeddings: an imported dynamic model gets context_length = factor · that, and an
+exported one max_position_embeddings = its original_max_position_embeddings.
 """
 
 from __future__ import annotations
@@ -9,11 +13,11 @@ from __future__ import annotations
 from typing import Any, NoReturn
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.model.config import ModelConfig
+from decoderlm.model.config import ROPE_SCALING_KEYS, ModelConfig
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_MODEL_TYPES = ("gpt2", *LLAMA_FAMILY)
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", *ROPE_SCALING_KEYS)
 
 # HF activation name → our MLP kind (GPT-2). "gelu_new" is the tanh approximation GPT-2 was trained with.
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
@@ -84,9 +88,10 @@ def _llama_config(hf: dict[str, Any], model_type: str) -> ModelConfig:
         qkv_bias = bias
     d_model, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     rope_theta, rope_scaling = _rope_from_hf(hf)
+    window, window_layers = _sliding_window_from_hf(hf, model_type)
     return ModelConfig(
         vocab_size=hf["vocab_size"],
-        context_length=_context_length(hf),
+        context_length=_context_length(hf, rope_scaling),
         d_model=d_model,
         n_layers=hf["num_hidden_layers"],
         n_heads=n_heads,
@@ -102,26 +107,46 @@ def _llama_config(hf: dict[str, Any], model_type: str) -> ModelConfig:
         bias=bias,
         qkv_bias=qkv_bias,
         qk_norm=model_type == "qwen3",
+        sliding_window=window,
+        sliding_window_layers=window_layers,
         tie_embeddings=hf.get("tie_word_embeddings", False),
         dropout=0.0,
         extra={"hf_model_type": model_type},
     )
 
 
-def _context_length(hf: dict[str, Any]) -> int:
-    """max_position_embeddings, capped at the sliding window if one is in use.
+def _context_length(hf: dict[str, Any], rope_scaling: dict[str, Any] | None) -> int:
+    """max_position_embeddings (times the factor for dynamic NTK, whose original length it is).
 
-    Within the window, sliding-window attention (key j visible to query i iff i − j < W) is plain
-    causal attention, so capping the context keeps the model exact instead of approximating it.
-    """
-    length = hf.get("max_position_embeddings", 2048)
-    window = hf.get("sliding_window")
-    uses_window = hf.get("use_sliding_window", True) or "sliding_attention" in (
-        hf.get("layer_types") or ()
-    )
-    if window and uses_window:
-        length = min(length, window)
+    A sliding window is not a context: it goes to `ModelConfig.sliding_window`."""
+    length = _max_positions(hf)
+    if rope_scaling is not None and rope_scaling["type"] == "dynamic":
+        length = round(rope_scaling["factor"] * length)
     return length
+
+
+def _sliding_window_from_hf(
+    hf: dict[str, Any], model_type: str
+) -> tuple[int | None, tuple[int, ...] | None]:
+    """(sliding_window, sliding_window_layers) as transformers 5 reads the config.
+
+    Mistral: `sliding_window` (default 4096) on every layer, null for none. Qwen2/Qwen3: only with
+    `use_sliding_window`, on the layers `layer_types` marks "sliding_attention", or without
+    `layer_types` on the layers ≥ `max_window_layers` (default 28). Llama has no window.
+    """
+    if model_type == "mistral":
+        return hf.get("sliding_window", 4096), None
+    if model_type not in ("qwen2", "qwen3") or not hf.get("use_sliding_window", False):
+        return None, None
+    window, n_layers = hf.get("sliding_window", 4096), hf["num_hidden_layers"]
+    first = hf.get("max_window_layers", 28)
+    kinds = hf.get("layer_types") or [
+        "sliding_attention" if i >= first else "full_attention" for i in range(n_layers)
+    ]
+    layers = tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
+    if window is None or not layers:
+        return None, None
+    return window, None if len(layers) == n_layers else layers
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -139,17 +164,26 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         )
     if kind == "default":
         return theta, None
-    if kind == "linear":
-        return theta, {"type": "linear", "factor": float(params["factor"])}
-    return theta, {
-        "type": "llama3",
-        "factor": float(params["factor"]),
-        "low_freq_factor": float(params["low_freq_factor"]),
-        "high_freq_factor": float(params["high_freq_factor"]),
-        "original_max_position_embeddings": int(
-            params.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
-        ),
-    }
+    required, optional = ROPE_SCALING_KEYS[kind]
+    scaling = {"type": kind}
+    scaling.update({k: params[k] for k in (*required, *optional) if params.get(k) is not None})
+    if "original_max_position_embeddings" in required:
+        scaling["original_max_position_embeddings"] = _original_length(hf, params, kind)
+    return theta, scaling
+
+
+def _original_length(hf: dict[str, Any], params: dict[str, Any], kind: str) -> int:
+    """L₀ where transformers takes it: max_position_embeddings for dynamic; for the others a
+    top-level original_max_position_embeddings (Phi-3's place), else the RoPE parameters' one,
+    else max_position_embeddings."""
+    key = "original_max_position_embeddings"
+    if kind == "dynamic":
+        return _max_positions(hf)
+    return int(hf.get(key) or params.get(key) or _max_positions(hf))
+
+
+def _max_positions(hf: dict[str, Any]) -> int:
+    return int(hf.get("max_position_embeddings", 2048))  # transformers' Llama default
 
 
 def _require_hf(hf: dict[str, Any], key: str, value: bool) -> None:
@@ -172,6 +206,7 @@ def hf_model_type(config: ModelConfig) -> str:
             (c.n_kv_heads == c.n_heads, f"n_kv_heads={c.n_kv_heads} (GPT-2 is MHA only)"),
             (c.head_dim * c.n_heads == c.d_model, f"head_dim={c.head_dim} ≠ d_model/n_heads"),
             (not c.qk_norm, "qk_norm=True (GPT-2 has no q/k norm)"),
+            (c.sliding_window is None, "a sliding_window (GPT-2 has none)"),
         ]
         family = "gpt2"
     elif c.position == "rope":
@@ -185,8 +220,10 @@ def hf_model_type(config: ModelConfig) -> str:
             ),
         ]
         family = "qwen3" if c.qk_norm else "qwen2" if c.qkv_bias and not c.bias else "llama"
-        if family == "llama" and c.extra.get("hf_model_type") == "mistral" and not c.bias:
+        mistral = c.sliding_window is not None or c.extra.get("hf_model_type") == "mistral"
+        if family == "llama" and not c.bias and mistral:  # Llama has no window, Mistral has
             family = "mistral"
+        reasons += _sliding_window_reasons(c, family)
     else:
         _no_equivalent(
             f"position={c.position!r} (HF GPT-2 has learned positions and the Llama family RoPE)"
@@ -195,6 +232,18 @@ def hf_model_type(config: ModelConfig) -> str:
         if not ok:
             _no_equivalent(f"{reason}, for a {family}-style model with position={c.position!r}")
     return family
+
+
+def _sliding_window_reasons(c: ModelConfig, family: str) -> list[tuple[bool, str]]:
+    """(ok, reason) for the window: Mistral windows every layer, Qwen2/Qwen3 the last layers."""
+    layers = c.sliding_window_layers
+    if family in ("qwen2", "qwen3"):
+        suffix = layers is None or layers == tuple(range(layers[0], c.n_layers))
+        return [(suffix, f"sliding_window_layers={layers} (Qwen windows the layers from one on)")]
+    return [
+        (c.sliding_window is None or not c.bias, "a sliding_window with biases (Mistral has none)"),
+        (layers is None, f"sliding_window_layers={layers} (Mistral windows every layer)"),
+    ]
 
 
 def _no_equivalent(reason: str) -> NoReturn:
@@ -231,7 +280,7 @@ def config_to_hf(
         }
     hf = {
         **common,
-        "max_position_embeddings": c.context_length,
+        "max_position_embeddings": _max_positions_to_hf(c),
         "hidden_size": c.d_model,
         "num_hidden_layers": c.n_layers,
         "num_attention_heads": c.n_heads,
@@ -248,13 +297,33 @@ def config_to_hf(
         hf["attention_bias"] = c.bias
     if model_type == "llama":
         hf["mlp_bias"] = c.bias
-    if model_type in ("mistral", "qwen2", "qwen3"):
-        hf["sliding_window"] = None
+    if model_type == "mistral":
+        hf["sliding_window"] = c.sliding_window
+    if model_type in ("qwen2", "qwen3"):
+        layers = c.sliding_window_layers or (0,)
+        hf["use_sliding_window"] = c.sliding_window is not None
+        hf["sliding_window"] = c.sliding_window
+        hf["max_window_layers"] = layers[0] if c.sliding_window is not None else c.n_layers
     return hf
+
+
+def _max_positions_to_hf(config: ModelConfig) -> int:
+    """context_length, or for dynamic NTK its original length (which transformers reads there)."""
+    scaling = config.rope_scaling
+    if scaling is not None and _scaling_type(scaling) == "dynamic":
+        return scaling["original_max_position_embeddings"]
+    return config.context_length
 
 
 def _rope_to_hf(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
     if scaling is None:
         return None
-    out = {k: v for k, v in scaling.items() if k != "type"}
-    return {"rope_type": scaling.get("type", scaling.get("rope_type")), **out}
+    kind = _scaling_type(scaling)
+    out = {k: v for k, v in scaling.items() if k not in ("type", "rope_type")}
+    if kind == "dynamic":  # written as max_position_embeddings instead
+        del out["original_max_position_embeddings"]
+    return {"rope_type": kind, **out}
+
+
+def _scaling_type(scaling: dict[str, Any]) -> str:
+    return scaling.get("type", scaling.get("rope_type"))

@@ -1,8 +1,9 @@
 """The seeds: the decoder's mechanisms, and nothing of training, serving, Hugging Face or the CLI.
 
-config (ModelConfig + presets), attention (the SDPA formula, MHA/GQA/MQA, backend dispatch),
-positional (sinusoidal, learned, RoPE), layers (norms, MLPs), block (Pre-LN / Post-LN), lm
-(DecoderLM), kv_cache (static cache), flash (FlashAttention-2 in PyTorch), kernels/ (Triton).
+config (ModelConfig + presets), attention (the SDPA formula, MHA/GQA/MQA, sliding windows,
+backend dispatch), positional (sinusoidal, learned, RoPE + scaling), layers (norms, MLPs), block
+(Pre-LN / Post-LN), lm (DecoderLM), kv_cache (static cache), ring_cache (sliding-window cache),
+int8_cache (int8 K/V), flash (FlashAttention-2 in PyTorch), kernels/ (Triton).
 This package imports nothing of decoderlm outside itself but `decoderlm.errors` (import-linter
 checks it: pyproject.toml).
 """

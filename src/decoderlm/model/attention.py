@@ -7,6 +7,10 @@ each K/V head serving a contiguous group of `n_heads / n_kv_heads` query heads.
 Masks built here are boolean, True = "may attend". Causal masks are aligned bottom-right: query i
 of Tq attends keys j ≤ i + (Tk − Tq), which is the usual lower triangle when Tq == Tk and the right
 rule when the queries are the last Tq positions of a longer (cached) key sequence.
+
+Sliding-window attention (Beltagy et al., 2020, Longformer; Jiang et al., 2023, Mistral 7B) keeps
+only the last W keys of each query, itself included: i − W < j ≤ i + (Tk − Tq), the rule of
+transformers' `sliding_window_causal_mask_function`. A window only narrows causal attention.
 """
 
 from __future__ import annotations
@@ -25,27 +29,52 @@ from decoderlm.model.positional import apply_rope
 
 
 class LayerCache(Protocol):
-    """What attention needs from a KV cache: store the new keys/values, return all keys/values to attend."""
+    """What attention needs from a KV cache: store the new keys/values, return all keys/values to attend.
+
+    A cache whose slots are not in key order (the ring of `decoderlm.model.ring_cache.RingKVCache`)
+    also has a `key_padding_mask` attribute, (B, Tk) over the keys `update` returns, which then
+    replaces the caller's.
+    """
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
 
 
-def causal_mask(t_q: int, t_k: int, device: torch.device | str | None = None) -> Tensor:
-    """(t_q, t_k) bool, True where query i may attend key j: j ≤ i + t_k − t_q.
+def causal_mask(
+    t_q: int, t_k: int, device: torch.device | str | None = None, window: int | None = None
+) -> Tensor:
+    """(t_q, t_k) bool, True where query i may attend key j: j ≤ i + t_k − t_q, and with a window
+    also j > i + t_k − t_q − window.
 
     From int32 positions: traced by torch.compile, the comparison is computed inside the softmax
     kernel, and int32 lanes cost less than tril's int64 indices there.
     """
     i = torch.arange(t_q, dtype=torch.int32, device=device)[:, None] + (t_k - t_q)  # (t_q, 1)
     j = torch.arange(t_k, dtype=torch.int32, device=device)  # (t_k,)
-    return j <= i
+    return (j <= i) if window is None else (j <= i) & (j > i - window)
+
+
+def effective_window(causal: bool, window: int | None, t_k: int) -> int | None:
+    """The window if it hides any of t_k keys from some query, else None (no window to apply)."""
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        raise DecoderLMError(f"sliding window={window!r} must be a positive integer or None")
+    return window if causal and window is not None and window < t_k else None
 
 
 def build_mask(
-    t_q: int, t_k: int, causal: bool, key_padding_mask: Tensor | None, device: torch.device
+    t_q: int,
+    t_k: int,
+    causal: bool,
+    key_padding_mask: Tensor | None,
+    device: torch.device,
+    window: int | None = None,
 ) -> Tensor | None:
-    """Combine causality and a key-padding mask (B, Tk) into one (B|1, 1, Tq, Tk) bool mask, or None."""
-    mask = causal_mask(t_q, t_k, device) if causal and t_q > 1 else None
+    """Combine causality (with an optional sliding window) and a key-padding mask (B, Tk) into
+    one (B|1, 1, Tq, Tk) bool mask, or None."""
+    window = effective_window(causal, window, t_k)
+    needed = causal and (t_q > 1 or window is not None)  # one query sees every key but the window's
+    mask = causal_mask(t_q, t_k, device, window) if needed else None
     if key_padding_mask is not None:
         keys = key_padding_mask[:, None, None, :].bool()  # (B, 1, 1, Tk)
         mask = keys if mask is None else keys & mask
@@ -131,32 +160,36 @@ def attend(
     dropout_p: float = 0.0,
     need_weights: bool = False,
     scale: float | None = None,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Dispatch attention to a backend. q (B, H, Tq, D), k/v (B, Hkv, Tk, D) → ((B, H, Tq, D), weights).
 
     `math` is the explicit formula (the only one that returns weights), `sdpa` is torch's fused
     kernel, `flash` is our FlashAttention-2 (`decoderlm.model.flash`). K/V heads are never repeated
     in memory: GQA goes to SDPA as `enable_gqa` and to the other two by indexing/reshaping.
-    scale multiplies QKᵀ (None: 1/√D).
+    scale multiplies QKᵀ (None: 1/√D). window: with causal, each query sees its last `window`
+    keys only (math and sdpa through the mask; flash skips the key tiles outside it).
     """
     t_q, t_k = q.shape[2], k.shape[2]
+    window = effective_window(causal, window, t_k)
     if need_weights or backend == "math":
-        mask = build_mask(t_q, t_k, causal, key_padding_mask, q.device)
+        mask = build_mask(t_q, t_k, causal, key_padding_mask, q.device, window)
         return scaled_dot_product_attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)
     if backend == "flash":
         from decoderlm.model.flash import flash_attention
 
         out = flash_attention(
-            q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale
+            q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, window=window
         )
         return out, None
     gqa = q.shape[1] != k.shape[1]
-    if key_padding_mask is None and (not causal or t_q == t_k):  # no mask tensor needed
+    no_mask = key_padding_mask is None and window is None and (not causal or t_q == t_k)
+    if no_mask:  # is_causal needs no mask tensor
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=causal and t_q > 1, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
         )
     else:
-        mask = build_mask(t_q, t_k, causal, key_padding_mask, q.device)
+        mask = build_mask(t_q, t_k, causal, key_padding_mask, q.device, window)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
         )
@@ -164,10 +197,12 @@ def attend(
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention with `n_kv_heads` K/V heads (MHA, GQA or MQA), optional RoPE and qk-norm."""
+    """Multi-head self-attention with `n_kv_heads` K/V heads (MHA, GQA or MQA), optional RoPE and
+    qk-norm, and the sliding window of its layer (`ModelConfig.layer_window(layer)`)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
+        self.window = config.layer_window(layer)  # None: every earlier key
         self.n_heads, self.n_kv_heads, self.head_dim = (
             config.n_heads,
             config.n_kv_heads,
@@ -214,6 +249,7 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # (B, Hkv, Tk, hd)
+            key_padding_mask = getattr(kv_cache, "key_padding_mask", key_padding_mask)
         out, weights = self.attend(
             q,
             k,
@@ -224,6 +260,7 @@ class CausalSelfAttention(nn.Module):
             dropout_p=self.dropout_p if self.training else 0.0,
             need_weights=need_weights,
             scale=self.scale,
+            window=self.window,
         )
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, H·hd)
         out = self.resid_dropout(self.proj(out))  # (B, T, d_model)

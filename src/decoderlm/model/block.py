@@ -12,11 +12,11 @@ from decoderlm.model.layers import MLP, make_norm
 class Block(nn.Module):
     """Pre-LN: x + Attn(LN(x)), then x + MLP(LN(x)).  Post-LN: LN(x + Attn(x)), then LN(x + MLP(x))."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.pre_norm = config.norm_placement == "pre"
         self.norm1 = make_norm(config)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, layer)  # layer: which sliding window applies
         self.norm2 = make_norm(config)
         self.mlp = MLP(config)
 

@@ -21,7 +21,25 @@ POSITION_KINDS = ("sinusoidal", "learned", "rope", "none")
 ATTN_BACKENDS = ("math", "sdpa", "flash")
 # The score scale: the seeds' 1/√d_k keeps var(q·k) ≈ 1 at any head_dim; "none" is the ablation.
 ATTN_SCALES = ("1/sqrt(head_dim)", "none")
-ROPE_SCALING_TYPES = ("llama3", "linear")
+# Keys of each rope_scaling type besides "type" (or "rope_type"), named as in transformers:
+# (required, optional). Their meaning: decoderlm.model.positional.
+ROPE_SCALING_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "linear": (("factor",), ()),
+    "dynamic": (("factor", "original_max_position_embeddings"), ()),
+    "yarn": (
+        ("factor", "original_max_position_embeddings"),
+        ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
+    ),
+    "longrope": (
+        ("short_factor", "long_factor", "original_max_position_embeddings"),
+        ("factor", "attention_factor"),
+    ),
+    "llama3": (
+        ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+        (),
+    ),
+}
+ROPE_SCALING_TYPES = tuple(ROPE_SCALING_KEYS)
 
 T = TypeVar("T")
 
@@ -50,6 +68,9 @@ class ModelConfig:
     dropout: float = 0.0  # on embeddings, attention weights and residual branches
     attn_backend: str = "sdpa"  # one of ATTN_BACKENDS
     attn_scale: str = "1/sqrt(head_dim)"  # one of ATTN_SCALES: softmax(QKᵀ·scale + M)V
+    # Sliding-window attention (Mistral, Qwen2): query i attends keys i − W < j ≤ i; None = all j ≤ i.
+    sliding_window: int | None = None
+    sliding_window_layers: tuple[int, ...] | None = None  # layers with the window; None = all
     init_std: float = 0.02  # GPT-2 initialisation; residual projections get init_std/√(2·n_layers)
     extra: dict[str, Any] = field(default_factory=dict)  # free-form notes (e.g. the preset name)
 
@@ -74,6 +95,8 @@ class ModelConfig:
             self.qkv_bias = self.bias
         if self.d_ff is None:
             self.d_ff = _default_d_ff(self.d_model, self.mlp)
+        if isinstance(self.sliding_window_layers, list):  # from JSON
+            self.sliding_window_layers = tuple(self.sliding_window_layers)
         self.validate()
 
     def validate(self) -> None:
@@ -98,6 +121,7 @@ class ModelConfig:
         _require(self.norm_eps > 0, f"norm_eps={self.norm_eps}", "must be > 0")
         _require(0.0 <= self.dropout < 1.0, f"dropout={self.dropout}", "must be in [0, 1)")
         _require(self.init_std > 0, f"init_std={self.init_std}", "must be > 0")
+        self._validate_sliding_window()
         if self.attn_backend == "flash" and self.dropout > 0:
             raise ConfigError(
                 f"attn_backend='flash' has no attention dropout, but dropout={self.dropout}; "
@@ -113,11 +137,31 @@ class ModelConfig:
                 "must be even for sinusoidal positions",
             )
         if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("type", self.rope_scaling.get("rope_type"))
-            if kind not in ROPE_SCALING_TYPES:
-                raise ConfigError(
-                    f"rope_scaling type={kind!r} is not supported; allowed: {', '.join(ROPE_SCALING_TYPES)}"
-                )
+            _check_rope_scaling(self.rope_scaling, self.head_dim)
+
+    def _validate_sliding_window(self) -> None:
+        window, layers = self.sliding_window, self.sliding_window_layers
+        _require(
+            window is None
+            or (isinstance(window, int) and not isinstance(window, bool) and window > 0),
+            f"sliding_window={window!r}",
+            "must be a positive integer or None",
+        )
+        if layers is None:
+            return
+        _require(window is not None, f"sliding_window_layers={layers!r}", "needs sliding_window")
+        _require(
+            isinstance(layers, tuple)
+            and all(isinstance(i, int) and 0 <= i < self.n_layers for i in layers)
+            and list(layers) == sorted(set(layers)),
+            f"sliding_window_layers={layers!r}",
+            f"must be increasing layer indices in [0, n_layers={self.n_layers})",
+        )
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`; None where it attends every earlier key."""
+        layers = self.sliding_window_layers
+        return self.sliding_window if layers is None or layer in layers else None
 
     @property
     def group_size(self) -> int:
@@ -174,6 +218,46 @@ def _choice(cfg: ModelConfig, name: str, allowed: tuple[str, ...]) -> None:
     value = getattr(cfg, name)
     if value not in allowed:
         raise ConfigError(f"{name}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
+
+
+def _check_rope_scaling(scaling: dict[str, Any], head_dim: int) -> None:
+    kind = scaling.get("type", scaling.get("rope_type"))
+    if kind not in ROPE_SCALING_KEYS:
+        raise ConfigError(
+            f"rope_scaling type={kind!r} is not supported; allowed: {', '.join(ROPE_SCALING_TYPES)}"
+        )
+    required, optional = ROPE_SCALING_KEYS[kind]
+    given = set(scaling) - {"type", "rope_type"}
+    missing = [key for key in required if key not in given]
+    if missing:
+        raise ConfigError(f"rope_scaling type={kind!r} needs {', '.join(missing)}")
+    unknown = sorted(given - set(required) - set(optional))
+    if unknown:
+        raise ConfigError(
+            f"rope_scaling key {unknown[0]!r} is not used by type={kind!r}; allowed: "
+            f"{', '.join(required + optional)}"
+        )
+    factor = scaling.get("factor")
+    if factor is not None:
+        _require(
+            isinstance(factor, int | float) and factor > 0,
+            f"rope_scaling factor={factor!r}",
+            "must be a number > 0",
+        )
+    original = scaling.get("original_max_position_embeddings")
+    if original is not None:
+        _require(
+            isinstance(original, int) and original > 1,
+            f"rope_scaling original_max_position_embeddings={original!r}",
+            "must be an integer > 1",
+        )
+    for name in ("short_factor", "long_factor"):
+        if name in scaling:
+            _require(
+                len(scaling[name]) == head_dim // 2,
+                f"rope_scaling {name} has {len(scaling[name])} entries and",
+                f"must have head_dim/2={head_dim // 2}",
+            )
 
 
 _GPT2 = dict(

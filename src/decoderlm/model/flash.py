@@ -11,17 +11,21 @@ share one K/V head become extra rows of the same tile. K and V are indexed, neve
 dV sum over the group for free in dSᵀQ and Pᵀ dO. Every tile op is a batched matmul over B·Hkv.
 The queries are the last Tq of Tk positions (a KV cache), so the causal rule is bottom-right
 aligned: query i may attend key j iff j ≤ i + (Tk − Tq). Key tiles entirely above the diagonal are
-skipped and only tiles crossing it are masked. Math is in float32 (float64 for float64 inputs).
+skipped and only tiles crossing it are masked. A sliding window W also hides j ≤ i + (Tk − Tq) − W:
+query tile [i0, i1) then reads keys (i0 + Tk − Tq − W, i1 + Tk − Tq) only, so the work and the
+scratch tiles are O(T·W), not O(T²). Math is in float32 (float64 for float64 inputs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.model.attention import effective_window
 from decoderlm.model.kernels import triton_available
 
 # Tile sizes. A tile is (B·Hkv, G·BLOCK_Q, BLOCK_K) scores: big enough that the matmuls are
@@ -39,14 +43,17 @@ def flash_attention(
     causal: bool = True,
     key_padding_mask: Tensor | None = None,
     scale: float | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """softmax(QKᵀ·scale + M)V by FlashAttention-2: q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D) → like q.
 
     causal: bottom-right aligned mask (query i attends key j iff j ≤ i + Tk − Tq).
+    window: with causal, also j > i + Tk − Tq − window (the last `window` keys); None = no window.
     key_padding_mask: (B, Tk) bool, True = valid key. A query with no valid key gets output 0.
     scale: defaults to 1/√D. Returns q's dtype; float16/bfloat16 are accumulated in float32.
     """
     check_inputs(q, k, v, key_padding_mask, "flash_attention")
+    window = effective_window(causal, window, k.shape[2])
     if (
         q.is_cuda and triton_available()
     ):  # on a GPU: the IO-aware Triton kernel (decoderlm.model.kernels)
@@ -54,10 +61,23 @@ def flash_attention(
 
         if q.shape[-1] in flash_triton.HEAD_DIMS and q.dtype in flash_triton.DTYPES:
             return flash_triton.flash_attention_triton(
-                q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale
+                q,
+                k,
+                v,
+                causal=causal,
+                key_padding_mask=key_padding_mask,
+                scale=scale,
+                window=window,
             )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _FlashAttention.apply(q, k, v, causal, key_padding_mask, scale)
+    return _FlashAttention.apply(q, k, v, Masking(causal, window), key_padding_mask, scale)
+
+
+class Masking(NamedTuple):
+    """Which keys each query sees besides the padding mask: causal, and a window (None = none)."""
+
+    causal: bool
+    window: int | None
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -69,13 +89,13 @@ class _FlashAttention(torch.autograd.Function):
         q: Tensor,
         k: Tensor,
         v: Tensor,
-        causal: bool,
+        masking: Masking,
         key_padding_mask: Tensor | None,
         scale: float,
     ) -> Tensor:
-        out, lse = _flash_forward(q, k, v, causal, key_padding_mask, scale)
+        out, lse = _flash_forward(q, k, v, masking, key_padding_mask, scale)
         ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)  # O(T·d): no (Tq, Tk) tensor
-        ctx.causal, ctx.scale = causal, scale
+        ctx.masking, ctx.scale = masking, scale
         return out
 
     @staticmethod
@@ -84,13 +104,13 @@ class _FlashAttention(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor, Tensor, None, None, None]:
         q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
         dq, dk, dv = _flash_backward(
-            q, k, v, out, lse, d_out, ctx.causal, key_padding_mask, ctx.scale
+            q, k, v, out, lse, d_out, ctx.masking, key_padding_mask, ctx.scale
         )
         return dq, dk, dv, None, None, None
 
 
 def _flash_forward(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Tensor | None, scale: float
+    q: Tensor, k: Tensor, v: Tensor, masking: Masking, key_padding_mask: Tensor | None, scale: float
 ) -> tuple[Tensor, Tensor]:
     """O (B, Hq, Tq, D) in q's dtype and L = logsumexp(S) (B, Hq, Tq), +inf for empty rows."""
     b, h_q, t_q, d = q.shape
@@ -103,17 +123,17 @@ def _flash_forward(
     lse = torch.empty(b, h_q, t_q, dtype=acc, device=q.device)  # (B, Hq, Tq)
     out5, lse4 = out.view(b, h_kv, g, t_q, d), lse.view(b, h_kv, g, t_q)
     block_q = _block_q(n, g)
-    s_buf = q.new_empty(_tile_numel(n, g, block_q, t_q, t_k), dtype=acc)  # for every score tile
-    for i0, i1, key_tiles in _tiles(t_q, t_k, causal, block_q):
+    s_buf = q.new_empty(_tile_numel(n, g, block_q, t_q, t_k, masking), dtype=acc)  # every S tile
+    for i0, i1, key_tiles in _tiles(t_q, t_k, masking, block_q):
         rows = g * (i1 - i0)
         qi = _gather_rows(q5, i0, i1, acc).mul_(scale)  # Q·scale: (N, R, D), R = G·bq
         o = torch.zeros(n, rows, d, dtype=acc, device=q.device)  # unnormalised output
         m = torch.full((n, rows), float("-inf"), dtype=acc, device=q.device)  # running row max
         l_ = torch.zeros(n, rows, dtype=acc, device=q.device)  # running normaliser l
-        for j0, j1, diagonal in key_tiles:
+        for j0, j1, masked in key_tiles:
             kj, vj = k3[:, j0:j1].to(acc), v3[:, j0:j1].to(acc)  # (N, bk, D)
             s = torch.bmm(qi, kj.mT, out=_tile(s_buf, n, rows, j1 - j0))  # S = Q Kᵀ·scale
-            _apply_mask(s, b, g, i0, i1, j0, j1, t_k - t_q, diagonal, key_padding_mask)
+            _apply_mask(s, b, g, (i0, i1, j0, j1), t_k - t_q, masking, masked, key_padding_mask)
             m_new = torch.maximum(m, s.amax(dim=-1))  # m' = max(m, rowmax(S))
             m_sub = m_new.masked_fill(m_new == float("-inf"), 0.0)  # row all masked so far: no ∞−∞
             p = s.sub_(m_sub.unsqueeze(-1)).exp_()  # e^(S−m'): (N, R, bk)
@@ -136,7 +156,7 @@ def _flash_backward(
     out: Tensor,
     lse: Tensor,
     d_out: Tensor,
-    causal: bool,
+    masking: Masking,
     key_padding_mask: Tensor | None,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -153,8 +173,9 @@ def _flash_backward(
     dv3 = torch.zeros(n, t_k, d, dtype=acc, device=q.device)
     dq5 = dq.view(b, h_kv, g, t_q, d)
     block_q = _block_q(n, g)
-    s_buf, ds_buf = (q.new_empty(_tile_numel(n, g, block_q, t_q, t_k), dtype=acc) for _ in range(2))
-    for i0, i1, key_tiles in _tiles(t_q, t_k, causal, block_q):
+    numel = _tile_numel(n, g, block_q, t_q, t_k, masking)
+    s_buf, ds_buf = (q.new_empty(numel, dtype=acc) for _ in range(2))
+    for i0, i1, key_tiles in _tiles(t_q, t_k, masking, block_q):
         rows = g * (i1 - i0)
         qi = _gather_rows(q5, i0, i1, acc).mul_(scale)  # Q·scale: (N, R, D)
         doi = _gather_rows(do5, i0, i1, acc)  # dO: (N, R, D)
@@ -162,12 +183,12 @@ def _flash_backward(
         neg_di = -(doi * oi).sum(dim=-1, keepdim=True)  # −D = −rowsum(dO∘O): (N, R, 1)
         neg_li = -lse4[:, :, :, i0:i1].reshape(n, rows, 1)  # −L: (N, R, 1)
         dqi = torch.zeros(n, rows, d, dtype=acc, device=q.device)
-        for j0, j1, diagonal in key_tiles:
+        for j0, j1, masked in key_tiles:
             bk = j1 - j0
             kj, vj = k3[:, j0:j1].to(acc), v3[:, j0:j1].to(acc)  # (N, bk, D)
             s, ds = _tile(s_buf, n, rows, bk), _tile(ds_buf, n, rows, bk)  # scratch (N, R, bk)
             torch.baddbmm(neg_li.expand(n, rows, bk), qi, kj.mT, out=s)  # S − L = Q Kᵀ·scale − L
-            _apply_mask(s, b, g, i0, i1, j0, j1, t_k - t_q, diagonal, key_padding_mask)
+            _apply_mask(s, b, g, (i0, i1, j0, j1), t_k - t_q, masking, masked, key_padding_mask)
             p = s.exp_()  # P = exp(S − L)
             dv3[:, j0:j1].baddbmm_(p.mT, doi)  # dV += Pᵀ dO
             torch.baddbmm(neg_di.expand(n, rows, bk), doi, vj.mT, out=ds)  # dP − D, dP = dO Vᵀ
@@ -181,22 +202,26 @@ def _flash_backward(
 
 
 def _tiles(
-    t_q: int, t_k: int, causal: bool, block_q: int
+    t_q: int, t_k: int, masking: Masking, block_q: int
 ) -> Iterator[tuple[int, int, list[tuple[int, int, bool]]]]:
-    """Yield (i0, i1, [(j0, j1, crosses_diagonal), ...]) for each query tile [i0, i1).
+    """Yield (i0, i1, [(j0, j1, needs_mask), ...]) for each query tile [i0, i1).
 
     With `causal`, query i sees keys j ≤ i + (Tk − Tq): key tiles past the last query's limit are
-    skipped, and only tiles with a key beyond the first query's limit need the causal mask.
+    skipped, and only tiles with a key beyond the first query's limit need the causal mask. A
+    window W also hides keys j ≤ i + (Tk − Tq) − W: the tiles start at the first query's first
+    key, and a tile reaching below the last query's first key needs the mask.
     """
-    offset = t_k - t_q
+    offset, window = t_k - t_q, masking.window
     for i0 in range(0, t_q, block_q):
         i1 = min(i0 + block_q, t_q)
-        k_end = min(t_k, i1 + offset) if causal else t_k  # keys ≥ k_end are masked for every row
+        k_end = min(t_k, i1 + offset) if masking.causal else t_k  # keys ≥ k_end: hidden to all
+        k_start = 0 if window is None else max(0, i0 + offset - window + 1)  # below: hidden to all
         key_tiles = []
-        for j0 in range(0, max(k_end, 0), BLOCK_K):
+        for j0 in range(k_start, max(k_end, k_start), BLOCK_K):
             j1 = min(j0 + BLOCK_K, k_end)
-            crosses = causal and j1 - 1 > i0 + offset  # its last key is past the first row's limit
-            key_tiles.append((j0, j1, crosses))
+            crosses = masking.causal and j1 - 1 > i0 + offset  # last key past the first row's limit
+            below = window is not None and j0 <= i1 - 1 + offset - window  # first key < last row's
+            key_tiles.append((j0, j1, crosses or below))
         yield i0, i1, key_tiles
 
 
@@ -204,19 +229,26 @@ def _apply_mask(
     s: Tensor,
     b: int,
     g: int,
-    i0: int,
-    i1: int,
-    j0: int,
-    j1: int,
+    tile: tuple[int, int, int, int],
     offset: int,
-    diagonal: bool,
+    masking: Masking,
+    masked: bool,
     key_padding_mask: Tensor | None,
 ) -> None:
-    """Set S to −∞ in place where the causal rule or the padding mask forbids the key."""
+    """Set S to −∞ in place where the causal rule, the window or the padding mask hides the key.
+
+    tile = (i0, i1, j0, j1): queries [i0, i1) × keys [j0, j1); `masked`: the tile crosses the
+    causal diagonal or the window's lower edge (else only the padding mask applies).
+    """
+    i0, i1, j0, j1 = tile
     blocked = None
-    if diagonal:
-        rows = torch.arange(i0, i1, device=s.device).unsqueeze(1) + offset  # (bq, 1)
-        blocked = torch.arange(j0, j1, device=s.device) > rows  # j > i + Tk − Tq: (bq, bk)
+    if masked:
+        rows = torch.arange(i0, i1, device=s.device).unsqueeze(1) + offset  # (bq, 1): i + Tk − Tq
+        cols = torch.arange(j0, j1, device=s.device)  # (bk,)
+        blocked = cols > rows if masking.causal else None  # j > i + Tk − Tq: (bq, bk)
+        if masking.window is not None:
+            outside = cols <= rows - masking.window  # j ≤ i + Tk − Tq − W: (bq, bk)
+            blocked = outside if blocked is None else blocked | outside
     if key_padding_mask is not None:
         pad = ~key_padding_mask[:, j0:j1].view(b, 1, 1, 1, j1 - j0)  # (B, 1, 1, 1, bk)
         blocked = pad if blocked is None else pad | blocked
@@ -224,9 +256,13 @@ def _apply_mask(
         s.view(b, -1, g, i1 - i0, j1 - j0).masked_fill_(blocked, float("-inf"))
 
 
-def _tile_numel(n: int, g: int, block_q: int, t_q: int, t_k: int) -> int:
-    """Elements of the largest score tile, (N, G·min(BLOCK_Q, Tq), min(BLOCK_K, Tk))."""
-    return n * g * min(block_q, t_q) * min(BLOCK_K, t_k)
+def _tile_numel(n: int, g: int, block_q: int, t_q: int, t_k: int, masking: Masking) -> int:
+    """Elements of the largest score tile, (N, G·min(BLOCK_Q, Tq), bk): bk = min(BLOCK_K, Tk),
+    and with a window W at most the bq + W − 1 keys a query tile reads."""
+    block_k = min(BLOCK_K, t_k)
+    if masking.window is not None:
+        block_k = min(block_k, min(block_q, t_q) + masking.window - 1)
+    return n * g * min(block_q, t_q) * block_k
 
 
 def _tile(buf: Tensor, n: int, rows: int, cols: int) -> Tensor:

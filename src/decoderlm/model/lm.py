@@ -43,7 +43,7 @@ class DecoderLM(nn.Module):
         # sinusoids, so that the table (values in [−1, 1]) does not drown the 0.02-scale embeddings.
         self.emb_scale = math.sqrt(d) if config.position == "sinusoidal" else 1.0
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         # Post-LN blocks already end in a norm; Pre-LN stacks need one before the head.
         self.norm = make_norm(config) if config.norm_placement == "pre" else nn.Identity()
         self.head = nn.Linear(d, config.vocab_size, bias=False)

@@ -11,7 +11,9 @@ arguments) into a `Run`:
   library (the main job). When resuming, or when OUT/data is already there, the inputs, tokenizer
   and vocabulary size given must be those its meta.json recorded, so that the same command plus
   `--resume` continues the run exactly;
-- agreement: model fields given for a resumed or initialised run must equal its saved model's.
+- agreement: model fields given for a resumed run must equal its saved model's; for an initialised
+  run too, except those that carry no weights (`INIT_FROM_FREE_FIELDS`), so that
+  `--init-from RUN --context-length 4096 --rope-scaling '{...}'` extends a run's context.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ DEFAULT_VOCAB_SIZE = 8192
 # BPE joins a space to the word after it (" foo"), so "def " would make the model start a new word.
 MAIN_JOB_PROMPT = "def"
 RUNS_DIR = Path("runs")  # where runs go without --out: runs/<date-time>
+# Model fields an initialised run may change: no weight depends on them (RoPE and sinusoidal
+# positions are recomputed for any length; learned positions make context_length a weight shape).
+INIT_FROM_FREE_FIELDS = ("context_length", "rope_scaling")
 
 
 @dataclass(frozen=True)
@@ -104,7 +109,7 @@ def resolve_run(
     meta = data.read_meta(found)
 
     source = ckpt if ckpt is not None else init_from
-    model_config = _model_config(model, preset, source, found, meta["vocab_size"])
+    model_config = _model_config(model, preset, source, found, meta["vocab_size"], ckpt is None)
     return Run(
         out=out,
         model_config=model_config,
@@ -227,9 +232,11 @@ def _model_config(
     source: str | Path | None,
     data_dir: Path,
     vocab: int,
+    initialising: bool,
 ) -> ModelConfig:
     """The model to train, with the data's vocabulary size: the source run's (resumed or
-    initialised from), which the requested fields must agree with; else the requested one."""
+    initialised from), which the requested fields must agree with (but for the free fields of an
+    initialised run, taken from the request); else the requested one."""
     saved = ModelConfig.from_dict(checkpoint.read_run_config(source)["model"]) if source else None
     requested = model if isinstance(model, ModelConfig) else None
     if preset is not None or (isinstance(model, dict) and model):
@@ -247,12 +254,26 @@ def _model_config(
             f"the model in {source} has vocab_size={saved.vocab_size}, the data in "
             f"{data_dir} has {vocab}: use data made with the run's tokenizer.json"
         )
-    if requested is not None:
-        mine, theirs = requested.to_dict(), saved.to_dict()
-        for name in mine:
-            if name != "extra" and mine[name] != theirs[name]:
-                raise DecoderLMError(
-                    f"model field {name}={mine[name]!r} differs from {source}'s "
-                    f"{name}={theirs[name]!r}; the model of a resumed/initialised run is fixed"
-                )
-    return saved
+    if requested is None:
+        return saved
+    free = _free_fields(saved) if initialising else ()
+    mine, theirs = requested.to_dict(), saved.to_dict()
+    for name in mine:
+        if name != "extra" and name not in free and mine[name] != theirs[name]:
+            rule = (
+                f"with --init-from only {' and '.join(free)} may change (no weight depends on them)"
+                if initialising
+                else "the model of a resumed run is fixed"
+            )
+            raise DecoderLMError(
+                f"model field {name}={mine[name]!r} differs from {source}'s "
+                f"{name}={theirs[name]!r}; {rule}"
+            )
+    return dataclasses.replace(saved, **{name: getattr(requested, name) for name in free})
+
+
+def _free_fields(saved: ModelConfig) -> tuple[str, ...]:
+    """The fields an initialised run may change (INIT_FROM_FREE_FIELDS, less a learned table's length)."""
+    if saved.position == "learned":
+        return tuple(name for name in INIT_FROM_FREE_FIELDS if name != "context_length")
+    return INIT_FROM_FREE_FIELDS

@@ -13,7 +13,9 @@ The softmax runs in base 2 (exp2 is one instruction): S₂ = S · log₂e, L₂ 
 and dQ kernels walk their key tiles in two stages, as in Triton's fused-attention tutorial: tiles that
 every query row of the program sees in full (no mask), then those on the causal diagonal or the
 sequence tail (masked); the dK/dV kernel masks every tile. Causal tiles above the diagonal are never
-visited. Query head h reads K/V head h // (Hq / Hkv), and the dK/dV program of a K/V head loops over
+visited, nor, with a sliding window W (query i sees keys i + Tk − Tq − W < j ≤ i + Tk − Tq), those
+below it: the forward and dQ programs then start with the masked tiles on the window's lower edge,
+and a dK/dV program stops at the last query that sees its keys, so the work is O(T·W). Query head h reads K/V head h // (Hq / Hkv), and the dK/dV program of a K/V head loops over
 its group of query heads, so K/V are never repeated in memory. Plain pointer arithmetic (no block
 pointers) keeps the same code running compiled on a GPU and under `TRITON_INTERPRET=1` on a CPU.
 """
@@ -26,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.model.attention import effective_window
 from decoderlm.model.flash import check_inputs
 
 HEAD_DIMS = (16, 32, 64, 128)  # powers of two (tl.arange) that fit a tile in on-chip memory
@@ -48,12 +51,13 @@ def _load_row_stats(base, rows, n_rows):
 
 
 @triton.jit
-def _visible(i, j, t_q, t_k, shift, CAUSAL: tl.constexpr):
+def _visible(i, j, t_q, t_k, shift, window, CAUSAL: tl.constexpr):
     """Whether query i may attend key j (broadcastable index tiles): both in range, and, if causal,
-    j ≤ i + (Tk − Tq), the bottom-right-aligned lower triangle."""
+    i + (Tk − Tq) − window < j ≤ i + (Tk − Tq), the bottom-right-aligned band (window = Tk: the
+    whole lower triangle)."""
     ok = (i < t_q) & (j < t_k)
     if CAUSAL:
-        ok = ok & (j <= i + shift)
+        ok = ok & (j <= i + shift) & (j > i + shift - window)
     return ok
 
 
@@ -71,18 +75,26 @@ def _store_rows(base, tile, rows, n_rows, stride, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _query_tile_key_ranges(start_m, t_q, t_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           CAUSAL: tl.constexpr):  # fmt: skip
-    """For query rows [start_m, start_m + BLOCK_M): keys [0, full) are visible to every row (no
-    mask needed), keys [full, hi) to some (masked: causal diagonal, key tail), keys ≥ hi to none."""
+def _query_tile_key_ranges(start_m, t_q, t_k, window, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):  # fmt: skip
+    """For query rows [start_m, start_m + BLOCK_M): keys below lo and from hi on are visible to
+    no row; [lo, mid) to some (masked: the window's lower edge), [mid, full) to every row (no mask
+    needed), [full, hi) to some (masked: causal diagonal, key tail). lo, mid, full are multiples
+    of BLOCK_N; without a window (window = Tk) lo = mid = 0."""
     if CAUSAL:
         shift = t_k - t_q
         hi = tl.minimum(tl.maximum(start_m + BLOCK_M + shift, 0), t_k)
         full = tl.minimum(tl.maximum(start_m + 1 + shift, 0), t_k) // BLOCK_N * BLOCK_N
+        lo = tl.maximum(start_m + shift - window + 1, 0) // BLOCK_N * BLOCK_N  # 1st row's 1st key
+        last_row_first = tl.maximum(start_m + BLOCK_M + shift - window, 0)  # the last row's
+        mid = tl.minimum(tl.cdiv(last_row_first, BLOCK_N) * BLOCK_N, full)
+        mid = tl.maximum(mid, lo)
     else:
         hi = t_k
         full = t_k // BLOCK_N * BLOCK_N
-    return full, hi
+        lo = 0
+        mid = 0
+    return lo, mid, full, hi
 
 
 # ----------------------------------------------------------------------------------------- forward
@@ -91,7 +103,7 @@ def _query_tile_key_ranges(start_m, t_q, t_k, BLOCK_M: tl.constexpr, BLOCK_N: tl
 @triton.jit
 def _fwd_tiles(
     acc, l_i, m_i, q, rows, k_base, v_base, pad_ptr, stride_kt, stride_vt, start, end,
-    t_q, t_k, qk_scale,
+    t_q, t_k, window, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -102,7 +114,7 @@ def _fwd_tiles(
         v = _load_rows(v_base, cols, t_k, stride_vt, HEAD_DIM)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # S₂: (BLOCK_M, BLOCK_N)
         if MASKED:
-            visible = _visible(rows[:, None], cols[None, :], t_q, t_k, t_k - t_q, CAUSAL)
+            visible = _visible(rows[:, None], cols[None, :], t_q, t_k, t_k - t_q, window, CAUSAL)
             s = tl.where(visible, s, -float("inf"))
         if HAS_PAD:
             s = tl.where(_key_ok(pad_ptr, cols, t_k)[None, :], s, -float("inf"))
@@ -122,7 +134,7 @@ def _attn_fwd(
     Q, K, V, OUT, LSE, PAD, qk_scale,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot, stride_pad,
-    n_heads, group, t_q, t_k,
+    n_heads, group, t_q, t_k, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -135,17 +147,21 @@ def _attn_fwd(
     q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, t_q, stride_qt, HEAD_DIM)
     k_base, v_base = K + b * stride_kb + h_kv * stride_kh, V + b * stride_vb + h_kv * stride_vh
     pad_ptr = PAD + b * stride_pad if HAS_PAD else PAD
-    full, hi = _query_tile_key_ranges(start_m, t_q, t_k, BLOCK_M, BLOCK_N, CAUSAL)
+    lo, mid, full, hi = _query_tile_key_ranges(start_m, t_q, t_k, window, BLOCK_M, BLOCK_N, CAUSAL)
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)  # running row max m (base 2)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running normaliser ℓ
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)  # unnormalised output Õ
     acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, q, rows, k_base, v_base, pad_ptr, stride_kt, stride_vt, 0, full,
-        t_q, t_k, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, HAS_PAD, PRECISION,
+        acc, l_i, m_i, q, rows, k_base, v_base, pad_ptr, stride_kt, stride_vt, lo, mid,
+        t_q, t_k, window, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_PAD, PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _fwd_tiles(
+        acc, l_i, m_i, q, rows, k_base, v_base, pad_ptr, stride_kt, stride_vt, mid, full,
+        t_q, t_k, window, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, HAS_PAD, PRECISION,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, rows, k_base, v_base, pad_ptr, stride_kt, stride_vt, full, hi,
-        t_q, t_k, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_PAD, PRECISION,
+        t_q, t_k, window, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_PAD, PRECISION,
     )  # fmt: skip
     seen = l_i > 0  # rows with no visible key get O = 0 and L₂ = +∞ (so the backward's P = 0)
     l_safe = tl.where(seen, l_i, 1.0)
@@ -177,7 +193,7 @@ def _attn_bwd_delta(
 @triton.jit
 def _dkdv_tiles(
     dk, dv, k, v, cols, key_ok, q_base, do_base, lse_base, delta_base,
-    stride_qh, stride_qt, stride_doh, stride_dot, group, start, end, t_q, t_k, qk_scale,
+    stride_qh, stride_qt, stride_doh, stride_dot, group, start, end, t_q, t_k, window, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -197,7 +213,7 @@ def _dkdv_tiles(
         # S₂ᵀ: (BLOCK_N, BLOCK_M)
         s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
         p_t = tl.math.exp2(s_t - lse[None, :])  # Pᵀ = exp2(S₂ − L₂)ᵀ
-        visible_t = _visible(rows[None, :], cols[:, None], t_q, t_k, t_k - t_q, CAUSAL)
+        visible_t = _visible(rows[None, :], cols[:, None], t_q, t_k, t_k - t_q, window, CAUSAL)
         p_t = tl.where(visible_t, p_t, 0.0)
         if HAS_PAD:
             p_t = tl.where(key_ok[:, None], p_t, 0.0)
@@ -214,7 +230,7 @@ def _attn_bwd_dkdv(
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, stride_pad,
     stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
-    n_heads, group, t_q, t_k,
+    n_heads, group, t_q, t_k, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -225,8 +241,11 @@ def _attn_bwd_dkdv(
     k = _load_rows(K + b * stride_kb + h_kv * stride_kh, cols, t_k, stride_kt, HEAD_DIM)
     v = _load_rows(V + b * stride_vb + h_kv * stride_vh, cols, t_k, stride_vt, HEAD_DIM)
     key_ok = _key_ok(PAD + b * stride_pad, cols, t_k) if HAS_PAD else cols < t_k
-    # Causal: query rows before lo see none of these keys (j ≤ i + Tk − Tq fails for all j ≥ start_n).
-    lo = tl.minimum(tl.maximum(start_n - (t_k - t_q), 0), t_q) // BLOCK_M * BLOCK_M if CAUSAL else 0
+    # Causal: query rows before lo see none of these keys (j ≤ i + Tk − Tq fails for all j ≥ start_n),
+    # nor rows from hi on (j > i + Tk − Tq − window fails for all j < start_n + BLOCK_N).
+    shift = t_k - t_q
+    lo = tl.minimum(tl.maximum(start_n - shift, 0), t_q) // BLOCK_M * BLOCK_M if CAUSAL else 0
+    hi = tl.minimum(tl.maximum(start_n + BLOCK_N - 1 - shift + window, lo), t_q) if CAUSAL else t_q
     h0 = h_kv * group  # the group's query heads are h0 .. h0 + group − 1
     q_base, do_base = Q + b * stride_qb + h0 * stride_qh, DO + b * stride_dob + h0 * stride_doh
     lse_base, delta_base = LSE + (b * n_heads + h0) * t_q, DELTA + (b * n_heads + h0) * t_q
@@ -234,7 +253,7 @@ def _attn_bwd_dkdv(
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dk, dv = _dkdv_tiles(
         dk, dv, k, v, cols, key_ok, q_base, do_base, lse_base, delta_base,
-        stride_qh, stride_qt, stride_doh, stride_dot, group, lo, t_q, t_q, t_k, qk_scale,
+        stride_qh, stride_qt, stride_doh, stride_dot, group, lo, hi, t_q, t_k, window, qk_scale,
         HEAD_DIM, BLOCK_M, CAUSAL, HAS_PAD, PRECISION,
     )  # fmt: skip
     dk = dk * scale  # dK = scale · dSᵀ Q
@@ -245,7 +264,7 @@ def _attn_bwd_dkdv(
 @triton.jit
 def _dq_tiles(
     dq, q, do, lse, delta, rows, k_base, v_base, pad_ptr, stride_kt, stride_vt, start, end,
-    t_q, t_k, qk_scale,
+    t_q, t_k, window, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -257,7 +276,7 @@ def _dq_tiles(
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # S₂: (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(s - lse[:, None])  # P = exp2(S₂ − L₂)
         if MASKED:
-            visible = _visible(rows[:, None], cols[None, :], t_q, t_k, t_k - t_q, CAUSAL)
+            visible = _visible(rows[:, None], cols[None, :], t_q, t_k, t_k - t_q, window, CAUSAL)
             p = tl.where(visible, p, 0.0)
         if HAS_PAD:
             p = tl.where(_key_ok(pad_ptr, cols, t_k)[None, :], p, 0.0)
@@ -273,7 +292,7 @@ def _attn_bwd_dq(
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, stride_pad,
     stride_dqb, stride_dqh, stride_dqt,
-    n_heads, group, t_q, t_k,
+    n_heads, group, t_q, t_k, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -289,15 +308,19 @@ def _attn_bwd_dq(
     delta = _load_row_stats(DELTA + bh * t_q, rows, t_q)  # D: (BLOCK_M,)
     k_base, v_base = K + b * stride_kb + h_kv * stride_kh, V + b * stride_vb + h_kv * stride_vh
     pad_ptr = PAD + b * stride_pad if HAS_PAD else PAD
-    full, hi = _query_tile_key_ranges(start_m, t_q, t_k, BLOCK_M, BLOCK_N, CAUSAL)
+    lo, mid, full, hi = _query_tile_key_ranges(start_m, t_q, t_k, window, BLOCK_M, BLOCK_N, CAUSAL)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     dq = _dq_tiles(
-        dq, q, do, lse, delta, rows, k_base, v_base, pad_ptr, stride_kt, stride_vt, 0, full,
-        t_q, t_k, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, HAS_PAD, PRECISION,
+        dq, q, do, lse, delta, rows, k_base, v_base, pad_ptr, stride_kt, stride_vt, lo, mid,
+        t_q, t_k, window, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_PAD, PRECISION,
+    )  # fmt: skip
+    dq = _dq_tiles(
+        dq, q, do, lse, delta, rows, k_base, v_base, pad_ptr, stride_kt, stride_vt, mid, full,
+        t_q, t_k, window, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, HAS_PAD, PRECISION,
     )  # fmt: skip
     dq = _dq_tiles(
         dq, q, do, lse, delta, rows, k_base, v_base, pad_ptr, stride_kt, stride_vt, full, hi,
-        t_q, t_k, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_PAD, PRECISION,
+        t_q, t_k, window, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_PAD, PRECISION,
     )  # fmt: skip
     dq = dq * scale  # dQ = scale · dS K
     _store_rows(DQ + b * stride_dqb + h * stride_dqh, dq, rows, t_q, stride_dqt, HEAD_DIM)
@@ -380,7 +403,7 @@ def _bht_strides(x: Tensor) -> tuple[int, int, int]:
 
 
 def _forward(
-    q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, causal: bool, scale: float
+    q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, causal: bool, window: int, scale: float
 ) -> tuple[Tensor, Tensor]:
     """Launch the forward: (O (B, Hq, Tq, D) laid out like q, L₂ (B, Hq, Tq) fp32)."""
     b, n_heads, t_q, d = q.shape
@@ -394,7 +417,7 @@ def _forward(
             q, k, v, o, lse, pad, scale * LOG2E,
             *_bht_strides(q), *_bht_strides(k), *_bht_strides(v), *_bht_strides(o),
             pad.stride(0) if pad is not None else 0,
-            n_heads, n_heads // k.shape[1], t_q, t_k,
+            n_heads, n_heads // k.shape[1], t_q, t_k, window,
             HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, HAS_PAD=pad is not None,
             PRECISION=_precision(q.dtype),
             num_warps=num_warps, num_stages=num_stages,
@@ -404,7 +427,7 @@ def _forward(
 
 def _backward(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
-    pad: Tensor | None, causal: bool, scale: float,
+    pad: Tensor | None, causal: bool, window: int, scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Launch the preprocess, dK/dV and dQ kernels: (dq, dk, dv) laid out like (q, k, v)."""
     b, n_heads, t_q, d = q.shape
@@ -424,7 +447,7 @@ def _backward(
         *_bht_strides(q), *_bht_strides(k), *_bht_strides(v), *_bht_strides(do),
         pad.stride(0) if pad is not None else 0,
     )  # fmt: skip
-    sizes = (n_heads, n_heads // n_kv_heads, t_q, t_k)
+    sizes = (n_heads, n_heads // n_kv_heads, t_q, t_k, window)
     block_m, block_n, num_warps, num_stages = _tiles("dkdv", d, q.dtype, sm)
     _attn_bwd_dkdv[(triton.cdiv(t_k, block_n), n_kv_heads, b)](
         q, k, v, do, lse, delta, dk, dv, pad, scale * LOG2E, scale,
@@ -450,20 +473,23 @@ class FlashAttentionTriton(torch.autograd.Function):
         v: Tensor,
         pad: Tensor | None,
         causal: bool,
+        window: int,
         scale: float,
     ) -> Tensor:
-        o, lse = _forward(q, k, v, pad, causal, scale)
+        o, lse = _forward(q, k, v, pad, causal, window, scale)
         ctx.save_for_backward(q, k, v, o, lse, pad)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.window, ctx.scale = causal, window, scale
         return o
 
     @staticmethod
     def backward(
         ctx: torch.autograd.function.FunctionCtx, do: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor, None, None, None]:
+    ) -> tuple[Tensor, Tensor, Tensor, None, None, None, None]:
         q, k, v, o, lse, pad = ctx.saved_tensors
-        dq, dk, dv = _backward(q, k, v, o, lse, _row_major(do), pad, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = _backward(
+            q, k, v, o, lse, _row_major(do), pad, ctx.causal, ctx.window, ctx.scale
+        )
+        return dq, dk, dv, None, None, None, None
 
 
 def flash_attention_triton(
@@ -473,18 +499,22 @@ def flash_attention_triton(
     causal: bool = True,
     key_padding_mask: Tensor | None = None,
     scale: float | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """softmax(QKᵀ·scale + M)V by the Triton FlashAttention-2 kernels; differentiable in q, k, v.
 
     q: (B, Hq, Tq, D); k, v: (B, Hkv, Tk, D) with Hq a multiple of Hkv (query head h reads K/V head
     h // (Hq / Hkv)); D in HEAD_DIMS; float16, bfloat16 or float32 on a CUDA device (or on a CPU
     under TRITON_INTERPRET=1). causal: query i attends key j iff j ≤ i + (Tk − Tq).
+    window: with causal, also j > i + (Tk − Tq) − window (the last `window` keys); None = none.
     key_padding_mask: (B, Tk) bool, True = real key; a row with no key to attend returns 0.
     scale: default 1/√D. Returns (B, Hq, Tq, D) with q's dtype and memory layout.
     """
     _check_inputs(q, k, v, key_padding_mask)
+    window = effective_window(causal, window, k.shape[2])
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     pad = None if key_padding_mask is None else key_padding_mask.contiguous().view(torch.uint8)
+    band = k.shape[2] if window is None else window  # the kernels' window: Tk hides no key
     return FlashAttentionTriton.apply(
-        _row_major(q), _row_major(k), _row_major(v), pad, causal, scale
+        _row_major(q), _row_major(k), _row_major(v), pad, causal, band, scale
     )
