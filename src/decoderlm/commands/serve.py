@@ -79,7 +79,7 @@ def load_served(args: argparse.Namespace) -> Any:
         engine=engine,
         tokenizer=tokenizer,
         model_name=Path(args.checkpoint).resolve().name,
-        context_length=model.config.context_length,
+        context_length=engine.max_sequence,
         vocab_size=model.config.vocab_size,
         chat_template=load_chat_template(args.checkpoint, eos_token=eot),
     )

@@ -33,6 +33,7 @@ from decoderlm.inference.sampling import SamplingParams, sample_next, sampling_p
 from decoderlm.model.int8_cache import check_kv_cache_dtype, make_static_cache
 from decoderlm.model.kv_cache import StaticLayerCache
 from decoderlm.model.lm import DecoderLM
+from decoderlm.model.ring_cache import RingKVCache
 
 Prompt = Tensor | Sequence[Sequence[int]] | Sequence[int]
 
@@ -125,15 +126,40 @@ def check_lengths(
         )
 
 
-def check_cache_options(kv_cache_dtype: str | None, compile: bool) -> None:
+def check_cache_options(
+    kv_cache_dtype: str | None, compile: bool, sliding_window: int | None = None
+) -> None:
     """DecoderLMError for an unknown `kv_cache_dtype`, or "int8" with `compile`: the AOT-compiled
-    step of `decoderlm.cpu.decode` takes plain K/V buffers as its inputs, not int8 values and scales."""
+    step of `decoderlm.cpu.decode` takes plain K/V buffers as its inputs, not int8 values and scales;
+    a windowed model decodes over a ring cache (`decoderlm.model.ring_cache`), in its dtype and
+    without that step."""
     check_kv_cache_dtype(kv_cache_dtype)
     if compile and kv_cache_dtype == "int8":
         raise DecoderLMError(
             "compile=True does not support kv_cache_dtype='int8' (the compiled one-token step "
             "takes plain K/V buffers); drop one of the two"
         )
+    if sliding_window is not None and (compile or kv_cache_dtype is not None):
+        raise DecoderLMError(
+            f"a model with sliding_window={sliding_window} decodes over a ring KV cache, which "
+            "compile=True and kv_cache_dtype='int8' do not support yet; drop them"
+        )
+
+
+def check_options(
+    model: DecoderLM,
+    rows: list[list[int]],
+    max_new_tokens: int,
+    refill_past_context: bool,
+    kv_cache_dtype: str | None,
+    compile: bool,
+) -> None:
+    """`check_lengths` and `check_cache_options` for this model: a model whose every layer has a
+    sliding window has no length limit past its prompt."""
+    cfg = model.config
+    past = refill_past_context or cfg.decodes_past_context
+    check_lengths(rows, max_new_tokens, cfg.context_length, past)
+    check_cache_options(kv_cache_dtype, compile, cfg.sliding_window)
 
 
 def decode_steps(
@@ -156,12 +182,14 @@ def decode_steps(
     (one prefill), so every token still sees ≥ 3/4 of a context. `cpu_kernels`: the prefill (and
     with `compile` the one-token step) under `CPULinearKernels`; the eager one-token step never,
     as the mode's Python hook on every op costs more than it saves there. `kv_cache_dtype`: None
-    caches K/V in the model's dtype, "int8" quantizes them (`decoderlm.model.int8_cache`).
+    caches K/V in the model's dtype, "int8" quantizes them (`decoderlm.model.int8_cache`). A model
+    with a sliding window keeps its windowed layers' K/V in rings of W slots (`RingKVCache`); when
+    every layer has one, decoding goes on past `context_length` with nothing refilled.
     """
     cfg = model.config
     context = cfg.context_length
-    check_lengths(rows, max_new_tokens, context, refill_past_context)
-    check_cache_options(kv_cache_dtype, compile)
+    unbounded = cfg.decodes_past_context  # the ring never fills: no refill, no length limit
+    check_options(model, rows, max_new_tokens, refill_past_context, kv_cache_dtype, compile)
     n = max(len(row) for row in rows)  # the first fill: the prompts, left-padded to n tokens
     weight = model.tok_emb.weight
     device = weight.device
@@ -171,7 +199,10 @@ def decode_steps(
     max_len = min(n + max_new_tokens, context)
     if compile:
         max_len = min(math.ceil(max_len / COMPILE_CACHE_MULTIPLE) * COMPILE_CACHE_MULTIPLE, context)
-    cache = make_static_cache(cfg, len(rows), max_len, weight.dtype, device, kv_cache_dtype)
+    if cfg.sliding_window is None:
+        cache = make_static_cache(cfg, len(rows), max_len, weight.dtype, device, kv_cache_dtype)
+    else:
+        cache = RingKVCache(cfg, len(rows), max_len, weight.dtype, device)
     step = CompiledStep(model, cache, next_logits, cpu_kernels) if compile else None
     seen = None
     if params.repetition_penalty != 1.0:
@@ -187,7 +218,10 @@ def decode_steps(
         padded = bool(pad.any())
         idx = torch.tensor([[0] * (n - len(row)) + row for row in rows], device=device)  # (B, n)
         positions = (slots[None, :n] - pad[:, None]).clamp(min=0)  # (B, n): 0 at the 1st token
-        cache.seek(slots[:n], n)
+        if isinstance(cache, RingKVCache):  # the ring layers also learn which new tokens are real
+            cache.seek(slots[:n], n, filled[:, :n] if padded else None)
+        else:
+            cache.seek(slots[:n], n)
         prefill = compiled_prefill() if compile else next_logits
         with linear_kernels(cpu_kernels and (compile or n > 1), compiling=compile):
             logits = prefill(model, cache, idx, positions, filled[:, :n] if padded else None)
@@ -203,15 +237,17 @@ def decode_steps(
                 return
             if seen is not None:
                 seen.scatter_(1, token[:, None], True)
-            if n == max_len:
+            if n == max_len and not unbounded:
                 break  # the cache is full: slide the window
             slot.fill_(n)
             if step is not None:  # fixed shapes: attends the whole buffer, masked in the step
                 logits = step(token[:, None], slot, pad)
             else:
-                filled[:, n] = True
+                key_padding_mask = None  # rings hand attention their own key mask
+                if not unbounded:
+                    filled[:, n] = True
+                    key_padding_mask = filled[:, : n + 1] if padded else None
                 cache.seek(slot, n + 1)
-                key_padding_mask = filled[:, : n + 1] if padded else None
                 logits = next_logits(
                     model, cache, token[:, None], (slot - pad)[:, None], key_padding_mask
                 )
@@ -258,8 +294,7 @@ def generate(
     if not (isinstance(num_samples, int) and num_samples >= 1):
         raise DecoderLMError(f"num_samples={num_samples!r} must be an integer ≥ 1")
     rows = [row for row in prompt_rows(prompt, model.config.vocab_size) for _ in range(num_samples)]
-    check_lengths(rows, max_new_tokens, model.config.context_length, refill_past_context)
-    check_cache_options(kv_cache_dtype, compile)
+    check_options(model, rows, max_new_tokens, refill_past_context, kv_cache_dtype, compile)
     if max_new_tokens == 0:
         return rows
     generator = make_generator(seed, model.tok_emb.weight.device)

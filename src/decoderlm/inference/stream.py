@@ -14,8 +14,7 @@ from torch import Tensor
 from decoderlm.cpu import optimized
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.generate import (
-    check_cache_options,
-    check_lengths,
+    check_options,
     decode_steps,
     evaluating,
     make_generator,
@@ -118,8 +117,7 @@ def stream(
         raise DecoderLMError("empty prompt: give some text to continue")
     ids = tokenizer.encode(prompt)
     rows = prompt_rows([ids], model.config.vocab_size)
-    check_lengths(rows, max_new_tokens, model.config.context_length, refill_past_context)
-    check_cache_options(kv_cache_dtype, compile)
+    check_options(model, rows, max_new_tokens, refill_past_context, kv_cache_dtype, compile)
     eot = getattr(tokenizer, "eot_id", None) if stop_at_eot else None
     generator = make_generator(seed, model.tok_emb.weight.device)
     steps = decode_steps(

@@ -158,6 +158,13 @@ class ModelConfig:
             f"must be increasing layer indices in [0, n_layers={self.n_layers})",
         )
 
+    @property
+    def decodes_past_context(self) -> bool:
+        """Whether every layer has a sliding window: a ring cache of W slots per layer then
+        decodes past `context_length` (with RoPE or no positions: no table to run out of)."""
+        every_layer = all(self.layer_window(i) is not None for i in range(self.n_layers))
+        return every_layer and self.position in ("rope", "none")
+
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`; None where it attends every earlier key."""
         layers = self.sliding_window_layers

@@ -34,7 +34,11 @@ class DecoderLM(nn.Module):
             self.pos_emb = SinusoidalPositions(config.context_length, d)
         self.rope = (
             RotaryEmbedding(
-                config.context_length, config.head_dim, config.rope_theta, config.rope_scaling
+                config.context_length,
+                config.head_dim,
+                config.rope_theta,
+                config.rope_scaling,
+                unbounded=config.decodes_past_context,
             )
             if config.position == "rope"
             else None

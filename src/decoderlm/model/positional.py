@@ -162,7 +162,9 @@ class RotaryEmbedding(nn.Module):
     cached `generate`. (Transformers' dynamic RoPE also remembers the longest sequence seen until
     one within the original length comes; here each call stands alone, so the two agree for any
     calls whose lengths only grow, such as a fresh model's `generate`.) Dynamic computes m·θ_i in
-    float32 at every call, as transformers does; the other kinds look up float64-made tables.
+    float32 at every call, as transformers does; the other kinds look up float64-made tables of
+    `context_length` positions, or with `unbounded` (a model whose every layer has a sliding
+    window, which decodes past its context) compute the same float64 angles at each call.
     """
 
     def __init__(
@@ -171,13 +173,15 @@ class RotaryEmbedding(nn.Module):
         head_dim: int,
         theta: float = 10000.0,
         scaling: dict[str, Any] | None = None,
+        unbounded: bool = False,
     ) -> None:
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.kind = _kind(scaling)
         self.attention_factor = rope_attention_factor(scaling, context_length)
-        if self.kind == "dynamic":
-            return  # its frequencies depend on each call's positions: see _dynamic
+        self.unbounded = unbounded and self.kind != "longrope"
+        if self.kind == "dynamic" or self.unbounded:
+            return  # angles made at each call: see _dynamic and _unbounded
         # One table per set of frequencies: LongRoPE's short (sequences within L₀) and long, else one.
         lengths: tuple[int | None, ...] = (None,)
         if self.kind == "longrope":
@@ -196,10 +200,20 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         if self.kind == "dynamic":
             return self._dynamic(positions)
+        if self.unbounded:
+            return self._unbounded(positions)
         which = 0  # the table: LongRoPE's long one for calls reaching L₀, a tensor (no host sync)
         if self.kind == "longrope":
             which = (positions.max() >= self.original_length).long().expand_as(positions)
         return self.cos[which, positions], self.sin[which, positions]  # each (..., T, D)
+
+    def _unbounded(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """The table's values, computed for any positions: cos/sin(m·θ_i) · a from float64 angles."""
+        inv_freq = rope_inverse_frequencies(self.head_dim, self.theta, self.scaling)  # (D/2,)
+        angles = positions[..., None].double() * inv_freq.to(positions.device)  # (..., T, D/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (..., T, D)
+        a = self.attention_factor
+        return (angles.cos() * a).float(), (angles.sin() * a).float()
 
     def _dynamic(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         seq_len = (positions.max() + 1).float()  # L, a 0-dim tensor: no wait on the device

@@ -99,6 +99,10 @@ class Engine:
         ):
             _positive_int(name, value)
         self.model, self.tokenizer, self.max_queue = model, tokenizer, max_queue
+        # Tokens per sequence. The paged rows are right-padded, so a window mask (aligned to the
+        # last key) would misplace shorter rows' windows; within W tokens a window hides nothing.
+        window = model.config.sliding_window
+        self.max_sequence = min(model.config.context_length, window or model.config.context_length)
         weight = model.tok_emb.weight
         self.device = weight.device
         self.bytes_per_token = kv_cache_bytes_per_token(
@@ -140,8 +144,7 @@ class Engine:
         `params.n` sequences, and DecoderLMError for a bad prompt or one that cannot fit the pool.
         """
         ids = self._prompt_ids(prompt)
-        context = self.model.config.context_length
-        max_len = min(len(ids) + params.max_tokens, context)
+        max_len = min(len(ids) + params.max_tokens, self.max_sequence)
         needed = blocks_for(max_len, self.pool.block_size)
         if needed > self.pool.num_blocks:
             raise DecoderLMError(
@@ -407,10 +410,10 @@ class Engine:
                 raise DecoderLMError("empty prompt: give some text to continue")
             prompt = self.tokenizer.encode(prompt)
         ids = prompt_rows([list(prompt)], self.model.config.vocab_size)[0]
-        if len(ids) > self.model.config.context_length:
+        if len(ids) > self.max_sequence:
             raise DecoderLMError(
-                f"prompt has {len(ids)} tokens, more than the model's "
-                f"context_length={self.model.config.context_length}"
+                f"prompt has {len(ids)} tokens, more than the engine's {self.max_sequence} "
+                "per sequence (the model's context_length, or its sliding_window if smaller)"
             )
         return ids
 
