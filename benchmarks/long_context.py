@@ -75,12 +75,12 @@ from typing import Any
 import numpy as np
 import torch
 from decode import median_ratio, per_token, run_times
-from shakespeare_char import DEFAULT_DATA, cpu_name
+from shakespeare_char import DEFAULT_DATA
 
 from decoderlm import DecoderLM, DecoderLMError, ModelConfig, checkpoint, data, generate, load
 from decoderlm.inference.evaluate import evaluate_tokens
 from decoderlm.quant import quantize
-from decoderlm.training.runtime import cpu_has_native_bf16
+from decoderlm.training.runtime import cpu_has_native_bf16, cpu_name
 from decoderlm.training.train_config import TrainConfig
 from decoderlm.training.trainer import train
 

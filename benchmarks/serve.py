@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import platform
 import random
 import time
 
@@ -32,16 +31,7 @@ from decoderlm.serving.app import Served, create_app
 from decoderlm.serving.chat import ChatTemplate
 from decoderlm.serving.engine import Engine
 from decoderlm.tokenizer import Tokenizer
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(
-                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
-            )
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
+from decoderlm.training.runtime import cpu_name
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -99,7 +89,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     tokenizer = Tokenizer.train_char(["".join(chr(0x4E00 + i) for i in range(31999))])
     rng = random.Random(0)
-    print(f"CPU: {cpu_model()} ({torch.get_num_threads()} threads), torch {torch.__version__}")
+    print(f"CPU: {cpu_name()} ({torch.get_num_threads()} threads), torch {torch.__version__}")
     print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new (greedy), "
           f"KV budget {args.kv_cache_memory}")  # fmt: skip
     header = f"{'kv heads':>8} {'clients':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "

@@ -51,7 +51,6 @@ import dataclasses
 import itertools
 import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -65,6 +64,7 @@ from decoderlm.cpu import heap
 from decoderlm.inference.evaluate import evaluate_tokens
 from decoderlm.training.runtime import (
     cpu_has_native_bf16,
+    cpu_name,
     cpu_threads,
     measure_peak_flops,
     resolve_dtype,
@@ -148,16 +148,6 @@ def our_recipe(vocab_size: int, budget_s: float) -> tuple[ModelConfig, TrainConf
         **COMMON,
     )
     return model, train_cfg
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux /proc/cpuinfo), else what `platform` knows."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def run_recipe(

@@ -36,6 +36,7 @@ from decoderlm.lab import measure
 from decoderlm.lab.spec import StudySpec, Variant, count_params
 from decoderlm.lab.stats import summarise
 from decoderlm.model.kv_cache import kv_cache_bytes_per_token
+from decoderlm.training.runtime import cpu_name
 from decoderlm.training.trainer import train
 
 RESULTS_FILE = "results.json"
@@ -136,22 +137,12 @@ def environment() -> dict[str, str]:
         commit = ""
     return {
         "git_commit": commit or "unknown",
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cores": str(os.cpu_count()),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "platform": platform.platform(),
     }
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _data(out: Path, data_dir: str | Path | None, inputs: Sequence[str | Path] | None) -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import random
 import time
 from pathlib import Path
@@ -24,6 +25,18 @@ TORCH_DEFAULT_THREADS = torch.get_num_threads()  # one per core this process may
 
 
 # ---- precision ----------------------------------------------------------------------------------
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else what `platform` knows: printed beside
+    every speed figure, since the machine's CPU changes from one session to the next."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def cpu_has_native_bf16() -> bool:
