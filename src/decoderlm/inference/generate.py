@@ -31,7 +31,7 @@ from decoderlm.cpu.decode import CompiledStep, linear_kernels
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.sampling import SamplingParams, sample_next, sampling_params
 from decoderlm.model.int8_cache import check_kv_cache_dtype, make_static_cache
-from decoderlm.model.kv_cache import StaticLayerCache
+from decoderlm.model.kv_cache import StaticKVCache, StaticLayerCache
 from decoderlm.model.lm import DecoderLM
 from decoderlm.model.ring_cache import RingKVCache
 
@@ -162,6 +162,33 @@ def check_options(
     check_cache_options(kv_cache_dtype, compile, cfg.sliding_window)
 
 
+def _fill_lengths(
+    rows: list[list[int]], max_new_tokens: int, context: int, compile: bool
+) -> tuple[int, int]:
+    """(n, max_len): the first fill's length (the prompts, left-padded) and the cache's slots.
+
+    Compiled decoding rounds both up (`COMPILE_PREFILL_MULTIPLE`, `COMPILE_CACHE_MULTIPLE`), so
+    that nearby lengths share one compiled graph."""
+    n = max(len(row) for row in rows)
+    if compile:
+        rounded = math.ceil(n / COMPILE_PREFILL_MULTIPLE) * COMPILE_PREFILL_MULTIPLE
+        n = rounded if rounded + max_new_tokens <= context else n
+    max_len = min(n + max_new_tokens, context)
+    if compile:
+        max_len = min(math.ceil(max_len / COMPILE_CACHE_MULTIPLE) * COMPILE_CACHE_MULTIPLE, context)
+    return n, max_len
+
+
+def _make_cache(
+    model: DecoderLM, batch_size: int, max_len: int, kv_cache_dtype: str | None
+) -> StaticKVCache | RingKVCache:
+    """The KV cache of one generation: rings for a windowed model, else static (or int8) buffers."""
+    cfg, weight = model.config, model.tok_emb.weight
+    if cfg.sliding_window is not None:
+        return RingKVCache(cfg, batch_size, max_len, weight.dtype, weight.device)
+    return make_static_cache(cfg, batch_size, max_len, weight.dtype, weight.device, kv_cache_dtype)
+
+
 def decode_steps(
     model: DecoderLM,
     rows: list[list[int]],
@@ -190,19 +217,9 @@ def decode_steps(
     context = cfg.context_length
     unbounded = cfg.decodes_past_context  # the ring never fills: no refill, no length limit
     check_options(model, rows, max_new_tokens, refill_past_context, kv_cache_dtype, compile)
-    n = max(len(row) for row in rows)  # the first fill: the prompts, left-padded to n tokens
-    weight = model.tok_emb.weight
-    device = weight.device
-    if compile:
-        rounded = math.ceil(n / COMPILE_PREFILL_MULTIPLE) * COMPILE_PREFILL_MULTIPLE
-        n = rounded if rounded + max_new_tokens <= context else n
-    max_len = min(n + max_new_tokens, context)
-    if compile:
-        max_len = min(math.ceil(max_len / COMPILE_CACHE_MULTIPLE) * COMPILE_CACHE_MULTIPLE, context)
-    if cfg.sliding_window is None:
-        cache = make_static_cache(cfg, len(rows), max_len, weight.dtype, device, kv_cache_dtype)
-    else:
-        cache = RingKVCache(cfg, len(rows), max_len, weight.dtype, device)
+    n, max_len = _fill_lengths(rows, max_new_tokens, context, compile)
+    device = model.tok_emb.weight.device
+    cache = _make_cache(model, len(rows), max_len, kv_cache_dtype)
     step = CompiledStep(model, cache, next_logits, cpu_kernels) if compile else None
     seen = None
     if params.repetition_penalty != 1.0:
