@@ -180,6 +180,8 @@ class RotaryEmbedding(nn.Module):
         self.kind = _kind(scaling)
         self.attention_factor = rope_attention_factor(scaling, context_length)
         self.unbounded = unbounded and self.kind != "longrope"
+        if self.unbounded:  # θ_i once, in float64 (a plain tensor: a buffer would follow .to(bf16))
+            self.unbounded_inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)  # (D/2,)
         if self.kind == "dynamic" or self.unbounded:
             return  # angles made at each call: see _dynamic and _unbounded
         # One table per set of frequencies: LongRoPE's short (sequences within L₀) and long, else one.
@@ -209,8 +211,8 @@ class RotaryEmbedding(nn.Module):
 
     def _unbounded(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """The table's values, computed for any positions: cos/sin(m·θ_i) · a from float64 angles."""
-        inv_freq = rope_inverse_frequencies(self.head_dim, self.theta, self.scaling)  # (D/2,)
-        angles = positions[..., None].double() * inv_freq.to(positions.device)  # (..., T, D/2)
+        inv_freq = self.unbounded_inv_freq.to(positions.device)  # (D/2,)
+        angles = positions[..., None].double() * inv_freq  # (..., T, D/2)
         angles = torch.cat([angles, angles], dim=-1)  # (..., T, D)
         a = self.attention_factor
         return (angles.cos() * a).float(), (angles.sin() * a).float()

@@ -17,9 +17,8 @@ from decoderlm.serving.types import RequestParams, TokenEvent
 MAX_LOGPROBS = 20
 MAX_STOPS = 4
 MAX_N = 16
-# Below these, float32 sampling breaks: logit / temperature and logit / penalty overflow to ±inf
-# (NaN probabilities), and a top_p that rounds to 0 drops every token. A temperature under
-# GREEDY_BELOW is greedy, as in vLLM.
+# The API's bounds, as vLLM's: sampling itself is safe at any positive value (it keeps the top token
+# and works in float64), but values this small only mean "greedy", which GREEDY_BELOW makes exact.
 GREEDY_BELOW = 1e-5
 MIN_TOP_P = 1e-5
 MIN_REPETITION_PENALTY = 0.01
