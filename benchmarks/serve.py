@@ -1,16 +1,23 @@
 """`decoderlm serve` under load: streaming clients at several concurrencies, vs transformers one at a time.
 
 The "llama-55m" preset (d_model 512, 8 layers, 8 heads, vocab 32000, random init) with 8, 2 and 1
-K/V heads, served over HTTP on 127.0.0.1 (uvicorn in a thread of this process) with one fixed KV
-budget (--kv-cache-memory), so fewer K/V heads let more sequences run at once. For each
+K/V heads, in --dtype (float32 or bfloat16: bfloat16 is the fast one on CPUs with AMX or
+AVX512-BF16 and ~700× slower on AVX2-only ones), served over HTTP on 127.0.0.1 (uvicorn in a thread
+of this process) with one fixed KV budget (--kv-cache-memory), so fewer K/V heads let more
+sequences run at once: "fit" is how many whole sequences (prompt + new tokens) the budget holds,
+⌊blocks / blocks per sequence⌋, exactly in the ratio of K/V heads; "max running" the most the
+engine ran at once (it admits on the blocks a sequence holds now and preempts when the pool runs
+out, so it can exceed "fit"). For each
 concurrency C, 2·C requests (C in flight at a time) of --prompt-tokens random tokens each stream
 --new-tokens greedy tokens; reported: aggregate generated tokens/s, time to first token and
 inter-token latency (p50/p99 over all requests and tokens, as the client sees the SSE chunks),
 and the most sequences the engine ran at once. The baseline runs the same prompts through
 `transformers`' `LlamaForCausalLM.generate` (the same weights, via `decoderlm.hf.to_hf`), one at a
-time. A vocabulary of 32000 distinct characters stands in for a tokenizer.
+time, in the same dtype. A vocabulary of 32000 distinct characters stands in for a tokenizer.
+Below the table: per K/V-head count, the aggregate at 16 clients over the engine's own single
+stream and over transformers one at a time.
 
-    HF_HUB_OFFLINE=1 python benchmarks/serve.py [--concurrency 1 4 16 64] [--quick]
+    HF_HUB_OFFLINE=1 python benchmarks/serve.py [--dtype bfloat16] [--concurrency 1 4 16 64] [--quick]
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from decoderlm.hf import to_hf
 from decoderlm.serving.app import Served, create_app
 from decoderlm.serving.chat import ChatTemplate
 from decoderlm.serving.engine import Engine
+from decoderlm.serving.kv_pool import blocks_for
 from decoderlm.tokenizer import Tokenizer
 from decoderlm.training.runtime import cpu_name
 
@@ -78,7 +86,8 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, nargs="+", default=[8, 2, 1])
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--kv-cache-memory", default="64MiB")
+    parser.add_argument("--kv-cache-memory", default="32MiB")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny loads, 8/1 heads")
     args = parser.parse_args()
@@ -90,14 +99,17 @@ def main() -> None:
     tokenizer = Tokenizer.train_char(["".join(chr(0x4E00 + i) for i in range(31999))])
     rng = random.Random(0)
     print(f"CPU: {cpu_name()} ({torch.get_num_threads()} threads), torch {torch.__version__}")
-    print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new (greedy), "
+    print(f"{args.dtype}, prompt {args.prompt_tokens} tokens, {args.new_tokens} new (greedy), "
           f"KV budget {args.kv_cache_memory}")  # fmt: skip
     header = f"{'kv heads':>8} {'clients':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
-    print(header + f"{'ITL p50':>8} {'ITL p99':>8} {'max running':>11}")
+    print(header + f"{'ITL p50':>8} {'ITL p99':>8} {'fit':>5} {'max running':>11}")
+    dtype = getattr(torch, args.dtype)
+    summary = []
     for kv_heads in args.kv_heads:
         torch.manual_seed(0)
         config = ModelConfig.from_preset("llama-55m", n_kv_heads=kv_heads, context_length=1024)
-        model = DecoderLM(config).eval()
+        model = DecoderLM(config).eval().to(dtype)
+        tok_s = {}
         for concurrency in args.concurrency:
             prompts = [[rng.randrange(31999) for _ in range(args.prompt_tokens)]
                        for _ in range(2 * concurrency)]  # fmt: skip
@@ -106,16 +118,22 @@ def main() -> None:
                             config.vocab_size, ChatTemplate())  # fmt: skip
             with live_server(create_app(lambda s=served: s, grace_s=0)) as base:
                 r = asyncio.run(load_level(base, prompts, args.new_tokens, concurrency))
+            tok_s[concurrency] = r["tok_s"]
+            per_seq = blocks_for(args.prompt_tokens + args.new_tokens, engine.pool.block_size)
             ms = 1000
             print(f"{kv_heads:>8} {concurrency:>7} {r['tok_s']:>8.1f} "
                   f"{percentile(r['ttft'], 0.5) * ms:>7.0f}ms {percentile(r['ttft'], 0.99) * ms:>7.0f}ms "
                   f"{percentile(r['itl'], 0.5) * ms:>6.1f}ms {percentile(r['itl'], 0.99) * ms:>6.1f}ms "
-                  f"{engine.stats().max_running_seen:>11}")  # fmt: skip
+                  f"{engine.pool.num_blocks // per_seq:>5} {engine.stats().max_running_seen:>11}")  # fmt: skip
         hf_tok_s = transformers_one_at_a_time(model, prompts[: max(2, args.concurrency[0] * 2)],
                                               args.new_tokens)  # fmt: skip
         print(
             f"{kv_heads:>8} {'HF 1×1':>7} {hf_tok_s:>8.1f}  (transformers generate, one at a time)"
         )
+        if 1 in tok_s and 16 in tok_s:
+            summary.append(f"{kv_heads} K/V heads: 16 clients = {tok_s[16] / tok_s[1]:.1f}× the "
+                           f"single stream, {tok_s[16] / hf_tok_s:.1f}× transformers 1×1")  # fmt: skip
+    print("\n".join(summary))
 
 
 def transformers_one_at_a_time(model: DecoderLM, prompts: list[list[int]], new: int) -> float:
@@ -123,7 +141,7 @@ def transformers_one_at_a_time(model: DecoderLM, prompts: list[list[int]], new: 
 
     hf_config, hf_state = to_hf(model)
     hf_config.pop("architectures", None)
-    hf = LlamaForCausalLM(LlamaConfig(**hf_config)).eval()
+    hf = LlamaForCausalLM(LlamaConfig(**hf_config)).eval().to(model.tok_emb.weight.dtype)
     hf.load_state_dict(hf_state)
     start = time.perf_counter()
     with torch.inference_mode():

@@ -102,6 +102,30 @@ def test_strided_windows_see_more_context_and_score_the_same_tokens():
     assert strided.stride == 8 and full.stride == full.context_length == 32
 
 
+def test_loss_per_position_bucket_is_the_mean_over_the_targets_at_those_window_positions():
+    model = tiny_model()
+    ids = torch.randint(0, 97, (3 * 32 + 1,), generator=torch.Generator().manual_seed(0))
+    windows = torch.stack([ids[i * 32 : i * 32 + 33] for i in range(3)])  # (3, 33)
+    with torch.no_grad():
+        logits = model(windows[:, :-1]).double()  # (3, 32, V)
+    nats = torch.nn.functional.cross_entropy(
+        logits.transpose(1, 2), windows[:, 1:], reduction="none"
+    )  # (3, 32): the loss at each window position
+    result = evaluate_tokens(model, ids, bucket_width=12)  # buckets [0, 12), [12, 24), [24, 32)
+    assert result.bucket_width == 12 and result.bucket_tokens == (36, 36, 24)
+    expected = [nats[:, :12].mean(), nats[:, 12:24].mean(), nats[:, 24:].mean()]
+    assert result.bucket_losses == pytest.approx([float(e) for e in expected], rel=1e-5)
+    weighted = sum(l * n for l, n in zip(result.bucket_losses, result.bucket_tokens, strict=True))
+    assert weighted / result.n_tokens == pytest.approx(result.loss, rel=1e-12)
+    # Strided windows score only their last 8 targets, at positions 24–31, after the first
+    # window's 32: the early buckets hold the first window's targets alone.
+    strided = evaluate_tokens(model, ids, stride=8, bucket_width=8)
+    assert strided.bucket_tokens == (8, 8, 8, 8 + 64) and sum(strided.bucket_tokens) == 96
+    assert evaluate_tokens(model, ids).bucket_width == 4  # default: T/8
+    with pytest.raises(DecoderLMError, match="bucket_width=33 must be between 1 and"):
+        evaluate_tokens(model, ids, bucket_width=33)
+
+
 def test_text_eval_counts_every_byte_when_the_tokenizer_has_an_end_of_text(tokenizer):
     model = tiny_model(tokenizer.vocab_size)
     text = TEXT + "é"
@@ -214,8 +238,16 @@ def test_eval_command_reports_what_the_library_computes(capsys, run_dir, text_fi
     assert report["loss"] == pytest.approx(expected.loss, rel=1e-9)
     assert report["bits_per_byte"] == pytest.approx(expected.bits_per_byte, rel=1e-9)
     assert report["n_bytes"] == len(text_file.read_bytes())
+    assert report["bucket_losses"] == pytest.approx(list(expected.bucket_losses), rel=1e-9)
     code, out, _ = cli(capsys, "eval", "--checkpoint", run_dir, "--input", text_file)
     assert code == 0 and "bits per byte" in out and "non-overlapping windows of 64" in out
+    code, out, _ = cli(
+        capsys, "eval", "--checkpoint", run_dir, "--input", text_file, "--bucket-width", "32"
+    )
+    rows = re.findall(r"positions +(\d+)–(\d+) +([\d.]+) +\(([\d,]+) tokens\)", out)
+    by_32 = evaluate_file(model, tokenizer, text_file, bucket_width=32)
+    assert [(int(a), int(b)) for a, b, _, _ in rows] == [(0, 31), (32, 63)]
+    assert [float(x) for _, _, x, _ in rows] == pytest.approx(by_32.bucket_losses, abs=5e-5)
     code, _, err = cli(capsys, "eval", "--checkpoint", run_dir, "--input", text_file.parent / "x")
     assert code == 2 and "no such file" in err
 

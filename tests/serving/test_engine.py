@@ -415,3 +415,44 @@ def test_end_of_text_ends_with_stop_and_is_the_last_token_id(tok):
     (done,) = Engine(model, tok).generate([prompts[i]], RequestParams(40, GREEDY))
     assert done.token_ids == free[i].token_ids[:cut] and done.finish_reason == "stop"
     assert done.text == tok.decode(free[i].token_ids[: cut - 1])  # the text has no <|endoftext|>
+
+
+def test_a_failing_request_ends_with_error_and_the_others_and_the_engine_go_on(tok):
+    model = tiny_model(tok)
+    engine = Engine(model, tok, block_size=4)
+    params = RequestParams(8, GREEDY, stop_at_eot=False)
+    broken, healthy = [], []
+    engine.submit([1, 2, 3], params, request_id="broken", on_event=broken.append)
+    engine.submit([4, 5, 6], params, on_event=healthy.append)
+    seq = engine._requests["broken"].seqs[0]
+
+    def fail(token: int) -> str:
+        raise ValueError("a detokenizer bug")
+
+    engine._outputs[seq].decoder.add = fail  # its sampling step raises; the other row's does not
+    while engine.step():
+        pass
+    assert broken == [TokenEvent(None, "", finish_reason="error")]
+    solo = generate(model, [[4, 5, 6]], 8, temperature=0)[0][3:]
+    assert token_ids(healthy) == solo and healthy[-1].finish_reason == "length"
+
+    # A forward pass that raises ends the sequences in it; the next request runs normally.
+    forward, calls = engine._forward, []
+
+    def fail_once(seqs, n):
+        calls.append(len(seqs))
+        if len(calls) == 1:
+            raise RuntimeError("out of memory")
+        return forward(seqs, n)
+
+    engine._forward = fail_once
+    first, again = [], []
+    engine.submit([7, 8], params, on_event=first.append)
+    engine.step()
+    assert first == [TokenEvent(None, "", finish_reason="error")]
+    engine.submit([4, 5, 6], params, on_event=again.append)
+    while engine.step():
+        pass
+    assert token_ids(again) == solo
+    stats = engine.stats()
+    assert stats.running == stats.waiting == stats.kv_blocks_used == 0

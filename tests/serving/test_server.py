@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import decoderlm
 from conftest import CONTEXT, TEXT, make_served, wait_healthy
-from decoderlm.serving.app import create_app
+from decoderlm.serving.app import create_app, drain
 
 
 def solo(loaded, prompt: str, max_tokens: int, **kwargs) -> str:
@@ -302,3 +302,33 @@ def test_a_full_queue_is_refused_with_429(run_dir, loaded, start_server, monkeyp
             c = httpx.post(f"{base}/v1/completions", json={"prompt": "C"})
             assert c.status_code == 429 and c.headers["retry-after"] == "1"
             assert c.json()["error"]["code"] == "queue_full"
+
+
+def test_a_drain_cancels_the_streams_still_running_when_the_grace_period_ends(
+    run_dir, loaded, start_server, monkeypatch
+):
+    # What SIGTERM does (`decoderlm serve` calls `drain`): new requests get 503 at once; a stream
+    # that cannot finish within the grace period ends there, cancelled, and is still framed whole.
+    served = make_served(run_dir, loaded, kv_cache_memory="1MiB")
+    monkeypatch.setattr(served.engine, "step", paced(served.engine.step, 0.02))
+    app = create_app(lambda: served, grace_s=0)
+    base = start_server(app)
+    wait_healthy(base)
+    grace_s = 0.3
+    body = {"prompt": "A", "max_tokens": CONTEXT - 1, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        start = time.monotonic()
+        drain(app, grace_s)
+        until(lambda: httpx.get(f"{base}/health").status_code == 503)
+        refused = httpx.post(f"{base}/v1/completions", json={"prompt": "B"})
+        rest = [line for line in lines if line]
+        elapsed = time.monotonic() - start
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+    assert rest[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: ") :]) for line in rest[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "cancelled"
+    # ~95 paced steps would take ≥ 1.9 s; the stream ended one step after the grace period instead.
+    assert grace_s <= elapsed < grace_s + 1.0
+    assert len(chunks) < CONTEXT - 1

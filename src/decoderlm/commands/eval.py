@@ -30,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--batch-size", type=int, metavar="B", help="windows per forward pass")
     parser.add_argument(
+        "--bucket-width",
+        type=int,
+        metavar="W",
+        help="window positions per loss bucket in the per-position table (default: T/8)",
+    )
+    parser.add_argument(
         "--dtype", default=None, help="weights dtype: float32 (default), bfloat16, float16"
     )
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
@@ -56,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.json,
         cpu_kernels=args.cpu_kernels,
         kv_cache_dtype=args.kv_cache_dtype,
+        bucket_width=args.bucket_width,
     )
     if args.json:
         source = {"checkpoint": args.checkpoint, "input": args.input}
@@ -73,4 +80,10 @@ def run(args: argparse.Namespace) -> int:
         f"{result.context_length} tokens"
         + (f", through an {args.kv_cache_dtype} KV cache" if args.kv_cache_dtype else "")
     )
+    print("loss per window position (context tokens seen by the predicting token):")
+    width = result.bucket_width
+    for k, (loss, n) in enumerate(zip(result.bucket_losses, result.bucket_tokens, strict=True)):
+        end = min((k + 1) * width, result.context_length)
+        shown = "      —" if loss is None else f"{loss:7.4f}"
+        print(f"  positions {k * width:>6}–{end - 1:<6} {shown}  ({n:,} tokens)")
     return 0

@@ -7,6 +7,11 @@ evaluation of the Hugging Face perplexity guide) starts a window every `stride` 
 only its last `stride` targets, so each token is still scored once but sees ≥ context − stride
 tokens of context: lower (better) loss, context/stride times the compute.
 
+The loss is also reported per position bucket: the mean over the targets predicted at window
+positions [k·w, (k+1)·w) (w = `bucket_width`, default T/8), that is, with k·w+1 to (k+1)·w tokens
+of context. Evaluating past the training context (a model whose RoPE was scaled, or extended with
+`decoderlm train --init-from RUN --context-length ...`) shows there where the loss rises.
+
 Bits per byte = total nats / (ln 2 · UTF-8 bytes): unlike perplexity it does not depend on the
 tokenizer, so models with different vocabularies can be compared on the same text.
 
@@ -59,6 +64,9 @@ class EvalResult:
     n_tokens: int  # tokens scored (each once)
     context_length: int
     stride: int  # context_length = non-overlapping windows
+    bucket_width: int  # window positions per bucket
+    bucket_losses: tuple[float | None, ...]  # mean loss per position bucket, None if none scored
+    bucket_tokens: tuple[int, ...]  # targets scored per bucket
     bits_per_byte: float | None = None  # when the bytes of the scored text are known
     n_bytes: int | None = None
 
@@ -89,11 +97,13 @@ def evaluate_tokens(
     progress: bool = False,
     cpu_kernels: bool = True,
     kv_cache_dtype: str | None = None,
+    bucket_width: int | None = None,
 ) -> EvalResult:
     """Mean next-token loss of `model` over a 1-D stream of token ids (the first id is context only).
 
     `cpu_kernels=False` runs the model as defined, without the CPU speed paths; `kv_cache_dtype`
-    "int8" runs each window through an int8 cache (module docstring).
+    "int8" runs each window through an int8 cache; `bucket_width` positions per loss bucket
+    (default ⌈T/8⌉; module docstring).
     """
     check_kv_cache_dtype(kv_cache_dtype)
     cfg = model.config
@@ -112,10 +122,17 @@ def evaluate_tokens(
         raise DecoderLMError(
             f"token ids must be in [0, {cfg.vocab_size}); found {int(ids.min())}..{int(ids.max())}"
         )
+    bucket_width = -(-context // 8) if bucket_width is None else bucket_width
+    if not 1 <= bucket_width <= context:
+        raise DecoderLMError(
+            f"bucket_width={bucket_width} must be between 1 and context_length={context}"
+        )
     batch_size = batch_size or max(1, TOKENS_PER_BATCH // context)
     plan = window_plan(ids.numel(), context, stride)
     device = model.tok_emb.weight.device
-    total_nats, n_scored = 0.0, 0
+    n_buckets = -(-context // bucket_width)
+    bucket_nats = torch.zeros(n_buckets, dtype=torch.float64)
+    bucket_tokens = torch.zeros(n_buckets, dtype=torch.long)
     batches = [plan[i : i + batch_size] for i in range(0, len(plan), batch_size)]
     if progress:
         from tqdm import tqdm
@@ -125,12 +142,29 @@ def evaluate_tokens(
         for batch in batches:
             x, y = _window_batch(ids, batch)  # (B, T) inputs and targets
             logits = _window_logits(model, x.to(device), kv_cache_dtype)  # (B, T, V)
-            flat_logits, flat_targets = logits.flatten(0, 1).float(), y.to(device).flatten()
-            nats = F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE, reduction="sum")
-            total_nats += nats.item()
-            n_scored += int((y != IGNORE).sum())
-    loss = total_nats / n_scored
-    return EvalResult(loss, math.exp(min(loss, 700.0)), n_scored, context, stride)
+            nats = F.cross_entropy(
+                logits.transpose(1, 2).float(), y.to(device), ignore_index=IGNORE, reduction="none"
+            ).cpu()  # (B, T): −log p(y_t | x_≤t), 0 where ignored
+            scored = y != IGNORE  # (B, T)
+            bucket = torch.arange(y.shape[1]) // bucket_width  # (T,) the bucket of position t
+            bucket_nats.index_add_(0, bucket, nats.double().sum(0))
+            bucket_tokens.index_add_(0, bucket, scored.sum(0))
+    n_scored = int(bucket_tokens.sum())
+    loss = float(bucket_nats.sum()) / n_scored
+    losses = tuple(
+        float(n / c) if c else None
+        for n, c in zip(bucket_nats.tolist(), bucket_tokens.tolist(), strict=True)
+    )
+    return EvalResult(
+        loss,
+        math.exp(min(loss, 700.0)),
+        n_scored,
+        context,
+        stride,
+        bucket_width,
+        losses,
+        tuple(bucket_tokens.tolist()),
+    )
 
 
 def _window_logits(model: DecoderLM, x: Tensor, kv_cache_dtype: str | None) -> Tensor:
@@ -168,6 +202,7 @@ def evaluate_text(
     progress: bool = False,
     cpu_kernels: bool = True,
     kv_cache_dtype: str | None = None,
+    bucket_width: int | None = None,
 ) -> EvalResult:
     """Loss, perplexity and bits per byte of `model` on `text`.
 
@@ -188,7 +223,15 @@ def evaluate_text(
     elif ids:
         n_bytes -= len(tokenizer.decode(ids[:1]).encode("utf-8"))
     result = evaluate_tokens(
-        model, ids, context_length, stride, batch_size, progress, cpu_kernels, kv_cache_dtype
+        model,
+        ids,
+        context_length,
+        stride,
+        batch_size,
+        progress,
+        cpu_kernels,
+        kv_cache_dtype,
+        bucket_width,
     )
     bpb = bits_per_byte(result.loss, result.n_tokens, n_bytes)
     return EvalResult(**{**result.to_dict(), "bits_per_byte": bpb, "n_bytes": n_bytes})

@@ -91,6 +91,18 @@ class Int8Buffer:
         """x̂ = s · x_q of the vectors at `key` (an index of the leading dims), in `dtype`."""
         return dequantize(self.values[key], self.scales[key], self.dtype)
 
+    def index_select(self, dim: int, index: Tensor) -> Tensor:
+        """x̂ of the entries at `index` along `dim` (dim ≠ −1), as `Tensor.index_select`, in `dtype`."""
+        values, scales = self.values.index_select(dim, index), self.scales.index_select(dim, index)
+        return dequantize(values, scales, self.dtype)
+
+    def view(self, *shape: int) -> Int8Buffer:
+        """The same storage seen as `shape` (whose last entry is head_dim), as `Tensor.view`."""
+        viewed = Int8Buffer.__new__(Int8Buffer)
+        viewed.dtype, viewed.values = self.dtype, self.values.view(*shape)
+        viewed.scales = self.scales.view(*shape[:-1], 1)
+        return viewed
+
 
 class Int8LayerCache(StaticLayerCache):
     """One layer of `Int8KVCache`: `StaticLayerCache` over two `Int8Buffer`s (B, Hkv, max_len, hd)."""

@@ -10,12 +10,14 @@ own `SamplingParams` and `torch.Generator` and is detokenized by its own `Increm
 
 Use it offline with `generate`, or `start()` a background thread that steps while there is work
 and consume `stream(...)` from asyncio. Submitting, cancelling and stats are thread-safe; cancels
-take effect at the next step.
+take effect at the next step. A forward pass or a sampling step that raises ends the sequences it
+was for with finish_reason "error" (logged) and the engine goes on with the others.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -47,6 +49,7 @@ from decoderlm.serving.types import (
     TopLogprob,
 )
 
+log = logging.getLogger(__name__)
 Sink = Callable[[TokenEvent], None]
 RATE_WINDOW_S = 5.0  # EngineStats.tokens_per_s averages over this many seconds
 
@@ -294,9 +297,7 @@ class Engine:
         events: list[tuple[_Request, TokenEvent]] = []
         with self._lock:
             self._closed = self._stopping = True
-            for seq, out in list(self._outputs.items()):
-                event = TokenEvent(None, "", finish_reason="error", index=out.index)
-                events.append(self._finish(seq, event))
+            events += [self._error(seq) for seq in list(self._outputs)]
             self._lock.notify_all()
         self._deliver(events)
 
@@ -315,17 +316,34 @@ class Engine:
         batches = [(plan.decode, 1)] if plan.decode else []
         batches += [([seq], n) for seq, n in plan.prefill]
         with evaluating(self.model):
-            logits = [self._forward(seqs, n) for seqs, n in batches]  # (B, V) each
+            logits = [self._isolated(self._forward, seqs, n) for seqs, n in batches]  # (B, V)
             with self._lock:
                 for (seqs, n), rows in zip(batches, logits, strict=True):
+                    if rows is None:  # the pass failed: its sequences end, the others go on
+                        events += [self._error(seq) for seq in seqs if seq in self._outputs]
+                        continue
                     for seq, row in zip(seqs, rows, strict=True):
                         self.scheduler.computed(seq, n)
                         if seq.n_pending == 0 and seq in self._outputs:
-                            events.append(self._sample(seq, row))
+                            sampled = self._isolated(self._sample, seq, row)
+                            events.append(self._error(seq) if sampled is None else sampled)
                 self._rate.append((self._prune_rate(), self._generated))
                 self._lock.notify_all()
         self._deliver(events)
         return bool(batches)
+
+    @staticmethod
+    def _isolated(fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args), or None (logged) if it raised: one request's failure ends that request only."""
+        try:
+            return fn(*args)
+        except Exception:
+            log.exception("decoderlm engine: %s failed; its sequences end with 'error'", fn.__name__)
+            return None
+
+    def _error(self, seq: Sequence) -> tuple[_Request, TokenEvent]:
+        event = TokenEvent(None, "", finish_reason="error", index=self._outputs[seq].index)
+        return self._finish(seq, event)
 
     def _forward(self, seqs: list[Sequence], n: int) -> Tensor:
         """Run tokens [n_computed, n_computed + n) of each sequence; logits (B, V) of the last."""
@@ -339,9 +357,7 @@ class Engine:
         idx = torch.tensor([s.tokens[s.n_computed : s.n_computed + n] for s in seqs])  # (B, n)
         dev = self.device
         table = table.to(dev)
-        write = self.cache.slots(table, positions.to(dev))  # (B, n)
-        read = self.cache.slots(table, torch.minimum(keys, lengths[:, None] - 1).to(dev))
-        self.cache.seek(write, read)
+        self.cache.seek(self.cache.slots(table, positions.to(dev)), table, keys.shape[1])
         mask = None if bool(valid.all()) else valid.to(dev)
         logits = self.model(idx.to(dev), positions.to(dev), mask, self.cache, last_only=True)
         return logits[:, -1].float()  # (B, V)

@@ -9,7 +9,7 @@ end, and a freed block keeps that registration until the pool hands it out again
 freed first), so a later request with the same prefix can still find it.
 
 `PagedKVCache` is the model's side: it implements the `LayerCache` protocol by writing each new
-token's K/V to its slot and gathering each row's slots into one (B, Hkv, Tk, hd) tensor. With
+token's K/V to its slot and gathering each row's blocks into one (B, Hkv, Tk, hd) tensor. With
 kv_cache_dtype "int8" its pools are `decoderlm.model.int8_cache.Int8Buffer`s: int8 K/V and one
 scale per (slot, head), quantized as they are written and dequantized as they are gathered.
 """
@@ -144,19 +144,29 @@ class BlockPool:
 
 
 class PagedLayerCache:
-    """One layer's K and V pools, (num_blocks · block_size, Hkv, hd) each: a `LayerCache`."""
+    """One layer's K and V pools, (num_blocks, block_size, Hkv, hd) each: a `LayerCache`."""
 
     def __init__(self, k: Tensor | Int8Buffer, v: Tensor | Int8Buffer) -> None:
         self.k, self.v = k, v
-        self.write: Tensor | None = None  # (B, T) slots of the new tokens
-        self.read: Tensor | None = None  # (B, Tk) slots of every key each row attends
+        num_blocks, block_size, n_kv_heads, head_dim = k.shape
+        slots = (num_blocks * block_size, n_kv_heads, head_dim)
+        self.k_slots, self.v_slots = k.view(*slots), v.view(*slots)  # the same storage, per slot
+        self.write: Tensor | None = None  # (B·T,) slots of the new tokens
+        self.read: Tensor | None = None  # (B, n_blocks) each row's block table
+        self.n_keys = 0  # keys each row attends: the longest row's length (the rest right-padded)
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """k, v (B, Hkv, T, hd) go to their slots; returns the rows' keys/values (B, Hkv, Tk, hd)."""
-        slots = self.write.flatten()  # (B·T,)
-        self.k.index_copy_(0, slots, k.transpose(1, 2).flatten(0, 1))  # (B·T, Hkv, hd)
-        self.v.index_copy_(0, slots, v.transpose(1, 2).flatten(0, 1))
-        return self.k[self.read].transpose(1, 2), self.v[self.read].transpose(1, 2)
+        self.k_slots.index_copy_(0, self.write, k.transpose(1, 2).flatten(0, 1))  # (B·T, Hkv, hd)
+        self.v_slots.index_copy_(0, self.write, v.transpose(1, 2).flatten(0, 1))
+        return self._rows(self.k), self._rows(self.v)
+
+    def _rows(self, pool: Tensor | Int8Buffer) -> Tensor:
+        """Each row's blocks, copied whole (one index per block, not per token): (B, Hkv, Tk, hd)."""
+        rows, width = self.read.shape
+        blocks = pool.index_select(0, self.read.flatten())  # (B·n_blocks, block_size, Hkv, hd)
+        keys = blocks.view(rows, width * blocks.shape[1], *blocks.shape[2:])  # (B, Tk', Hkv, hd)
+        return keys[:, : self.n_keys].transpose(1, 2)
 
 
 class PagedKVCache:
@@ -178,7 +188,7 @@ class PagedKVCache:
     ) -> None:
         check_kv_cache_dtype(kv_cache_dtype)
         self.block_size = block_size
-        shape = (num_blocks * block_size, config.n_kv_heads, config.head_dim)
+        shape = (num_blocks, block_size, config.n_kv_heads, config.head_dim)
 
         def pool() -> Tensor | Int8Buffer:
             if kv_cache_dtype == "int8":
@@ -205,7 +215,8 @@ class PagedKVCache:
             block * self.block_size + positions % self.block_size
         )  # slot = b·block_size + p mod bs
 
-    def seek(self, write: Tensor, read: Tensor) -> None:
-        """Before a forward pass: the new tokens go to slots `write` (B, T); rows attend `read` (B, Tk)."""
+    def seek(self, write: Tensor, table: Tensor, n_keys: int) -> None:
+        """Before a forward pass: the new tokens go to slots `write` (B, T); row b attends the
+        first `n_keys` slots of its block table `table[b]` (B, n_blocks), padding masked."""
         for layer in self.layers:
-            layer.write, layer.read = write, read
+            layer.write, layer.read, layer.n_keys = write.flatten(), table, n_keys
