@@ -115,7 +115,8 @@ def test_loss_per_position_bucket_is_the_mean_over_the_targets_at_those_window_p
     assert result.bucket_width == 12 and result.bucket_tokens == (36, 36, 24)
     expected = [nats[:, :12].mean(), nats[:, 12:24].mean(), nats[:, 24:].mean()]
     assert result.bucket_losses == pytest.approx([float(e) for e in expected], rel=1e-5)
-    weighted = sum(l * n for l, n in zip(result.bucket_losses, result.bucket_tokens, strict=True))
+    pairs = zip(result.bucket_losses, result.bucket_tokens, strict=True)
+    weighted = sum(loss * n for loss, n in pairs)
     assert weighted / result.n_tokens == pytest.approx(result.loss, rel=1e-12)
     # Strided windows score only their last 8 targets, at positions 24–31, after the first
     # window's 32: the early buckets hold the first window's targets alone.

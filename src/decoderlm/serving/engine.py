@@ -338,7 +338,9 @@ class Engine:
         try:
             return fn(*args)
         except Exception:
-            log.exception("decoderlm engine: %s failed; its sequences end with 'error'", fn.__name__)
+            log.exception(
+                "decoderlm engine: %s failed; its sequences end with 'error'", fn.__name__
+            )
             return None
 
     def _error(self, seq: Sequence) -> tuple[_Request, TokenEvent]:
