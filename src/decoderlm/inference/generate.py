@@ -131,18 +131,17 @@ def check_cache_options(
 ) -> None:
     """DecoderLMError for an unknown `kv_cache_dtype`, or "int8" with `compile`: the AOT-compiled
     step of `decoderlm.cpu.decode` takes plain K/V buffers as its inputs, not int8 values and scales;
-    a windowed model decodes over a ring cache (`decoderlm.model.ring_cache`), in its dtype and
-    without that step."""
+    nor does it take the ring cache (`decoderlm.model.ring_cache`) a windowed model decodes over."""
     check_kv_cache_dtype(kv_cache_dtype)
     if compile and kv_cache_dtype == "int8":
         raise DecoderLMError(
             "compile=True does not support kv_cache_dtype='int8' (the compiled one-token step "
             "takes plain K/V buffers); drop one of the two"
         )
-    if sliding_window is not None and (compile or kv_cache_dtype is not None):
+    if compile and sliding_window is not None:
         raise DecoderLMError(
             f"a model with sliding_window={sliding_window} decodes over a ring KV cache, which "
-            "compile=True and kv_cache_dtype='int8' do not support yet; drop them"
+            "compile=True does not support yet; drop compile"
         )
 
 
@@ -182,10 +181,11 @@ def _fill_lengths(
 def _make_cache(
     model: DecoderLM, batch_size: int, max_len: int, kv_cache_dtype: str | None
 ) -> StaticKVCache | RingKVCache:
-    """The KV cache of one generation: rings for a windowed model, else static (or int8) buffers."""
+    """The KV cache of one generation: rings for a windowed model, else static buffers; either in
+    the model's dtype or int8."""
     cfg, weight = model.config, model.tok_emb.weight
     if cfg.sliding_window is not None:
-        return RingKVCache(cfg, batch_size, max_len, weight.dtype, weight.device)
+        return RingKVCache(cfg, batch_size, max_len, weight.dtype, weight.device, kv_cache_dtype)
     return make_static_cache(cfg, batch_size, max_len, weight.dtype, weight.device, kv_cache_dtype)
 
 

@@ -8,6 +8,9 @@ which slots hold a key a query may see: the cache hands attention that key mask 
 `key_padding_mask`, which replaces the caller's). Layers without a window (Qwen2's full-attention
 layers) keep a `StaticLayerCache` of `max_len` slots, used exactly as in `StaticKVCache`.
 
+With kv_cache_dtype "int8" the rings and the full layers' buffers are `Int8Buffer`s
+(`decoderlm.model.int8_cache`): K/V quantized as written, dequantized as attended.
+
 One new token (decoding) is written in place and attends the whole ring, a fixed shape for
 `torch.compile`. Several new tokens (a prefill, a chunk) attend the older keys still inside some
 query's window, oldest first, followed by their own, so the causal window of attention (bottom-right
@@ -23,6 +26,7 @@ from torch import Tensor
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.config import ModelConfig
+from decoderlm.model.int8_cache import Int8Buffer, Int8LayerCache, check_kv_cache_dtype
 from decoderlm.model.kv_cache import StaticLayerCache
 
 
@@ -38,7 +42,7 @@ class RingStep:
 class RingLayerCache:
     """One windowed layer's ring: `update(k, v)` stores this step's K/V, returns the keys to attend."""
 
-    def __init__(self, k: Tensor, v: Tensor, step: RingStep) -> None:
+    def __init__(self, k: Tensor | Int8Buffer, v: Tensor | Int8Buffer, step: RingStep) -> None:
         self.k, self.v = k, v  # (B, Hkv, W, hd) each
         self.step = step
 
@@ -53,7 +57,7 @@ class RingLayerCache:
         if step.read is None:  # one token: written in place, then the whole ring
             self.k.index_copy_(2, step.write, k)
             self.v.index_copy_(2, step.write, v)
-            return self.k, self.v
+            return self.k[:], self.v[:]  # a tensor's view of itself; an Int8Buffer dequantized
         k_all = torch.cat([self.k.index_select(2, step.read), k], dim=2)  # (B, Hkv, n_old + T, hd)
         v_all = torch.cat([self.v.index_select(2, step.read), v], dim=2)
         self.k.index_copy_(2, step.write, k[:, :, -m:])  # after the read: the slots may overlap
@@ -80,7 +84,9 @@ class RingKVCache:
         max_len: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        kv_cache_dtype: str | None = None,
     ) -> None:
+        check_kv_cache_dtype(kv_cache_dtype)
         windows = [config.layer_window(i) for i in range(config.n_layers)]
         if config.sliding_window is None:
             raise DecoderLMError("RingKVCache needs a model with a sliding_window, got None")
@@ -91,19 +97,19 @@ class RingKVCache:
             )
         self.window = config.sliding_window  # W: slots of every ring
 
-        def buffers(length: int) -> tuple[Tensor, Tensor]:  # K and V, (B, Hkv, length, hd) each
+        def buffers(length: int) -> list[Tensor | Int8Buffer]:  # K and V, (B, Hkv, length, hd)
             shape = (batch_size, config.n_kv_heads, length, config.head_dim)
-            return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(
-                shape, dtype=dtype, device=device
-            )
+            if kv_cache_dtype == "int8":
+                return [Int8Buffer(shape, dtype, device) for _ in "kv"]
+            return [torch.zeros(shape, dtype=dtype, device=device) for _ in "kv"]
+
+        full_layer = Int8LayerCache if kv_cache_dtype == "int8" else StaticLayerCache
 
         # (B, W): True where a ring slot holds a real token (the same slots in every ring layer)
         self.valid = torch.zeros(batch_size, self.window, dtype=torch.bool, device=device)
         self.step = RingStep(torch.zeros(1, dtype=torch.long, device=device), None, self.valid)
         self.layers: list[RingLayerCache | StaticLayerCache] = [
-            StaticLayerCache(*buffers(max_len))
-            if w is None
-            else RingLayerCache(*buffers(w), self.step)
+            full_layer(*buffers(max_len)) if w is None else RingLayerCache(*buffers(w), self.step)
             for w in windows
         ]
 
@@ -138,5 +144,5 @@ class RingKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by all K and V buffers."""
+        """Bytes held by all K and V buffers (with int8, their scales too)."""
         return sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers)
