@@ -6,6 +6,7 @@ without retraining the runs it had finished.
 """
 
 import json
+import math
 import random
 import re
 import shutil
@@ -48,7 +49,7 @@ def micro_spec() -> StudySpec:
         ],
         budget_tokens=4 * 16 * 4,  # 4 steps
         reference="MHA",
-        measures=("decode", "extrapolation"),
+        measures=("decode", "extrapolation", "attention"),
         seeds=2,
     )
 
@@ -135,10 +136,29 @@ def test_matched_variant_is_within_two_percent_of_the_reference(study):
 def test_every_plot_is_a_non_empty_png(study):
     out, _ = study
     names = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", (out / report.REPORT_FILE).read_text())
-    assert {"val_loss.png", "loss_vs_kv.png", "positions.png"} <= set(names)
+    assert {"val_loss.png", "loss_vs_kv.png", "positions.png", "attention_layer0.png"} <= set(names)
     for name in names:
         data = (out / name).read_bytes()
         assert len(data) > 1000 and data.startswith(PNG_MAGIC)
+
+
+def test_attention_maps_are_the_best_runs_and_the_entropy_table_is_the_runs_mean(study):
+    out, results = study
+    finite = [r for r in results["runs"] if r["val_loss"] == r["val_loss"]]
+    best = min(finite, key=lambda r: r["val_loss"])
+    attention = results["attention"]
+    assert (attention["variant"], attention["seed"]) == (best["variant"], best["seed"])
+    assert attention["files"] == ["attention_layer0.png"]  # one layer
+    t = attention["tokens"]
+    # Query i spreads over i + 1 keys: its entropy lies in [0, log(i + 1)].
+    upper = sum(math.log(i + 1) for i in range(t)) / t
+    for run in results["runs"]:
+        (entropy,) = run["attention_entropy"]
+        assert 0.0 <= entropy <= upper
+    rows = {r[0]: r[1:] for r in report_rows(out / report.REPORT_FILE, "Attention maps")}
+    for name in ("MHA", "MQA"):
+        mine = [r["attention_entropy"][0] for r in results["runs"] if r["variant"] == name]
+        assert rows[name] == [f"{sum(mine) / len(mine):.3f}"]
 
 
 def test_an_interrupted_study_resumes_without_retraining_finished_runs(

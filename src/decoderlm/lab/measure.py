@@ -5,6 +5,9 @@
 - extrapolation: loss per position bucket of windows 1×, 2×, 4× the training context (Press et
   al., 2022, ALiBi §2: sinusoidal/RoPE models degrade past the length they were trained on);
 - divergence: the first non-finite or exploding training step (Xiong et al., 2020, Post-LN);
+- attention: the mean attention entropy per layer on a val snippet
+  (`decoderlm.inference.attention_maps`), and for the study's best run the heat-maps of every
+  head (`decoderlm.plot_attention`);
 - init statistics (Vaswani et al., 2017, footnote 4): for q, k with independent unit-variance
   components, q·k = Σᵢ qᵢkᵢ has mean 0 and variance d_k, so unscaled logits grow as √d_k, the
   softmax saturates (entropy → 0) and its Jacobian diag(p) − ppᵀ vanishes; q·k/√d_k has variance 1.
@@ -24,12 +27,16 @@ import torch
 import torch.nn.functional as F
 
 from decoderlm.checkpoint import METRICS_FILE
+from decoderlm.inference.attention_maps import attention_maps
 from decoderlm.inference.generate import generate
+from decoderlm.loading import load
 from decoderlm.model.lm import DecoderLM
+from decoderlm.plot_attention import plot_attention
 
 DIVERGENCE_FACTOR = 1.5  # "exploding": a training loss above 1.5 × the first step's loss
 EXTRAPOLATION_FACTORS = (1, 2, 4)  # window lengths, in training contexts
 BUCKETS_PER_CONTEXT = 4  # position buckets per training context length
+ATTENTION_TOKENS = 48  # the val snippet (its first tokens) whose attention is measured and drawn
 
 
 def read_rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -153,3 +160,27 @@ def softmax_jacobian_norm(scores: torch.Tensor) -> torch.Tensor:
     p = torch.softmax(scores, dim=-1)
     p2, p3 = (p**2).sum(-1), (p**3).sum(-1)
     return (p2 - 2 * p3 + p2**2).clamp_min(0).sqrt()
+
+
+def attention_snippet(model: DecoderLM, val: np.ndarray) -> list[int]:
+    """The val tokens whose attention is measured: the first ATTENTION_TOKENS, within the context."""
+    return val[: min(ATTENTION_TOKENS, model.config.context_length)].tolist()
+
+
+def attention_entropy(model: DecoderLM, val: np.ndarray) -> list[float]:
+    """Mean attention entropy (nats) of each layer, over heads and query rows, on the snippet."""
+    return attention_maps(model, attention_snippet(model, val)).entropy.tolist()
+
+
+def attention_figures(run_dir: Path, val: np.ndarray, out: Path) -> tuple[list[str], int]:
+    """OUT/attention_layer<L>.png: every head of layer L of the run in `run_dir` on the snippet,
+    the tokens on the axes. Returns the file names and the snippet's length."""
+    model, tokenizer = load(run_dir)
+    ids = attention_snippet(model, val)
+    weights = attention_maps(model, ids).weights  # (n_layers, 1, H, T, T)
+    tokens = [tokenizer.decode([i]) for i in ids]
+    names = []
+    for layer in range(weights.shape[0]):
+        path = plot_attention(weights[layer, 0], tokens, out / f"attention_layer{layer}.png", layer)
+        names.append(path.name)
+    return names, len(ids)

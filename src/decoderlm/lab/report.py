@@ -72,6 +72,7 @@ def write_report(results: dict[str, Any], out: str | Path) -> Path:
         "",
         *(f"![{p.stem}]({p.name})" for p in plots),
         "",
+        *_attention_section(results),
         "## What this shows",
         "",
         conclusions.conclude(results),
@@ -229,6 +230,35 @@ def _band(ax: Any, series: list[list[list[float]]], color: str, label: str) -> N
     ax.fill_between(
         steps, [min(v) for v in values], [max(v) for v in values], color=color, alpha=0.2
     )
+
+
+def _attention_section(results: dict[str, Any]) -> list[str]:
+    """The best run's heat-maps and, per variant, the mean attention entropy of each layer."""
+    attention = results.get("attention")
+    if not attention:
+        return []
+    by_variant = _by_variant(results)
+    n_layers = max(len(r.get("attention_entropy") or []) for rs in by_variant.values() for r in rs)
+    rows = []
+    for name, runs in by_variant.items():
+        entropies = [r["attention_entropy"] for r in runs if r.get("attention_entropy")]
+        cells = [f"{sum(e[i] for e in entropies) / len(entropies):.3f}" if entropies else "—"
+                 for i in range(n_layers)]  # fmt: skip
+        rows.append([name, *cells])
+    best = results["summary"][attention["variant"]]
+    return [
+        "## Attention maps",
+        "",
+        f"Every head of each layer of the best run ({attention['variant']} seed "
+        f"{attention['seed']}; its variant's val loss {_mean_spread(summary_of(best, 'val_loss'), 4)}) "
+        f"on the first {attention['tokens']} val tokens: row i is what query i attends.",
+        "",
+        *(f"![{Path(f).stem}]({f})" for f in attention["files"]),
+        "",
+        "Mean attention entropy per layer (nats, over heads and query rows; mean over seeds):",
+        "",
+        *_table(["variant", *(f"layer {i}" for i in range(n_layers))], rows),
+    ]
 
 
 def _save(fig: Figure, path: Path) -> Path:

@@ -84,6 +84,7 @@ def run_study(
             runs.append(result)
             bar.update(weight)
     init_stats = None
+    attention = _attention(spec, runs, out, val) if "attention" in spec.measures else None
     if spec.init_stats is not None:
         d_ks = tuple(spec.init_stats.get("d_k", INIT_D_KS))
         init_stats = [measure.attention_init_stats(d_ks, seed) for seed in range(spec.seeds)]
@@ -98,6 +99,7 @@ def run_study(
         "runs": runs,
         "summary": summary(spec, runs),
         "init_stats": init_stats,
+        "attention": attention,
         "wall_s": time.perf_counter() - start,  # this invocation
         "runs_wall_s": sum(r["wall_s"] for r in runs),  # all runs, across resumed invocations
     }
@@ -294,12 +296,27 @@ def _measure(
             result[f"decode_tps_b{batch}"] = measure.decode_tokens_per_s(
                 model, batch, DECODE_TOKENS
             )
+    if "attention" in spec.measures:
+        result["attention_entropy"] = measure.attention_entropy(model, val)
     if "extrapolation" in spec.measures:
         positions = measure.position_losses(model, val, EXTRAPOLATION_WINDOWS)
         result["positions"] = positions
         for factor in measure.EXTRAPOLATION_FACTORS:
             result[f"loss_{factor}x"] = positions[f"{factor}x_mean"]
     return result
+
+
+def _attention(
+    spec: StudySpec, runs: list[dict[str, Any]], out: Path, val: Any
+) -> dict[str, Any] | None:
+    """The heat-maps of the best run (lowest val loss; None if every run diverged)."""
+    finite = [r for r in runs if math.isfinite(r["val_loss"])]
+    if not finite:
+        return None
+    best = min(finite, key=lambda r: r["val_loss"])
+    run_dir = out / "runs" / best["variant"] / f"seed{best['seed']}"  # wherever `out` is now
+    files, n_tokens = measure.attention_figures(run_dir, val, out)
+    return {"variant": best["variant"], "seed": best["seed"], "tokens": n_tokens, "files": files}
 
 
 def _json_safe(value: Any) -> Any:

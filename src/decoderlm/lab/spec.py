@@ -31,7 +31,7 @@ PARAM_TOLERANCE = 0.02  # |Δparams| / target allowed for "matched size"
 VOCAB_PLACEHOLDER = 256  # the vocabulary used to size models before the data fixes it
 EVAL_POINTS = 10  # evaluations per run (the val-loss curve), when the budget is in tokens
 LOG_POINTS = 50  # logged rows per run (train loss, gradient norm)
-MEASURES = ("decode", "extrapolation", "divergence")  # extra per-run measurements
+MEASURES = ("decode", "extrapolation", "divergence", "attention")  # extra per-run measurements
 
 
 @dataclass

@@ -69,7 +69,7 @@ def attention_variants(quick: bool) -> StudySpec:
         ],
         budget_tokens=budget(quick, 1_000_000, 120_000),
         reference="MHA",
-        measures=("decode",),
+        measures=("decode", "attention"),
     )
 
 
@@ -86,7 +86,7 @@ def positions(quick: bool) -> StudySpec:
         train=base_train(),
         variants=[Variant(kind, model={"position": kind}) for kind in kinds],
         budget_tokens=budget(quick, 1_000_000, 120_000),
-        measures=("extrapolation",),
+        measures=("extrapolation", "attention"),
         notes=["learned positions add context_length × d_model parameters (not matched)"],
     )
 

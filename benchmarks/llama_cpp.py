@@ -1,0 +1,199 @@
+"""The anchor for CPU decoding: llama.cpp against decoderlm on the same weights, measured in one run.
+
+The "llama-55m" model of `decode.py` (random init, seed 0) is written as a Hugging Face Llama
+directory (`decoderlm.hf.to_hf`, with a Llama-style byte-fallback BPE tokenizer of 32000 tokens:
+3 specials, 256 byte tokens, the rest single CJK characters) and converted to GGUF by llama.cpp's
+own `convert_hf_to_gguf.py` at f32, bf16 and q8_0. llama.cpp's `llama-bench` times decoding
+(`-p 0 -n N`: N tokens generated one at a time) and prefill (`-p 512 -n 0`); decoderlm's
+`generate` is timed on the same shapes as in `decode.py` (N / (t(N + 1) − t(1)), 16-token prompt;
+prefill: 512 / time to the first token), compiled, in fp32, bf16 and with int8 weight-only
+quantization (`decoderlm.quant`, per-output-channel scales, as Q8_0 but one scale per row rather
+than per 32 weights). Both use --threads threads, one after the other (never at once), run by run
+interleaved so that both see the same spells of a shared CPU; ratios are medians of per-run ratios.
+"logits err" is decoderlm's max |logit − fp32 logit| over a 64-token sequence.
+
+llama.cpp is not a dependency: build `llama-bench` from a llama.cpp checkout (the `llama-cpp-python`
+source package vendors one under vendor/llama.cpp) and pass its directory:
+
+    cmake -S LLAMA -B LLAMA/build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && \
+        cmake --build LLAMA/build --target llama-bench -j 2
+    HF_HUB_OFFLINE=1 python benchmarks/llama_cpp.py --llama-cpp LLAMA --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from decode import build_models, median_ratio, per_token
+
+from decoderlm import DecoderLM
+from decoderlm.inference.generate import generate
+from decoderlm.quant import quantize
+from decoderlm.training.runtime import cpu_name
+
+GGUF_TYPES = ("f32", "bf16", "q8_0")
+
+
+def llama_tokenizer_files(directory: Path, vocab_size: int) -> None:
+    """tokenizer.json + tokenizer_config.json of a Llama-2-style BPE tokenizer (byte fallback,
+    "▁" for spaces), the kind llama.cpp's converter reads as a "llama" vocabulary."""
+    from tokenizers import Tokenizer, decoders, normalizers
+    from tokenizers.models import BPE
+
+    specials = ["<unk>", "<s>", "</s>"]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    rest = vocab_size - len(specials) - len(byte_tokens)
+    vocab = {t: i for i, t in enumerate([*specials, *byte_tokens, "▁"])}
+    vocab |= {chr(0x4E00 + i): len(vocab) for i in range(rest - 1)}
+    tokenizer = Tokenizer(BPE(vocab, [], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    tokenizer.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    tokenizer.add_special_tokens(specials)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def gguf_files(theirs: torch.nn.Module, llama_cpp: Path, out: Path) -> dict[str, Path]:
+    """The HF model as GGUF files, one per type in GGUF_TYPES, by llama.cpp's converter."""
+    hf_dir = out / "hf"
+    theirs.to(torch.float32).save_pretrained(hf_dir, safe_serialization=True)
+    llama_tokenizer_files(hf_dir, theirs.config.vocab_size)
+    files = {}
+    for kind in GGUF_TYPES:
+        files[kind] = out / f"model-{kind}.gguf"
+        convert = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf_dir)]
+        subprocess.run(
+            [*convert, "--outtype", kind, "--outfile", str(files[kind])],
+            check=True,
+            capture_output=True,
+        )
+    return files
+
+
+def llama_bench(binary: Path, model: Path, threads: int, args: list[str]) -> float:
+    """llama-bench's tokens/s of one repetition of one test (`-p/-n` in args)."""
+    cmd = [str(binary), "-m", str(model), "-t", str(threads), "-r", "1", "-o", "json"]
+    result = subprocess.run([*cmd, *args], check=True, capture_output=True, text=True)
+    return float(json.loads(result.stdout)[0]["avg_ts"])
+
+
+def ours_variants(model: DecoderLM) -> dict[str, DecoderLM]:
+    return {
+        "fp32": model,
+        "bf16": copy.deepcopy(model).to(torch.bfloat16),
+        "int8 weights, fp32 activations": quantize(copy.deepcopy(model), to="int8"),
+        "int8 weights, bf16 activations": quantize(copy.deepcopy(model), to="int8").to(
+            torch.bfloat16
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--llama-cpp", type=Path, required=True, help="a llama.cpp checkout")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(args.threads)
+    bench = args.llama_cpp / "build" / "bin" / "llama-bench"
+    if not bench.is_file():
+        sys.exit(f"{bench} not found: build llama-bench first (see this script's docstring)")
+    ours, theirs = build_models("llama-55m")
+    n, p = args.new_tokens, args.prefill_tokens
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, ours.config.vocab_size, (1, 16), generator=g)
+    long_prompt = torch.randint(0, ours.config.vocab_size, (1, p), generator=g)
+    check = torch.randint(0, ours.config.vocab_size, (1, 64), generator=g)
+    with torch.inference_mode():
+        reference = ours(check).double()
+    variants = ours_variants(ours)
+    errors = {}
+    for name, model in variants.items():
+        with torch.inference_mode():
+            errors[name] = float((model(check).double() - reference).abs().max())
+
+    with tempfile.TemporaryDirectory(prefix="llama-cpp-") as tmp:
+        files = gguf_files(theirs, args.llama_cpp, Path(tmp))
+        fns: dict[str, Callable[[], object]] = {}
+        for kind, path in files.items():
+            for test, flags in (("decode", ["-p", "0", "-n", str(n)]), ("prefill", ["-p", str(p), "-n", "0"])):  # fmt: skip
+                fns[f"llama.cpp {kind} {test}"] = lambda path=path, flags=flags: llama_bench(
+                    bench, path, args.threads, flags
+                )
+        for name, model in variants.items():
+            for key, x, k in (("1", prompt, 1), ("n", prompt, n + 1), ("prefill", long_prompt, 1)):
+                fns[f"{name}_{key}"] = lambda m=model, x=x, k=k: generate(
+                    m, x, k, temperature=0, compile=True
+                )
+        # Run by run, every side once (llama-bench reports its own tokens/s; ours are timed).
+        results = {name: [] for name in fns}
+        for fn in fns.values():  # warm-up: compiles ours, loads llama.cpp's files
+            fn()
+        for _ in range(args.runs):
+            for name, fn in fns.items():
+                start = time.perf_counter()
+                value = fn()
+                elapsed = time.perf_counter() - start
+                results[name].append(value if name.startswith("llama.cpp") else elapsed)
+
+    speeds = {f"llama.cpp {k}": results[f"llama.cpp {k} decode"] for k in GGUF_TYPES}
+    prefills = {f"llama.cpp {k}": results[f"llama.cpp {k} prefill"] for k in GGUF_TYPES}
+    for name in variants:
+        speeds[name] = per_token(results, name, n)
+        prefills[name] = [p / t for t in results[f"{name}_prefill"]]
+    print(f"CPU: {cpu_name()}, {args.threads} threads, torch {torch.__version__}")
+    print(f"llama-55m, batch 1: decode {n} tokens, prefill {p}; median of {args.runs} runs")
+    print("| engine | weights | decode tok/s | prefill tok/s | logits err |")
+    print("|---|---|---|---|---|")
+    for name in speeds:
+        engine, kind = name.split(" ", 1) if name.startswith("llama.cpp") else ("decoderlm", name)
+        err = f"{errors[name]:.2e}" if name in errors else "—"
+        print(
+            f"| {engine} | {kind} | {statistics.median(speeds[name]):.1f} | "
+            f"{statistics.median(prefills[name]):.0f} | {err} |"
+        )
+    pairs = [
+        ("fp32", "llama.cpp f32"),
+        ("bf16", "llama.cpp bf16"),
+        ("int8 weights, fp32 activations", "llama.cpp q8_0"),
+        ("int8 weights, bf16 activations", "llama.cpp q8_0"),
+    ]
+    for ours_name, theirs_name in pairs:
+        print(
+            f"decoderlm {ours_name} / {theirs_name}: decode "
+            f"{median_ratio(speeds[ours_name], speeds[theirs_name]):.2f}×, prefill "
+            f"{median_ratio(prefills[ours_name], prefills[theirs_name]):.2f}× (median of per-run ratios)"
+        )
+
+
+if __name__ == "__main__":
+    main()
