@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, nargs="+", default=[8, 2, 1])
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--kv-cache-memory", default="32MiB")
+    parser.add_argument("--kv-cache-memory", default="64MiB")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny loads, 8/1 heads")
