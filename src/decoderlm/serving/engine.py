@@ -2,8 +2,9 @@
 2023, "Efficient Memory Management for LLM Serving with PagedAttention").
 
 Each `step` runs the `Scheduler`'s plan: one forward pass decoding a token for every running
-sequence (rows of different lengths attend their own blocks, gathered and right-padded under a
-key mask), then the planned prefill chunks, one forward pass each. Every sequence samples with its
+sequence (rows of different lengths attend their own blocks, gathered and padded under a key mask;
+a layer with a sliding window gathers only the keys inside it), then the planned prefill chunks,
+one forward pass each. Every sequence samples with its
 own `SamplingParams` and `torch.Generator` and is detokenized by its own `IncrementalDecoder` and
 `StopMatcher`, so a request's tokens do not depend on what else runs: greedy requests equal
 `decoderlm.generate` on their prompt alone, up to floating-point rounding of the batched kernels.
@@ -102,10 +103,7 @@ class Engine:
         ):
             _positive_int(name, value)
         self.model, self.tokenizer, self.max_queue = model, tokenizer, max_queue
-        # Tokens per sequence. The paged rows are right-padded, so a window mask (aligned to the
-        # last key) would misplace shorter rows' windows; within W tokens a window hides nothing.
-        window = model.config.sliding_window
-        self.max_sequence = min(model.config.context_length, window or model.config.context_length)
+        self.max_sequence = model.config.context_length  # tokens per sequence
         weight = model.tok_emb.weight
         self.device = weight.device
         self.bytes_per_token = kv_cache_bytes_per_token(
@@ -349,19 +347,14 @@ class Engine:
 
     def _forward(self, seqs: list[Sequence], n: int) -> Tensor:
         """Run tokens [n_computed, n_computed + n) of each sequence; logits (B, V) of the last."""
-        start = torch.tensor([s.n_computed for s in seqs])  # (B,)
-        positions = start[:, None] + torch.arange(n)  # (B, n)
-        lengths = start + n  # (B,) keys each row attends
-        keys = torch.arange(int(lengths.max()))[None, :]  # (1, Tk)
-        valid = keys < lengths[:, None]  # (B, Tk): right padding is masked
-        width = max(len(s.blocks) for s in seqs)
-        table = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs])  # (B, nb)
-        idx = torch.tensor([s.tokens[s.n_computed : s.n_computed + n] for s in seqs])  # (B, n)
         dev = self.device
-        table = table.to(dev)
-        self.cache.seek(self.cache.slots(table, positions.to(dev)), table, keys.shape[1])
-        mask = None if bool(valid.all()) else valid.to(dev)
-        logits = self.model(idx.to(dev), positions.to(dev), mask, self.cache, last_only=True)
+        start = torch.tensor([s.n_computed for s in seqs], device=dev)  # (B,)
+        width = max(len(s.blocks) for s in seqs)
+        table = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs], device=dev)
+        idx = torch.tensor([s.tokens[s.n_computed : s.n_computed + n] for s in seqs], device=dev)
+        self.cache.seek(table, start, n)  # each layer cache supplies its own key mask
+        positions = start[:, None] + torch.arange(n, device=dev)  # (B, n)
+        logits = self.model(idx, positions, None, self.cache, last_only=True)
         return logits[:, -1].float()  # (B, V)
 
     def _sample(self, seq: Sequence, logits: Tensor) -> tuple[_Request, TokenEvent]:
@@ -430,8 +423,8 @@ class Engine:
         ids = prompt_rows([list(prompt)], self.model.config.vocab_size)[0]
         if len(ids) > self.max_sequence:
             raise DecoderLMError(
-                f"prompt has {len(ids)} tokens, more than the engine's {self.max_sequence} "
-                "per sequence (the model's context_length, or its sliding_window if smaller)"
+                f"prompt has {len(ids)} tokens, more than the model's context_length "
+                f"({self.max_sequence})"
             )
         return ids
 

@@ -144,29 +144,44 @@ class BlockPool:
 
 
 class PagedLayerCache:
-    """One layer's K and V pools, (num_blocks, block_size, Hkv, hd) each: a `LayerCache`."""
+    """One layer's K and V pools, (num_blocks, block_size, Hkv, hd) each: a `LayerCache`.
 
-    def __init__(self, k: Tensor | Int8Buffer, v: Tensor | Int8Buffer) -> None:
-        self.k, self.v = k, v
+    A layer without a window reads each row's blocks whole, right-padded; a layer with window W
+    reads only the slots a row's new tokens can see (its last W − 1 + T positions), left-padded,
+    so that each row's last key is the last column, where attention aligns its causal window.
+    Either way `key_padding_mask` marks the real keys, or is None when every row has them all.
+    """
+
+    def __init__(self, k: Tensor | Int8Buffer, v: Tensor | Int8Buffer, window: int | None) -> None:
+        self.k, self.v, self.window = k, v, window
         num_blocks, block_size, n_kv_heads, head_dim = k.shape
         slots = (num_blocks * block_size, n_kv_heads, head_dim)
         self.k_slots, self.v_slots = k.view(*slots), v.view(*slots)  # the same storage, per slot
         self.write: Tensor | None = None  # (B·T,) slots of the new tokens
-        self.read: Tensor | None = None  # (B, n_blocks) each row's block table
-        self.n_keys = 0  # keys each row attends: the longest row's length (the rest right-padded)
+        self.read: Tensor | None = None  # (B, n_blocks) block tables, or (B, Tk) slots (windowed)
+        self.n_keys = 0  # keys each row attends (full layers: the longest row's length)
+        self.key_padding_mask: Tensor | None = None  # (B, Tk) True at real keys; None: all real
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """k, v (B, Hkv, T, hd) go to their slots; returns the rows' keys/values (B, Hkv, Tk, hd)."""
         self.k_slots.index_copy_(0, self.write, k.transpose(1, 2).flatten(0, 1))  # (B·T, Hkv, hd)
         self.v_slots.index_copy_(0, self.write, v.transpose(1, 2).flatten(0, 1))
-        return self._rows(self.k), self._rows(self.v)
+        if self.window is not None:
+            return self._slots(self.k_slots), self._slots(self.v_slots)
+        return self._blocks(self.k), self._blocks(self.v)
 
-    def _rows(self, pool: Tensor | Int8Buffer) -> Tensor:
+    def _blocks(self, pool: Tensor | Int8Buffer) -> Tensor:
         """Each row's blocks, copied whole (one index per block, not per token): (B, Hkv, Tk, hd)."""
         rows, width = self.read.shape
         blocks = pool.index_select(0, self.read.flatten())  # (B·n_blocks, block_size, Hkv, hd)
         keys = blocks.view(rows, width * blocks.shape[1], *blocks.shape[2:])  # (B, Tk', Hkv, hd)
         return keys[:, : self.n_keys].transpose(1, 2)
+
+    def _slots(self, pool: Tensor | Int8Buffer) -> Tensor:
+        """The slots in `read`, one index per token: (B, Hkv, Tk, hd)."""
+        rows, n_keys = self.read.shape
+        keys = pool.index_select(0, self.read.flatten())  # (B·Tk, Hkv, hd)
+        return keys.view(rows, n_keys, *keys.shape[1:]).transpose(1, 2)
 
 
 class PagedKVCache:
@@ -195,7 +210,9 @@ class PagedKVCache:
                 return Int8Buffer(shape, dtype, device)
             return torch.zeros(shape, dtype=dtype, device=device)
 
-        self.layers = [PagedLayerCache(pool(), pool()) for _ in range(config.n_layers)]
+        self.layers = [
+            PagedLayerCache(pool(), pool(), config.layer_window(i)) for i in range(config.n_layers)
+        ]
 
     def __getitem__(self, i: int) -> PagedLayerCache:
         return self.layers[i]
@@ -215,8 +232,28 @@ class PagedKVCache:
             block * self.block_size + positions % self.block_size
         )  # slot = b·block_size + p mod bs
 
-    def seek(self, write: Tensor, table: Tensor, n_keys: int) -> None:
-        """Before a forward pass: the new tokens go to slots `write` (B, T); row b attends the
-        first `n_keys` slots of its block table `table[b]` (B, n_blocks), padding masked."""
+    def seek(self, table: Tensor, start: Tensor, n_new: int) -> None:
+        """Before a forward pass over tokens [start_b, start_b + n_new) of each row b: table (B,
+        n_blocks) the rows' block tables, start (B,) on the same device. The new tokens' K/V go to
+        their slots; row b attends its keys up to start_b + n_new (within its window)."""
+        device = table.device
+        new = torch.arange(n_new, device=device)
+        write = self.slots(table, start[:, None] + new).flatten()  # (B·T,)
+        lengths = start + n_new  # (B,) keys of each row
+        longest = int(lengths.max())
+        keys = torch.arange(longest, device=device)[None, :]  # (1, Tk)
+        full_mask = keys < lengths[:, None]  # (B, Tk): right padding
+        reads: dict[int | None, tuple[Tensor, int, Tensor | None]] = {
+            None: (table, longest, None if bool(full_mask.all()) else full_mask)
+        }
         for layer in self.layers:
-            layer.write, layer.read, layer.n_keys = write.flatten(), table, n_keys
+            w = layer.window
+            if w not in reads:  # the last w − 1 keys before each row's first new one, and its own
+                first = (start - (w - 1)).clamp(min=0)  # (B,)
+                n_keys = int((lengths - first).max())
+                positions = lengths[:, None] - n_keys + torch.arange(n_keys, device=device)
+                mask = positions >= first[:, None]  # (B, Tk): left padding
+                slots = self.slots(table, positions.clamp(min=0))  # (B, Tk)
+                reads[w] = (slots, n_keys, None if bool(mask.all()) else mask)
+            layer.write = write
+            layer.read, layer.n_keys, layer.key_padding_mask = reads[w]
