@@ -12,3 +12,11 @@ class DecoderLMError(Exception):
 
 class ConfigError(DecoderLMError, ValueError):
     """A configuration field has a value that is not allowed."""
+
+
+class NonFiniteLossError(DecoderLMError):
+    """Training stopped at `step` (1-based) because its loss was not finite (`loss`)."""
+
+    def __init__(self, message: str, step: int, loss: float) -> None:
+        super().__init__(message)
+        self.step, self.loss = step, loss

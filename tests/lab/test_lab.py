@@ -5,6 +5,7 @@ metrics, the KV column is the closed form, every plot is a PNG, and an interrupt
 without retraining the runs it had finished.
 """
 
+import dataclasses
 import json
 import math
 import random
@@ -197,3 +198,22 @@ def test_a_run_with_other_settings_is_refused_not_reused(tmp_path, corpus, study
     changed = micro_spec().with_budget(tokens=4 * 16 * 5)
     with pytest.raises(Exception, match="other settings than variant 'MHA'"):
         runner.run_study(changed, tmp_path, inputs=[corpus], progress=False)
+
+
+def test_a_diverging_run_is_recorded_as_a_result_and_the_study_goes_on(tmp_path, corpus):
+    spec = dataclasses.replace(
+        micro_spec(),
+        variants=[
+            Variant("calm", model={"n_kv_heads": 4}),
+            Variant("hot", model={"n_kv_heads": 4}, train={"lr": 1e30, "warmup_steps": 0}),
+        ],
+        measures=(),
+        seeds=1,
+    )
+    results = runner.run_study(spec, tmp_path, inputs=[corpus], progress=False)
+    calm, hot = results["runs"]
+    assert calm["diverged_step"] is None and math.isfinite(calm["val_loss"])
+    # lr 1e30: after the first update the gradients are NaN (step 2), the weights then too and
+    # step 3's loss is not finite; the run has no val loss (NaN, null in results.json).
+    assert hot["diverged_step"] == 3 and hot["val_loss"] is None
+    assert results["summary"]["hot"]["diverged"] == 1

@@ -18,7 +18,6 @@ import json
 import math
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from decoderlm import checkpoint, data, gqa
-from decoderlm.errors import DecoderLMError
+from decoderlm.errors import DecoderLMError, NonFiniteLossError
 from decoderlm.inference.evaluate import bits_per_byte, evaluate_tokens
 from decoderlm.lab import measure
 from decoderlm.lab.spec import StudySpec, Variant, count_params
@@ -46,8 +45,6 @@ DECODE_BATCHES = (1, 16)
 DECODE_TOKENS = 32
 EXTRAPOLATION_WINDOWS = 16
 INIT_D_KS = (16, 32, 64, 128, 256)
-# The trainer's one-line error when a loss is not finite (decoderlm.training.trainer._train_step).
-NONFINITE = re.compile(r"training loss is (\S+) at step (\d+)")
 SUMMARISED = ("val_loss", "val_bpb", "train_tokens_per_s", "decode_tps_b1", "decode_tps_b16")
 SUMMARISED += ("val_loss_pooled", "loss_1x", "loss_2x", "loss_4x", "final_train_loss")
 
@@ -234,11 +231,8 @@ def _run(
             init_from=init_from,
             progress=False,
         )
-    except DecoderLMError as exc:  # a diverged run is a result, not a failure of the study
-        match = NONFINITE.search(str(exc))
-        if match is None:
-            raise
-        nonfinite_step = int(match.group(2))
+    except NonFiniteLossError as exc:  # a diverged run is a result, not a failure of the study
+        nonfinite_step = exc.step
         summary = {"stopped": "diverged", "step": nonfinite_step - 1}
     if summary["stopped"] == "interrupted":
         raise KeyboardInterrupt

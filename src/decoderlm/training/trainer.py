@@ -30,7 +30,7 @@ import torch
 
 from decoderlm import checkpoint, cpu, data
 from decoderlm.cpu import heap
-from decoderlm.errors import DecoderLMError
+from decoderlm.errors import DecoderLMError, NonFiniteLossError
 from decoderlm.inference.evaluate import bits_per_byte
 from decoderlm.inference.generate import generate
 from decoderlm.model.config import ModelConfig
@@ -246,7 +246,9 @@ class Trainer:
                 if evaluate:
                     val = self.evaluate()
                     row.update(val)
-                    report.evaluation(row, self.sample(cfg.sample_tokens)[0])
+                    finite = math.isfinite(val["val_loss"])  # else the next step stops the run
+                    sample = self.sample(cfg.sample_tokens)[0] if finite else "(no sample: NaN)"
+                    report.evaluation(row, sample)
                 if logged:
                     report.metrics.write(row)  # rank 0 only
                 scheduled = _every(cfg.checkpoint_interval, self.step)
@@ -305,9 +307,11 @@ class Trainer:
                 if self.last_checkpoint
                 else "no checkpoint was saved"
             )
-            raise DecoderLMError(
+            raise NonFiniteLossError(
                 f"training loss is {loss_value} at step {self.step + 1}: stopped; {saved} "
-                "(try a lower --lr, more --warmup-steps or --dtype fp32)"
+                "(try a lower --lr, more --warmup-steps or --dtype fp32)",
+                step=self.step + 1,
+                loss=loss_value,
             )
         self.scaler.unscale_(self.optimizer)  # so that clipping sees the true gradient
         grad_norm = clip_and_step(self.optimizer, self.scaler, cfg.grad_clip)
