@@ -217,3 +217,15 @@ def test_a_diverging_run_is_recorded_as_a_result_and_the_study_goes_on(tmp_path,
     # step 3's loss is not finite; the run has no val loss (NaN, null in results.json).
     assert hot["diverged_step"] == 3 and hot["val_loss"] is None
     assert results["summary"]["hot"]["diverged"] == 1
+
+
+def test_runs_finished_before_attention_was_asked_get_it_without_retraining(
+    tmp_path, corpus, monkeypatch
+):
+    without = dataclasses.replace(micro_spec(), measures=(), seeds=1)
+    runner.run_study(without, tmp_path, inputs=[corpus], progress=False)
+    monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("retrained a finished run"))
+    again = dataclasses.replace(without, measures=("attention",))
+    results = runner.run_study(again, tmp_path, inputs=[corpus], progress=False)
+    assert all(len(r["attention_entropy"]) == 1 for r in results["runs"])
+    assert results["attention"]["files"] == ["attention_layer0.png"]

@@ -75,6 +75,12 @@ def run_study(
             bar.set_postfix_str(f"{variant.name} seed {seed}")
             run_dir = out / "runs" / variant.name / f"seed{seed}"
             result = _finished(spec, variant, seed, run_dir, meta)
+            if result is not None and _lacks_attention(
+                spec, result
+            ):  # finished before it was asked
+                model = checkpoint.load_model(run_dir)
+                result["attention_entropy"] = measure.attention_entropy(model, val)
+                checkpoint.write_json(run_dir / RUN_RESULT_FILE, result)
             if result is None:
                 result = _json_safe(_run(spec, variant, seed, run_dir, out, data_dir, meta, val))
                 checkpoint.write_json(run_dir / RUN_RESULT_FILE, result)
@@ -298,6 +304,11 @@ def _measure(
         for factor in measure.EXTRAPOLATION_FACTORS:
             result[f"loss_{factor}x"] = positions[f"{factor}x_mean"]
     return result
+
+
+def _lacks_attention(spec: StudySpec, result: dict[str, Any]) -> bool:
+    finite = result["val_loss"] is not None and math.isfinite(result["val_loss"])
+    return "attention" in spec.measures and finite and "attention_entropy" not in result
 
 
 def _attention(
