@@ -15,9 +15,8 @@ greedy tokens by `decoderlm.generate` (eager: compile=False, which int8 caches n
 --window with backend flash (`decoderlm.model.flash`, which skips the key tiles outside the
 window). Cache: fp32 and bf16 are the model's dtype (the cache follows it); int8 is
 kv_cache_dtype="int8" on the bf16 model (on fp32 where the CPU has no native bf16; bf16 rows are
-then left out, as oneDNN's bf16 fallback would take hours). A combination that generate refuses
-(at the time of writing: int8 over the ring cache of a windowed model) is printed as n/a with the
-library's message.
+then left out, as oneDNN's bf16 fallback would take hours). A combination that generate refuses is
+printed as n/a with the library's message.
 
 Columns: prefill s, from the call to the end of the first forward pass (a forward hook), and
 prefill tok/s = T / that; decode tok/s = (forward passes − 1) / (time from the end of the first to
