@@ -13,7 +13,8 @@ interleaved so that both see the same spells of a shared CPU; ratios are medians
 "logits err" is decoderlm's max |logit − fp32 logit| over a 64-token sequence.
 
 llama.cpp is not a dependency: build `llama-bench` from a llama.cpp checkout (the `llama-cpp-python`
-source package vendors one under vendor/llama.cpp) and pass its directory:
+source package vendors one under vendor/llama.cpp: `pip download llama-cpp-python --no-deps
+--no-binary :all:`), `pip install sentencepiece` (its converter imports it), and pass its directory:
 
     cmake -S LLAMA -B LLAMA/build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && \
         cmake --build LLAMA/build --target llama-bench -j 2
