@@ -295,16 +295,22 @@ def test_32_concurrent_greedy_requests_equal_their_solo_generate_in_float64(tok,
     print(f"{memory_blocks} blocks: {stats}")
 
 
+@pytest.mark.parametrize("kv_cache_dtype", [None, "int8"])
 @pytest.mark.parametrize("layers", [None, [1]], ids=["all-windowed", "qwen2-layout"])
-def test_windowed_models_serve_past_the_window_each_request_equal_to_its_solo_generate(tok, layers):
+def test_windowed_models_serve_past_the_window_each_request_equal_to_its_solo_generate(
+    tok, layers, kv_cache_dtype
+):
     # Window 6 against prompts of up to 40 tokens + 5..24 new: every row reads past its window,
     # rows of different lengths in one batch; a layer without a window (Qwen2) reads every key.
+    # int8: the pool and the solo ring cache quantize the same K/V vectors the same way.
     model = tiny_model(tok, sliding_window=6, sliding_window_layers=layers)
-    engine = Engine(model, tok, block_size=4, prefill_chunk=16)
+    engine = Engine(model, tok, block_size=4, prefill_chunk=16, kv_cache_dtype=kv_cache_dtype)
     requests = mixed_requests(tok, 16)
     events = run_staggered(engine, requests)
     for (prompt, params), got in zip(requests, events, strict=True):
-        solo = generate(model, [prompt], params.max_tokens, temperature=0)[0][len(prompt) :]
+        solo = generate(
+            model, [prompt], params.max_tokens, temperature=0, kv_cache_dtype=kv_cache_dtype
+        )[0][len(prompt) :]
         assert token_ids(got) == solo  # float64, as above
     assert max(len(p) + r.max_tokens for p, r in requests) > 40 > 6
 
