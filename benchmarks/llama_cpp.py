@@ -55,8 +55,8 @@ def llama_tokenizer_files(directory: Path, vocab_size: int) -> None:
     specials = ["<unk>", "<s>", "</s>"]
     byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
     rest = vocab_size - len(specials) - len(byte_tokens)
-    vocab = {t: i for i, t in enumerate([*specials, *byte_tokens, "▁"])}
-    vocab |= {chr(0x4E00 + i): len(vocab) for i in range(rest - 1)}
+    characters = [chr(0x4E00 + i) for i in range(rest - 1)]
+    vocab = {t: i for i, t in enumerate([*specials, *byte_tokens, "▁", *characters])}
     tokenizer = Tokenizer(BPE(vocab, [], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     tokenizer.normalizer = normalizers.Sequence(
         [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
