@@ -16,8 +16,13 @@ llama.cpp is not a dependency: build `llama-bench` from a llama.cpp checkout (th
 source package vendors one under vendor/llama.cpp: `pip download llama-cpp-python --no-deps
 --no-binary :all:`), `pip install sentencepiece` (its converter imports it), and pass its directory:
 
-    cmake -S LLAMA -B LLAMA/build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && \
+    cmake -S LLAMA -B LLAMA/build -G Ninja -DLLAMA_CURL=OFF -DGGML_NATIVE=ON && \
         cmake --build LLAMA/build --target llama-bench -j 2
+
+On a VM that reports AMX but does not let a process use it (Sapphire Rapids guests, seen here:
+the native build's Q8_0 prefill dies of SIGILL), build without AMX instead of native:
+-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VNNI=ON
+-DGGML_AVX512_VBMI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF.
     HF_HUB_OFFLINE=1 python benchmarks/llama_cpp.py --llama-cpp LLAMA --threads 2
 """
 
