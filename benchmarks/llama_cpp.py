@@ -19,8 +19,8 @@ source package vendors one under vendor/llama.cpp: `pip download llama-cpp-pytho
     cmake -S LLAMA -B LLAMA/build -G Ninja -DLLAMA_CURL=OFF -DGGML_NATIVE=ON && \
         cmake --build LLAMA/build --target llama-bench -j 2
 
-On a VM that reports AMX but does not let a process use it (Sapphire Rapids guests, seen here:
-the native build's Q8_0 prefill dies of SIGILL), build without AMX instead of native:
+Where the native build's Q8_0 prefill dies of SIGILL (seen on a Sapphire Rapids VM, in ggml's
+AMX int8 path), build without AMX instead:
 -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VNNI=ON
 -DGGML_AVX512_VBMI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF.
     HF_HUB_OFFLINE=1 python benchmarks/llama_cpp.py --llama-cpp LLAMA --threads 2
