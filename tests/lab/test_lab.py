@@ -207,7 +207,7 @@ def test_a_diverging_run_is_recorded_as_a_result_and_the_study_goes_on(tmp_path,
             Variant("calm", model={"n_kv_heads": 4}),
             Variant("hot", model={"n_kv_heads": 4}, train={"lr": 1e30, "warmup_steps": 0}),
         ],
-        measures=(),
+        measures=("attention",),  # the maps come from the run that did not diverge
         seeds=1,
     )
     results = runner.run_study(spec, tmp_path, inputs=[corpus], progress=False)

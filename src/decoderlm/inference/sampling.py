@@ -112,13 +112,15 @@ def draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """One token per row of probs (B, V), token i with probability probs_i / Σ probs.
 
     Inverse-CDF sampling: the first token whose cumulative mass exceeds u · total, u ~ U[0, 1).
-    Tokens of probability 0 are never drawn; non-finite probabilities are a DecoderLMError. It
-    takes one random number per row, where
+    Tokens of probability 0 are never drawn; non-finite probabilities are a DecoderLMError (on the
+    CPU). It takes one random number per row, where
     torch.multinomial draws V exponentials, so it is the faster of the two for large vocabularies.
     """
     cdf = probs.double().cumsum(dim=-1)  # (B, V); float64 keeps the share of tokens of mass ~1e-9
     total = cdf[:, -1:].contiguous()  # (B, 1)
-    if not bool(torch.isfinite(total).all()):
+    # Checked on the CPU only, where it is free: on an accelerator it would wait for the device
+    # at every token.
+    if probs.device.type == "cpu" and not bool(torch.isfinite(total).all()):
         raise DecoderLMError(
             "cannot sample: the probabilities are not finite (NaN or inf logits; the model's "
             "weights may have diverged)"

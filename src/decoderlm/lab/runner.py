@@ -73,11 +73,14 @@ def run_study(
     ) as bar:
         for (variant, seed), weight in zip(plan, weights, strict=True):
             bar.set_postfix_str(f"{variant.name} seed {seed}")
-            run_dir = out / "runs" / variant.name / f"seed{seed}"
+            run_dir = _run_dir(out, variant.name, seed)
             result = _finished(spec, variant, seed, run_dir, meta)
-            if result is not None and _lacks_attention(
-                spec, result
-            ):  # finished before it was asked
+            if (
+                result is not None
+                and "attention" in spec.measures
+                and "attention_entropy" not in result
+                and _trained(result)
+            ):  # finished before the study asked for attention
                 model = checkpoint.load_model(run_dir)
                 result["attention_entropy"] = measure.attention_entropy(model, val)
                 checkpoint.write_json(run_dir / RUN_RESULT_FILE, result)
@@ -87,7 +90,7 @@ def run_study(
             runs.append(result)
             bar.update(weight)
     init_stats = None
-    attention = _attention(spec, runs, out, val) if "attention" in spec.measures else None
+    attention = _attention(runs, out, val) if "attention" in spec.measures else None
     if spec.init_stats is not None:
         d_ks = tuple(spec.init_stats.get("d_k", INIT_D_KS))
         init_stats = [measure.attention_init_stats(d_ks, seed) for seed in range(spec.seeds)]
@@ -217,7 +220,7 @@ def _run(
     init_from, pooled_loss = None, None
     if variant.init_from is not None:
         model_config = None  # the model is the one initialised from (or resumed)
-        init_from = out / "runs" / variant.init_from / f"seed{seed}"
+        init_from = _run_dir(out, variant.init_from, seed)
         if variant.pool_kv_heads is not None:
             pooled = out / "runs" / variant.name / f"seed{seed}-pooled"
             if not (pooled / checkpoint.CONFIG_FILE).is_file():  # save_model writes it last
@@ -306,20 +309,22 @@ def _measure(
     return result
 
 
-def _lacks_attention(spec: StudySpec, result: dict[str, Any]) -> bool:
-    finite = result["val_loss"] is not None and math.isfinite(result["val_loss"])
-    return "attention" in spec.measures and finite and "attention_entropy" not in result
+def _run_dir(out: Path, variant: str, seed: int) -> Path:
+    return out / "runs" / variant / f"seed{seed}"
 
 
-def _attention(
-    spec: StudySpec, runs: list[dict[str, Any]], out: Path, val: Any
-) -> dict[str, Any] | None:
+def _trained(result: dict[str, Any]) -> bool:
+    """Whether a run has final weights: a finite val loss (None in lab.json when it diverged)."""
+    return result["val_loss"] is not None and math.isfinite(result["val_loss"])
+
+
+def _attention(runs: list[dict[str, Any]], out: Path, val: Any) -> dict[str, Any] | None:
     """The heat-maps of the best run (lowest val loss; None if every run diverged)."""
-    finite = [r for r in runs if math.isfinite(r["val_loss"])]
+    finite = [r for r in runs if _trained(r)]
     if not finite:
         return None
     best = min(finite, key=lambda r: r["val_loss"])
-    run_dir = out / "runs" / best["variant"] / f"seed{best['seed']}"  # wherever `out` is now
+    run_dir = _run_dir(out, best["variant"], best["seed"])  # wherever `out` is now
     files, n_tokens = measure.attention_figures(run_dir, val, out)
     return {"variant": best["variant"], "seed": best["seed"], "tokens": n_tokens, "files": files}
 
