@@ -29,9 +29,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from decoderlm.cpu.attention import blockwise_attention, blockwise_is_faster
+from decoderlm.model.attention import attend
 from decoderlm.training.runtime import cpu_has_native_bf16
 
 # (name, B, H, Hkv, Tq, Tk, head_dim, training)
@@ -43,15 +43,13 @@ SHAPES = [
     ("prefill T=2048", 1, 8, 2, 2048, 2048, 64, False),
     ("decode Tk=256", 1, 8, 2, 1, 256, 64, False),
     ("decode Tk=2048", 1, 8, 2, 1, 2048, 64, False),
+    ("decode Tk=16384", 1, 8, 2, 1, 16384, 64, False),
 ]
 DTYPES = (torch.float32, torch.bfloat16)
 
 
 def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
-    gqa = q.shape[1] != k.shape[1]
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None], enable_gqa=gqa)
+    return attend(q, k, v, causal=True, key_padding_mask=mask)[0]  # the model's SDPA dispatch
 
 
 def blockwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):

@@ -149,6 +149,29 @@ def test_gqa_equals_mha_with_repeated_kv(n_kv_heads):
     torch.testing.assert_close(gqa(x), mha(x), rtol=1e-5, atol=1e-6)
 
 
+def _largest_allocation(fn) -> int:
+    """Bytes of the largest CPU allocation made while fn() runs, inside operators included."""
+    with torch.profiler.profile(profile_memory=True) as prof:
+        fn()
+    return max(e.cpu_memory_usage for e in prof.events())
+
+
+@pytest.mark.parametrize(("h_kv", "t_q"), [(2, 1), (1, 1), (2, 16)])
+def test_gqa_formula_reads_kv_heads_without_copying_them_per_query_head(h_kv, t_q):
+    b, h, t_k, d = 2, 8, 512, 32
+    q, k, v = torch.randn(b, h, t_q, d), torch.randn(b, h_kv, t_k, d), torch.randn(b, h_kv, t_k, d)
+    mask = torch.ones(b, t_k, dtype=torch.bool)
+    mask[0, :100] = False
+    with torch.inference_mode():
+        largest = _largest_allocation(
+            lambda: attend(q, k, v, causal=True, key_padding_mask=mask, backend="math")
+        )
+    # The largest is the float32 scores (B, H, Tq, Tk); K broadcast to the G = H / Hkv query
+    # heads of its group would be copied into G·|K| bytes (as a broadcasting matmul does).
+    scores, k_bytes = b * h * t_q * t_k * 4, k.nbytes
+    assert largest <= max(scores, k_bytes) < (h // h_kv) * k_bytes
+
+
 def _reference_and_inputs(b, h, h_kv, t_q, t_k, d, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     q64 = torch.randn(b, h, t_q, d, generator=g, dtype=torch.float64)
@@ -174,6 +197,8 @@ CASES = [  # (b, h, h_kv, t_q, t_k, causal, padded)
     (2, 4, 2, 33, 33, True, True),
     (2, 4, 2, 5, 40, True, True),  # queries are the last 5 of 40 cached positions
     (2, 4, 2, 1, 40, False, True),  # one decode step over a key mask
+    (2, 8, 2, 1, 40, True, True),  # a causal decode step, four query heads per K/V head
+    (1, 4, 1, 1, 40, True, False),  # MQA decode step
 ]
 
 

@@ -140,12 +140,14 @@ def scaled_dot_product_attention(
     scale = d**-0.5 if scale is None else scale
     keep = None if mask is None else keep_mask(mask)
     acc_dtype = torch.promote_types(q.dtype, torch.float32)  # scores and softmax in ≥ float32
-    q_grouped = q.reshape(b, h_kv, h // h_kv, t_q, d)  # (B, Hkv, G, Tq, D)
-    scores = q_grouped @ k.unsqueeze(2).transpose(-2, -1)  # QKᵀ: (B, Hkv, G, Tq, Tk)
+    # A group's G query heads are G·Tq rows against its one K/V head (row g·Tq + t: head
+    # h_kv·G + g, query t), so each K/V head is read once; a broadcast over G would copy it G times.
+    q_rows = q.reshape(b, h_kv, h // h_kv * t_q, d)  # (B, Hkv, G·Tq, D)
+    scores = q_rows @ k.transpose(-2, -1)  # QKᵀ: (B, Hkv, G·Tq, Tk)
     scores = scores.reshape(b, h, t_q, t_k).to(acc_dtype) * scale  # QKᵀ/√d_k: (B, H, Tq, Tk)
     weights = softmax(scores, keep).to(q.dtype)  # (B, H, Tq, Tk)
     dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
-    out = dropped.reshape(b, h_kv, h // h_kv, t_q, t_k) @ v.unsqueeze(2)  # (B, Hkv, G, Tq, D)
+    out = dropped.reshape(b, h_kv, h // h_kv * t_q, t_k) @ v  # (B, Hkv, G·Tq, D)
     return out.reshape(b, h, t_q, d), weights
 
 
@@ -183,6 +185,18 @@ def attend(
         )
         return out, None
     gqa = q.shape[1] != k.shape[1]
+    if gqa and t_q == 1:  # one query per head: a group's G heads are G query rows of its K/V head
+        b, h, _, d = q.shape
+        mask = build_mask(1, t_k, causal, key_padding_mask, q.device, window)  # (B|1, 1, 1, Tk)
+        out = F.scaled_dot_product_attention(
+            q.reshape(b, k.shape[1], h // k.shape[1], d),  # (B, Hkv, G, D)
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=dropout_p,
+            scale=scale,
+        )  # (B, Hkv, G, D): each K/V head read once, where enable_gqa reads it per query head
+        return out.reshape(b, h, 1, d), None
     no_mask = key_padding_mask is None and window is None and (not causal or t_q == t_k)
     if no_mask:  # is_causal needs no mask tensor
         out = F.scaled_dot_product_attention(
