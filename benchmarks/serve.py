@@ -3,11 +3,11 @@
 The "llama-55m" preset (d_model 512, 8 layers, 8 heads, vocab 32000, random init) with 8, 2 and 1
 K/V heads, in --dtype (float32 or bfloat16: bfloat16 is the fast one on CPUs with AMX or
 AVX512-BF16 and ~700× slower on AVX2-only ones), served over HTTP on 127.0.0.1 (uvicorn in a thread
-of this process, the clients in another process) with one fixed KV budget (--kv-cache-memory), so fewer K/V heads let more
-sequences run at once: "fit" is how many whole sequences (prompt + new tokens) the budget holds,
-⌊blocks / blocks per sequence⌋, exactly in the ratio of K/V heads; "max running" the most the
-engine ran at once (it admits on the blocks a sequence holds now and preempts when the pool runs
-out, so it can exceed "fit"). For each
+of this process; the clients in a process of their own) with one fixed KV budget
+(--kv-cache-memory), so fewer K/V heads let more sequences run at once: "fit" is how many whole
+sequences (prompt + new tokens) the budget holds, ⌊blocks / blocks per sequence⌋, exactly in the
+ratio of K/V heads; "max running" the most the engine ran at once (it admits on the blocks a
+sequence holds now and preempts when the pool runs out, so it can exceed "fit"). For each
 concurrency C, 2·C requests (C in flight at a time) of --prompt-tokens random tokens each stream
 --new-tokens greedy tokens; reported: aggregate generated tokens/s, time to first token and
 inter-token latency (p50/p99 over all requests and tokens, as the client sees the SSE chunks),
