@@ -368,6 +368,31 @@ def test_logprobs_are_the_raw_log_softmax_with_the_top_k(tok):
         assert [t.text for t in top] == [tok.decode([t.token_id]) for t in top]
 
 
+def test_score_gives_each_prompt_token_its_logprob_between_steps_of_a_running_batch(tok):
+    model = tiny_model(tok)
+    engine = Engine(model, tok)
+    prompt = [5, 6, 7, 8, 9]
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(torch.tensor([prompt]))[0], -1)  # (T, V), float64
+    params = RequestParams(40, GREEDY, stop_at_eot=False)
+    done = []
+    engine.submit([1, 2, 3], params, on_event=done.append)  # a sequence decoding meanwhile
+    future = engine.score(prompt, top=2)  # starts the engine's thread
+    events = future.result(timeout=30)
+    assert [e.token_id for e in events] == prompt
+    assert "".join(e.text for e in events) == tok.decode(prompt)
+    assert events[0].logprob is None and events[0].top_logprobs == ()
+    for t in range(1, len(prompt)):
+        assert events[t].logprob == pytest.approx(float(ref[t - 1, prompt[t]]), abs=1e-12)
+        assert [a.token_id for a in events[t].top_logprobs] == ref[t - 1].topk(2).indices.tolist()
+    engine.shutdown(grace_s=30)
+    assert done[-1].finish_reason == "length"  # the batch went on around the scoring pass
+    with pytest.raises(DecoderLMError, match="top=-1 must be an integer ≥ 0"):
+        Engine(model, tok).score(prompt, top=-1)
+    with pytest.raises(EngineStoppedError):
+        engine.score(prompt)
+
+
 # The asynchronous interface.
 
 

@@ -11,6 +11,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import decoderlm
@@ -119,16 +120,39 @@ def test_completion_fields_n_echo_logprobs_stop_and_usage(server, loaded):
     r = api.completions.create(model=None, prompt=["ab", "xyz"], max_tokens=6, temperature=0,
                                n=2, echo=True, logprobs=3)  # fmt: skip
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    model, tokenizer = loaded
     for choice, prompt in zip(r.choices, ["ab", "ab", "xyz", "xyz"], strict=True):
         assert choice.text == prompt + solo(loaded, prompt, 6, temperature=0)
-        lp = choice.logprobs
-        assert "".join(lp.tokens) == choice.text[len(prompt) :]
-        assert lp.text_offset[0] == len(prompt)
-        assert all(len(top) == 3 and max(top.values()) <= 0 for top in lp.top_logprobs)
-        assert lp.token_logprobs == [max(top.values()) for top in lp.top_logprobs]  # greedy
+        lp, n = choice.logprobs, len(prompt)  # the char tokenizer: one token per character
+        # echo with logprobs reports the prompt's tokens first, as OpenAI's completions API does:
+        # the first without a logprob, token t with log p(token t | tokens < t) (float64 ≤ 1e-5).
+        assert "".join(lp.tokens) == choice.text and lp.text_offset == list(range(len(lp.tokens)))
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        ids = tokenizer.encode(prompt)
+        with torch.no_grad():
+            ref = torch.log_softmax(model.double()(torch.tensor([ids]))[0], dim=-1)
+            model.float()
+        expected = [ref[t - 1, ids[t]].item() for t in range(1, n)]
+        assert lp.token_logprobs[1:n] == pytest.approx(expected, abs=1e-5)
+        assert all(len(top) == 3 and max(top.values()) <= 0 for top in lp.top_logprobs[1:])
+        for t in range(1, n):
+            assert max(lp.top_logprobs[t].values()) == pytest.approx(
+                ref[t - 1].max().item(), abs=1e-5
+            )
+        generated = lp.top_logprobs[n:]
+        assert lp.token_logprobs[n:] == [max(top.values()) for top in generated]  # greedy
     assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == sum(
-        len(c.logprobs.tokens) for c in r.choices
+        len(c.logprobs.tokens) - len(prompt)
+        for c, prompt in zip(r.choices, ["ab", "ab", "xyz", "xyz"], strict=True)
     )
+    stream = httpx.post(f"{base}/v1/completions", json={"prompt": "xyz", "max_tokens": 3,
+                        "temperature": 0, "echo": True, "logprobs": 1, "stream": True})  # fmt: skip
+    chunks = [json.loads(e) for e in sse_events(stream)[:-1]]
+    opening = chunks[0]["choices"][0]  # the echoed prompt, with its tokens' logprobs
+    assert opening["text"] == "xyz" and opening["logprobs"]["tokens"] == ["x", "y", "z"]
+    assert opening["logprobs"]["token_logprobs"][0] is None
+    offsets = [o for c in chunks for ch in c["choices"] for o in ch["logprobs"]["text_offset"]]
+    assert offsets == list(range(len(offsets)))
     full = solo(loaded, "Hello", 30, temperature=0)
     stop = full[5:7]
     r = api.completions.create(model=None, prompt="Hello", max_tokens=30, temperature=0, stop=stop)

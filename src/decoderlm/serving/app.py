@@ -256,20 +256,35 @@ class _Format:
 class _CompletionFormat(_Format):
     object = chunk_object = "text_completion"
 
-    def __init__(self, served: Served, echoes: list[str], logprobs: bool) -> None:
+    def __init__(
+        self,
+        served: Served,
+        echoes: list[str],
+        logprobs: bool,
+        prompt_events: list[list[TokenEvent]] | None = None,
+    ) -> None:
+        """echoes: each choice's prompt text ("" without echo); prompt_events: with echo and
+        logprobs, each choice's prompt tokens (`Engine.score`), reported before its own tokens."""
         super().__init__(served, len(echoes), logprobs)
-        self.echoes = echoes
+        self.echoes, self.prompt_events = echoes, prompt_events
         self.offsets = [len(e) for e in echoes]
 
     def opening(self, i: int) -> dict[str, Any] | None:
         if not self.echoes[i]:
             return None
-        return {"index": i, "text": self.echoes[i], "logprobs": None, "finish_reason": None}
+        logprobs = None
+        if self.prompt_events is not None:
+            logprobs = protocol.completion_logprobs(
+                self.prompt_events[i], self.served.token_text, 0
+            )
+        return {"index": i, "text": self.echoes[i], "logprobs": logprobs, "finish_reason": None}
 
     def choice(self, i: int, events: list[TokenEvent], whole: bool) -> dict[str, Any]:
         text, start = self._text(i, events)
         logprobs = None
         if self.logprobs:
+            if whole and self.prompt_events is not None:  # the prompt's tokens, then the choice's
+                events, start = self.prompt_events[i] + events, 0
             logprobs = protocol.completion_logprobs(events, self.served.token_text, start)
         return {
             "index": i,
@@ -420,13 +435,17 @@ async def _completions(state: _State, body: CompletionRequest) -> Response:
     include_usage = _check_stream_options(body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     requested = body.max_tokens or DEFAULT_COMPLETION_TOKENS
-    streams, echoes = [], []
-    for p, ids in enumerate(_prompts(served, body.prompt)):
+    streams, echoes, prompt_events = [], [], None
+    prompts = _prompts(served, body.prompt)
+    for p, ids in enumerate(prompts):
         max_tokens = _room(served, ids, requested, "prompt")
         params = protocol.to_params(body, max_tokens, body.logprobs)
         streams.append(_Stream(state, f"{request_id}-{p}", ids, params, p * body.n))
         echoes += [served.tokenizer.decode(ids) if body.echo else ""] * body.n
-    fmt = _CompletionFormat(served, echoes, body.logprobs is not None)
+    if body.echo and body.logprobs is not None:  # the prompt's tokens get logprobs too
+        scored = [served.engine.score(ids, body.logprobs) for ids in prompts]
+        prompt_events = [await asyncio.wrap_future(f) for f in scored for _ in range(body.n)]
+    fmt = _CompletionFormat(served, echoes, body.logprobs is not None, prompt_events)
     return await _respond(request_id, served, streams, fmt, body.stream, include_usage)
 
 

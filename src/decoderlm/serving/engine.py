@@ -18,6 +18,7 @@ was for with finish_reason "error" (logged) and the engine goes on with the othe
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -124,6 +125,7 @@ class Engine:
         self._requests: dict[str, _Request] = {}
         self._outputs: dict[Sequence, _Output] = {}
         self._cancels: list[Sequence] = []
+        self._scores: list[tuple[list[int], int, concurrent.futures.Future]] = []  # see `score`
         self._thread: threading.Thread | None = None
         self._closed = self._stopping = False
         self._prompt_tokens = self._generated = self._max_running = 0
@@ -188,6 +190,25 @@ class Engine:
             request = self._requests.get(request_id)
             self._cancels.extend(request.seqs if request is not None else ())
             self._lock.notify_all()
+
+    def score(
+        self, prompt: str | list[int], top: int = 0
+    ) -> concurrent.futures.Future[list[TokenEvent]]:
+        """The prompt's own tokens as events, what `echo` with `logprobs` reports: token 0 has no
+        logprob (nothing precedes it), token t has log p(token t | tokens < t) and the `top`
+        likeliest tokens at t. The engine's thread computes them before its next step, in one
+        forward pass over the prompt outside the batch and the KV pool. Thread-safe."""
+        ids = self._prompt_ids(prompt)
+        if not (isinstance(top, int) and not isinstance(top, bool) and top >= 0):
+            raise DecoderLMError(f"top={top!r} must be an integer ≥ 0")
+        future: concurrent.futures.Future[list[TokenEvent]] = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise EngineStoppedError("the engine is shutting down; retry on another server")
+            self._scores.append((ids, top, future))
+            self._lock.notify_all()
+        self.start()
+        return future
 
     def generate(self, prompts: list[str | list[int]], params: RequestParams) -> list[Completion]:
         """Run a batch to the end: `params.n` completions per prompt, in prompt order.
@@ -296,11 +317,16 @@ class Engine:
         with self._lock:
             self._closed = self._stopping = True
             events += [self._error(seq) for seq in list(self._outputs)]
+            for _, _, future in self._scores:
+                future.set_exception(EngineStoppedError("the engine failed; see the server log"))
+            self._scores.clear()
             self._lock.notify_all()
         self._deliver(events)
 
     def _has_work(self) -> bool:
-        return bool(self._cancels or self.scheduler.running or self.scheduler.waiting)
+        return bool(
+            self._cancels or self._scores or self.scheduler.running or self.scheduler.waiting
+        )
 
     # One step.
 
@@ -311,9 +337,15 @@ class Engine:
             self._apply_cancels(events)
             plan = self.scheduler.schedule()
             self._max_running = max(self._max_running, len(self.scheduler.running))
+            scores, self._scores = self._scores, []
         batches = [(plan.decode, 1)] if plan.decode else []
         batches += [([seq], n) for seq, n in plan.prefill]
         with evaluating(self.model):
+            for ids, top, future in scores:
+                try:
+                    future.set_result(self._prompt_events(ids, top))
+                except Exception as exc:  # that request fails; the engine goes on
+                    future.set_exception(exc)
             logits = [self._isolated(self._forward, seqs, n) for seqs, n in batches]  # (B, V)
             with self._lock:
                 for (seqs, n), rows in zip(batches, logits, strict=True):
@@ -328,7 +360,7 @@ class Engine:
                 self._rate.append((self._prune_rate(), self._generated))
                 self._lock.notify_all()
         self._deliver(events)
-        return bool(batches)
+        return bool(batches or scores)
 
     @staticmethod
     def _isolated(fn: Callable[..., Any], *args: Any) -> Any:
@@ -368,12 +400,7 @@ class Engine:
         logprob, top = None, ()
         if out.params.logprobs is not None:
             lp = torch.log_softmax(logits, dim=-1)  # (V,) raw: before penalty and temperature
-            best = torch.topk(lp, min(out.params.logprobs, lp.numel()))
-            logprob = float(lp[token])
-            top = tuple(
-                TopLogprob(i, self.tokenizer.decode([i]), v)
-                for i, v in zip(best.indices.tolist(), best.values.tolist(), strict=True)
-            )
+            logprob, top = float(lp[token]), self._top_logprobs(lp, out.params.logprobs)
         finish = None
         if token == out.eot:
             text, finish = "", "stop"
@@ -388,6 +415,32 @@ class Engine:
             text += "" if out.matcher.stopped else out.matcher.flush()
         event = TokenEvent(token, text, logprob, top, finish, out.index)
         return self._finish(seq, event) if finish else (out.request, event)
+
+    def _top_logprobs(self, lp: Tensor, k: int) -> tuple[TopLogprob, ...]:
+        """The k likeliest tokens of one row of log-probabilities lp (V,), likeliest first."""
+        best = torch.topk(lp, min(k, lp.numel()))
+        return tuple(
+            TopLogprob(i, self.tokenizer.decode([i]), v)
+            for i, v in zip(best.indices.tolist(), best.values.tolist(), strict=True)
+        )
+
+    def _prompt_events(self, ids: list[int], top: int) -> list[TokenEvent]:
+        """`score`'s events for prompt `ids`."""
+        logits = self.model(torch.tensor([ids], device=self.device))[0, :-1]  # (T − 1, V)
+        lp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
+        # row t: log p(· | tokens ≤ t), in at least float32
+        following = torch.tensor(ids[1:], device=self.device)[:, None]  # (T − 1, 1)
+        chosen = lp.gather(1, following)[:, 0].tolist()  # log p(token t + 1 | tokens ≤ t)
+        decoder, events = IncrementalDecoder(self.tokenizer), []
+        for t, token in enumerate(ids):
+            text = decoder.add(token) + (decoder.flush() if t == len(ids) - 1 else "")
+            if t == 0:
+                events.append(TokenEvent(token, text))
+            else:
+                events.append(
+                    TokenEvent(token, text, chosen[t - 1], self._top_logprobs(lp[t - 1], top))
+                )
+        return events
 
     def _apply_cancels(self, events: list[tuple[_Request, TokenEvent]]) -> None:
         for seq in self._cancels:
