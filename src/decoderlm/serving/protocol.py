@@ -151,7 +151,9 @@ def completion_logprobs(events: list[TokenEvent], token_text: Any, offset: int) 
             out["tokens"].append(token_text(event.token_id))
             out["token_logprobs"].append(event.logprob)
             top = {t.text: t.logprob for t in event.top_logprobs}
-            out["top_logprobs"].append(None if event.logprob is None else top)  # an echoed 1st token
+            out["top_logprobs"].append(
+                None if event.logprob is None else top
+            )  # an echoed 1st token
             out["text_offset"].append(offset)
         offset += len(event.text)
     return out
