@@ -7,7 +7,7 @@ import decoderlm
 from decoderlm import DecoderLM, DecoderLMError, ModelConfig
 from decoderlm.cpu import decode as decode_step
 from decoderlm.cpu.decode import CPULinearKernels
-from decoderlm.inference.generate import generate
+from decoderlm.inference.generate import evaluating, generate
 from decoderlm.inference.sampling import (
     SamplingParams,
     apply_repetition_penalty,
@@ -356,3 +356,20 @@ def test_extreme_sampling_values_still_draw_a_valid_token(params):
     for _ in range(20):
         token = sample_next(logits, params, seen, generator).tolist()
         assert all(t in ok for t, ok in zip(token, allowed, strict=True)), token
+
+
+def test_evaluating_switches_only_training_modules_and_restores_each_mode():
+    model = DecoderLM(ModelConfig(vocab_size=16, d_model=32, n_layers=2, n_heads=4, dropout=0.5))
+    model.train()
+    model.blocks[1].eval()  # a mixed model: one block already in eval mode
+    before = [m.training for m in model.modules()]
+    x = torch.randint(0, 16, (1, 8))
+    with evaluating(model):
+        assert not any(m.training for m in model.modules())
+        assert torch.equal(model(x), model(x))  # dropout is off
+        assert torch.is_inference_mode_enabled()
+    assert [m.training for m in model.modules()] == before
+    model.eval()
+    with evaluating(model):  # nothing to switch
+        pass
+    assert not any(m.training for m in model.modules())

@@ -47,14 +47,19 @@ COMPILE_PREFILL_MULTIPLE = 64
 
 @contextmanager
 def evaluating(model: DecoderLM) -> Iterator[None]:
-    """Eval mode (no dropout) and no autograd for the duration; the model's mode is restored after."""
-    was_training = model.training
-    model.eval()
+    """Eval mode (no dropout) and no autograd for the duration; each module's mode is restored after.
+
+    Only the modules in training mode are switched, so a model already in eval mode (a serving
+    engine calls this at every step) is not written to at all."""
+    training = [m for m in model.modules() if m.training]  # (module setattr is slow in Python)
+    for module in training:
+        module.training = False
     try:
         with torch.inference_mode():
             yield
     finally:
-        model.train(was_training)
+        for module in training:
+            module.training = True
 
 
 def next_logits(
