@@ -14,7 +14,9 @@ inter-token latency (p50/p99 over all requests and tokens, as the client sees th
 and the most sequences the engine ran at once. The baseline runs the same prompts through
 `transformers`' `LlamaForCausalLM.generate` (the same weights, via `decoderlm.hf.to_hf`), one at a
 time, in the same dtype. A vocabulary of 32000 distinct characters stands in for a tokenizer.
-Below the table: per K/V-head count, the aggregate at 16 clients over the engine's own single
+The "engine" row runs the last load level's requests (C at a time) once more through
+`Engine.generate` on the benchmark's thread, without HTTP: the gap to the HTTP row is what the
+server and its clients on the same cores cost. Below the table: per K/V-head count, the aggregate at 16 clients over the engine's own single
 stream and over transformers one at a time.
 
     HF_HUB_OFFLINE=1 python benchmarks/serve.py [--dtype bfloat16] [--concurrency 1 4 16 64] [--quick]
@@ -30,16 +32,19 @@ import multiprocessing
 import random
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 
 import httpx
 import torch
 
 from decoderlm import DecoderLM, ModelConfig
 from decoderlm.hf import to_hf
+from decoderlm.inference.sampling import SamplingParams
 from decoderlm.serving.app import Served, create_app
 from decoderlm.serving.chat import ChatTemplate
 from decoderlm.serving.engine import Engine
 from decoderlm.serving.kv_pool import blocks_for
+from decoderlm.serving.types import RequestParams
 from decoderlm.tokenizer import Tokenizer
 from decoderlm.training.runtime import cpu_name
 
@@ -137,6 +142,11 @@ def main() -> None:
                   f"{percentile(r['ttft'], 0.5) * ms:>7.0f}ms {percentile(r['ttft'], 0.99) * ms:>7.0f}ms "
                   f"{percentile(r['itl'], 0.5) * ms:>6.1f}ms {percentile(r['itl'], 0.99) * ms:>6.1f}ms "
                   f"{engine.pool.num_blocks // per_seq:>5} {engine.stats().max_running_seen:>11}")  # fmt: skip
+        c = args.concurrency[-1]  # the last load level's requests once more, without HTTP
+        alone = engine_alone(model, tokenizer, args.kv_cache_memory, prompts, c, args.new_tokens)
+        print(
+            f"{kv_heads:>8} {'engine':>7} {alone:>8.1f}  ({c} at a time, Engine.generate, no HTTP)"
+        )
         hf_tok_s = transformers_one_at_a_time(model, prompts[: max(2, args.concurrency[0] * 2)],
                                               args.new_tokens)  # fmt: skip
         print(
@@ -147,6 +157,21 @@ def main() -> None:
                            f"single stream, {tok_s[16] / hf_tok_s:.1f}× transformers 1×1")  # fmt: skip
     clients.shutdown()
     print("\n".join(summary))
+
+
+def engine_alone(
+    model: DecoderLM, tokenizer: Tokenizer, memory: str, prompts: list[list[int]], c: int, new: int
+) -> float:
+    """Generated tokens/s of `Engine.generate` on the prompts, c at a time, on this thread: what
+    the engine does without the HTTP server and its clients on the same cores."""
+    engine = Engine(model, tokenizer, kv_cache_memory=memory, max_queue=256)
+    sampling = SamplingParams(temperature=0)
+    params = RequestParams(new, sampling, logprobs=0)  # as the clients ask
+    engine.generate(prompts[:1], replace(params, max_tokens=8))  # not timed: first-call costs
+    start, tokens = time.perf_counter(), 0
+    for i in range(0, len(prompts), c):
+        tokens += sum(len(done.token_ids) for done in engine.generate(prompts[i : i + c], params))
+    return tokens / (time.perf_counter() - start)
 
 
 def transformers_one_at_a_time(model: DecoderLM, prompts: list[list[int]], new: int) -> float:
