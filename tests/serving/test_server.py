@@ -244,6 +244,20 @@ def test_bad_requests_get_openai_shaped_errors_naming_the_field(server, path, bo
     assert httpx.get(f"{base}/health").status_code == 200  # and the server lives on
 
 
+def test_unknown_request_fields_are_ignored_and_named_in_the_log(server, caplog):
+    base, _ = server
+    body = {"prompt": "ab", "max_token": 3, "temperature": 0, "service_tier": "auto"}
+    with caplog.at_level("WARNING", logger="decoderlm.serve"):
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "foo": 1}
+        r_chat = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == r_chat.status_code == 200
+    assert r.json()["usage"]["completion_tokens"] == 16  # max_token is not max_tokens
+    logged = [rec.getMessage() for rec in caplog.records]
+    assert "/v1/completions: ignored unknown request fields max_token, service_tier" in logged
+    assert "/v1/chat/completions: ignored unknown request fields foo" in logged
+
+
 def test_tokenize_detokenize_round_trip_and_models(server):
     base, served = server
     r = httpx.post(f"{base}/tokenize", json={"prompt": "Hello é"}).json()

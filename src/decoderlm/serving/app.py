@@ -479,6 +479,14 @@ async def _chat(state: _State, body: ChatRequest) -> Response:
     return await _respond(request_id, served, streams, fmt, body.stream, include_usage)
 
 
+def _log_ignored(body: protocol.Generation, path: str) -> None:
+    """A warning naming the request's fields this server does not know (and ignores)."""
+    if body.model_extra:
+        log.warning(
+            "%s: ignored unknown request fields %s", path, ", ".join(sorted(body.model_extra))
+        )
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
@@ -559,10 +567,12 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
+        _log_ignored(body, "/v1/completions")
         return await _completions(state, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest) -> Response:
+        _log_ignored(body, "/v1/chat/completions")
         return await _chat(state, body)
 
     @app.post("/tokenize")

@@ -35,7 +35,13 @@ class StreamOptions(_Body):
 
 
 class Generation(_Body):
-    """The fields shared by completions and chat completions; null means the default."""
+    """The fields shared by completions and chat completions; null means the default.
+
+    Fields this server does not know are kept (`model_extra`), unused, so that the server can
+    name them in its log: OpenAI clients send newer fields it need not refuse, but a misspelt one
+    (`max_token`) should not pass unseen."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
