@@ -5,7 +5,7 @@
 With the CPU paths applied (`decoderlm.cpu.optimize`), a model's attention with backend "sdpa" is
 `decoderlm.cpu.attention.cpu_attend`, which sends a CPU call to `blockwise_attention` (the explicit
 softmax(QKᵀ/√d + M)V a block of 128 queries at a time, causal blocks skipping the keys they cannot
-see) when `blockwise_is_faster` says so, and to `F.scaled_dot_product_attention` otherwise. This
+see) when `blockwise_is_faster` says so, and to the model's `attend` (torch's SDPA) otherwise. This
 prints the measurements behind that rule, for the shapes the library meets:
 
 - train: forward + backward of a causal batch (B·H = 48 heads of dimension 32 at T = 64, the
