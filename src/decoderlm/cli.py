@@ -58,7 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.run(args) or 0)
     except DecoderLMError as exc:
-        print(f"decoderlm: error: {exc}", file=sys.stderr)
+        # One write of the whole line: print() writes the text and the newline separately, and
+        # under torchrun another rank's line could land between the two on the shared stderr.
+        sys.stderr.write(f"decoderlm: error: {exc}\n")
+        sys.stderr.flush()
         return 2
     except KeyboardInterrupt:
         print("decoderlm: interrupted", file=sys.stderr)
