@@ -16,8 +16,8 @@ and the most sequences the engine ran at once. The baseline runs the same prompt
 time, in the same dtype. A vocabulary of 32000 distinct characters stands in for a tokenizer.
 The "engine" row runs the last load level's requests (C at a time) once more through
 `Engine.generate` on the benchmark's thread, without HTTP: the gap to the HTTP row is what the
-server and its clients on the same cores cost. Below the table: per K/V-head count, the aggregate at 16 clients over the engine's own single
-stream and over transformers one at a time.
+server and its clients on the same cores cost. Below the table: per K/V-head count, the
+aggregate at 16 clients over the engine's own single stream and over transformers one at a time.
 
     HF_HUB_OFFLINE=1 python benchmarks/serve.py [--dtype bfloat16] [--concurrency 1 4 16 64] [--quick]
 """

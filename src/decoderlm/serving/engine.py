@@ -418,6 +418,8 @@ class Engine:
 
     def _top_logprobs(self, lp: Tensor, k: int) -> tuple[TopLogprob, ...]:
         """The k likeliest tokens of one row of log-probabilities lp (V,), likeliest first."""
+        if k == 0:
+            return ()
         best = torch.topk(lp, min(k, lp.numel()))
         return tuple(
             TopLogprob(i, self.tokenizer.decode([i]), v)
