@@ -3,7 +3,9 @@
 The "llama-55m" preset (d_model 512, 8 layers, 8 heads, vocab 32000, random init) with 8, 2 and 1
 K/V heads, in --dtype (float32 or bfloat16: bfloat16 is the fast one on CPUs with AMX or
 AVX512-BF16 and ~700× slower on AVX2-only ones), served over HTTP on 127.0.0.1 (uvicorn in a thread
-of this process; the clients in a process of their own) with one fixed KV budget
+of this process, the engine in a process of its own as `decoderlm serve` runs it, or with
+--engine thread in a thread of this one; the clients in a process of their own) with one fixed KV
+budget
 (--kv-cache-memory), so fewer K/V heads let more sequences run at once: "fit" is how many whole
 sequences (prompt + new tokens) the budget holds, ⌊blocks / blocks per sequence⌋, exactly in the
 ratio of K/V heads; "max running" the most the engine ran at once (it admits on the blocks a
@@ -30,19 +32,23 @@ import itertools
 import json
 import multiprocessing
 import random
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 import httpx
 import torch
 
 from decoderlm import DecoderLM, ModelConfig
+from decoderlm.checkpoint import save_model
 from decoderlm.hf import to_hf
 from decoderlm.inference.sampling import SamplingParams
 from decoderlm.serving.app import Served, create_app
 from decoderlm.serving.chat import ChatTemplate
 from decoderlm.serving.engine import Engine
+from decoderlm.serving.engine_process import EngineProcess, EngineSpec
 from decoderlm.serving.kv_pool import blocks_for
 from decoderlm.serving.types import RequestParams
 from decoderlm.tokenizer import Tokenizer
@@ -101,6 +107,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", default="64MiB")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--engine", choices=["process", "thread"], default="process")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny loads, 8/1 heads")
     args = parser.parse_args()
     if args.quick:
@@ -120,15 +127,22 @@ def main() -> None:
     # The clients run in a process of their own, as they would on other machines: in this one
     # they would hold the GIL that the engine's thread needs between its tensor operations.
     clients = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    scratch = tempfile.TemporaryDirectory()  # the run directories the engine processes load
     for kv_heads in args.kv_heads:
         torch.manual_seed(0)
         config = ModelConfig.from_preset("llama-55m", n_kv_heads=kv_heads, context_length=1024)
         model = DecoderLM(config).eval().to(dtype)
+        run = save_model(Path(scratch.name) / f"kv{kv_heads}", model, tokenizer)
         tok_s = {}
         for concurrency in args.concurrency:
             prompts = [[rng.randrange(31999) for _ in range(args.prompt_tokens)]
                        for _ in range(2 * concurrency)]  # fmt: skip
-            engine = Engine(model, tokenizer, kv_cache_memory=args.kv_cache_memory, max_queue=256)
+            options = {"kv_cache_memory": args.kv_cache_memory, "max_queue": 256}
+            if args.engine == "process":
+                engine = EngineProcess(EngineSpec(str(run), args.dtype, options, args.threads))
+                engine.start()
+            else:
+                engine = Engine(model, tokenizer, **options)
             served = Served(engine, tokenizer, "llama-55m", config.context_length,
                             config.vocab_size, ChatTemplate())  # fmt: skip
             with live_server(create_app(lambda s=served: s, grace_s=0)) as base:
@@ -136,12 +150,14 @@ def main() -> None:
                 clients.submit(run_load, base, warm_up, 8, 1).result()  # first-call costs
                 r = clients.submit(run_load, base, prompts, args.new_tokens, concurrency).result()
             tok_s[concurrency] = r["tok_s"]
-            per_seq = blocks_for(args.prompt_tokens + args.new_tokens, engine.pool.block_size)
+            stats = engine.stats()
+            engine.shutdown(0)
+            per_seq = blocks_for(args.prompt_tokens + args.new_tokens, stats.kv_block_size)
             ms = 1000
             print(f"{kv_heads:>8} {concurrency:>7} {r['tok_s']:>8.1f} "
                   f"{percentile(r['ttft'], 0.5) * ms:>7.0f}ms {percentile(r['ttft'], 0.99) * ms:>7.0f}ms "
                   f"{percentile(r['itl'], 0.5) * ms:>6.1f}ms {percentile(r['itl'], 0.99) * ms:>6.1f}ms "
-                  f"{engine.pool.num_blocks // per_seq:>5} {engine.stats().max_running_seen:>11}")  # fmt: skip
+                  f"{stats.kv_blocks_total // per_seq:>5} {stats.max_running_seen:>11}")  # fmt: skip
         c = args.concurrency[-1]  # the last load level's requests once more, without HTTP
         alone = engine_alone(model, tokenizer, args.kv_cache_memory, prompts, c, args.new_tokens)
         print(
@@ -156,6 +172,7 @@ def main() -> None:
             summary.append(f"{kv_heads} K/V heads: 16 clients = {tok_s[16] / tok_s[1]:.1f}× the "
                            f"single stream, {tok_s[16] / hf_tok_s:.1f}× transformers 1×1")  # fmt: skip
     clients.shutdown()
+    scratch.cleanup()
     print("\n".join(summary))
 
 

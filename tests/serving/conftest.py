@@ -102,14 +102,30 @@ def make_served(run_dir: Path, loaded, **engine_kwargs):
     )
 
 
+def process_served(run_dir: Path, **engine_kwargs):
+    """A `Served` over an engine in a process of its own, as `decoderlm serve` starts it."""
+    from argparse import Namespace
+
+    from decoderlm.commands.serve import load_served
+
+    args = Namespace(checkpoint=run_dir, dtype=None, kv_cache_dtype=None, **engine_kwargs)
+    return load_served(args, engine_process=True)
+
+
 @pytest.fixture(scope="session")
-def server(run_dir, loaded) -> Iterator[tuple[str, object]]:
-    """(base URL, Served) of a running server with room for many sequences at once."""
+def server(request, run_dir, loaded) -> Iterator[tuple[str, object]]:
+    """(base URL, Served) of a running server with room for many sequences at once; its engine
+    runs in a thread of the test's process, or with `parametrize("server", ["process"],
+    indirect=True)` in a process of its own."""
     from decoderlm.serving.app import create_app
 
+    sizes = {"kv_cache_memory": "4MiB", "max_queue": 64}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny shapes: one thread beats two fighting over a shared CPU
-    served = make_served(run_dir, loaded, kv_cache_memory="4MiB", max_queue=64)
+    if getattr(request, "param", "thread") == "process":
+        served = process_served(run_dir, **sizes)
+    else:
+        served = make_served(run_dir, loaded, **sizes)
     with live_server(create_app(lambda: served, grace_s=1.0)) as base:
         wait_healthy(base)
         yield base, served

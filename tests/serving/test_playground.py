@@ -46,6 +46,7 @@ def attention(base: str, **body) -> httpx.Response:
     return httpx.post(f"{base}/v1/attention", json=body, timeout=60)
 
 
+@pytest.mark.parametrize("server", ["thread", "process"], indirect=True)
 def test_attention_endpoint_weights_equal_sdpa_weights_of_that_layer_and_head(server, loaded):
     base, _ = server
     model, tokenizer = loaded
@@ -117,6 +118,7 @@ def test_attention_endpoint_refuses_bad_fields_with_openai_shaped_400s(
     }
 
 
+@pytest.mark.parametrize("server", ["thread", "process"], indirect=True)
 def test_model_card_gives_the_shape_and_kv_cache_costs_vs_mha_and_mqa(server, loaded):
     card = httpx.get(f"{server[0]}/v1/model_card").json()
     assert card["parameters"] == loaded[0].num_params()

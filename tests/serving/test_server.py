@@ -18,6 +18,8 @@ import decoderlm
 from conftest import CONTEXT, TEXT, make_served, wait_healthy
 from decoderlm.serving.app import create_app, drain
 
+BOTH = pytest.mark.parametrize("server", ["thread", "process"], indirect=True)  # engine placement
+
 
 def solo(loaded, prompt: str, max_tokens: int, **kwargs) -> str:
     """`decoderlm.generate` on the prompt alone, to end-of-text or max_tokens, as text."""
@@ -59,6 +61,7 @@ def until(condition, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+@BOTH
 def test_32_concurrent_streams_each_equal_their_solo_greedy_generate(server, loaded):
     base, served = server
     rng = random.Random(0)
@@ -91,6 +94,7 @@ def test_32_concurrent_streams_each_equal_their_solo_greedy_generate(server, loa
     assert served.engine.stats().max_running_seen > max(before, 1)  # they did run together
 
 
+@BOTH
 def test_seeded_sampled_request_equals_its_solo_run_in_a_crowd(server, loaded):
     base, _ = server
     sampling = {"temperature": 0.9, "top_p": 0.95, "top_k": 40}
@@ -114,6 +118,7 @@ def test_seeded_sampled_request_equals_its_solo_run_in_a_crowd(server, loaded):
     assert len(set(crowd)) > 1  # other seeds gave other texts: the sampling is not greedy
 
 
+@BOTH
 def test_completion_fields_n_echo_logprobs_stop_and_usage(server, loaded):
     base, _ = server
     api = client(base)
@@ -159,6 +164,7 @@ def test_completion_fields_n_echo_logprobs_stop_and_usage(server, loaded):
     assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
 
 
+@BOTH
 def test_chat_uses_the_default_template_and_streams_deltas(server, loaded):
     base, served = server
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
@@ -271,6 +277,7 @@ def test_tokenize_detokenize_round_trip_and_models(server):
     assert [m.id for m in models] == [served.model_name]
 
 
+@BOTH
 def test_health_and_metrics_parse_with_counts_that_moved(server):
     base, _ = server
     client(base).completions.create(model=None, prompt="Hi", max_tokens=5, temperature=0)

@@ -49,6 +49,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     parser.add_argument(
+        "--engine",
+        choices=("process", "thread"),
+        default="process",
+        help="run the engine in a process of its own (default: the HTTP server cannot hold the "
+        "GIL its steps need) or in a thread of the server's process (one copy of the tokenizer, "
+        "one process to debug)",
+    )
+    parser.add_argument(
         "--grace-period",
         type=float,
         default=30.0,
@@ -57,30 +65,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_served(args: argparse.Namespace) -> Any:
-    """The `Served` of a checkpoint: model, tokenizer, a (not yet started) engine, chat template."""
-    from decoderlm.loading import load
+def load_served(args: argparse.Namespace, engine_process: bool = False) -> Any:
+    """The `Served` of a checkpoint: its tokenizer, chat template and an engine, started in a
+    process of its own (`decoderlm.serving.engine_process`) or, without `engine_process`, not yet
+    started in this one."""
     from decoderlm.serving.app import Served
     from decoderlm.serving.chat import load_chat_template
-    from decoderlm.serving.engine import Engine
 
-    model, tokenizer = load(args.checkpoint, dtype=args.dtype)
-    if tokenizer is None:
-        raise DecoderLMError(f"{args.checkpoint} has no tokenizer.json, so text cannot be encoded")
-    engine = Engine(
-        model,
-        tokenizer,
-        kv_cache_memory=args.kv_cache_memory,
-        max_queue=args.max_queue,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
+    options = {
+        "kv_cache_memory": args.kv_cache_memory,
+        "max_queue": args.max_queue,
+        "kv_cache_dtype": args.kv_cache_dtype,
+    }
+    if engine_process:
+        from decoderlm.serving.engine_process import EngineProcess, EngineSpec
+
+        engine: Any = EngineProcess(EngineSpec(str(args.checkpoint), args.dtype, options))
+        engine.start()  # loads the checkpoint in the child
+        tokenizer, vocab_size = engine.facts.tokenizer, engine.facts.vocab_size
+    else:
+        from decoderlm.loading import load
+        from decoderlm.serving.engine import Engine
+
+        model, tokenizer = load(args.checkpoint, dtype=args.dtype)
+        if tokenizer is None:
+            raise DecoderLMError(
+                f"{args.checkpoint} has no tokenizer.json, so text cannot be encoded"
+            )
+        engine, vocab_size = Engine(model, tokenizer, **options), model.config.vocab_size
     eot = "" if tokenizer.eot_id is None else tokenizer.decode([tokenizer.eot_id])
     return Served(
         engine=engine,
         tokenizer=tokenizer,
         model_name=Path(args.checkpoint).resolve().name,
         context_length=engine.max_sequence,
-        vocab_size=model.config.vocab_size,
+        vocab_size=vocab_size,
         chat_template=load_chat_template(args.checkpoint, eos_token=eot),
     )
 
@@ -112,7 +131,12 @@ def run(args: argparse.Namespace) -> int:
         failures.append(exc)
         server.should_exit = True
 
-    app = create_app(lambda: load_served(args), on_load_error, grace_s=args.grace_period)
+    in_process = args.engine == "thread"
+    app = create_app(
+        lambda: load_served(args, engine_process=not in_process),
+        on_load_error,
+        grace_s=args.grace_period,
+    )
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from decoderlm.cpu import heap
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.generate import evaluating, make_generator, prompt_rows
 from decoderlm.inference.sampling import sample_next
@@ -92,10 +93,15 @@ class Engine:
         prefill_chunk: int = 128,
         prefix_caching: bool = True,
         kv_cache_dtype: str | None = None,
+        cpu_kernels: bool = True,
     ) -> None:
         """kv_cache_memory: the byte budget of the KV pool, which holds
         ⌊budget / (block_size · bytes per token)⌋ blocks; kv_cache_dtype: None (K/V in the model's
-        dtype) or "int8" (`decoderlm.model.int8_cache`, whose scales the bytes per token count)."""
+        dtype) or "int8" (`decoderlm.model.int8_cache`, whose scales the bytes per token count);
+        cpu_kernels: on the CPU, keep freed memory in the process (`decoderlm.cpu.heap`), so that
+        each step's gathered K/V reuse the last step's pages instead of faulting in new ones. (The
+        attention, embedding and linear paths that `generate` applies made the batched steps
+        slower: benchmarks/README.md.)"""
         check_kv_cache_dtype(kv_cache_dtype)
         for name, value in (
             ("block_size", block_size),
@@ -107,6 +113,8 @@ class Engine:
         self.max_sequence = model.config.context_length  # tokens per sequence
         weight = model.tok_emb.weight
         self.device = weight.device
+        if cpu_kernels and self.device.type == "cpu":
+            heap.keep_freed_memory()
         self.bytes_per_token = kv_cache_bytes_per_token(
             model.config, kv_cache_dtype or weight.dtype
         )
@@ -125,7 +133,7 @@ class Engine:
         self._requests: dict[str, _Request] = {}
         self._outputs: dict[Sequence, _Output] = {}
         self._cancels: list[Sequence] = []
-        self._scores: list[tuple[list[int], int, concurrent.futures.Future]] = []  # see `score`
+        self._calls: list[tuple[Callable[..., Any], tuple, concurrent.futures.Future]] = []
         self._thread: threading.Thread | None = None
         self._closed = self._stopping = False
         self._prompt_tokens = self._generated = self._max_running = 0
@@ -196,16 +204,22 @@ class Engine:
     ) -> concurrent.futures.Future[list[TokenEvent]]:
         """The prompt's own tokens as events, what `echo` with `logprobs` reports: token 0 has no
         logprob (nothing precedes it), token t has log p(token t | tokens < t) and the `top`
-        likeliest tokens at t. The engine's thread computes them before its next step, in one
-        forward pass over the prompt outside the batch and the KV pool. Thread-safe."""
+        likeliest tokens at t. The engine's thread computes them before its next step (`call`), in
+        one forward pass over the prompt outside the batch and the KV pool. Thread-safe."""
         ids = self._prompt_ids(prompt)
         if not (isinstance(top, int) and not isinstance(top, bool) and top >= 0):
             raise DecoderLMError(f"top={top!r} must be an integer ≥ 0")
-        future: concurrent.futures.Future[list[TokenEvent]] = concurrent.futures.Future()
+        return self.call(Engine._prompt_events, ids, top)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        """fn(self, *args) on the engine's thread before its next step, so that it never runs
+        the model at the same time as a step (the playground's attention maps, `score`); its
+        result or exception goes to the returned Future. Thread-safe; starts the thread."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             if self._closed:
                 raise EngineStoppedError("the engine is shutting down; retry on another server")
-            self._scores.append((ids, top, future))
+            self._calls.append((fn, args, future))
             self._lock.notify_all()
         self.start()
         return future
@@ -317,15 +331,15 @@ class Engine:
         with self._lock:
             self._closed = self._stopping = True
             events += [self._error(seq) for seq in list(self._outputs)]
-            for _, _, future in self._scores:
+            for _, _, future in self._calls:
                 future.set_exception(EngineStoppedError("the engine failed; see the server log"))
-            self._scores.clear()
+            self._calls.clear()
             self._lock.notify_all()
         self._deliver(events)
 
     def _has_work(self) -> bool:
         return bool(
-            self._cancels or self._scores or self.scheduler.running or self.scheduler.waiting
+            self._cancels or self._calls or self.scheduler.running or self.scheduler.waiting
         )
 
     # One step.
@@ -337,14 +351,14 @@ class Engine:
             self._apply_cancels(events)
             plan = self.scheduler.schedule()
             self._max_running = max(self._max_running, len(self.scheduler.running))
-            scores, self._scores = self._scores, []
+            calls, self._calls = self._calls, []
         batches = [(plan.decode, 1)] if plan.decode else []
         batches += [([seq], n) for seq, n in plan.prefill]
         with evaluating(self.model):
-            for ids, top, future in scores:
+            for fn, args, future in calls:
                 try:
-                    future.set_result(self._prompt_events(ids, top))
-                except Exception as exc:  # that request fails; the engine goes on
+                    future.set_result(fn(self, *args))
+                except Exception as exc:  # that call fails; the engine goes on
                     future.set_exception(exc)
             logits = [self._isolated(self._forward, seqs, n) for seqs, n in batches]  # (B, V)
             with self._lock:
@@ -360,7 +374,7 @@ class Engine:
                 self._rate.append((self._prune_rate(), self._generated))
                 self._lock.notify_all()
         self._deliver(events)
-        return bool(batches or scores)
+        return bool(batches or calls)
 
     @staticmethod
     def _isolated(fn: Callable[..., Any], *args: Any) -> Any:

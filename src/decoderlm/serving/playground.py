@@ -18,13 +18,16 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import Field
+from torch import Tensor
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.attention_maps import attention_maps, check_index
+from decoderlm.model.config import ModelConfig
 from decoderlm.model.kv_cache import attention_kind, kv_cache_table
 from decoderlm.serving.app import APIError, check_model, encode, request_text
 from decoderlm.serving.protocol import TokenizeRequest
@@ -46,13 +49,27 @@ class AttentionRequest(TokenizeRequest):
     head: int | None = Field(None, description="0-based head; null: every head of the layer")
 
 
-def model_card(served: Any) -> dict[str, Any]:
+def _model_facts(engine: Any) -> tuple[ModelConfig, torch.dtype, int]:
+    """(config, weights dtype, parameter count) of the engine's model, read by `Engine.call`."""
+    model = engine.model
+    return model.config, model.tok_emb.weight.dtype, model.num_params()
+
+
+def _attention_weights(
+    engine: Any, ids: list[int], layer: int, heads: list[int]
+) -> tuple[Tensor, Tensor]:
+    """The weights (len(heads), T, T) of `layer` and every layer's entropy (n_layers,), computed by
+    `Engine.call` on the engine's thread (or in its process), between its steps."""
+    maps = attention_maps(engine.model, ids)
+    return maps.weights[layer, 0, heads], maps.entropy
+
+
+async def model_card(served: Any) -> dict[str, Any]:
     """The model card of the served model: shape, positions, parameters, KV-cache costs."""
-    model = served.engine.model
-    config, dtype = model.config, model.tok_emb.weight.dtype
+    config, dtype, parameters = await asyncio.wrap_future(served.engine.call(_model_facts))
     return {
         "model": served.model_name,
-        "parameters": model.num_params(),
+        "parameters": parameters,
         "n_layers": config.n_layers,
         "d_model": config.d_model,
         "n_heads": config.n_heads,
@@ -77,10 +94,9 @@ def _check_field(name: str, value: int, count: int) -> None:
         raise APIError(400, str(exc), param=name) from None
 
 
-def attention(served: Any, body: AttentionRequest) -> dict[str, Any]:
+async def attention(served: Any, body: AttentionRequest) -> dict[str, Any]:
     """The weights of body.layer (body.head, or all heads) for the body's text; runs the model."""
-    model = served.engine.model
-    config = model.config
+    config, _, _ = await asyncio.wrap_future(served.engine.call(_model_facts))
     _check_field("layer", body.layer, config.n_layers)
     if body.head is not None:
         _check_field("head", body.head, config.n_heads)
@@ -88,9 +104,10 @@ def attention(served: Any, body: AttentionRequest) -> dict[str, Any]:
     ids = encode(served, request_text(served, body), param)
     cap = min(MAX_ATTENTION_TOKENS, config.context_length)
     kept = ids[:cap]
-    maps = attention_maps(model, kept)
     heads = list(range(config.n_heads)) if body.head is None else [body.head]
-    weights = maps.weights[body.layer, 0, heads].double().round(decimals=WEIGHT_DECIMALS)
+    weights, entropy = await asyncio.wrap_future(
+        served.engine.call(_attention_weights, kept, body.layer, heads)
+    )
     return {
         "model": served.model_name,
         "tokens": [served.token_text(t) for t in kept],
@@ -104,9 +121,10 @@ def attention(served: Any, body: AttentionRequest) -> dict[str, Any]:
         "n_kv_heads": config.n_kv_heads,
         "layer": body.layer,
         "heads": heads,
-        "weights": weights.tolist(),  # (len(heads), T, T): row i, query i; column j, key j
+        # (len(heads), T, T): row i, query i; column j, key j
+        "weights": weights.double().round(decimals=WEIGHT_DECIMALS).tolist(),
         "decimals": WEIGHT_DECIMALS,
-        "entropy": maps.entropy.tolist(),  # (n_layers,) mean attention entropy, nats
+        "entropy": entropy.tolist(),  # (n_layers,) mean attention entropy, nats
     }
 
 
@@ -121,7 +139,7 @@ def add_playground(app: FastAPI, state: _State) -> None:
 
     @app.get("/v1/model_card")
     async def get_model_card() -> dict[str, Any]:
-        return model_card(state.ready())
+        return await model_card(state.ready())
 
     @app.get("/v1/engine_stats")
     async def engine_stats() -> dict[str, Any]:
@@ -131,4 +149,4 @@ def add_playground(app: FastAPI, state: _State) -> None:
     async def post_attention(body: AttentionRequest) -> dict[str, Any]:
         served = state.ready()
         check_model(served, body.model)
-        return await asyncio.to_thread(attention, served, body)
+        return await attention(served, body)

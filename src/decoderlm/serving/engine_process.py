@@ -1,0 +1,371 @@
+"""The engine in a process of its own, as vLLM v1 runs its EngineCore beside the API server.
+
+In one process the HTTP server's event loop and the engine's thread share one GIL. The engine
+releases it inside every tensor operation and must take it back after each one; whenever the loop
+holds it (parsing a request, writing a chunk), the engine waits and the cores idle. Measured
+(benchmarks/README.md): the same forward passes took 12.1 s under HTTP load against 8.3-8.9 s
+alone, with the server process using 1.2 of its 2 cores. `EngineProcess` runs the `Engine` in a
+spawned child process instead, so the two sides only share the cores.
+
+`EngineProcess` offers the part of `Engine`'s interface that the HTTP app and `decoderlm chat`
+use: `submit`, `stream`, `cancel`, `score`, `call`, `stats`, `start`, `shutdown` and
+`max_sequence`. The child loads the checkpoint itself (`EngineSpec`), so the weights never cross
+the pipe. Messages are tuples over one `multiprocessing.Pipe`:
+
+    parent → child: ("submit", key, request_id, ids, params) · ("cancel", request_id)
+                    ("call", key, method, args)  (`Engine.score`, `Engine.call`, `Engine.stats`)
+                    ("shutdown", key, grace_s)
+    child → parent: ("ready", facts) or ("failed", error) once, then lists of
+                    ("event", request_id, TokenEvent) and ("result", key, ok, value)
+
+The child sends events in batches (what accumulated while it was busy), one pickle per batch. If
+the child dies, every open request ends with finish_reason "error" and every waiting call raises
+EngineStoppedError; the server then answers 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import queue
+import signal
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from decoderlm.errors import DecoderLMError
+from decoderlm.serving.types import EngineStats, EngineStoppedError, RequestParams, TokenEvent
+
+log = logging.getLogger(__name__)
+REPLY_TIMEOUT_S = 60.0  # a submit, call or stats the child has not answered by then fails
+Sink = Callable[[TokenEvent], None]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the child needs to build its engine: a checkpoint, its dtype, `Engine`'s options."""
+
+    checkpoint: str
+    dtype: str | None = None
+    engine: dict[str, Any] = field(default_factory=dict)  # Engine(**engine) keywords
+    threads: int | None = None  # torch intra-op threads in the child (None: torch's default)
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the child reports once loaded: the tokenizer and the sizes the app needs."""
+
+    tokenizer: Any
+    max_sequence: int
+    vocab_size: int
+
+
+class EngineProcess:
+    """An `Engine` in a child process; see the module docstring. `start()` spawns it and waits
+    until it has loaded (raising DecoderLMError if loading failed)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.facts: EngineFacts | None = None
+        self._conn: Any = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._reader: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._keys = itertools.count()
+        self._replies: dict[int, concurrent.futures.Future[Any]] = {}
+        self._sinks: dict[str, tuple[Sink, set[int]]] = {}  # request id → sink, open indices
+        self._dead: str | None = None  # why the child is gone
+        self._final_stats: EngineStats | None = None  # what its engine reported at shutdown
+
+    @property
+    def max_sequence(self) -> int:
+        return self._loaded().max_sequence
+
+    # Life.
+
+    def start(self) -> None:
+        """Spawn the child and wait until its engine is ready (idempotent)."""
+        with self._lock:
+            if self._process is not None:
+                return
+            context = multiprocessing.get_context("spawn")  # no fork of a process with threads
+            parent, child = context.Pipe()
+            self._process = context.Process(
+                target=_child_main, args=(self.spec, child), name="decoderlm-engine", daemon=True
+            )
+            self._process.start()
+            child.close()
+            self._conn = parent
+        try:
+            kind, payload = parent.recv()
+        except EOFError:
+            kind, payload = "failed", "the engine process exited while loading"
+        if kind == "failed":
+            self._process.join()
+            self._dead = payload
+            raise DecoderLMError(payload)
+        self.facts = payload
+        self._reader = threading.Thread(target=self._read, name="decoderlm-engine-reader")
+        self._reader.daemon = True
+        self._reader.start()
+
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        """`Engine.shutdown(grace_s)` in the child, then wait for it to exit."""
+        if self._process is None:
+            return
+        if self._dead is None:
+            with contextlib.suppress(EngineStoppedError):
+                timeout = grace_s + REPLY_TIMEOUT_S
+                self._final_stats = self._request("shutdown", grace_s, timeout=timeout)
+        self._process.join(timeout=REPLY_TIMEOUT_S)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        if self._reader is not None:
+            self._reader.join()
+
+    # Requests: as `Engine`'s.
+
+    def submit(
+        self,
+        prompt: str | list[int],
+        params: RequestParams,
+        *,
+        request_id: str | None = None,
+        on_event: Sink,
+    ) -> str:
+        """`Engine.submit`: raises its errors (QueueFullError, DecoderLMError) here."""
+        request_id = uuid.uuid4().hex if request_id is None else request_id
+        with self._lock:
+            if request_id in self._sinks:
+                raise DecoderLMError(f"request_id={request_id!r} is already running")
+            self._sinks[request_id] = (on_event, set(range(params.n)))
+        try:
+            self._request("submit", request_id, prompt, params)
+        except BaseException:
+            with self._lock:
+                self._sinks.pop(request_id, None)
+            raise
+        return request_id
+
+    def stream(
+        self, prompt_ids: list[int], params: RequestParams, *, request_id: str | None = None
+    ) -> AsyncIterator[TokenEvent]:
+        """`Engine.stream`: submit now (raising at once) and iterate the events on this loop."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+        def sink(event: TokenEvent) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        request_id = self.submit(prompt_ids, params, request_id=request_id, on_event=sink)
+        return self._events(request_id, events, params.n)
+
+    async def _events(
+        self, request_id: str, events: asyncio.Queue[TokenEvent], n: int
+    ) -> AsyncIterator[TokenEvent]:
+        open_ = n
+        try:
+            while open_:
+                event = await events.get()
+                open_ -= event.finish_reason is not None
+                yield event
+        finally:
+            if open_:
+                self.cancel(request_id)
+
+    def cancel(self, request_id: str) -> None:
+        """`Engine.cancel`: the request's sequences end at the child's next step."""
+        if self._dead is None:
+            self._send(("cancel", request_id))
+
+    def score(
+        self, prompt: str | list[int], top: int = 0
+    ) -> concurrent.futures.Future[list[TokenEvent]]:
+        """`Engine.score`, computed in the child."""
+        return self._future("call", "score", (prompt, top))
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        """`Engine.call`: fn(engine, *args) in the child, between its steps; fn must be picklable
+        (a module-level function), as must its arguments and result."""
+        return self._future("call", "call", (fn, *args))
+
+    def stats(self) -> EngineStats:
+        """`Engine.stats` of the child's engine (after `shutdown`, its last)."""
+        if self._final_stats is not None:
+            return self._final_stats
+        return self._request("call", "stats", ())
+
+    # The pipe.
+
+    def _loaded(self) -> EngineFacts:
+        if self.facts is None:
+            raise EngineStoppedError("the engine process has not started")
+        return self.facts
+
+    def _send(self, message: tuple) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except (OSError, ValueError) as exc:
+            raise EngineStoppedError(f"the engine process is gone: {exc}") from None
+
+    def _future(self, kind: str, *payload: Any) -> concurrent.futures.Future[Any]:
+        if self._dead is not None:
+            raise EngineStoppedError(self._dead)
+        self._loaded()
+        key, future = next(self._keys), concurrent.futures.Future()
+        with self._lock:
+            self._replies[key] = future
+        self._send((kind, key, *payload))
+        return future
+
+    def _request(self, kind: str, *payload: Any, timeout: float = REPLY_TIMEOUT_S) -> Any:
+        future = self._future(kind, *payload)
+        try:
+            return future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise EngineStoppedError(
+                f"the engine process did not answer a {kind} within {timeout:.0f} s"
+            ) from None
+
+    def _read(self) -> None:
+        """The reader thread: route the child's events to their sinks, results to futures."""
+        try:
+            while True:
+                for message in self._conn.recv():
+                    if message[0] == "event":
+                        self._deliver(message[1], message[2])
+                    else:
+                        _, key, ok, value = message
+                        with self._lock:
+                            future = self._replies.pop(key)
+                        future.set_result(value) if ok else future.set_exception(value)
+        except (EOFError, OSError):
+            self._died()
+
+    def _deliver(self, request_id: str, event: TokenEvent) -> None:
+        with self._lock:
+            sink, open_ = self._sinks.get(request_id, (None, set()))
+            if event.finish_reason is not None:
+                open_.discard(event.index)
+                if not open_:
+                    self._sinks.pop(request_id, None)
+        if sink is not None:
+            try:
+                sink(event)
+            except RuntimeError:  # the consumer is gone (e.g. its event loop closed)
+                self.cancel(request_id)
+
+    def _died(self) -> None:
+        """The child is gone: fail what waits on it, end every open sequence with "error"."""
+        self._process.join(timeout=1.0)
+        code = self._process.exitcode
+        with self._lock:
+            self._dead = self._dead or f"the engine process has exited (exit code {code})"
+            replies, self._replies = self._replies, {}
+            sinks, self._sinks = self._sinks, {}
+        for future in replies.values():
+            future.set_exception(EngineStoppedError(self._dead))
+        for sink, open_ in sinks.values():
+            for index in sorted(open_):
+                with contextlib.suppress(RuntimeError):
+                    sink(TokenEvent(None, "", finish_reason="error", index=index))
+        if code not in (0, None):
+            log.error("decoderlm serve: %s", self._dead)
+
+
+def _child_main(spec: EngineSpec, conn: Any) -> None:
+    """The child: load, report, then serve the parent's messages until shutdown or EOF."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when the engine stops
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from decoderlm.loading import load
+    from decoderlm.serving.engine import Engine
+
+    try:
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        model, tokenizer = load(spec.checkpoint, dtype=spec.dtype)
+        if tokenizer is None:
+            raise DecoderLMError(
+                f"{spec.checkpoint} has no tokenizer.json, so text cannot be encoded"
+            )
+        engine = Engine(model, tokenizer, **spec.engine)
+    except Exception as exc:
+        conn.send(("failed", str(exc) if isinstance(exc, DecoderLMError) else repr(exc)))
+        return
+    conn.send(("ready", EngineFacts(tokenizer, engine.max_sequence, model.config.vocab_size)))
+    outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+    sender = threading.Thread(target=_send_batches, args=(conn, outbox), daemon=True)
+    sender.start()
+    engine.start()
+    try:
+        while True:
+            message = conn.recv()
+            if message[0] == "cancel":
+                engine.cancel(message[1])
+                continue
+            key = message[1]
+            if message[0] == "shutdown":
+                engine.shutdown(message[2])
+                outbox.put(("result", key, True, engine.stats()))
+                break
+            _answer(engine, message, outbox)
+    except EOFError:  # the parent is gone
+        engine.shutdown(0)
+    outbox.put(None)
+    sender.join()
+
+
+def _answer(engine: Any, message: tuple, outbox: queue.SimpleQueue) -> None:
+    """Run a submit or a call on the child's engine; its result (or error) goes to the outbox."""
+    kind, key = message[0], message[1]
+    try:
+        if kind == "submit":
+            request_id, prompt, params = message[2:]
+
+            def sink(event: TokenEvent, request_id: str = request_id) -> None:
+                outbox.put(("event", request_id, event))
+
+            result: Any = engine.submit(prompt, params, request_id=request_id, on_event=sink)
+        else:
+            method, args = message[2], message[3]
+            result = getattr(engine, method)(*args)
+    except Exception as exc:
+        outbox.put(("result", key, False, exc))
+        return
+    if isinstance(result, concurrent.futures.Future):
+        result.add_done_callback(lambda done: outbox.put(_settled(key, done)))
+    else:
+        outbox.put(("result", key, True, result))
+
+
+def _settled(key: int, done: concurrent.futures.Future) -> tuple:
+    exc = done.exception()
+    return ("result", key, exc is None, exc if exc is not None else done.result())
+
+
+def _send_batches(conn: Any, outbox: queue.SimpleQueue) -> None:
+    """The child's sender thread: everything in the outbox, one pickle per batch; None stops it."""
+    while True:
+        batch = [outbox.get()]
+        while not outbox.empty():
+            batch.append(outbox.get())
+        stop = None in batch
+        batch = [message for message in batch if message is not None]
+        if batch:
+            try:
+                conn.send(batch)
+            except (OSError, ValueError):
+                return
+        if stop:
+            return
