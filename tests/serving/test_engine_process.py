@@ -1,0 +1,91 @@
+"""EngineProcess: the engine in a child process answers as the in-process one, and its death or a
+failed load is an error the server can report, never a hang."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from decoderlm.errors import DecoderLMError
+from decoderlm.inference.sampling import SamplingParams
+from decoderlm.serving.engine import Engine
+from decoderlm.serving.engine_process import EngineProcess, EngineSpec
+from decoderlm.serving.types import EngineStoppedError, RequestParams
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def _n_layers(engine: Engine, plus: int) -> int:
+    return engine.model.config.n_layers + plus
+
+
+@pytest.fixture
+def child(run_dir):
+    engine = EngineProcess(EngineSpec(str(run_dir), engine={"kv_cache_memory": "1MiB"}, threads=1))
+    engine.start()
+    yield engine
+    engine.shutdown(0)
+
+
+def test_a_checkpoint_that_fails_to_load_is_one_clear_error(tmp_path):
+    with pytest.raises(DecoderLMError, match="no such checkpoint directory"):
+        EngineProcess(EngineSpec(str(tmp_path / "missing"))).start()
+
+
+def test_generation_submit_errors_and_calls_equal_the_in_process_engine(child, loaded):
+    model, tokenizer = loaded
+    params = RequestParams(12, GREEDY, logprobs=2)
+    events, done = [], threading.Event()
+
+    def sink(event):
+        events.append(event)
+        if event.finish_reason is not None:
+            done.set()
+
+    child.submit("Hello there", params, on_event=sink)
+    assert done.wait(30)
+    alone = Engine(model, tokenizer, kv_cache_memory="1MiB").generate(["Hello there"], params)[0]
+    assert [e.token_id for e in events if e.token_id is not None] == alone.token_ids
+    assert [e.logprob for e in events if e.token_id is not None] == alone.logprobs
+    assert child.call(_n_layers, 10).result(30) == model.config.n_layers + 10
+    with pytest.raises(DecoderLMError, match="more than the model's context_length"):
+        child.submit([1] * (model.config.context_length + 1), params, on_event=sink)
+    assert child.stats().prompt_tokens == len(tokenizer.encode("Hello there"))
+
+
+def test_a_dead_engine_process_ends_open_streams_with_error_and_refuses_new_work(child):
+    events, lock = [], threading.Lock()
+
+    def sink(event):
+        with lock:
+            events.append(event)
+
+    params = RequestParams(90, SamplingParams(temperature=1.0), stop_at_eot=False, n=2)
+    ids = [child.submit("a", params, on_event=sink) for _ in range(8)]  # 16 sequences
+    until(lambda: events)
+    child._process.kill()
+    until(lambda: sum(e.finish_reason is not None for e in events) == 2 * len(ids))
+    assert any(e.finish_reason == "error" for e in events)  # some were running when it died
+    with pytest.raises(EngineStoppedError, match="engine process has exited"):
+        child.submit("b", RequestParams(4, GREEDY), on_event=sink)
+    with pytest.raises(EngineStoppedError):
+        child.stats()
+
+
+def until(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_the_engine_keeps_freed_memory_on_the_cpu_unless_cpu_kernels_is_off(loaded, monkeypatch):
+    calls = []
+    monkeypatch.setattr("decoderlm.cpu.heap.keep_freed_memory", lambda: calls.append(1))
+    model, tokenizer = loaded
+    Engine(model, tokenizer, kv_cache_memory="1MiB", cpu_kernels=False)
+    assert calls == []
+    Engine(model, tokenizer, kv_cache_memory="1MiB")
+    assert calls == [1]
