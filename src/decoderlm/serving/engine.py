@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from decoderlm.cpu import heap
+from decoderlm.cpu.packed_linear import pack_linears, packed
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.generate import evaluating, make_generator, prompt_rows
 from decoderlm.inference.sampling import sample_next
@@ -98,10 +99,12 @@ class Engine:
         """kv_cache_memory: the byte budget of the KV pool, which holds
         ⌊budget / (block_size · bytes per token)⌋ blocks; kv_cache_dtype: None (K/V in the model's
         dtype) or "int8" (`decoderlm.model.int8_cache`, whose scales the bytes per token count);
-        cpu_kernels: on the CPU, keep freed memory in the process (`decoderlm.cpu.heap`), so that
-        each step's gathered K/V reuse the last step's pages instead of faulting in new ones. (The
-        attention, embedding and linear paths that `generate` applies made the batched steps
-        slower: benchmarks/README.md.)"""
+        cpu_kernels: on the CPU, run the steps with the linear weights packed for oneDNN
+        (`decoderlm.cpu.packed_linear`: faster for a batch of rows, at twice the linear weights'
+        memory; packed now, so a model changed later needs a new engine) and keep freed memory
+        in the process (`decoderlm.cpu.heap`), so that each step's gathered K/V reuse the last
+        step's pages instead of faulting in new ones. (The attention, embedding and linear paths
+        that `generate` applies made the batched steps slower: benchmarks/README.md.)"""
         check_kv_cache_dtype(kv_cache_dtype)
         for name, value in (
             ("block_size", block_size),
@@ -113,8 +116,10 @@ class Engine:
         self.max_sequence = model.config.context_length  # tokens per sequence
         weight = model.tok_emb.weight
         self.device = weight.device
-        if cpu_kernels and self.device.type == "cpu":
+        on_cpu = cpu_kernels and self.device.type == "cpu"
+        if on_cpu:
             heap.keep_freed_memory()
+        self._packed = pack_linears(model) if on_cpu else []
         self.bytes_per_token = kv_cache_bytes_per_token(
             model.config, kv_cache_dtype or weight.dtype
         )
@@ -354,7 +359,7 @@ class Engine:
             calls, self._calls = self._calls, []
         batches = [(plan.decode, 1)] if plan.decode else []
         batches += [([seq], n) for seq, n in plan.prefill]
-        with evaluating(self.model):
+        with evaluating(self.model), packed(self._packed):
             for fn, args, future in calls:
                 try:
                     future.set_result(fn(self, *args))

@@ -1,0 +1,83 @@
+"""Linear layers whose weights are packed once for oneDNN, for batched inference on the CPU.
+
+F.linear reorders nothing ahead: for a batch of a few rows (a serving engine's decode step, one row
+per running sequence) MKL's float32 GEMM and oneDNN's bfloat16 one read the weight at a fraction
+of the memory bandwidth. oneDNN can instead reorder a weight once into the blocked layout its
+kernels read (`torch.ops.mkldnn._reorder_linear_weight`, the prepacking that inductor's freezing
+pass applies) and run every later product on it (`torch.ops.mkldnn._linear_pointwise`). The
+products are the same; only the order of the sums may differ. Measured in the serving engine: see
+benchmarks/README.md.
+
+`pack_linears(model)` returns the swap without applying it; `packed(swap)` applies it for the
+duration of a `with` block (the engine does so around each step), so the model itself stays plain
+and its state_dict unchanged. A packed copy of each weight is kept beside the original: the linear
+weights take twice their memory. The packs are taken when `pack_linears` runs; weights changed
+afterwards need new packs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+BATCH_HINT = 16  # rows the layout is tuned for (any row count runs on it)
+
+
+class PackedLinear(nn.Module):
+    """y = x Wᵀ + b with W prepacked for oneDNN; inference only (no gradient reaches W)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear  # the original, for one row in float32 (MKL's GEMV is faster there)
+        weight = linear.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: Tensor) -> Tensor:  # (..., in_features) → (..., out_features)
+        if x.dtype == torch.float32 and x.shape[:-1].numel() == 1:
+            return F.linear(x, self.linear.weight, self.linear.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+Swap = list[tuple[nn.Module, str, nn.Linear, PackedLinear]]  # (parent, name, plain, packed)
+
+
+def can_pack(dtype: torch.dtype) -> bool:
+    """Whether this build and CPU run oneDNN's packed linear in `dtype` (float32 or bfloat16)."""
+    if not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
+
+
+def pack_linears(model: nn.Module) -> Swap:
+    """A PackedLinear for every plain CPU nn.Linear of `model` in a packable dtype (quantized and
+    other subclassed linears are left as they are)."""
+    swap: Swap = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            weight = getattr(child, "weight", None)
+            if type(child) is nn.Linear and weight.device.type == "cpu" and can_pack(weight.dtype):
+                swap.append((parent, name, child, PackedLinear(child)))
+    return swap
+
+
+@contextmanager
+def packed(swap: Swap) -> Iterator[None]:
+    """The packed linears in place for the duration; the plain ones back on exit. (It writes the
+    parents' `_modules` directly: nn.Module.__setattr__'s checks cost more than a step's worth of
+    them is worth, and a child module is all it would set.)"""
+    for parent, name, _, pack in swap:
+        parent._modules[name] = pack
+    try:
+        yield
+    finally:
+        for parent, name, plain, _ in swap:
+            parent._modules[name] = plain
