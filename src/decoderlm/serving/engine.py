@@ -262,28 +262,9 @@ class Engine:
         """Submit now (raising QueueFullError at once) and return the request's events as an async
         iterator; call it on the event loop. Leaving the iteration early cancels the request.
         Starts the background thread if it is not running."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
-
-        def sink(event: TokenEvent) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
-        request_id = self.submit(prompt_ids, params, request_id=request_id, on_event=sink)
+        events = stream_events(self, prompt_ids, params, request_id)
         self.start()
-        return self._events(request_id, events, params.n)
-
-    async def _events(
-        self, request_id: str, events: asyncio.Queue[TokenEvent], n: int
-    ) -> AsyncIterator[TokenEvent]:
-        open_ = n
-        try:
-            while open_:
-                event = await events.get()
-                open_ -= event.finish_reason is not None
-                yield event
-        finally:
-            if open_:
-                self.cancel(request_id)
+        return events
 
     # The background thread.
 
@@ -549,6 +530,32 @@ class Engine:
                 tokens_per_s=(self._generated - g0) / (now - t0) if now > t0 else 0.0,
                 preemptions=self.scheduler.preemptions,
             )
+
+
+def stream_events(
+    engine: Any, prompt_ids: list[int], params: RequestParams, request_id: str | None
+) -> AsyncIterator[TokenEvent]:
+    """`stream` for an engine here or in another process (`engine_process.EngineProcess`): submit
+    through `engine.submit` with a sink onto this event loop; leaving early calls `engine.cancel`."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+    def sink(event: TokenEvent) -> None:
+        loop.call_soon_threadsafe(events.put_nowait, event)
+
+    request_id = engine.submit(prompt_ids, params, request_id=request_id, on_event=sink)
+
+    async def iterate(open_: int) -> AsyncIterator[TokenEvent]:
+        try:
+            while open_:
+                event = await events.get()
+                open_ -= event.finish_reason is not None
+                yield event
+        finally:
+            if open_:
+                engine.cancel(request_id)
+
+    return iterate(params.n)
 
 
 class _Collector:

@@ -2,10 +2,10 @@
 
 In one process the HTTP server's event loop and the engine's thread share one GIL. The engine
 releases it inside every tensor operation and must take it back after each one; whenever the loop
-holds it (parsing a request, writing a chunk), the engine waits and the cores idle. Measured
-(benchmarks/README.md): the same forward passes took 12.1 s under HTTP load against 8.3-8.9 s
-alone, with the server process using 1.2 of its 2 cores. `EngineProcess` runs the `Engine` in a
-spawned child process instead, so the two sides only share the cores.
+holds it (parsing a request, writing a chunk), the engine waits and the cores idle: under HTTP
+load the same forward passes took longer while the server's process used well under its cores
+(benchmarks/README.md, serve.py). `EngineProcess` runs the `Engine` in a spawned child process
+instead, so the two sides only share the cores.
 
 `EngineProcess` offers the part of `Engine`'s interface that the HTTP app and `decoderlm chat`
 use: `submit`, `stream`, `cancel`, `score`, `call`, `stats`, `start`, `shutdown` and
@@ -25,7 +25,6 @@ EngineStoppedError; the server then answers 503.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import itertools
@@ -42,6 +41,7 @@ from typing import Any
 import torch
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.serving.engine import Engine, stream_events
 from decoderlm.serving.types import EngineStats, EngineStoppedError, RequestParams, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -161,27 +161,7 @@ class EngineProcess:
         self, prompt_ids: list[int], params: RequestParams, *, request_id: str | None = None
     ) -> AsyncIterator[TokenEvent]:
         """`Engine.stream`: submit now (raising at once) and iterate the events on this loop."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
-
-        def sink(event: TokenEvent) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
-        request_id = self.submit(prompt_ids, params, request_id=request_id, on_event=sink)
-        return self._events(request_id, events, params.n)
-
-    async def _events(
-        self, request_id: str, events: asyncio.Queue[TokenEvent], n: int
-    ) -> AsyncIterator[TokenEvent]:
-        open_ = n
-        try:
-            while open_:
-                event = await events.get()
-                open_ -= event.finish_reason is not None
-                yield event
-        finally:
-            if open_:
-                self.cancel(request_id)
+        return stream_events(self, prompt_ids, params, request_id)
 
     def cancel(self, request_id: str) -> None:
         """`Engine.cancel`: the request's sequences end at the child's next step."""
@@ -289,7 +269,6 @@ def _child_main(spec: EngineSpec, conn: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when the engine stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from decoderlm.loading import load
-    from decoderlm.serving.engine import Engine
 
     try:
         if spec.threads:
@@ -326,7 +305,7 @@ def _child_main(spec: EngineSpec, conn: Any) -> None:
     sender.join()
 
 
-def _answer(engine: Any, message: tuple, outbox: queue.SimpleQueue) -> None:
+def _answer(engine: Engine, message: tuple, outbox: queue.SimpleQueue) -> None:
     """Run a submit or a call on the child's engine; its result (or error) goes to the outbox."""
     kind, key = message[0], message[1]
     try:
