@@ -368,6 +368,27 @@ def test_logprobs_are_the_raw_log_softmax_with_the_top_k(tok):
         assert [t.text for t in top] == [tok.decode([t.token_id]) for t in top]
 
 
+def test_rows_of_one_batch_get_the_tokens_and_logprobs_each_gets_alone(tok):
+    # _batch_choices takes the argmax and log_softmax of the whole batch at once: per row they
+    # must be exactly what one row alone gives, whatever the other rows ask for.
+    model = tiny_model(tok)
+    greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=9)
+    penalised = SamplingParams(temperature=0, repetition_penalty=1.4)
+    requests = [
+        ([3, 1, 4], RequestParams(12, greedy, logprobs=2, stop_at_eot=False)),
+        ([1, 5], RequestParams(12, greedy, stop_at_eot=False)),
+        ([9, 2, 6, 5], RequestParams(12, sampled, seed=7, logprobs=1, stop_at_eot=False)),
+        ([3, 5, 8], RequestParams(12, penalised, logprobs=0, stop_at_eot=False)),
+    ]
+    together = run_staggered(Engine(model, tok, block_size=4), requests)
+    for (prompt, params), events in zip(requests, together, strict=True):
+        (alone,) = run_staggered(Engine(model, tok, block_size=4), [(prompt, params)])
+        assert [(e.token_id, e.logprob, e.top_logprobs) for e in events] == [
+            (e.token_id, e.logprob, e.top_logprobs) for e in alone
+        ]
+        assert len(token_ids(events)) == 12
+
+
 def test_score_gives_each_prompt_token_its_logprob_between_steps_of_a_running_batch(tok):
     model = tiny_model(tok)
     engine = Engine(model, tok)

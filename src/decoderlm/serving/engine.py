@@ -352,10 +352,11 @@ class Engine:
                     if rows is None:  # the pass failed: its sequences end, the others go on
                         events += [self._error(seq) for seq in seqs if seq in self._outputs]
                         continue
-                    for seq, row in zip(seqs, rows, strict=True):
+                    choices = self._batch_choices(seqs, rows)
+                    for seq, row, (token, lp) in zip(seqs, rows, choices, strict=True):
                         self.scheduler.computed(seq, n)
                         if seq.n_pending == 0 and seq in self._outputs:
-                            sampled = self._isolated(self._sample, seq, row)
+                            sampled = self._isolated(self._sample, seq, row, token, lp)
                             events.append(self._error(seq) if sampled is None else sampled)
                 self._rate.append((self._prune_rate(), self._generated))
                 self._lock.notify_all()
@@ -389,17 +390,38 @@ class Engine:
         logits = self.model(idx, positions, None, self.cache, last_only=True)
         return logits[:, -1].float()  # (B, V)
 
-    def _sample(self, seq: Sequence, logits: Tensor) -> tuple[_Request, TokenEvent]:
-        """Choose `seq`'s next token from its logits (V,); the event that reports it."""
+    def _batch_choices(
+        self, seqs: list[Sequence], rows: Tensor
+    ) -> list[tuple[int | None, Tensor | None]]:
+        """What one tensor operation over all rows (B, V) gives each sequence: its greedy token
+        (argmax: temperature 0, no repetition penalty; else None) and its log-probabilities (V,)
+        if it reports them (else None). Per row they equal the one-row operations."""
+        outs = [self._outputs.get(seq) for seq in seqs]
+        greedy = [
+            o is not None and o.params.sampling.temperature == 0 and o.seen is None for o in outs
+        ]
+        wants_lp = [o is not None and o.params.logprobs is not None for o in outs]
+        tokens = rows.argmax(dim=-1).tolist() if any(greedy) else [None] * len(seqs)  # (B,)
+        lps = torch.log_softmax(rows, dim=-1) if any(wants_lp) else None  # (B, V)
+        return [
+            (tokens[i] if greedy[i] else None, lps[i] if wants_lp[i] else None)
+            for i in range(len(seqs))
+        ]
+
+    def _sample(
+        self, seq: Sequence, logits: Tensor, token: int | None, lp: Tensor | None
+    ) -> tuple[_Request, TokenEvent]:
+        """Choose `seq`'s next token from its logits (V,), unless `_batch_choices` chose it
+        (`token`); lp: its log-probabilities when it reports them. The event that reports it."""
         out = self._outputs[seq]
-        token = int(sample_next(logits[None], out.params.sampling, out.seen, out.generator)[0])
+        if token is None:
+            token = int(sample_next(logits[None], out.params.sampling, out.seen, out.generator)[0])
         seq.tokens.append(token)
         self._generated += 1
         if out.seen is not None:
             out.seen[0, token] = True
         logprob, top = None, ()
-        if out.params.logprobs is not None:
-            lp = torch.log_softmax(logits, dim=-1)  # (V,) raw: before penalty and temperature
+        if out.params.logprobs is not None:  # lp: raw, before penalty and temperature
             logprob, top = float(lp[token]), self._top_logprobs(lp, out.params.logprobs)
         finish = None
         if token == out.eot:
