@@ -4,6 +4,7 @@ exactness against `decoderlm.generate` on each prompt alone (float64, and float3
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import replace
 
 import pytest
@@ -522,3 +523,25 @@ def test_a_failing_request_ends_with_error_and_the_others_and_the_engine_go_on(t
     assert token_ids(again) == solo
     stats = engine.stats()
     assert stats.running == stats.waiting == stats.kv_blocks_used == 0
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_step_that_raises_on_the_thread_ends_every_request_and_sets_failure(tok):
+    engine = Engine(tiny_model(tok), tok, block_size=4)
+    engine.start()
+    assert engine.failure is None
+
+    def broken_schedule():
+        raise RuntimeError("a scheduler bug")
+
+    engine.scheduler.schedule = broken_schedule
+    events, done = [], threading.Event()
+    engine.submit(
+        [1, 2], RequestParams(5, GREEDY), on_event=lambda e: (events.append(e), done.set())
+    )
+    assert done.wait(10)
+    engine._thread.join(10)  # its exception raised here, within this test
+    assert events == [TokenEvent(None, "", finish_reason="error")]
+    assert engine.failure == "an engine step failed; see the server log"
+    with pytest.raises(EngineStoppedError):
+        engine.submit([3], RequestParams(2, GREEDY), on_event=events.append)

@@ -6,10 +6,13 @@ from __future__ import annotations
 import threading
 import time
 
+import httpx
 import pytest
 
+from conftest import process_served, wait_healthy
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.sampling import SamplingParams
+from decoderlm.serving.app import create_app
 from decoderlm.serving.engine import Engine
 from decoderlm.serving.engine_process import EngineProcess, EngineSpec
 from decoderlm.serving.types import EngineStoppedError, RequestParams
@@ -72,6 +75,22 @@ def test_a_dead_engine_process_ends_open_streams_with_error_and_refuses_new_work
         child.submit("b", RequestParams(4, GREEDY), on_event=sink)
     with pytest.raises(EngineStoppedError):
         child.stats()
+    assert "engine process has exited" in child.failure
+
+
+def test_health_is_503_once_the_engine_process_dies_and_requests_are_refused(run_dir, start_server):
+    served = process_served(run_dir, kv_cache_memory="1MiB", max_queue=8)
+    base = start_server(create_app(lambda: served, grace_s=0))
+    wait_healthy(base)
+    body = {"prompt": "ab", "max_tokens": 3}
+    assert httpx.post(f"{base}/v1/completions", json=body).status_code == 200
+    served.engine._process.kill()
+    until(lambda: served.engine.failure is not None)
+    health = httpx.get(f"{base}/health")
+    assert health.status_code == 503 and "engine process has exited" in health.json()["status"]
+    refused = httpx.post(f"{base}/v1/completions", json=body)
+    assert refused.status_code == 503
+    assert refused.json()["error"]["type"] == "service_unavailable"
 
 
 def until(condition, timeout: float = 30.0) -> None:

@@ -118,6 +118,9 @@ class _State:
             raise APIError(503, "the server is shutting down", "service_unavailable")
         if self.served is None:
             raise APIError(503, self.error or "the model is loading", "service_unavailable")
+        if self.served.engine.failure is not None:
+            message = f"the engine has stopped: {self.served.engine.failure}"
+            raise APIError(503, message, "service_unavailable")
         return self.served
 
     def drain(self, grace_s: float) -> None:

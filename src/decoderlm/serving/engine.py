@@ -141,6 +141,7 @@ class Engine:
         self._calls: list[tuple[Callable[..., Any], tuple, concurrent.futures.Future]] = []
         self._thread: threading.Thread | None = None
         self._closed = self._stopping = False
+        self.failure: str | None = None  # why the engine stopped by itself, if it did
         self._prompt_tokens = self._generated = self._max_running = 0
         self._rate: deque[tuple[float, int]] = deque()  # (time, generated tokens so far)
 
@@ -316,6 +317,7 @@ class Engine:
         events: list[tuple[_Request, TokenEvent]] = []
         with self._lock:
             self._closed = self._stopping = True
+            self.failure = "an engine step failed; see the server log"
             events += [self._error(seq) for seq in list(self._outputs)]
             for _, _, future in self._calls:
                 future.set_exception(EngineStoppedError("the engine failed; see the server log"))

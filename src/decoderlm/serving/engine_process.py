@@ -85,10 +85,16 @@ class EngineProcess:
         self._sinks: dict[str, tuple[Sink, set[int]]] = {}  # request id → sink, open indices
         self._dead: str | None = None  # why the child is gone
         self._final_stats: EngineStats | None = None  # what its engine reported at shutdown
+        self._shutting_down = False
 
     @property
     def max_sequence(self) -> int:
         return self._loaded().max_sequence
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped by itself (the child died), as `Engine.failure`; else None."""
+        return None if self._shutting_down else self._dead
 
     # Life.
 
@@ -122,6 +128,7 @@ class EngineProcess:
         """`Engine.shutdown(grace_s)` in the child, then wait for it to exit."""
         if self._process is None:
             return
+        self._shutting_down = True
         if self._dead is None:
             with contextlib.suppress(EngineStoppedError):
                 timeout = grace_s + REPLY_TIMEOUT_S
