@@ -3,11 +3,14 @@ failed load is an error the server can report, never a hang."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+import types
 
 import httpx
 import pytest
+import torch
 
 from conftest import process_served, wait_healthy
 from decoderlm.errors import DecoderLMError
@@ -15,13 +18,10 @@ from decoderlm.inference.sampling import SamplingParams
 from decoderlm.serving.app import create_app
 from decoderlm.serving.engine import Engine
 from decoderlm.serving.engine_process import EngineProcess, EngineSpec
+from decoderlm.serving.playground import _model_facts
 from decoderlm.serving.types import EngineStoppedError, RequestParams
 
 GREEDY = SamplingParams(temperature=0)
-
-
-def _n_layers(engine: Engine, plus: int) -> int:
-    return engine.model.config.n_layers + plus
 
 
 @pytest.fixture
@@ -52,10 +52,29 @@ def test_generation_submit_errors_and_calls_equal_the_in_process_engine(child, l
     alone = Engine(model, tokenizer, kv_cache_memory="1MiB").generate(["Hello there"], params)[0]
     assert [e.token_id for e in events if e.token_id is not None] == alone.token_ids
     assert [e.logprob for e in events if e.token_id is not None] == alone.logprobs
-    assert child.call(_n_layers, 10).result(30) == model.config.n_layers + 10
+    config, dtype, parameters = child.call(_model_facts).result(30)
+    assert (config, dtype, parameters) == (model.config, torch.float32, model.num_params())
     with pytest.raises(DecoderLMError, match="more than the model's context_length"):
         child.submit([1] * (model.config.context_length + 1), params, on_event=sink)
     assert child.stats().prompt_tokens == len(tokenizer.encode("Hello there"))
+
+
+def test_a_call_the_child_cannot_unpickle_or_answer_fails_alone(child, monkeypatch):
+    # A function of a module that only this process has: the child cannot import it.
+    only_here = types.ModuleType("decoderlm_only_in_this_process")
+    exec("def facts(engine):\n    return engine.model.config", only_here.__dict__)
+    monkeypatch.setitem(sys.modules, only_here.__name__, only_here)
+    with pytest.raises(ModuleNotFoundError, match="decoderlm_only_in_this_process"):
+        child.call(only_here.facts).result(30)
+    with pytest.raises(DecoderLMError, match="cannot be sent back"):
+        child.call(_a_lock).result(30)  # its result does not pickle
+    with pytest.raises(AttributeError):  # a lambda does not pickle here, before anything is sent
+        child.call(lambda engine: 0)
+    assert child.call(_model_facts).result(30)[0].n_layers == 2  # the child goes on
+
+
+def _a_lock(engine: Engine) -> threading.Lock:
+    return threading.Lock()
 
 
 def test_a_dead_engine_process_ends_open_streams_with_error_and_refuses_new_work(child):

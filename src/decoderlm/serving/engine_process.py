@@ -13,7 +13,7 @@ use: `submit`, `stream`, `cancel`, `score`, `call`, `stats`, `start`, `shutdown`
 the pipe. Messages are tuples over one `multiprocessing.Pipe`:
 
     parent → child: ("submit", key, request_id, ids, params) · ("cancel", request_id)
-                    ("call", key, method, args)  (`Engine.score`, `Engine.call`, `Engine.stats`)
+                    ("call", key, method, pickled args)  (`Engine.score`, `.call`, `.stats`)
                     ("shutdown", key, grace_s)
     child → parent: ("ready", facts) or ("failed", error) once, then lists of
                     ("event", request_id, TokenEvent) and ("result", key, ok, value)
@@ -30,6 +30,7 @@ import contextlib
 import itertools
 import logging
 import multiprocessing
+import pickle
 import queue
 import signal
 import threading
@@ -184,7 +185,7 @@ class EngineProcess:
     def call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
         """`Engine.call`: fn(engine, *args) in the child, between its steps; fn must be picklable
         (a module-level function), as must its arguments and result."""
-        return self._future("call", "call", (fn, *args))
+        return self._future("call", "call", (fn, *args))  # PicklingError here if fn cannot be
 
     def stats(self) -> EngineStats:
         """`Engine.stats` of the child's engine (after `shutdown`, its last)."""
@@ -207,9 +208,15 @@ class EngineProcess:
             raise EngineStoppedError(f"the engine process is gone: {exc}") from None
 
     def _future(self, kind: str, *payload: Any) -> concurrent.futures.Future[Any]:
+        """Send (kind, key, *payload) and return the Future its result will settle. A call's
+        arguments travel pickled on their own, so that one the child cannot unpickle (a function
+        it cannot import) fails that call, not the child's whole message loop."""
         if self._dead is not None:
             raise EngineStoppedError(self._dead)
         self._loaded()
+        if kind == "call":
+            method, args = payload
+            payload = (method, pickle.dumps(args))
         key, future = next(self._keys), concurrent.futures.Future()
         with self._lock:
             self._replies[key] = future
@@ -324,7 +331,7 @@ def _answer(engine: Engine, message: tuple, outbox: queue.SimpleQueue) -> None:
 
             result: Any = engine.submit(prompt, params, request_id=request_id, on_event=sink)
         else:
-            method, args = message[2], message[3]
+            method, args = message[2], pickle.loads(message[3])
             result = getattr(engine, method)(*args)
     except Exception as exc:
         outbox.put(("result", key, False, exc))
@@ -353,5 +360,21 @@ def _send_batches(conn: Any, outbox: queue.SimpleQueue) -> None:
                 conn.send(batch)
             except (OSError, ValueError):
                 return
+            except Exception:  # a result that does not pickle: that call fails, the rest go
+                for message in batch:
+                    if not _send_one(conn, message):
+                        return
         if stop:
             return
+
+
+def _send_one(conn: Any, message: tuple) -> bool:
+    """Send one message, a result that does not pickle as its error; False once the pipe is gone."""
+    try:
+        conn.send([message])
+    except (OSError, ValueError):
+        return False
+    except Exception as exc:
+        error = DecoderLMError(f"the engine's answer cannot be sent back: {exc!r}")
+        return message[0] != "result" or _send_one(conn, ("result", message[1], False, error))
+    return True
