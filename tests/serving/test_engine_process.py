@@ -3,6 +3,7 @@ failed load is an error the server can report, never a hang."""
 
 from __future__ import annotations
 
+import operator
 import sys
 import threading
 import time
@@ -60,21 +61,18 @@ def test_generation_submit_errors_and_calls_equal_the_in_process_engine(child, l
 
 
 def test_a_call_the_child_cannot_unpickle_or_answer_fails_alone(child, monkeypatch):
-    # A function of a module that only this process has: the child cannot import it.
+    # Only importable functions may be passed (not this test module's: in the child another
+    # conftest comes first on sys.path). A function of a module only this process has:
     only_here = types.ModuleType("decoderlm_only_in_this_process")
     exec("def facts(engine):\n    return engine.model.config", only_here.__dict__)
     monkeypatch.setitem(sys.modules, only_here.__name__, only_here)
     with pytest.raises(ModuleNotFoundError, match="decoderlm_only_in_this_process"):
         child.call(only_here.facts).result(30)
     with pytest.raises(DecoderLMError, match="cannot be sent back"):
-        child.call(_a_lock).result(30)  # its result does not pickle
+        child.call(operator.attrgetter("_lock")).result(30)  # a Condition: it does not pickle
     with pytest.raises(AttributeError):  # a lambda does not pickle here, before anything is sent
         child.call(lambda engine: 0)
     assert child.call(_model_facts).result(30)[0].n_layers == 2  # the child goes on
-
-
-def _a_lock(engine: Engine) -> threading.Lock:
-    return threading.Lock()
 
 
 def test_a_dead_engine_process_ends_open_streams_with_error_and_refuses_new_work(child):
