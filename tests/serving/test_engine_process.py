@@ -4,6 +4,7 @@ failed load is an error the server can report, never a hang."""
 from __future__ import annotations
 
 import operator
+import shutil
 import sys
 import threading
 import time
@@ -18,7 +19,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.inference.sampling import SamplingParams
 from decoderlm.serving.app import create_app
 from decoderlm.serving.engine import Engine
-from decoderlm.serving.engine_process import EngineProcess, EngineSpec
+from decoderlm.serving.engine_process import EngineProcess, EngineSpec, build_engine
 from decoderlm.serving.playground import _model_facts
 from decoderlm.serving.types import EngineStoppedError, RequestParams
 
@@ -33,9 +34,15 @@ def child(run_dir):
     engine.shutdown(0)
 
 
-def test_a_checkpoint_that_fails_to_load_is_one_clear_error(tmp_path):
+def test_a_checkpoint_that_fails_to_load_is_one_clear_error(tmp_path, run_dir):
     with pytest.raises(DecoderLMError, match="no such checkpoint directory"):
         EngineProcess(EngineSpec(str(tmp_path / "missing"))).start()
+    bare = shutil.copytree(run_dir, tmp_path / "bare")
+    (bare / "tokenizer.json").unlink()
+    with pytest.raises(DecoderLMError, match=r"has no tokenizer\.json, so text cannot be encoded"):
+        EngineProcess(EngineSpec(str(bare))).start()
+    with pytest.raises(DecoderLMError, match=r"has no tokenizer\.json"):  # --engine thread
+        build_engine(EngineSpec(str(bare)))
 
 
 def test_generation_submit_errors_and_calls_equal_the_in_process_engine(child, loaded):

@@ -71,28 +71,21 @@ def load_served(args: argparse.Namespace, engine_process: bool = False) -> Any:
     started in this one."""
     from decoderlm.serving.app import Served
     from decoderlm.serving.chat import load_chat_template
+    from decoderlm.serving.engine_process import EngineProcess, EngineSpec, build_engine
 
     options = {
         "kv_cache_memory": args.kv_cache_memory,
         "max_queue": args.max_queue,
         "kv_cache_dtype": args.kv_cache_dtype,
     }
+    spec = EngineSpec(str(args.checkpoint), args.dtype, options)
     if engine_process:
-        from decoderlm.serving.engine_process import EngineProcess, EngineSpec
-
-        engine: Any = EngineProcess(EngineSpec(str(args.checkpoint), args.dtype, options))
+        engine: Any = EngineProcess(spec)
         engine.start()  # loads the checkpoint in the child
         tokenizer, vocab_size = engine.facts.tokenizer, engine.facts.vocab_size
     else:
-        from decoderlm.loading import load
-        from decoderlm.serving.engine import Engine
-
-        model, tokenizer = load(args.checkpoint, dtype=args.dtype)
-        if tokenizer is None:
-            raise DecoderLMError(
-                f"{args.checkpoint} has no tokenizer.json, so text cannot be encoded"
-            )
-        engine, vocab_size = Engine(model, tokenizer, **options), model.config.vocab_size
+        engine = build_engine(spec)
+        tokenizer, vocab_size = engine.tokenizer, engine.model.config.vocab_size
     eot = "" if tokenizer.eot_id is None else tokenizer.decode([tokenizer.eot_id])
     return Served(
         engine=engine,
@@ -131,9 +124,8 @@ def run(args: argparse.Namespace) -> int:
         failures.append(exc)
         server.should_exit = True
 
-    in_process = args.engine == "thread"
     app = create_app(
-        lambda: load_served(args, engine_process=not in_process),
+        lambda: load_served(args, engine_process=args.engine == "process"),
         on_load_error,
         grace_s=args.grace_period,
     )

@@ -278,25 +278,30 @@ class EngineProcess:
             log.error("decoderlm serve: %s", self._dead)
 
 
+def build_engine(spec: EngineSpec) -> Engine:
+    """The (not yet started) `Engine` of `spec`, in this process: what the child runs, and what
+    `decoderlm serve --engine thread` serves."""
+    from decoderlm.loading import load
+
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    model, tokenizer = load(spec.checkpoint, dtype=spec.dtype)
+    if tokenizer is None:
+        raise DecoderLMError(f"{spec.checkpoint} has no tokenizer.json, so text cannot be encoded")
+    return Engine(model, tokenizer, **spec.engine)
+
+
 def _child_main(spec: EngineSpec, conn: Any) -> None:
     """The child: load, report, then serve the parent's messages until shutdown or EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when the engine stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from decoderlm.loading import load
-
     try:
-        if spec.threads:
-            torch.set_num_threads(spec.threads)
-        model, tokenizer = load(spec.checkpoint, dtype=spec.dtype)
-        if tokenizer is None:
-            raise DecoderLMError(
-                f"{spec.checkpoint} has no tokenizer.json, so text cannot be encoded"
-            )
-        engine = Engine(model, tokenizer, **spec.engine)
+        engine = build_engine(spec)
     except Exception as exc:
         conn.send(("failed", str(exc) if isinstance(exc, DecoderLMError) else repr(exc)))
         return
-    conn.send(("ready", EngineFacts(tokenizer, engine.max_sequence, model.config.vocab_size)))
+    vocab_size = engine.model.config.vocab_size
+    conn.send(("ready", EngineFacts(engine.tokenizer, engine.max_sequence, vocab_size)))
     outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
     sender = threading.Thread(target=_send_batches, args=(conn, outbox), daemon=True)
     sender.start()
