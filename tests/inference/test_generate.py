@@ -12,6 +12,7 @@ from decoderlm.inference.sampling import (
     SamplingParams,
     apply_repetition_penalty,
     draw,
+    greedy_tokens,
     sample_next,
     top_k_filter,
     top_p_filter,
@@ -373,3 +374,15 @@ def test_evaluating_switches_only_training_modules_and_restores_each_mode():
     with evaluating(model):  # nothing to switch
         pass
     assert not any(m.training for m in model.modules())
+
+
+@pytest.mark.parametrize("vocab", [5, 128, 300, 32000])
+def test_greedy_tokens_equal_argmax_with_ties_for_any_vocabulary_size(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=g)
+    logits[1] = 0.0  # all tied: the first index
+    logits[2, -1] = logits[2].max() + 1  # the maximum in the partial last slice
+    logits[3, [vocab // 3, vocab - 1]] = 10.0  # a tie across slices: the first of the two
+    ties = torch.randint(0, 3, (6, vocab), generator=g).float()  # many ties in every row
+    for rows in (logits, ties, logits.bfloat16(), logits[:1]):
+        assert torch.equal(greedy_tokens(rows), rows.argmax(dim=-1))

@@ -13,7 +13,7 @@ import torch
 from decoderlm import DecoderLM, DecoderLMError, ModelConfig, generate
 from decoderlm.inference.sampling import SamplingParams
 from decoderlm.model.kv_cache import kv_cache_bytes_per_token
-from decoderlm.serving.engine import Engine
+from decoderlm.serving.engine import Engine, stream_batches
 from decoderlm.serving.kv_pool import BlockPool, parse_bytes, prefix_keys
 from decoderlm.serving.types import (
     EngineStoppedError,
@@ -442,6 +442,28 @@ def test_streams_run_concurrently_on_the_thread_and_an_abandoned_one_is_cancelle
     assert stats.running == stats.waiting == stats.kv_blocks_used == 0
     with pytest.raises(EngineStoppedError):
         engine.submit([1], params, on_event=lambda e: None)
+
+
+def test_a_consumer_behind_the_engine_gets_the_tokens_that_arrived_meanwhile_in_one_batch(tok):
+    model = tiny_model(tok)
+    engine = Engine(model, tok, block_size=4)  # not started: the test steps it
+    params = RequestParams(12, GREEDY, stop_at_eot=False)
+
+    async def main() -> list[list[TokenEvent]]:
+        batches = []
+        stream = stream_batches(engine, [1, 2, 3], params, None)
+        engine.step()  # the prefill's token
+        async for batch in stream:
+            batches.append(batch)
+            engine.step()  # two more tokens arrive before the next read
+            engine.step()
+        return batches
+
+    batches = asyncio.run(main())
+    assert [len(b) for b in batches] == [1, 2, 2, 2, 2, 2, 1]
+    events = [e for b in batches for e in b]
+    assert token_ids(events) == generate(model, [[1, 2, 3]], 12, temperature=0)[0][3:]
+    assert events[-1].finish_reason == "length"
 
 
 def test_shutdown_lets_running_requests_finish_and_cancels_the_waiting(tok):

@@ -282,6 +282,29 @@ def test_page_streams_a_completion_shows_alternatives_and_draws_attention(browse
     assert browser.save_screenshot(str(ARTIFACTS / "playground.png"))
 
 
+def test_page_splits_a_chunk_of_several_tokens_into_one_span_each(browser, server):
+    # A stream that falls behind the engine gets several tokens per chunk (app._Stream.stream).
+    open_page(browser, server[0])
+    top = [{"a": -0.1}, {"🙂": -0.2}, {"c": -0.3}]
+    completion = {"text": "a🙂cd", "finish_reason": "length", "logprobs": {
+        "tokens": ["a", "🙂", "cd"], "token_logprobs": [-0.1, -0.2, -0.3], "top_logprobs": top,
+        "text_offset": [7, 8, 9]}}  # fmt: skip
+    pieces = browser.execute_script("return completionPieces(arguments[0])", completion)
+    assert [(p["text"], p["token"], p["finish"]) for p in pieces] == [
+        ("a", "a", None), ("🙂", "🙂", None), ("cd", "cd", "length")]  # fmt: skip
+    assert pieces[1]["top"] == [{"token": "🙂", "logprob": -0.2}]
+
+    def entry(token: str) -> dict:
+        return {"token": token, "logprob": -1.0, "top_logprobs": []}
+
+    chat = {"delta": {"content": "xy"}, "logprobs": {"content": [entry("x"), entry("y")]}}
+    texts = browser.execute_script("return chatPieces(arguments[0]).map((p) => p.text)", chat)
+    assert texts == ["x", "y"]
+    chat["delta"]["content"] = "x"  # "y" held back (the start of a stop string?): no split
+    texts = browser.execute_script("return chatPieces(arguments[0]).map((p) => p.text)", chat)
+    assert texts == ["", "x"]
+
+
 def test_page_chat_mode_streams_a_reply_and_stop_cancels_it(browser, server, monkeypatch):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys

@@ -83,6 +83,23 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def greedy_tokens(logits: Tensor, chunk: int = 128) -> Tensor:
+    """argmax over the last dim of logits (B, V) → (B,): the first index of each row's maximum,
+    as `Tensor.argmax` gives it, from the maxima of `chunk`-wide slices (a vectorised reduction
+    on the CPU, where argmax over a large vocabulary is several times slower: benchmarks/README.md)
+    and argmax within the first slice that holds the row's maximum."""
+    v = logits.shape[-1]
+    whole = v - v % chunk
+    if whole == 0:
+        return logits.argmax(dim=-1)
+    maxima = logits[:, :whole].unflatten(-1, (whole // chunk, chunk)).amax(-1)  # (B, V // chunk)
+    if whole < v:
+        maxima = torch.cat([maxima, logits[:, whole:].amax(-1, keepdim=True)], dim=-1)
+    start = maxima.argmax(dim=-1) * chunk  # (B,) the first slice holding the maximum
+    columns = (start[:, None] + torch.arange(chunk, device=logits.device)).clamp(max=v - 1)
+    return start + logits.gather(-1, columns).argmax(dim=-1)  # (B,)
+
+
 def sample_next(
     logits: Tensor,
     params: SamplingParams,
@@ -96,7 +113,7 @@ def sample_next(
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
         logits = logits.clamp(max=torch.finfo(logits.dtype).max)
     if params.temperature == 0:
-        return logits.argmax(dim=-1)
+        return greedy_tokens(logits)
     # (l − max l) / T in float64: the softmax of l / T, and no ∞ − ∞ (NaN) for a tiny T, which
     # float64 also keeps from rounding to 0.
     logits = logits.double()

@@ -33,7 +33,9 @@ class LayerCache(Protocol):
 
     A cache whose slots are not in key order (the ring of `decoderlm.model.ring_cache.RingKVCache`)
     also has a `key_padding_mask` attribute, (B, Tk) over the keys `update` returns, which then
-    replaces the caller's.
+    replaces the caller's. A cache that can attend a step itself, reading the keys where they lie
+    (the paged pool of `decoderlm.serving.kv_pool`), has `attend_in_place(q, k, v, scale)`: it
+    stores k, v and returns the attention output (B, H, T, hd), or None, and then `update` is used.
     """
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
@@ -261,21 +263,26 @@ class CausalSelfAttention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, hd), (B, Hkv, T, hd)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if kv_cache is not None:
-            k, v = kv_cache.update(k, v)  # (B, Hkv, Tk, hd)
-            key_padding_mask = getattr(kv_cache, "key_padding_mask", key_padding_mask)
-        out, weights = self.attend(
-            q,
-            k,
-            v,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            backend=self.backend,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            need_weights=need_weights,
-            scale=self.scale,
-            window=self.window,
-        )
+        in_place = None if need_weights else getattr(kv_cache, "attend_in_place", None)
+        scale = self.head_dim**-0.5 if self.scale is None else self.scale
+        out = in_place(q, k, v, scale) if in_place is not None else None  # (B, H, T, hd) | None
+        weights = None
+        if out is None:
+            if kv_cache is not None:
+                k, v = kv_cache.update(k, v)  # (B, Hkv, Tk, hd)
+                key_padding_mask = getattr(kv_cache, "key_padding_mask", key_padding_mask)
+            out, weights = self.attend(
+                q,
+                k,
+                v,
+                causal=causal,
+                key_padding_mask=key_padding_mask,
+                backend=self.backend,
+                dropout_p=self.dropout_p if self.training else 0.0,
+                need_weights=need_weights,
+                scale=self.scale,
+                window=self.window,
+            )
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, H·hd)
         out = self.resid_dropout(self.proj(out))  # (B, T, d_model)
         return (out, weights) if need_weights else out

@@ -169,20 +169,29 @@ class _Stream:
     def start(self) -> None:
         """Submit to the engine (QueueFullError at once if its queue is full)."""
         engine = self.state.served.engine
-        self.events = engine.stream(self.prompt_ids, self.params, request_id=self.request_id)
+        self.batches = engine.stream_batches(
+            self.prompt_ids, self.params, request_id=self.request_id
+        )
         self.state.inflight.add(self.request_id)
 
-    async def stream(self) -> AsyncIterator[tuple[int, TokenEvent]]:
+    async def stream(self) -> AsyncIterator[tuple[int, list[TokenEvent]]]:
+        """(choice, its events) as they arrive: all of a choice's events that have arrived when
+        the response asks for more, so a response that falls behind the engine catches up in one
+        chunk of several tokens instead of one chunk per token."""
         metrics = self.state.metrics
-        async for event in self.events:
-            choice = self.first_choice + event.index
-            if event.token_id is not None:
-                now = time.perf_counter()
-                histogram = metrics.itl if choice in self.last else metrics.ttft
-                histogram.observe(now - self.last.get(choice, self.arrived))
-                self.last[choice] = now
-                self.n_tokens += 1
-            yield choice, event
+        async for batch in self.batches:
+            now = time.perf_counter()
+            choices: dict[int, list[TokenEvent]] = {}
+            for event in batch:
+                choice = self.first_choice + event.index
+                if event.token_id is not None:
+                    histogram = metrics.itl if choice in self.last else metrics.ttft
+                    histogram.observe(now - self.last.get(choice, self.arrived))
+                    self.last[choice] = now
+                    self.n_tokens += 1
+                choices.setdefault(choice, []).append(event)
+            for item in choices.items():
+                yield item
         self.finished = True
         self.state.inflight.discard(self.request_id)
 
@@ -203,9 +212,9 @@ def _start_all(streams: list[_Stream]) -> None:
         raise
 
 
-async def _merged(streams: list[_Stream]) -> AsyncIterator[tuple[int, TokenEvent]]:
-    """(choice, event) from all streams as they come; cancels what is left when it is closed."""
-    queue: asyncio.Queue[tuple[int, TokenEvent] | BaseException | None] = asyncio.Queue()
+async def _merged(streams: list[_Stream]) -> AsyncIterator[tuple[int, list[TokenEvent]]]:
+    """(choice, events) from all streams as they come; cancels what is left when it is closed."""
+    queue: asyncio.Queue[tuple[int, list[TokenEvent]] | BaseException | None] = asyncio.Queue()
 
     async def pump(s: _Stream) -> None:
         try:
@@ -343,8 +352,8 @@ async def _respond(
 
     if not stream:
         events: list[list[TokenEvent]] = [[] for _ in range(n_choices)]
-        async for i, event in _merged(streams):
-            events[i].append(event)
+        async for i, batch in _merged(streams):
+            events[i] += batch
         choices = [fmt.choice(i, e, whole=True) for i, e in enumerate(events)]
         return JSONResponse(envelope(fmt.object, choices) | {"usage": total_usage()})
 
@@ -359,9 +368,9 @@ async def _respond(
                 opening = fmt.opening(i)
                 if opening is not None:
                     yield sse(envelope(fmt.chunk_object, [opening]))
-            async for i, event in _merged(streams):
-                if event.text or event.finish_reason or fmt.logprobs:
-                    yield sse(envelope(fmt.chunk_object, [fmt.choice(i, [event], whole=False)]))
+            async for i, batch in _merged(streams):
+                if fmt.logprobs or any(event.text or event.finish_reason for event in batch):
+                    yield sse(envelope(fmt.chunk_object, [fmt.choice(i, batch, whole=False)]))
             if include_usage:
                 yield sse(envelope(fmt.chunk_object, []) | {"usage": total_usage()})
             yield "data: [DONE]\n\n"

@@ -2,8 +2,9 @@
 2023, "Efficient Memory Management for LLM Serving with PagedAttention").
 
 Each `step` runs the `Scheduler`'s plan: one forward pass decoding a token for every running
-sequence (rows of different lengths attend their own blocks, gathered and padded under a key mask;
-a layer with a sliding window gathers only the keys inside it), then the planned prefill chunks,
+sequence (rows of different lengths attend their own blocks: read in place by
+`decoderlm.cpu.paged_attention` on the CPU, else gathered and padded under a key mask; a layer
+with a sliding window gathers only the keys inside it), then the planned prefill chunks,
 one forward pass each. Every sequence samples with its
 own `SamplingParams` and `torch.Generator` and is detokenized by its own `IncrementalDecoder` and
 `StopMatcher`, so a request's tokens do not depend on what else runs: greedy requests equal
@@ -19,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import queue
 import threading
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -32,11 +35,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from decoderlm.cpu import heap
+from decoderlm.cpu import heap, paged_attention
 from decoderlm.cpu.packed_linear import pack_linears, packed
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.generate import evaluating, make_generator, prompt_rows
-from decoderlm.inference.sampling import sample_next
+from decoderlm.inference.sampling import greedy_tokens, sample_next
 from decoderlm.inference.stream import IncrementalDecoder, StopMatcher
 from decoderlm.model.int8_cache import check_kv_cache_dtype
 from decoderlm.model.kv_cache import kv_cache_bytes_per_token
@@ -103,7 +106,9 @@ class Engine:
         (`decoderlm.cpu.packed_linear`: faster for a batch of rows, at twice the linear weights'
         memory; packed now, so a model changed later needs a new engine) and keep freed memory
         in the process (`decoderlm.cpu.heap`), so that each step's gathered K/V reuse the last
-        step's pages instead of faulting in new ones. (The attention, embedding and linear paths
+        step's pages instead of faulting in new ones; and, for float32 and bfloat16 pools, attend
+        the decode rows of layers without a window in place, without gathering their blocks
+        (`decoderlm.cpu.paged_attention`, where a C compiler builds it). (The attention, embedding and linear paths
         that `generate` applies made the batched steps slower: benchmarks/README.md.)"""
         check_kv_cache_dtype(kv_cache_dtype)
         for name, value in (
@@ -130,8 +135,19 @@ class Engine:
                 f"{block_size} tokens takes {block_size * self.bytes_per_token} bytes"
             )
         self.pool = BlockPool(num_blocks, block_size, prefix_caching)
+        in_place = (
+            on_cpu
+            and kv_cache_dtype is None
+            and paged_attention.available(weight.dtype, self.device)
+        )
         self.cache = PagedKVCache(
-            model.config, num_blocks, block_size, weight.dtype, self.device, kv_cache_dtype
+            model.config,
+            num_blocks,
+            block_size,
+            weight.dtype,
+            self.device,
+            kv_cache_dtype,
+            in_place,
         )
         self.scheduler = Scheduler(self.pool, prefill_chunk)
         self._lock = threading.Condition()  # guards everything below, and the scheduler
@@ -263,9 +279,15 @@ class Engine:
         """Submit now (raising QueueFullError at once) and return the request's events as an async
         iterator; call it on the event loop. Leaving the iteration early cancels the request.
         Starts the background thread if it is not running."""
-        events = stream_events(self, prompt_ids, params, request_id)
+        return one_by_one(self.stream_batches(prompt_ids, params, request_id=request_id))
+
+    def stream_batches(
+        self, prompt_ids: list[int], params: RequestParams, *, request_id: str | None = None
+    ) -> AsyncIterator[list[TokenEvent]]:
+        """`stream` that yields every event that has arrived at once (module `stream_batches`)."""
+        batches = stream_batches(self, prompt_ids, params, request_id)
         self.start()
-        return events
+        return batches
 
     # The background thread.
 
@@ -403,7 +425,7 @@ class Engine:
             o is not None and o.params.sampling.temperature == 0 and o.seen is None for o in outs
         ]
         wants_lp = [o is not None and o.params.logprobs is not None for o in outs]
-        tokens = rows.argmax(dim=-1).tolist() if any(greedy) else [None] * len(seqs)  # (B,)
+        tokens = greedy_tokens(rows).tolist() if any(greedy) else [None] * len(seqs)  # (B,)
         lps = torch.log_softmax(rows, dim=-1) if any(wants_lp) else None  # (B, V)
         return [
             (tokens[i] if greedy[i] else None, lps[i] if wants_lp[i] else None)
@@ -556,30 +578,77 @@ class Engine:
             )
 
 
-def stream_events(
+class _Mailbox:
+    """Events bound for one event loop's queues, posted from other threads: one
+    `call_soon_threadsafe` wakes the loop for all the events posted before it runs (a step's
+    tokens for every stream), not one wake-up per event."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: list[tuple[asyncio.Queue[TokenEvent], TokenEvent]] = []
+
+    def post(self, events: asyncio.Queue[TokenEvent], event: TokenEvent) -> None:
+        with self.lock:
+            self.pending.append((events, event))
+            wake = len(self.pending) == 1  # else a wake-up is already on its way
+        if wake:
+            try:
+                self.loop.call_soon_threadsafe(self._hand_over)
+            except RuntimeError:  # the loop is closed: the sink's caller cancels the request
+                with self.lock:
+                    self.pending.clear()
+                raise
+
+    def _hand_over(self) -> None:
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for events, event in pending:
+            events.put_nowait(event)
+
+
+_mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def stream_batches(
     engine: Any, prompt_ids: list[int], params: RequestParams, request_id: str | None
-) -> AsyncIterator[TokenEvent]:
-    """`stream` for an engine here or in another process (`engine_process.EngineProcess`): submit
-    through `engine.submit` with a sink onto this event loop; leaving early calls `engine.cancel`."""
+) -> AsyncIterator[list[TokenEvent]]:
+    """`stream_batches` for an engine here or in another process (`engine_process.EngineProcess`):
+    submit through `engine.submit` with a sink onto this event loop, and yield lists of events:
+    each one all the events that had arrived when the consumer asked for more (at least one), so
+    a consumer slower than the engine takes several steps' tokens at once, as vLLM's output
+    collector merges them. Leaving early calls `engine.cancel`."""
     loop = asyncio.get_running_loop()
+    mailbox = _mailboxes.setdefault(loop, _Mailbox(loop))
     events: asyncio.Queue[TokenEvent] = asyncio.Queue()
-
-    def sink(event: TokenEvent) -> None:
-        loop.call_soon_threadsafe(events.put_nowait, event)
-
+    sink = functools.partial(mailbox.post, events)
     request_id = engine.submit(prompt_ids, params, request_id=request_id, on_event=sink)
 
-    async def iterate(open_: int) -> AsyncIterator[TokenEvent]:
+    async def iterate(open_: int) -> AsyncIterator[list[TokenEvent]]:
         try:
             while open_:
-                event = await events.get()
-                open_ -= event.finish_reason is not None
-                yield event
+                batch = [await events.get()]
+                while not events.empty():
+                    batch.append(events.get_nowait())
+                open_ -= sum(event.finish_reason is not None for event in batch)
+                yield batch
         finally:
             if open_:
                 engine.cancel(request_id)
 
     return iterate(params.n)
+
+
+async def one_by_one(batches: AsyncIterator[list[TokenEvent]]) -> AsyncIterator[TokenEvent]:
+    """The events of `stream_batches`, one at a time (`stream`); leaving early cancels too."""
+    try:
+        async for batch in batches:
+            for event in batch:
+                yield event
+    finally:
+        await batches.aclose()
 
 
 class _Collector:

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.serving.engine import Engine, stream_events
+from decoderlm.serving.engine import Engine, one_by_one, stream_batches
 from decoderlm.serving.types import EngineStats, EngineStoppedError, RequestParams, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,13 @@ class EngineProcess:
         self, prompt_ids: list[int], params: RequestParams, *, request_id: str | None = None
     ) -> AsyncIterator[TokenEvent]:
         """`Engine.stream`: submit now (raising at once) and iterate the events on this loop."""
-        return stream_events(self, prompt_ids, params, request_id)
+        return one_by_one(self.stream_batches(prompt_ids, params, request_id=request_id))
+
+    def stream_batches(
+        self, prompt_ids: list[int], params: RequestParams, *, request_id: str | None = None
+    ) -> AsyncIterator[list[TokenEvent]]:
+        """`Engine.stream_batches`: the events that have arrived, a list at a time."""
+        return stream_batches(self, prompt_ids, params, request_id)
 
     def cancel(self, request_id: str) -> None:
         """`Engine.cancel`: the request's sequences end at the child's next step."""

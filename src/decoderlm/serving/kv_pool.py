@@ -9,7 +9,9 @@ end, and a freed block keeps that registration until the pool hands it out again
 freed first), so a later request with the same prefix can still find it.
 
 `PagedKVCache` is the model's side: it implements the `LayerCache` protocol by writing each new
-token's K/V to its slot and gathering each row's blocks into one (B, Hkv, Tk, hd) tensor. With
+token's K/V to its slot and gathering each row's blocks into one (B, Hkv, Tk, hd) tensor; with
+`in_place`, a decode step of a layer without a window skips the gather and attends the keys where
+they lie (`attend_in_place`, `decoderlm.cpu.paged_attention`). With
 kv_cache_dtype "int8" its pools are `decoderlm.model.int8_cache.Int8Buffer`s: int8 K/V and one
 scale per (slot, head), quantized as they are written and dequantized as they are gathered.
 """
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from decoderlm.cpu.paged_attention import paged_decode_attention
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.config import ModelConfig
 from decoderlm.model.int8_cache import Int8Buffer, check_kv_cache_dtype
@@ -152,23 +155,46 @@ class PagedLayerCache:
     Either way `key_padding_mask` marks the real keys, or is None when every row has them all.
     """
 
-    def __init__(self, k: Tensor | Int8Buffer, v: Tensor | Int8Buffer, window: int | None) -> None:
+    def __init__(
+        self,
+        k: Tensor | Int8Buffer,
+        v: Tensor | Int8Buffer,
+        window: int | None,
+        in_place: bool = False,
+    ) -> None:
+        """in_place: attend decode steps in place (`attend_in_place`); the caller checked that
+        `decoderlm.cpu.paged_attention` is available for these pools."""
         self.k, self.v, self.window = k, v, window
+        self.in_place = in_place and window is None and isinstance(k, Tensor)
         num_blocks, block_size, n_kv_heads, head_dim = k.shape
         slots = (num_blocks * block_size, n_kv_heads, head_dim)
         self.k_slots, self.v_slots = k.view(*slots), v.view(*slots)  # the same storage, per slot
         self.write: Tensor | None = None  # (B·T,) slots of the new tokens
         self.read: Tensor | None = None  # (B, n_blocks) block tables, or (B, Tk) slots (windowed)
         self.n_keys = 0  # keys each row attends (full layers: the longest row's length)
+        self.lengths: Tensor | None = None  # (B,) keys of each row, this step's included
         self.key_padding_mask: Tensor | None = None  # (B, Tk) True at real keys; None: all real
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """k, v (B, Hkv, T, hd) go to their slots; returns the rows' keys/values (B, Hkv, Tk, hd)."""
-        self.k_slots.index_copy_(0, self.write, k.transpose(1, 2).flatten(0, 1))  # (B·T, Hkv, hd)
-        self.v_slots.index_copy_(0, self.write, v.transpose(1, 2).flatten(0, 1))
+        self._store(k, v)
         if self.window is not None:
             return self._slots(self.k_slots), self._slots(self.v_slots)
         return self._blocks(self.k), self._blocks(self.v)
+
+    def attend_in_place(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor | None:
+        """A decode step (T = 1) of a layer without a window: store k, v (B, Hkv, 1, hd) and
+        return the attention of q (B, H, 1, hd) over each row's keys, read from the pools where
+        they lie (`decoderlm.cpu.paged_attention`): (B, H, 1, hd). None otherwise (or without
+        `in_place`): then the caller calls `update` and attends the keys it returns."""
+        if not self.in_place or q.shape[2] != 1:
+            return None
+        self._store(k, v)
+        return paged_decode_attention(q, self.k, self.v, self.read, self.lengths, scale)
+
+    def _store(self, k: Tensor, v: Tensor) -> None:
+        self.k_slots.index_copy_(0, self.write, k.transpose(1, 2).flatten(0, 1))  # (B·T, Hkv, hd)
+        self.v_slots.index_copy_(0, self.write, v.transpose(1, 2).flatten(0, 1))
 
     def _blocks(self, pool: Tensor | Int8Buffer) -> Tensor:
         """Each row's blocks, copied whole (one index per block, not per token): (B, Hkv, Tk, hd)."""
@@ -188,7 +214,8 @@ class PagedKVCache:
     """The pools of all layers, indexed as `kv_caches[i]` by `DecoderLM.forward`.
 
     dtype: the model's; kv_cache_dtype: None (pools in `dtype`) or "int8" (`Int8Buffer` pools,
-    handing attention their K/V in `dtype`). `nbytes` = num_blocks · block_size ·
+    handing attention their K/V in `dtype`); in_place: `PagedLayerCache.attend_in_place` for the
+    layers that can (the caller checked `decoderlm.cpu.paged_attention.available`). `nbytes` = num_blocks · block_size ·
     `kv_cache_bytes_per_token(config, kv_cache_dtype or dtype)`.
     """
 
@@ -200,6 +227,7 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
         kv_cache_dtype: str | None = None,
+        in_place: bool = False,
     ) -> None:
         check_kv_cache_dtype(kv_cache_dtype)
         self.block_size = block_size
@@ -211,7 +239,8 @@ class PagedKVCache:
             return torch.zeros(shape, dtype=dtype, device=device)
 
         self.layers = [
-            PagedLayerCache(pool(), pool(), config.layer_window(i)) for i in range(config.n_layers)
+            PagedLayerCache(pool(), pool(), config.layer_window(i), in_place)
+            for i in range(config.n_layers)
         ]
 
     def __getitem__(self, i: int) -> PagedLayerCache:
@@ -255,5 +284,5 @@ class PagedKVCache:
                 mask = positions >= first[:, None]  # (B, Tk): left padding
                 slots = self.slots(table, positions.clamp(min=0))  # (B, Tk)
                 reads[w] = (slots, n_keys, None if bool(mask.all()) else mask)
-            layer.write = write
+            layer.write, layer.lengths = write, lengths
             layer.read, layer.n_keys, layer.key_padding_mask = reads[w]

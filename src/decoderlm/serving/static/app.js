@@ -62,29 +62,38 @@ async function* serverEvents(response) {
   }
 }
 
-// A chunk of either endpoint → {text, token, logprob, top: [{token, logprob}], finish}.
-function completionPiece(choice) {
+// A chunk of either endpoint → one piece {text, token, logprob, top: [{token, logprob}], finish}
+// per token: a chunk carries several tokens when the server caught up on a stream that fell behind.
+function completionPieces(choice) {
   const lp = choice.logprobs;
-  const has = lp && lp.tokens && lp.tokens.length;
-  const top = has ? Object.entries(lp.top_logprobs[0]).map(([token, logprob]) => ({ token, logprob })) : [];
-  return {
-    text: choice.text || "",
-    token: has ? lp.tokens[0] : null,
-    logprob: has ? lp.token_logprobs[0] : null,
-    top,
-    finish: choice.finish_reason,
-  };
+  const text = choice.text || "";
+  const n = lp && lp.tokens ? lp.tokens.length : 0;
+  if (!n) return [{ text, token: null, logprob: null, top: [], finish: choice.finish_reason }];
+  const chars = Array.from(text); // text_offset counts characters (code points), not UTF-16 units
+  const start = lp.text_offset[0];
+  return lp.tokens.map((token, i) => ({
+    text: chars.slice(lp.text_offset[i] - start, i + 1 < n ? lp.text_offset[i + 1] - start : chars.length).join(""),
+    token,
+    logprob: lp.token_logprobs[i],
+    top: Object.entries(lp.top_logprobs[i] || {}).map(([t, logprob]) => ({ token: t, logprob })),
+    finish: i + 1 < n ? null : choice.finish_reason,
+  }));
 }
 
-function chatPiece(choice) {
-  const entry = choice.logprobs && choice.logprobs.content && choice.logprobs.content[0];
-  return {
-    text: (choice.delta && choice.delta.content) || "",
-    token: entry ? entry.token : null,
-    logprob: entry ? entry.logprob : null,
-    top: entry ? entry.top_logprobs.map((t) => ({ token: t.token, logprob: t.logprob })) : [],
-    finish: choice.finish_reason,
-  };
+function chatPieces(choice) {
+  const text = (choice.delta && choice.delta.content) || "";
+  const content = (choice.logprobs && choice.logprobs.content) || [];
+  if (!content.length) return [{ text, token: null, logprob: null, top: [], finish: choice.finish_reason }];
+  // The delta is its tokens' text unless some was held back (a possible stop string): then it
+  // all goes to the last token.
+  const whole = content.map((entry) => entry.token).join("") === text;
+  return content.map((entry, i) => ({
+    text: whole ? entry.token : i + 1 < content.length ? "" : text,
+    token: entry.token,
+    logprob: entry.logprob,
+    top: entry.top_logprobs.map((t) => ({ token: t.token, logprob: t.logprob })),
+    finish: i + 1 < content.length ? null : choice.finish_reason,
+  }));
 }
 
 function probabilityColour(p) {
@@ -180,15 +189,16 @@ async function generate(event) {
     if (!response.ok) throw new Error(await errorMessage(response));
     for await (const chunk of serverEvents(response)) {
       if (!chunk.choices.length) continue;
-      const piece = (chat ? chatPiece : completionPiece)(chunk.choices[0]);
-      if (piece.token !== null) {
-        target.appendChild(tokenSpan(piece));
-        n += 1;
-      } else if (piece.text) {
-        appendPlain(target, piece.text);
+      for (const piece of (chat ? chatPieces : completionPieces)(chunk.choices[0])) {
+        if (piece.token !== null) {
+          target.appendChild(tokenSpan(piece));
+          n += 1;
+        } else if (piece.text) {
+          appendPlain(target, piece.text);
+        }
+        reply += piece.text;
+        finish = piece.finish || finish;
       }
-      reply += piece.text;
-      finish = piece.finish || finish;
     }
     setStatus("status", `Done: ${n} tokens, finish_reason ${finish}.`);
   } catch (err) {

@@ -1,0 +1,126 @@
+"""Decode attention read in place from a paged KV pool: PagedAttention's kernel (Kwon et al., 2023,
+"Efficient Memory Management for LLM Serving with PagedAttention") for the CPU.
+
+A decode step has one query per row, out = softmax(q Kᵀ · scale) V over the row's own keys, which
+lie in blocks scattered over the pool. Without a kernel for that, each layer first gathers every
+row's blocks into a padded (B, Hkv, Tk, hd) tensor (`serving.kv_pool.PagedLayerCache.update`) and
+then runs SDPA over it: the K/V bytes are read twice and written once. `paged_decode_attention`
+reads each key and value once, where it lies (`paged_attention.c`; the measurements in
+benchmarks/README.md). It runs on torch's OpenMP threads, in float32 for bfloat16 pools as SDPA
+does, and is used by `serving.Engine(cpu_kernels=True)` for the decode rows of its layers without
+a window.
+
+The C source is compiled on first use with the system's C compiler (`$CC`, else `cc`) for this
+CPU (`-march=native`) into `$DECODERLM_CACHE` (default `~/.cache/decoderlm`), under a name hashed
+from the source, the flags and the CPU's model and flags, so a different machine compiles its
+own. Where no compiler is found or the compile fails, `available` is False (logged once) and the
+engine keeps the gather path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("paged_attention.c")
+# Compiled with -ffast-math (vectorised expf and reductions) but linked without it: gcc < 13 links
+# crtfastmath.o into a -ffast-math shared library, whose loading switches the whole process to
+# flush subnormals to zero.
+COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
+LINK = ["-shared", "-fopenmp"]
+FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+
+
+def _cpu_identity() -> str:
+    """The CPU's model name and flags lines (what -march=native compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("DECODERLM_CACHE", Path.home() / ".cache" / "decoderlm"))
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.warning("decoderlm: no C compiler found; paged attention gathers the blocks instead")
+        return None
+    source = SOURCE.read_bytes()
+    flags = " ".join(COMPILE + LINK).encode()
+    key = hashlib.sha256(b"\0".join([source, flags, _cpu_identity().encode()]))
+    target = _cache_dir() / "kernels" / f"paged_attention-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built, obj = Path(tmp) / target.name, Path(tmp) / "paged_attention.o"
+            for command in (
+                [compiler, *COMPILE, str(SOURCE), "-o", str(obj)],
+                [compiler, *LINK, str(obj), "-o", str(built), "-lm"],
+            ):
+                result = subprocess.run(command, capture_output=True, text=True)
+                if result.returncode != 0:
+                    log.warning(
+                        "decoderlm: building %s failed (%s); paged attention gathers the blocks "
+                        "instead", SOURCE.name, result.stderr.strip().splitlines()[-1:],
+                    )  # fmt: skip
+                    return None
+            built.replace(target)  # atomic: a concurrent process sees the whole file or none
+    library = ctypes.CDLL(str(target))
+    for name in FUNCTIONS.values():
+        function = getattr(library, name)
+        function.restype = ctypes.c_int
+        function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+    return library
+
+
+def available(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `paged_decode_attention` runs for pools of this dtype on this device."""
+    return device.type == "cpu" and dtype in FUNCTIONS and _library() is not None
+
+
+def paged_decode_attention(
+    q: Tensor, k: Tensor, v: Tensor, table: Tensor, lengths: Tensor, scale: float
+) -> Tensor:
+    """softmax(q Kᵀ · scale) V for one query per row, the keys read from the pools in place.
+
+    q (B, H, 1, hd); k, v: pools (num_blocks, block_size, Hkv, hd) of q's dtype; table (B, W)
+    int64 block tables; lengths (B,) int64: row b attends its first lengths[b] ≥ 1 positions,
+    in blocks table[b, 0], table[b, 1], .... Returns (B, H, 1, hd).
+    """
+    b, h, t, d = q.shape
+    num_blocks, block_size, h_kv, _ = k.shape
+    if t != 1 or h % h_kv or not (k.is_contiguous() and v.is_contiguous()):
+        raise ValueError(f"paged_decode_attention: q {tuple(q.shape)}, pools {tuple(k.shape)}")
+    # The C code trusts its indices: out of range, it would read outside the pools.
+    if int(table.min()) < 0 or int(table.max()) >= num_blocks:
+        raise ValueError(f"paged_decode_attention: a block outside the pool's {num_blocks}")
+    if int(lengths.min()) < 1 or int(lengths.max()) > table.shape[1] * block_size:
+        raise ValueError(f"paged_decode_attention: lengths beyond the {table.shape[1]} blocks")
+    q = q.contiguous()  # (B, H, 1, hd)
+    table, lengths = table.contiguous(), lengths.contiguous()
+    out = torch.empty_like(q)
+    status = getattr(_library(), FUNCTIONS[q.dtype])(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), lengths.data_ptr(),
+        out.data_ptr(), b, h, h_kv, d, block_size, table.shape[1], scale,
+    )  # fmt: skip
+    if status == -2:
+        raise ValueError(f"paged_decode_attention: head_dim {d} > 512, the kernel's largest")
+    if status != 0:
+        raise MemoryError("paged_decode_attention: no memory for the scores")
+    return out

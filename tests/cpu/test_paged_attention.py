@@ -1,0 +1,111 @@
+"""The in-place paged decode kernel: the attention of gathering the blocks and running SDPA, to
+rounding, for MHA, GQA and MQA rows of different lengths; bad indices refused; and the engine
+falling back to the gather when the kernel cannot be built."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from decoderlm import DecoderLM, ModelConfig
+from decoderlm.cpu import paged_attention
+from decoderlm.cpu.paged_attention import available, paged_decode_attention
+from decoderlm.serving.engine import Engine
+from decoderlm.tokenizer import Tokenizer
+
+HAS_COMPILER = shutil.which(os.environ.get("CC", "cc")) is not None
+needs_kernel = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler ($CC or cc) to build it")
+
+
+def pools_and_rows(h_kv: int, dtype: torch.dtype, lengths: list[int], block_size: int = 4):
+    """Random pools of 40 blocks and, per row, distinct blocks in shuffled order (B, W)."""
+    g = torch.Generator().manual_seed(h_kv)
+    k, v = (torch.randn(40, block_size, h_kv, 16, generator=g).to(dtype) for _ in range(2))
+    width = -(-max(lengths) // block_size)
+    table = torch.randperm(40, generator=g)[: len(lengths) * width].view(len(lengths), width)
+    return k, v, table, torch.tensor(lengths)
+
+
+def gathered(pool: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
+    """Each row's first n positions, (B, Hkv, n, hd): what the gather path hands SDPA."""
+    blocks = pool[table.flatten()].view(table.shape[0], -1, *pool.shape[2:])
+    return blocks[:, :n].transpose(1, 2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h_kv", [8, 2, 1], ids=["MHA", "GQA", "MQA"])
+def test_in_place_attention_is_as_close_to_float64_as_gather_and_sdpa(dtype, h_kv):
+    # Rows of 1 key, exactly one block, a block and one, several blocks and a part.
+    lengths = [1, 4, 5, 11, 16, 19]
+    k, v, table, n = pools_and_rows(h_kv, dtype, lengths)
+    q = torch.randn(len(lengths), 8, 1, 16, generator=torch.Generator().manual_seed(7)).to(dtype)
+    mask = (torch.arange(max(lengths))[None, :] < n[:, None])[:, None, None]  # (B, 1, 1, Tk)
+    group = (len(lengths), h_kv, 8 // h_kv, 16)  # the GQA fold: (B, Hkv, G, hd)
+
+    def sdpa(q, k, v):
+        keys, values = gathered(k, table, max(lengths)), gathered(v, table, max(lengths))
+        return F.scaled_dot_product_attention(q.reshape(group), keys, values, attn_mask=mask)
+
+    exact = sdpa(q.double(), k.double(), v.double()).reshape(q.shape)
+    reference_error = (sdpa(q, k, v).reshape(q.shape).double() - exact).abs().max()
+    got = paged_decode_attention(q, k, v, table, n, 16**-0.5)
+    assert got.shape == q.shape and got.dtype == dtype
+    # the same sums in another order: within 2× SDPA's own error (+ 1 ulp of 1)
+    assert (got.double() - exact).abs().max() <= 2 * reference_error + torch.finfo(dtype).eps
+
+
+@needs_kernel
+def test_loading_the_kernel_leaves_subnormal_floats_alone():
+    # A -ffast-math shared library can switch the process to flush subnormals to zero on load
+    # (hypothesis refuses to run then); the kernel is linked without crtfastmath.
+    assert available(torch.float32, torch.device("cpu"))
+    assert sys.float_info.min / 2 > 0.0
+    assert torch.tensor(1e-40) * 1.0 > 0
+
+
+@needs_kernel
+def test_indices_outside_the_pool_or_the_table_are_refused_before_the_kernel_reads_them():
+    k, v, table, n = pools_and_rows(2, torch.float32, [3, 9])
+    q = torch.randn(2, 4, 1, 16)
+    with pytest.raises(ValueError, match="outside the pool"):
+        paged_decode_attention(q, k, v, table + 40, n, 1.0)
+    with pytest.raises(ValueError, match="beyond the 3 blocks"):
+        paged_decode_attention(q, k, v, table, torch.tensor([3, 13]), 1.0)
+    with pytest.raises(ValueError, match="q"):
+        paged_decode_attention(q.expand(2, 4, 2, 16), k, v, table, n, 1.0)
+
+
+def engine_layers_in_place(monkeypatch, tmp_path, compiler: str | None) -> list[bool]:
+    """Which layers of a new float32 engine attend in place, with $CC set to `compiler`."""
+    if compiler is not None:
+        monkeypatch.setenv("CC", compiler)
+    monkeypatch.setenv("DECODERLM_CACHE", str(tmp_path))
+    paged_attention._library.cache_clear()
+    try:
+        tok = Tokenizer.train_char(["abcdefgh"])
+        config = ModelConfig.from_preset(
+            "llama-tiny", vocab_size=tok.vocab_size, d_model=32, n_layers=2, n_heads=4
+        )
+        engine = Engine(DecoderLM(config).eval(), tok, kv_cache_memory="1MiB")
+        return [layer.in_place for layer in engine.cache.layers]
+    finally:
+        paged_attention._library.cache_clear()
+
+
+@needs_kernel
+def test_the_engine_builds_the_kernel_and_attends_in_place(monkeypatch, tmp_path):
+    assert engine_layers_in_place(monkeypatch, tmp_path, None) == [True, True]
+    assert len(list((tmp_path / "kernels").glob("paged_attention-*.so"))) == 1
+
+
+@pytest.mark.parametrize("compiler", ["false", "/no/such/cc"], ids=["fails", "missing"])
+def test_without_a_working_compiler_the_engine_gathers_the_blocks(monkeypatch, tmp_path, compiler):
+    assert engine_layers_in_place(monkeypatch, tmp_path, compiler) == [False, False]
+    assert not available(torch.float32, torch.device("cpu"))
+    paged_attention._library.cache_clear()
