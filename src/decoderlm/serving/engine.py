@@ -615,9 +615,9 @@ _mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = (
 def stream_batches(
     engine: Any, prompt_ids: list[int], params: RequestParams, request_id: str | None
 ) -> AsyncIterator[list[TokenEvent]]:
-    """`stream_batches` for an engine here or in another process (`engine_process.EngineProcess`):
-    submit through `engine.submit` with a sink onto this event loop, and yield lists of events:
-    each one all the events that had arrived when the consumer asked for more (at least one), so
+    """One request's events as lists, for an engine here or in another process
+    (`engine_process.EngineProcess`): submit through `engine.submit` with a sink onto this event
+    loop, then yield, each time the consumer asks, every event that has arrived (at least one), so
     a consumer slower than the engine takes several steps' tokens at once, as vLLM's output
     collector merges them. Leaving early calls `engine.cancel`."""
     loop = asyncio.get_running_loop()
