@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -102,6 +103,26 @@ def engine_layers_in_place(monkeypatch, tmp_path, compiler: str | None) -> list[
 def test_the_engine_builds_the_kernel_and_attends_in_place(monkeypatch, tmp_path):
     assert engine_layers_in_place(monkeypatch, tmp_path, None) == [True, True]
     assert len(list((tmp_path / "kernels").glob("paged_attention-*.so"))) == 1
+
+
+@needs_kernel
+def test_a_damaged_kernel_in_the_cache_is_rebuilt(monkeypatch, tmp_path):
+    monkeypatch.setenv("DECODERLM_CACHE", str(tmp_path))
+    damaged = paged_attention.library_path()
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(b"not an ELF file")
+    # In a process of its own: this one may have loaded a library of that name already.
+    check = "import torch; from decoderlm.cpu.paged_attention import available as a; "
+    check += "print(a(torch.float32, torch.device('cpu')))"
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert done.stdout.strip() == "True", done.stderr
+    assert damaged.read_bytes()[:4] == b"\x7fELF"
+
+
+@needs_kernel
+def test_a_cache_that_cannot_be_written_leaves_the_engine_on_the_gather(monkeypatch, tmp_path):
+    (tmp_path / "file").write_text("")  # a file where the cache's directory would go
+    assert engine_layers_in_place(monkeypatch, tmp_path / "file", None) == [False, False]
 
 
 @pytest.mark.parametrize("compiler", ["false", "/no/such/cc"], ids=["fails", "missing"])

@@ -13,8 +13,8 @@ a window.
 The C source is compiled on first use with the system's C compiler (`$CC`, else `cc`) for this
 CPU (`-march=native`) into `$DECODERLM_CACHE` (default `~/.cache/decoderlm`), under a name hashed
 from the source, the flags and the CPU's model and flags, so a different machine compiles its
-own. Where no compiler is found or the compile fails, `available` is False (logged once) and the
-engine keeps the gather path.
+own. Where no compiler is found, the compile fails or the cache is not writable, `available` is
+False (logged once) and the engine keeps the gather path; a damaged file in the cache is rebuilt.
 """
 
 from __future__ import annotations
@@ -55,33 +55,49 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("DECODERLM_CACHE", Path.home() / ".cache" / "decoderlm"))
 
 
+def library_path() -> Path:
+    """Where the build of this source, with these flags, for this CPU lives in the cache."""
+    flags = " ".join(COMPILE + LINK).encode()
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), flags, _cpu_identity().encode()]))
+    return _cache_dir() / "kernels" / f"paged_attention-{key.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compile and link the kernel into `target`, atomically (a concurrent process sees the whole
+    file or none); OSError with the compiler's last line if it fails."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built, obj = Path(tmp) / target.name, Path(tmp) / "paged_attention.o"
+        for command in (
+            [compiler, *COMPILE, str(SOURCE), "-o", str(obj)],
+            [compiler, *LINK, str(obj), "-o", str(built), "-lm"],
+        ):
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                last = (result.stderr.strip().splitlines() or ["no message"])[-1]
+                raise OSError(f"{Path(command[0]).name} failed: {last}")
+        built.replace(target)
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         log.warning("decoderlm: no C compiler found; paged attention gathers the blocks instead")
         return None
-    source = SOURCE.read_bytes()
-    flags = " ".join(COMPILE + LINK).encode()
-    key = hashlib.sha256(b"\0".join([source, flags, _cpu_identity().encode()]))
-    target = _cache_dir() / "kernels" / f"paged_attention-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built, obj = Path(tmp) / target.name, Path(tmp) / "paged_attention.o"
-            for command in (
-                [compiler, *COMPILE, str(SOURCE), "-o", str(obj)],
-                [compiler, *LINK, str(obj), "-o", str(built), "-lm"],
-            ):
-                result = subprocess.run(command, capture_output=True, text=True)
-                if result.returncode != 0:
-                    log.warning(
-                        "decoderlm: building %s failed (%s); paged attention gathers the blocks "
-                        "instead", SOURCE.name, result.stderr.strip().splitlines()[-1:],
-                    )  # fmt: skip
-                    return None
-            built.replace(target)  # atomic: a concurrent process sees the whole file or none
-    library = ctypes.CDLL(str(target))
+    target = library_path()
+    try:
+        if not target.exists():
+            _build(compiler, target)
+        try:
+            library = ctypes.CDLL(str(target))
+        except OSError:  # a damaged file in the cache: build it again, once
+            _build(compiler, target)
+            library = ctypes.CDLL(str(target))
+    except OSError as exc:
+        log.warning("decoderlm: building %s: %s; paged attention gathers the blocks instead",
+                    target, exc)  # fmt: skip
+        return None
     for name in FUNCTIONS.values():
         function = getattr(library, name)
         function.restype = ctypes.c_int
