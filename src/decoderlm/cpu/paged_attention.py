@@ -110,24 +110,38 @@ def available(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in FUNCTIONS and _library() is not None
 
 
+def check_block_tables(table: Tensor, lengths: Tensor, num_blocks: int, block_size: int) -> None:
+    """ValueError unless every block of table (B, W) lies in a pool of num_blocks and every row's
+    length (B,) is at least 1 and fits its W blocks: the C code trusts its indices, and out of
+    range it would read outside the pools."""
+    if int(table.min()) < 0 or int(table.max()) >= num_blocks:
+        raise ValueError(f"paged_decode_attention: a block outside the pool's {num_blocks}")
+    if int(lengths.min()) < 1 or int(lengths.max()) > table.shape[1] * block_size:
+        raise ValueError(f"paged_decode_attention: lengths beyond the {table.shape[1]} blocks")
+
+
 def paged_decode_attention(
-    q: Tensor, k: Tensor, v: Tensor, table: Tensor, lengths: Tensor, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    table: Tensor,
+    lengths: Tensor,
+    scale: float,
+    checked: bool = False,
 ) -> Tensor:
     """softmax(q Kᵀ · scale) V for one query per row, the keys read from the pools in place.
 
     q (B, H, 1, hd); k, v: pools (num_blocks, block_size, Hkv, hd) of q's dtype; table (B, W)
     int64 block tables; lengths (B,) int64: row b attends its first lengths[b] ≥ 1 positions,
-    in blocks table[b, 0], table[b, 1], .... Returns (B, H, 1, hd).
+    in blocks table[b, 0], table[b, 1], .... Returns (B, H, 1, hd). checked: the caller ran
+    `check_block_tables` on these table and lengths (once per step for all layers).
     """
     b, h, t, d = q.shape
     num_blocks, block_size, h_kv, _ = k.shape
     if t != 1 or h % h_kv or not (k.is_contiguous() and v.is_contiguous()):
         raise ValueError(f"paged_decode_attention: q {tuple(q.shape)}, pools {tuple(k.shape)}")
-    # The C code trusts its indices: out of range, it would read outside the pools.
-    if int(table.min()) < 0 or int(table.max()) >= num_blocks:
-        raise ValueError(f"paged_decode_attention: a block outside the pool's {num_blocks}")
-    if int(lengths.min()) < 1 or int(lengths.max()) > table.shape[1] * block_size:
-        raise ValueError(f"paged_decode_attention: lengths beyond the {table.shape[1]} blocks")
+    if not checked:
+        check_block_tables(table, lengths, num_blocks, block_size)
     q = q.contiguous()  # (B, H, 1, hd)
     table, lengths = table.contiguous(), lengths.contiguous()
     out = torch.empty_like(q)

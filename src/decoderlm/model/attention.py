@@ -226,6 +226,7 @@ class CausalSelfAttention(nn.Module):
         )
         self.backend = config.attn_backend
         self.scale = None if config.attn_scale == "1/sqrt(head_dim)" else 1.0  # None: 1/√head_dim
+        self.softmax_scale = self.head_dim**-0.5 if self.scale is None else self.scale  # its value
         # The attention function, `attend` or one with its signature (decoderlm.cpu.optimize).
         self.attend: Callable[..., tuple[Tensor, Tensor | None]] = attend
         self.dropout_p = config.dropout
@@ -264,8 +265,7 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         in_place = None if need_weights else getattr(kv_cache, "attend_in_place", None)
-        scale = self.head_dim**-0.5 if self.scale is None else self.scale
-        out = in_place(q, k, v, scale) if in_place is not None else None  # (B, H, T, hd) | None
+        out = in_place(q, k, v, self.softmax_scale) if in_place else None  # (B, H, T, hd) | None
         weights = None
         if out is None:
             if kv_cache is not None:

@@ -108,8 +108,9 @@ class Engine:
         in the process (`decoderlm.cpu.heap`), so that each step's gathered K/V reuse the last
         step's pages instead of faulting in new ones; and, for float32 and bfloat16 pools, attend
         the decode rows of layers without a window in place, without gathering their blocks
-        (`decoderlm.cpu.paged_attention`, where a C compiler builds it). (The attention, embedding and linear paths
-        that `generate` applies made the batched steps slower: benchmarks/README.md.)"""
+        (`decoderlm.cpu.paged_attention`, where a C compiler builds it). (The attention,
+        embedding and linear paths that `generate` applies made the batched steps slower:
+        benchmarks/README.md.)"""
         check_kv_cache_dtype(kv_cache_dtype)
         for name, value in (
             ("block_size", block_size),
@@ -135,11 +136,7 @@ class Engine:
                 f"{block_size} tokens takes {block_size * self.bytes_per_token} bytes"
             )
         self.pool = BlockPool(num_blocks, block_size, prefix_caching)
-        in_place = (
-            on_cpu
-            and kv_cache_dtype is None
-            and paged_attention.available(weight.dtype, self.device)
-        )
+        in_place = on_cpu and paged_attention.available(weight.dtype, self.device)
         self.cache = PagedKVCache(
             model.config,
             num_blocks,
@@ -621,7 +618,7 @@ def stream_batches(
     a consumer slower than the engine takes several steps' tokens at once, as vLLM's output
     collector merges them. Leaving early calls `engine.cancel`."""
     loop = asyncio.get_running_loop()
-    mailbox = _mailboxes.setdefault(loop, _Mailbox(loop))
+    mailbox = _mailboxes.get(loop) or _mailboxes.setdefault(loop, _Mailbox(loop))
     events: asyncio.Queue[TokenEvent] = asyncio.Queue()
     sink = functools.partial(mailbox.post, events)
     request_id = engine.submit(prompt_ids, params, request_id=request_id, on_event=sink)

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from decoderlm.cpu.paged_attention import paged_decode_attention
+from decoderlm.cpu.paged_attention import check_block_tables, paged_decode_attention
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.config import ModelConfig
 from decoderlm.model.int8_cache import Int8Buffer, check_kv_cache_dtype
@@ -190,7 +190,9 @@ class PagedLayerCache:
         if not self.in_place or q.shape[2] != 1:
             return None
         self._store(k, v)
-        return paged_decode_attention(q, self.k, self.v, self.read, self.lengths, scale)
+        return paged_decode_attention(  # `PagedKVCache.seek` checked this step's tables
+            q, self.k, self.v, self.read, self.lengths, scale, checked=True
+        )
 
     def _store(self, k: Tensor, v: Tensor) -> None:
         self.k_slots.index_copy_(0, self.write, k.transpose(1, 2).flatten(0, 1))  # (B·T, Hkv, hd)
@@ -215,8 +217,8 @@ class PagedKVCache:
 
     dtype: the model's; kv_cache_dtype: None (pools in `dtype`) or "int8" (`Int8Buffer` pools,
     handing attention their K/V in `dtype`); in_place: `PagedLayerCache.attend_in_place` for the
-    layers that can (the caller checked `decoderlm.cpu.paged_attention.available`). `nbytes` = num_blocks · block_size ·
-    `kv_cache_bytes_per_token(config, kv_cache_dtype or dtype)`.
+    layers that can (the caller checked `decoderlm.cpu.paged_attention.available`).
+    `nbytes` = num_blocks · block_size · `kv_cache_bytes_per_token(config, kv_cache_dtype or dtype)`.
     """
 
     def __init__(
@@ -272,6 +274,8 @@ class PagedKVCache:
         longest = int(lengths.max())
         keys = torch.arange(longest, device=device)[None, :]  # (1, Tk)
         full_mask = keys < lengths[:, None]  # (B, Tk): right padding
+        if any(layer.in_place for layer in self.layers):
+            check_block_tables(table, lengths, self.layers[0].k.shape[0], self.block_size)
         reads: dict[int | None, tuple[Tensor, int, Tensor | None]] = {
             None: (table, longest, None if bool(full_mask.all()) else full_mask)
         }
