@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from decoderlm.cpu import gemv
 from decoderlm.model.kv_cache import StaticKVCache, StaticLayerCache
 from decoderlm.model.lm import DecoderLM
 
@@ -42,9 +43,10 @@ class CPULinearKernels(TorchFunctionMode):
     """F.linear on the CPU through the kernel that is fastest for its shape (see benchmarks/decode.py).
 
     The products are the same; only the order of the sums differs.
-    - One row under compilation (decoding one sequence, which is bound by reading the weights):
-      y_n = Σ_k x_k W_nk as a product and a row sum, which inductor fuses into one vectorised pass
-      streaming W at close to memory bandwidth, faster than F.linear's GEMV.
+    - One row (decoding one sequence, which is bound by reading the weights), eager or compiled:
+      the AVX-512 kernels of `decoderlm.cpu.gemv` where this CPU has them.
+    - Otherwise one row under compilation: y_n = Σ_k x_k W_nk as a product and a row sum, which
+      inductor fuses into one vectorised pass, faster than F.linear's GEMV.
     - The other float32 calls without autograd (prefill, evaluation, the LM head of the last
       position; eager or compiled): oneDNN's dense linear (`onednn_linear`), faster than the MKL
       sgemm/sgemv behind F.linear on the llama-55m shapes.
@@ -63,14 +65,17 @@ class CPULinearKernels(TorchFunctionMode):
         x, weight = args[0], args[1]  # (..., K), (N, K)
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
         rows = x.shape[:-1].numel()
+        tensors = [t for t in (x, weight, bias) if t is not None]
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        if rows == 1 and not needs_grad and gemv.available(x.dtype, weight.dtype):
+            y = gemv.linear(x, weight)  # (..., N)
+            return y if bias is None else y + bias
         if self.compiling and rows == 1:
             y = (x.unsqueeze(-2) * weight).sum(-1)  # (..., N)
             return y if bias is None else y + bias
-        tensors = [t for t in (x, weight, bias) if t is not None]
         plain_float32 = all(
             type(t) in (Tensor, nn.Parameter) and t.dtype == torch.float32 for t in tensors
         )
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         if plain_float32 and not needs_grad and _HAS_ONEDNN:
             return onednn_linear(x, weight, bias)  # (..., N)
         return func(*args, **kwargs)

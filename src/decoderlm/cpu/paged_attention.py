@@ -10,93 +10,34 @@ benchmarks/README.md). It runs on torch's OpenMP threads, in float32 for bfloat1
 does, and is used by `serving.Engine(cpu_kernels=True)` for the decode rows of its layers without
 a window.
 
-The C source is compiled on first use with the system's C compiler (`$CC`, else `cc`) for this
-CPU (`-march=native`) into `$DECODERLM_CACHE` (default `~/.cache/decoderlm`), under a name hashed
-from the source, the flags and the CPU's model and flags, so a different machine compiles its
-own. Where no compiler is found, the compile fails or the cache is not writable, `available` is
-False (logged once) and the engine keeps the gather path; a damaged file in the cache is rebuilt.
+The C source is built on first use and cached (`decoderlm.cpu.native`); where it cannot be,
+`available` is False and the engine keeps the gather path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-log = logging.getLogger(__name__)
+from decoderlm.cpu import native
+
 SOURCE = Path(__file__).with_name("paged_attention.c")
-# Compiled with -ffast-math (vectorised expf and reductions) but linked without it: gcc < 13 links
-# crtfastmath.o into a -ffast-math shared library, whose loading switches the whole process to
-# flush subnormals to zero.
-COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
-LINK = ["-shared", "-fopenmp"]
 FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 
 
-def _cpu_identity() -> str:
-    """The CPU's model name and flags lines (what -march=native compiles for)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("DECODERLM_CACHE", Path.home() / ".cache" / "decoderlm"))
-
-
 def library_path() -> Path:
-    """Where the build of this source, with these flags, for this CPU lives in the cache."""
-    flags = " ".join(COMPILE + LINK).encode()
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), flags, _cpu_identity().encode()]))
-    return _cache_dir() / "kernels" / f"paged_attention-{key.hexdigest()[:16]}.so"
-
-
-def _build(compiler: str, target: Path) -> None:
-    """Compile and link the kernel into `target`, atomically (a concurrent process sees the whole
-    file or none); OSError with the compiler's last line if it fails."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built, obj = Path(tmp) / target.name, Path(tmp) / "paged_attention.o"
-        for command in (
-            [compiler, *COMPILE, str(SOURCE), "-o", str(obj)],
-            [compiler, *LINK, str(obj), "-o", str(built), "-lm"],
-        ):
-            result = subprocess.run(command, capture_output=True, text=True)
-            if result.returncode != 0:
-                last = (result.stderr.strip().splitlines() or ["no message"])[-1]
-                raise OSError(f"{Path(command[0]).name} failed: {last}")
-        built.replace(target)
+    """Where this CPU's build of the kernel lives in the cache."""
+    return native.library_path([SOURCE])
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        log.warning("decoderlm: no C compiler found; paged attention gathers the blocks instead")
-        return None
-    target = library_path()
-    try:
-        if not target.exists():
-            _build(compiler, target)
-        try:
-            library = ctypes.CDLL(str(target))
-        except OSError:  # a damaged file in the cache: build it again, once
-            _build(compiler, target)
-            library = ctypes.CDLL(str(target))
-    except OSError as exc:
-        log.warning("decoderlm: building %s: %s; paged attention gathers the blocks instead",
-                    target, exc)  # fmt: skip
+    library = native.load([SOURCE], "paged attention gathers the blocks instead", ctypes.CDLL)
+    if library is None:
         return None
     for name in FUNCTIONS.values():
         function = getattr(library, name)

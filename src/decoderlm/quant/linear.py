@@ -18,8 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from decoderlm.cpu import gemv
+
 INT4_GROUP_SIZES = (32, 64, 128)
 
+# One row on the CPU (decoding one sequence) runs on `decoderlm.cpu.gemv` where it is built.
 # `torch._weight_int8pack_mm` (int8 weights converted inside the matmul, as gpt-fast uses on the
 # CPU) is faster than converting the whole weight first only for bfloat16 and a few rows; for
 # float32 and float16 and for larger batches it is slower (figures: benchmarks/README.md).
@@ -75,8 +78,15 @@ class Int8Linear(_QuantizedLinear):
         return self.weight_q.to(dtype) * self.scale.to(dtype)[:, None]  # Ŵ_nk = s_n q_nk
 
     def matmul(self, x: Tensor) -> Tensor:
-        scale = self.scale.to(x.dtype)  # (N,)
         rows = x.shape[:-1].numel()
+        if (
+            rows == 1
+            and x.device.type == "cpu"
+            and not (x.requires_grad and torch.is_grad_enabled())
+            and gemv.available(x.dtype, torch.int8)
+        ):
+            return gemv.int8_linear(x, self.weight_q, self.scale)  # (..., N)
+        scale = self.scale.to(x.dtype)  # (N,)
         if (
             x.device.type == "cpu"
             and x.dtype == torch.bfloat16

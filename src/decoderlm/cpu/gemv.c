@@ -1,0 +1,131 @@
+/* One-row products y = x Wᵀ for decoding one sequence, which is bound by reading the weights: see
+ * gemv.py. W is (N, K) row-major; every function computes y_n = Σ_k x_k W_nk in float32, four
+ * output rows at a time (each x vector loaded once for the four), the blocks of rows split over
+ * OpenMP threads. Tails of K are read with masked loads, so any N and K work. AVX-512 only:
+ * gemv.py builds this file on CPUs that have it. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#ifdef __AVX512F__
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* Each row's weights are prefetched this far ahead of the loads: the hardware prefetcher alone
+ * ramps up too slowly for matrices of a few hundred KB (7.6 against 12.5 GB/s over the int8
+ * linears of llama-55m; benchmarks/README.md). Prefetches past the end of W do not fault. */
+#define PREFETCH_BYTES 8192
+#define PREFETCH(p) _mm_prefetch((const char *)(p) + PREFETCH_BYTES, _MM_HINT_T0)
+
+/* float32 → bfloat16, rounding to nearest even (finite inputs). */
+INLINE uint16_t to_bf16(float f) {
+    union { float f; uint32_t u; } v = {f};
+    return (uint16_t)((v.u + 0x7fff + ((v.u >> 16) & 1)) >> 16);
+}
+
+INLINE __mmask16 tail16(int64_t left) {
+    return left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+}
+
+INLINE __mmask32 tail32(int64_t left) {
+    return left >= 32 ? 0xffffffffu : (__mmask32)((1u << left) - 1);
+}
+
+/* Blocks of four rows, then the last N mod 4 one at a time; ROWS is a constant in each call of
+ * BLOCK, so the accumulators stay in registers. */
+#define FOR_ROW_BLOCKS(BLOCK)                                  \
+    _Pragma("omp parallel for schedule(static)")               \
+    for (int64_t n0 = 0; n0 < N; n0 += 4) {                    \
+        if (N - n0 >= 4) BLOCK(n0, 4);                         \
+        else for (int64_t n = n0; n < N; n++) BLOCK(n, 1);     \
+    }
+
+/* y_n = Σ_k x_k W_nk for rows n0..n0+rows−1; x, W float32. */
+INLINE void f32_block(const float *x, const float *W, float *y, int64_t n0, int64_t K, const int rows) {
+    __m512 acc[4];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __mmask16 m = tail16(K - k);
+        __m512 xv = _mm512_maskz_loadu_ps(m, x + k);
+        for (int r = 0; r < rows; r++) {
+            PREFETCH(W + (n0 + r) * K + k);
+            acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, W + (n0 + r) * K + k), xv, acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) y[n0 + r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+/* x (K,) float32, W (N, K) float32 → y (N,) float32. */
+void gemv_f32(const float *x, const float *W, float *y, int64_t N, int64_t K) {
+#define F32_BLOCK(n, rows) f32_block(x, W, y, n, K, rows)
+    FOR_ROW_BLOCKS(F32_BLOCK)
+}
+
+#ifdef __AVX512BF16__
+/* y_n = Σ_k x_k W_nk, rounded to bfloat16; x, W bfloat16, pairs of products summed in float32
+ * by vdpbf16ps. */
+INLINE void bf16_block(const uint16_t *x, const uint16_t *W, uint16_t *y, int64_t n0, int64_t K, const int rows) {
+    __m512 acc[4];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __mmask32 m = tail32(K - k);
+        __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + k);
+        for (int r = 0; r < rows; r++) {
+            PREFETCH(W + (n0 + r) * K + k);
+            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_maskz_loadu_epi16(m, W + (n0 + r) * K + k), xv);
+        }
+    }
+    for (int r = 0; r < rows; r++) y[n0 + r] = to_bf16(_mm512_reduce_add_ps(acc[r]));
+}
+
+/* x (K,) bfloat16, W (N, K) bfloat16 → y (N,) bfloat16. */
+void gemv_bf16(const uint16_t *x, const uint16_t *W, uint16_t *y, int64_t N, int64_t K) {
+#define BF16_BLOCK(n, rows) bf16_block(x, W, y, n, K, rows)
+    FOR_ROW_BLOCKS(BF16_BLOCK)
+}
+#endif
+
+/* y_n = s_n Σ_k x_k W_nk; x float32, W int8 widened to float32 (exact). Two accumulators per row,
+ * over alternate 16s of k, hide the conversions' latency. */
+INLINE void int8_block(const float *x, const int8_t *W, const float *s, float *y, int64_t n0, int64_t K, const int rows) {
+    __m512 acc[8];
+    for (int r = 0; r < 2 * rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __mmask16 m0 = tail16(K - k), m1 = tail16(K - k - 16);
+        __m512 x0 = _mm512_maskz_loadu_ps(m0, x + k), x1 = _mm512_maskz_loadu_ps(m1, x + k + 16);
+        for (int r = 0; r < rows; r++) {
+            const int8_t *w = W + (n0 + r) * K + k;
+            PREFETCH(w);
+            __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m0, w)));
+            __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m1, w + 16)));
+            acc[2 * r] = _mm512_fmadd_ps(w0, x0, acc[2 * r]);
+            acc[2 * r + 1] = _mm512_fmadd_ps(w1, x1, acc[2 * r + 1]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        y[n0 + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * r], acc[2 * r + 1])) * s[n0 + r];
+}
+
+/* x (K,) float32, W (N, K) int8, s (N,) float32 → y (N,) float32. */
+void gemv_int8_f32(const float *x, const int8_t *W, const float *s, float *y, int64_t N, int64_t K) {
+#define INT8_BLOCK(n, rows) int8_block(x, W, s, y, n, K, rows)
+    FOR_ROW_BLOCKS(INT8_BLOCK)
+}
+
+/* As gemv_int8_f32 for bfloat16 x and y: x widened to float32 first (exact), y rounded once.
+ * Returns -1 without the memory for the widened x and the float32 y, else 0. */
+int gemv_int8_bf16(const uint16_t *x, const int8_t *W, const float *s, uint16_t *y, int64_t N, int64_t K) {
+    float *xf = malloc(sizeof(float) * (size_t)(K + N));
+    if (xf == NULL) return -1;
+    float *yf = xf + K;
+    for (int64_t k = 0; k < K; k++) {
+        union { uint32_t u; float f; } v = {(uint32_t)x[k] << 16};
+        xf[k] = v.f;
+    }
+    gemv_int8_f32(xf, W, s, yf, N, K);
+    for (int64_t n = 0; n < N; n++) y[n] = to_bf16(yf[n]);
+    free(xf);
+    return 0;
+}
+
+#endif
