@@ -85,9 +85,10 @@ void gemv_bf16(const uint16_t *x, const uint16_t *W, uint16_t *y, int64_t N, int
 }
 #endif
 
-/* y_n = s_n Σ_k x_k W_nk; x float32, W int8 widened to float32 (exact). Two accumulators per row,
- * over alternate 16s of k, hide the conversions' latency. */
-INLINE void int8_block(const float *x, const int8_t *W, const float *s, float *y, int64_t n0, int64_t K, const int rows) {
+/* y_n = s_n Σ_k x_k W_nk; x float32, W int8 widened to float32 (exact), y float32 or (bf16_out)
+ * bfloat16. Two accumulators per row, over alternate 16s of k, hide the conversions' latency. */
+INLINE void int8_block(const float *x, const int8_t *W, const float *s, void *y, int64_t n0, int64_t K,
+                       const int rows, const int bf16_out) {
     __m512 acc[8];
     for (int r = 0; r < 2 * rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
@@ -102,28 +103,30 @@ INLINE void int8_block(const float *x, const int8_t *W, const float *s, float *y
             acc[2 * r + 1] = _mm512_fmadd_ps(w1, x1, acc[2 * r + 1]);
         }
     }
-    for (int r = 0; r < rows; r++)
-        y[n0 + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * r], acc[2 * r + 1])) * s[n0 + r];
+    for (int r = 0; r < rows; r++) {
+        float v = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * r], acc[2 * r + 1])) * s[n0 + r];
+        if (bf16_out) ((uint16_t *)y)[n0 + r] = to_bf16(v);
+        else ((float *)y)[n0 + r] = v;
+    }
 }
 
 /* x (K,) float32, W (N, K) int8, s (N,) float32 → y (N,) float32. */
 void gemv_int8_f32(const float *x, const int8_t *W, const float *s, float *y, int64_t N, int64_t K) {
-#define INT8_BLOCK(n, rows) int8_block(x, W, s, y, n, K, rows)
-    FOR_ROW_BLOCKS(INT8_BLOCK)
+#define INT8_F32_BLOCK(n, rows) int8_block(x, W, s, y, n, K, rows, 0)
+    FOR_ROW_BLOCKS(INT8_F32_BLOCK)
 }
 
-/* As gemv_int8_f32 for bfloat16 x and y: x widened to float32 first (exact), y rounded once.
- * Returns -1 without the memory for the widened x and the float32 y, else 0. */
+/* As gemv_int8_f32 for bfloat16 x and y: x widened to float32 first (exact), each y rounded once.
+ * Returns -1 without the memory for the widened x, else 0. */
 int gemv_int8_bf16(const uint16_t *x, const int8_t *W, const float *s, uint16_t *y, int64_t N, int64_t K) {
-    float *xf = malloc(sizeof(float) * (size_t)(K + N));
+    float *xf = malloc(sizeof(float) * (size_t)K);
     if (xf == NULL) return -1;
-    float *yf = xf + K;
     for (int64_t k = 0; k < K; k++) {
         union { uint32_t u; float f; } v = {(uint32_t)x[k] << 16};
         xf[k] = v.f;
     }
-    gemv_int8_f32(xf, W, s, yf, N, K);
-    for (int64_t n = 0; n < N; n++) y[n] = to_bf16(yf[n]);
+#define INT8_BF16_BLOCK(n, rows) int8_block(xf, W, s, y, n, K, rows, 1)
+    FOR_ROW_BLOCKS(INT8_BF16_BLOCK)
     free(xf);
     return 0;
 }

@@ -64,7 +64,7 @@ Tensor gemv_int8(Tensor x, Tensor weight_q, Tensor scale) {
   } else if (x.scalar_type() == ScalarType::BFloat16) {
     const int status = gemv_int8_bf16(static_cast<const uint16_t *>(x.data_ptr()), w, s,
                                       static_cast<uint16_t *>(y.data_ptr()), N, K);
-    STD_TORCH_CHECK(status == 0, "gemv_int8: no memory for the float32 copy of one row");
+    STD_TORCH_CHECK(status == 0, "gemv_int8: no memory for the float32 copy of x");
   } else {
     STD_TORCH_CHECK(false, "gemv_int8: x must be float32 or bfloat16");
   }
