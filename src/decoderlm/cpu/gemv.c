@@ -12,8 +12,8 @@
 #define INLINE static inline __attribute__((always_inline))
 
 /* Each row's weights are prefetched this far ahead of the loads: the hardware prefetcher alone
- * ramps up too slowly for matrices of a few hundred KB (7.6 against 12.5 GB/s over the int8
- * linears of llama-55m; benchmarks/README.md). Prefetches past the end of W do not fault. */
+ * ramps up too slowly for matrices of a few hundred KB (benchmarks/README.md, llama_cpp.py, has
+ * the distances measured). Prefetches past the end of W do not fault. */
 #define PREFETCH_BYTES 8192
 #define PREFETCH(p) _mm_prefetch((const char *)(p) + PREFETCH_BYTES, _MM_HINT_T0)
 

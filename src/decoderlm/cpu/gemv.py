@@ -1,18 +1,19 @@
 """One-row linear layers for decoding one sequence on the CPU: y = x Wᵀ read at memory bandwidth.
 
 Decoding batch 1 reads every weight once per token and does two flops per weight read, so its
-speed is the rate at which the weights stream from memory. F.linear's one-row GEMV reaches a
-fraction of that, and the product-and-row-sum that inductor fuses (`decode.CPULinearKernels`)
-keeps one accumulator chain per output row (8 GB/s of int8 where this machine reads 19). The
-kernels in `gemv.c` compute four output rows per pass over x with AVX-512 (vdpbf16ps for
-bfloat16, int8 widened to float32 for per-row-scaled int8), summing in float32 as F.linear does;
-only the order of the sums differs. Measured: benchmarks/README.md (llama_cpp.py, decode.py).
+speed is the rate at which the weights stream from memory. The kernels in `gemv.c` compute four
+output rows per pass over x with AVX-512 (vdpbf16ps for bfloat16, int8 widened to float32 for
+per-row-scaled int8), summing in float32 as F.linear does (only the order of the sums differs),
+and prefetch each row's weights 8 KiB ahead: the hardware prefetcher alone ramps up too slowly on
+matrices of a few hundred KB, where F.linear's GEMV and the product-and-row-sum that inductor
+fuses (`decode.CPULinearKernels`) stay well below the memory bandwidth. Measured against
+llama.cpp and without the prefetch: benchmarks/README.md, llama_cpp.py.
 
 `linear(x, weight)` and `int8_linear(x, weight_q, scale)` call the ops decoderlm::gemv and
 decoderlm::gemv_int8, defined here with fake kernels (so torch.compile and torch.export treat
 them as opaque and the compiled decode step calls them as they are) and implemented in
 `gemv_ops.cpp` against torch's stable C ABI: a library compiled ahead of time calls them without
-Python (a Python kernel costs ~15 µs a call, as much as a 512 × 512 product). `available` says
+Python (a Python kernel's call costs as much as a 512 × 512 product: benchmarks/README.md). `available` says
 whether the kernel for a pair of dtypes was built here: AVX-512 (and AVX512-BF16 for bfloat16
 weights) and C and C++ compilers (`decoderlm.cpu.native`). The call sites
 (`decode.CPULinearKernels`, `quant.linear.Int8Linear`) fall back to PyTorch where it is not.
