@@ -64,15 +64,14 @@ class CPULinearKernels(TorchFunctionMode):
             return func(*args, **kwargs)
         x, weight = args[0], args[1]  # (..., K), (N, K)
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
-        rows = x.shape[:-1].numel()
-        tensors = [t for t in (x, weight, bias) if t is not None]
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        if rows == 1 and not needs_grad and gemv.available(x.dtype, weight.dtype):
+        if gemv.handles(x, weight):
             y = gemv.linear(x, weight)  # (..., N)
             return y if bias is None else y + bias
-        if self.compiling and rows == 1:
+        if self.compiling and x.shape[:-1].numel() == 1:
             y = (x.unsqueeze(-2) * weight).sum(-1)  # (..., N)
             return y if bias is None else y + bias
+        tensors = [t for t in (x, weight, bias) if t is not None]
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         plain_float32 = all(
             type(t) in (Tensor, nn.Parameter) and t.dtype == torch.float32 for t in tensors
         )

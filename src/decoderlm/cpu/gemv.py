@@ -64,6 +64,14 @@ def available(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
     return needs is not None and needs <= native.cpu_flags() and _built()
 
 
+def handles(x: Tensor, weight: Tensor) -> bool:
+    """Whether x Wᵀ goes to a kernel here: one row on the CPU, no gradient to x or W, and a kernel
+    for their dtypes (what both call sites ask before `linear` / `int8_linear`)."""
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    one_row = x.shape[:-1].numel() == 1 and x.device.type == "cpu"
+    return one_row and not needs_grad and available(x.dtype, weight.dtype)
+
+
 def linear(x: Tensor, weight: Tensor) -> Tensor:
     """x Wᵀ for one row: x (..., K) with one row in all, weight (N, K) of x's dtype → (..., N)."""
     return torch.ops.decoderlm.gemv(x, weight)

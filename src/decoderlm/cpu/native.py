@@ -55,10 +55,14 @@ def _torch_dirs() -> tuple[str, str]:
     return str(root / "include"), str(root / "lib")
 
 
+def _compiler(cpp: bool) -> str:
+    return os.environ.get("CXX", "c++") if cpp else os.environ.get("CC", "cc")
+
+
 def _compile_command(source: Path) -> list[str]:
     if source.suffix == ".cpp":
-        return [os.environ.get("CXX", "c++"), *CXX_COMPILE, "-I", _torch_dirs()[0]]
-    return [os.environ.get("CC", "cc"), *COMPILE]
+        return [_compiler(cpp=True), *CXX_COMPILE, "-I", _torch_dirs()[0]]
+    return [_compiler(cpp=False), *COMPILE]
 
 
 def library_path(sources: Sequence[Path]) -> Path:
@@ -91,7 +95,7 @@ def _build(sources: Sequence[Path], target: Path) -> None:
         for source, obj in zip(sources, objects, strict=True):
             _run([*_compile_command(source), str(source), "-o", str(obj)])
         cpp = any(source.suffix == ".cpp" for source in sources)
-        linker = os.environ.get("CXX", "c++") if cpp else os.environ.get("CC", "cc")
+        linker = _compiler(cpp)
         libs = ["-L", _torch_dirs()[1], f"-Wl,-rpath,{_torch_dirs()[1]}", "-ltorch_cpu", "-lc10"]
         built = Path(tmp) / target.name
         _run([linker, *LINK, *map(str, objects), "-o", str(built), "-lm", *(libs if cpp else [])])

@@ -78,15 +78,10 @@ class Int8Linear(_QuantizedLinear):
         return self.weight_q.to(dtype) * self.scale.to(dtype)[:, None]  # Ŵ_nk = s_n q_nk
 
     def matmul(self, x: Tensor) -> Tensor:
-        rows = x.shape[:-1].numel()
-        if (
-            rows == 1
-            and x.device.type == "cpu"
-            and not (x.requires_grad and torch.is_grad_enabled())
-            and gemv.available(x.dtype, torch.int8)
-        ):
+        if gemv.handles(x, self.weight_q):
             return gemv.int8_linear(x, self.weight_q, self.scale)  # (..., N)
         scale = self.scale.to(x.dtype)  # (N,)
+        rows = x.shape[:-1].numel()
         if (
             x.device.type == "cpu"
             and x.dtype == torch.bfloat16
