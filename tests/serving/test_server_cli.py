@@ -9,14 +9,21 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
-from conftest import free_port, wait_healthy
+from conftest import TEXT, free_port, wait_healthy
+from decoderlm import DecoderLM, ModelConfig
+from decoderlm.checkpoint import save_model
 from decoderlm.cli import main
 from decoderlm.errors import DecoderLMError
 from decoderlm.serving.chat import ChatTemplate, load_chat_template
+from decoderlm.tokenizer import Tokenizer
+
+LONG_STREAM = 1500  # tokens of one greedy stream: a second or more of engine steps
 
 LLAMA2_STYLE = (
     "{{ bos_token }}{% for m in messages %}"
@@ -57,24 +64,43 @@ def test_chat_command_streams_replies_and_resets(run_dir, monkeypatch, capsys):
     assert main([*argv, "--top-p", "2"]) == 2
 
 
-def test_sigterm_lets_a_running_stream_finish_then_exits_0(run_dir):
+@pytest.fixture(scope="module")
+def long_run_dir(tmp_path_factory) -> Path:
+    """A tiny model with a long context, so one stream runs for a second or more (greedy after
+    "x" it meets no end-of-text within LONG_STREAM tokens)."""
+    torch.manual_seed(0)
+    tokenizer = Tokenizer.train_char([TEXT])
+    config = ModelConfig.from_preset("llama-tiny", vocab_size=tokenizer.vocab_size,
+                                     context_length=LONG_STREAM + 8, d_model=32, n_layers=2,
+                                     n_heads=4, n_kv_heads=2)  # fmt: skip
+    run = tmp_path_factory.mktemp("long-run")
+    save_model(run, DecoderLM(config).eval(), tokenizer)
+    return run
+
+
+def test_sigterm_lets_a_running_stream_finish_then_exits_0(long_run_dir):
     port = free_port()
-    cmd = [sys.executable, "-m", "decoderlm.cli", "serve", "--checkpoint", str(run_dir),
-           "--port", str(port), "--kv-cache-memory", "1MiB", "--grace-period", "5"]  # fmt: skip
+    cmd = [sys.executable, "-m", "decoderlm.cli", "serve", "--checkpoint", str(long_run_dir),
+           "--port", str(port), "--kv-cache-memory", "4MiB", "--grace-period", "60"]  # fmt: skip
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"
         wait_healthy_process(base, proc)
-        body = {"prompt": "A", "max_tokens": 60, "temperature": 0, "stream": True}
-        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as r:
+        body = {"prompt": "x", "max_tokens": LONG_STREAM, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
+            first = next(lines)
             proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]"
-        reason = json.loads(rest[-2][len("data: ") :])["choices"][0]["finish_reason"]
-        assert reason in ("stop", "length")  # finished within the grace period, not cancelled
+            events = [first, *(line for line in lines if line)]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+        # Sent after the first chunk, SIGTERM found the stream running, unless every token came in it.
+        assert len(chunks) > 2 or chunks[0]["choices"][0]["finish_reason"] is not None
+        reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+        assert reasons[-1] == "length"  # finished within the grace period, not cancelled
+        assert chunks[-1]["usage"]["completion_tokens"] == LONG_STREAM
         assert proc.wait(timeout=30) == 0
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{base}/health")
