@@ -1,6 +1,7 @@
-"""The in-place paged decode kernel: the attention of gathering the blocks and running SDPA, to
-rounding, for MHA, GQA and MQA rows of different lengths; bad indices refused; and the engine
-falling back to the gather when the kernel cannot be built."""
+"""The in-place decode kernel: the attention of gathering the blocks and running SDPA, to
+rounding, for MHA, GQA and MQA rows of different lengths; bad indices refused; the engine
+falling back to the gather when the kernel cannot be built; and the same kernel over the static
+cache of the compiled one-token step (decoderlm::static_decode_attention)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,21 @@ import torch.nn.functional as F
 
 from decoderlm import DecoderLM, ModelConfig
 from decoderlm.cpu import paged_attention
-from decoderlm.cpu.paged_attention import available, paged_decode_attention
+from decoderlm.cpu.paged_attention import (
+    available,
+    paged_decode_attention,
+    static_available,
+    static_decode_attention,
+)
+from decoderlm.inference.generate import generate
 from decoderlm.serving.engine import Engine
 from decoderlm.tokenizer import Tokenizer
 
 HAS_COMPILER = shutil.which(os.environ.get("CC", "cc")) is not None
 needs_kernel = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler ($CC or cc) to build it")
+needs_op = pytest.mark.skipif(
+    not static_available(torch.float32), reason="no C and C++ compilers to build the op"
+)
 
 
 def pools_and_rows(h_kv: int, dtype: torch.dtype, lengths: list[int], block_size: int = 4):
@@ -130,3 +140,78 @@ def test_without_a_working_compiler_the_engine_gathers_the_blocks(monkeypatch, t
     assert engine_layers_in_place(monkeypatch, tmp_path, compiler) == [False, False]
     assert not available(torch.float32, torch.device("cpu"))
     paged_attention._library.cache_clear()
+
+
+@needs_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h_kv", [8, 2, 1], ids=["MHA", "GQA", "MQA"])
+def test_in_place_attention_over_the_static_cache_is_as_close_to_float64_as_masked_sdpa(
+    dtype, h_kv
+):
+    g = torch.Generator().manual_seed(h_kv)
+    pad, slot, slots = torch.tensor([0, 3, 12, 13]), torch.tensor([13]), 21  # row 3: one key
+    k, v = (torch.randn(4, h_kv, slots, 16, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(4, 8, 1, 16, generator=g).to(dtype)
+    positions = torch.arange(slots)
+    mask = ((positions >= pad[:, None]) & (positions <= slot))[:, None, None]  # (B, 1, 1, S)
+    group = (4, h_kv, 8 // h_kv, 16)  # the GQA fold: (B, Hkv, G, hd)
+
+    def sdpa(q, k, v):  # what the compiled step ran before: the whole buffer and a mask
+        return F.scaled_dot_product_attention(q.reshape(group), k, v, attn_mask=mask)
+
+    exact = sdpa(q.double(), k.double(), v.double()).reshape(q.shape)
+    reference_error = (sdpa(q, k, v).reshape(q.shape).double() - exact).abs().max()
+    got = static_decode_attention(q, k, v, pad, slot, 16**-0.5)
+    assert got.shape == q.shape and got.dtype == dtype
+    assert (got.double() - exact).abs().max() <= 2 * reference_error + torch.finfo(dtype).eps
+
+
+@needs_op
+def test_static_cache_slots_outside_the_cache_or_before_a_rows_start_are_refused():
+    k = v = torch.zeros(2, 1, 8, 16)
+    q = torch.zeros(2, 4, 1, 16)
+    for pad, slot, message in [
+        ([0, 0], [8], "last slot outside"),
+        ([0, 5], [4], "row 1's first slot 5"),
+        ([-1, 0], [4], "row 0's first slot -1"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            static_decode_attention(q, k, v, torch.tensor(pad), torch.tensor(slot), 1.0)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        static_decode_attention(
+            q, k.transpose(1, 2), v, torch.tensor([0, 0]), torch.tensor([1]), 1.0
+        )
+
+
+@needs_op
+def test_the_compiled_step_attends_in_place_and_decodes_the_eager_tokens_of_padded_rows():
+    torch.manual_seed(0)
+    config = ModelConfig.from_preset("llama-tiny", vocab_size=97, d_model=64, n_layers=2)
+    model = DecoderLM(config).eval()
+    prompts = [[5, 17, 3, 42, 8, 1, 9], [11, 2]]  # the second row is left-padded by 5
+    eager = generate(model, prompts, 12, temperature=0)
+    compiled = generate(model, prompts, 12, temperature=0, compile=True)  # builds the step first
+    with torch.profiler.profile() as prof:
+        generate(model, prompts, 12, temperature=0, compile=True)
+    names = {event.key for event in prof.key_averages()}
+    assert "decoderlm::static_decode_attention" in names
+    assert compiled == eager
+
+
+WITHOUT_COMPILERS = """
+import torch
+from decoderlm import DecoderLM, ModelConfig
+from decoderlm.cpu.decode import attends_in_place
+
+model = DecoderLM(ModelConfig.from_preset("llama-tiny", vocab_size=97)).eval()
+print(attends_in_place(model, torch.float32, torch.device("cpu")))
+"""
+
+
+def test_without_compilers_the_compiled_step_attends_with_sdpa(tmp_path):
+    # In a process of its own: this one may have registered the op already.
+    env = {**os.environ, "CC": "false", "CXX": "false", "DECODERLM_CACHE": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_COMPILERS], capture_output=True, text=True, env=env
+    )
+    assert done.stdout.split() == ["False"], done.stderr

@@ -4,7 +4,8 @@ switch them off with `cpu_kernels=False`.
 
 - `CPULinearKernels` (`linear_kernels`: it or nothing): F.linear on the CPU through the kernel
   fastest for its shape.
-- `CompiledStep`: the one-token step, run once per generated token, compiled ahead of time. It is
+- `CompiledStep`: the one-token step, run once per generated token, compiled ahead of time, its
+  attention read in place from the static cache (`InPlaceLayerCache`) where it can be. It is
   exported with `torch.export` and compiled by AOTInductor into a shared library that Python calls
   directly: no torch.compile wrapper and no guard checks to run for every token. The model's
   weights and the cache buffers are inputs of the library, not constants baked into it, so one
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from decoderlm.cpu import gemv
+from decoderlm.cpu import gemv, paged_attention
 from decoderlm.model.kv_cache import StaticKVCache, StaticLayerCache
 from decoderlm.model.lm import DecoderLM
 
@@ -124,13 +125,43 @@ Forward = Callable[
 _INDUCTOR_OPTIONS = {"realize_opcount_threshold": 4, "realize_reads_threshold": 1}
 
 
+class InPlaceLayerCache(StaticLayerCache):
+    """A layer of the one-token step's static cache that attends the step itself: it stores the new
+    K/V at `slots` and reads each row's filled slots pad[b] .. slots[0] where they lie
+    (`paged_attention.static_decode_attention`), instead of handing SDPA the whole buffer and a
+    mask over its unfilled slots. For layers without a window, one query per row."""
+
+    def __init__(self, k: Tensor, v: Tensor, slots: Tensor, pad: Tensor) -> None:
+        super().__init__(k, v, slots)
+        self.pad = pad  # (B,) each row's first real slot
+
+    def attend_in_place(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """q (B, H, 1, hd); k, v (B, Hkv, 1, hd) → softmax(q Kᵀ · scale) V (B, H, 1, hd)."""
+        self.k.index_copy_(2, self.slots, k)
+        self.v.index_copy_(2, self.slots, v)
+        return paged_attention.static_decode_attention(
+            q, self.k, self.v, self.pad, self.slots, scale
+        )
+
+
+def attends_in_place(model: DecoderLM, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the one-token step of `model` attends its cache with `InPlaceLayerCache`: on the
+    CPU, no layer with a sliding window, and the kernel built for the cache's dtype."""
+    return (
+        device.type == "cpu"
+        and model.config.sliding_window is None
+        and paged_attention.static_available(dtype)
+    )
+
+
 class _OneTokenStep(nn.Module):
     """The one-token step as a function of tensors only, for torch.export.
 
     forward(*state, *keys, *values, token, slot, pad): the model's parameters and buffers (in the
     order of `names`), each layer's key and value buffers (B, Hkv, S, hd), the new tokens (B, 1),
     the cache slot they go to (1,) and each row's left padding (B,) → logits (B, V) in float32:
-    `forward` of the model over that cache, traced under `CPULinearKernels` if `cpu_kernels`.
+    `forward` of the model over that cache, traced under `CPULinearKernels` if `cpu_kernels`,
+    which also attends in place where `attends_in_place`.
     """
 
     def __init__(
@@ -147,7 +178,10 @@ class _OneTokenStep(nn.Module):
         slots = torch.arange(keys[0].shape[2], device=token.device)  # (S,)
         key_padding_mask = (slots >= pad[:, None]) & (slots <= slot)  # (B, S): each row's tokens
         positions = (slot - pad)[:, None]  # (B, 1): 0 at each row's first real token
-        cache = [StaticLayerCache(k, v, slot) for k, v in zip(keys, values, strict=True)]
+        if self.cpu_kernels and attends_in_place(self.model, keys[0].dtype, keys[0].device):
+            cache = [InPlaceLayerCache(k, v, slot, pad) for k, v in zip(keys, values, strict=True)]
+        else:
+            cache = [StaticLayerCache(k, v, slot) for k, v in zip(keys, values, strict=True)]
         with linear_kernels(self.cpu_kernels, compiling=True):
             return self.logits(self.model, cache, token, positions, key_padding_mask, state)
 

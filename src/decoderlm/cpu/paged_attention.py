@@ -1,5 +1,6 @@
 """Decode attention read in place from a paged KV pool: PagedAttention's kernel (Kwon et al., 2023,
-"Efficient Memory Management for LLM Serving with PagedAttention") for the CPU.
+"Efficient Memory Management for LLM Serving with PagedAttention") for the CPU; and the same kernel
+over the static cache of the compiled one-token step.
 
 A decode step has one query per row, out = softmax(q Kᵀ · scale) V over the row's own keys, which
 lie in blocks scattered over the pool. Without a kernel for that, each layer first gathers every
@@ -10,8 +11,14 @@ benchmarks/README.md). It runs on torch's OpenMP threads, in float32 for bfloat1
 does, and is used by `serving.Engine(cpu_kernels=True)` for the decode rows of its layers without
 a window.
 
+The compiled one-token step (`decoderlm.cpu.decode.CompiledStep`) attends its static cache
+(B, Hkv, S, hd) with the op decoderlm::static_decode_attention, the same C kernel registered in
+C++ (`decode_attention_ops.cpp`, as `decoderlm.cpu.gemv` does) so that the AOTInductor library
+calls it without Python: it reads each row's filled slots only, where SDPA over the whole buffer
+reads all S and masks the unfilled ones.
+
 The C source is built on first use and cached (`decoderlm.cpu.native`); where it cannot be,
-`available` is False and the engine keeps the gather path.
+`available` / `static_available` are False and the callers keep the gather path / SDPA.
 """
 
 from __future__ import annotations
@@ -26,7 +33,14 @@ from torch import Tensor
 from decoderlm.cpu import native
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
-FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+OPS_SOURCES = [SOURCE, Path(__file__).with_name("decode_attention_ops.cpp")]
+FUNCTIONS = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
+
+_OPS = torch.library.Library("decoderlm", "FRAGMENT")
+_OPS.define(
+    "static_decode_attention(Tensor q, Tensor k, Tensor v, Tensor first, Tensor last, float scale)"
+    " -> Tensor"
+)
 
 
 def library_path() -> Path:
@@ -42,7 +56,7 @@ def _library() -> ctypes.CDLL | None:
     for name in FUNCTIONS.values():
         function = getattr(library, name)
         function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+        function.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 9 + [ctypes.c_float]
     return library
 
 
@@ -86,12 +100,48 @@ def paged_decode_attention(
     q = q.contiguous()  # (B, H, 1, hd)
     table, lengths = table.contiguous(), lengths.contiguous()
     out = torch.empty_like(q)
+    strides = (block_size * h_kv * d, d, h_kv * d)  # a block's, a head's, a token's
     status = getattr(_library(), FUNCTIONS[q.dtype])(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), lengths.data_ptr(),
-        out.data_ptr(), b, h, h_kv, d, block_size, table.shape[1], scale,
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), None, lengths.data_ptr(),
+        out.data_ptr(), b, h, h_kv, d, block_size, table.shape[1], *strides, scale,
     )  # fmt: skip
     if status == -2:
         raise ValueError(f"paged_decode_attention: head_dim {d} > 512, the kernel's largest")
     if status != 0:
         raise MemoryError("paged_decode_attention: no memory for the scores")
     return out
+
+
+@functools.cache
+def _ops_built() -> bool:
+    """Whether decoderlm::static_decode_attention's CPU kernel is loaded (built first if need be)."""
+    fallback = "the compiled step attends its cache with SDPA"
+    return native.load(OPS_SOURCES, fallback, _register) is not None
+
+
+def _register(path: str) -> str:
+    torch.ops.load_library(path)  # registers the CPU kernel with the dispatcher
+    return path
+
+
+@torch.compiler.assume_constant_result  # asked while tracing the step; the answer never changes
+def static_available(dtype: torch.dtype) -> bool:
+    """Whether `static_decode_attention` runs for caches of this dtype on the CPU."""
+    return dtype in FUNCTIONS and _ops_built()
+
+
+def static_decode_attention(
+    q: Tensor, k: Tensor, v: Tensor, first: Tensor, last: Tensor, scale: float
+) -> Tensor:
+    """softmax(q Kᵀ · scale) V for one query per row over the static cache, read in place.
+
+    q (B, H, 1, hd); k, v (B, Hkv, S, hd) contiguous, q's dtype; first (B,) int64: row b attends
+    slots first[b] .. last[0] (last (1,) int64, first[b] ≤ last < S; checked). Returns
+    (B, H, 1, hd).
+    """
+    return torch.ops.decoderlm.static_decode_attention(q, k, v, first, last, scale)
+
+
+@torch.library.register_fake("decoderlm::static_decode_attention", lib=_OPS)
+def _(q: Tensor, k: Tensor, v: Tensor, first: Tensor, last: Tensor, scale: float) -> Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
