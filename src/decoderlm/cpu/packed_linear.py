@@ -8,6 +8,10 @@ pass applies) and run every later product on it (`torch.ops.mkldnn._linear_point
 products are the same; only the order of the sums may differ. Measured in the serving engine: see
 benchmarks/README.md.
 
+Where the CPU has AMX, bfloat16 weights are packed for the tile kernel of
+`decoderlm.cpu.amx_linear` instead, which reads them at memory bandwidth where oneDNN's packed
+product does not (weights whose inputs are not a multiple of 32 stay on oneDNN).
+
 `pack_linears(model)` returns the swap without applying it; `packed(swap)` applies it for the
 duration of a `with` block (the engine does so around each step), so the model itself stays plain
 and its state_dict unchanged. A packed copy of each weight is kept beside the original: the linear
@@ -24,22 +28,32 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from decoderlm.cpu import amx_linear
+
 BATCH_HINT = 16  # rows the layout is tuned for (any row count runs on it)
 
 
 class PackedLinear(nn.Module):
-    """y = x Wᵀ + b with W prepacked for oneDNN; inference only (no gradient reaches W)."""
+    """y = x Wᵀ + b with W prepacked for oneDNN, or for AMX tiles (bfloat16 where `amx_linear`
+    supports it); inference only (no gradient reaches W)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.linear = linear  # the original, for one row in float32 (MKL's GEMV is faster there)
         weight = linear.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+        self.amx = amx_linear.supports(weight)
+        if self.amx:
+            self.packed = amx_linear.pack(weight)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: Tensor) -> Tensor:  # (..., in_features) → (..., out_features)
         if x.dtype == torch.float32 and x.shape[:-1].numel() == 1:
             return F.linear(x, self.linear.weight, self.linear.bias)
+        if self.amx:
+            y = amx_linear.linear(x, self.packed, self.linear.out_features)
+            return y if self.bias is None else y + self.bias
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 

@@ -1,0 +1,85 @@
+/* bfloat16 linear layers on Intel AMX tiles (decoderlm.cpu.amx_linear): y = x Wᵀ for a few rows.
+ *
+ * W (N, K) is stored blocked once, (⌈N/16⌉, K/2, 16, 2): for each 16 outputs, K/2 rows of
+ * 16 (output, pair of inputs) in the VNNI order a tile multiply reads, so that each block of 16
+ * outputs is 32·K contiguous bytes streamed once per call (software-prefetched 8 KiB ahead; the
+ * hardware prefetcher ramps up too slowly on blocks of a few KB). For every 16 outputs and every 16
+ * rows of x: C (16 × 16, float32) = Σ over K/32 of A (16 rows × 32 inputs of x) · B (32 inputs × 16
+ * outputs of W), one TDPBF16PS each; rows beyond the last full 16 use a second pair of tiles
+ * configured for the rest. The block of W is read from memory by the first 16 rows and from the
+ * cache by the others. Sums in float32, rounded to bfloat16 once, as oneDNN's bf16 GEMM does.
+ * Needs K % 32 == 0 (the caller checks). Parallel over blocks of outputs with OpenMP.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: let this process use the AMX tile data state */
+#define XFEATURE_XTILEDATA 18
+#define PREFETCH_BYTES 8192
+
+int amx_request(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
+
+struct tile_config { /* palette 1, the layout LDTILECFG reads */
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+};
+
+/* Tiles: 0 = C and 1 = A for groups of 16 rows, 3 = C and 4 = A for the last `rest` rows, 2 = B. */
+static void configure(int64_t rest) {
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 5; t++) cfg.bytes_per_row[t] = 64;
+    cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = 16;
+    cfg.rows[3] = cfg.rows[4] = (uint8_t)(rest ? rest : 16);
+    _tile_loadconfig(&cfg);
+}
+
+/* Round row m of C (16 float32) to bfloat16 and store its valid outputs. */
+static inline void store_rows(const float *c, int64_t rows, uint16_t *y, int64_t N, __mmask16 valid) {
+    for (int64_t m = 0; m < rows; m++)
+        _mm256_mask_storeu_epi16(y + m * N, valid, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c + m * 16)));
+}
+
+/* x (M, K), w blocked as above, y (M, N); all contiguous bfloat16. */
+void amx_linear_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K) {
+    const int64_t blocks = (N + 15) / 16, full = M / 16, rest = M % 16;
+#pragma omp parallel
+    {
+        configure(rest);
+        float c[16 * 16];
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < blocks; j++) {
+            const uint16_t *wb = w + j * 16 * K; /* this block: K/2 × 16 × 2 */
+            const int64_t n_valid = N - j * 16;
+            const __mmask16 valid = n_valid >= 16 ? 0xFFFF : (__mmask16)((1u << n_valid) - 1);
+            for (int64_t g = 0; g <= full; g++) {
+                const int64_t rows = g < full ? 16 : rest;
+                if (rows == 0) break;
+                const uint16_t *xg = x + g * 16 * K;
+                if (rows == 16) _tile_zero(0); else _tile_zero(3);
+                for (int64_t k0 = 0; k0 < K; k0 += 32) {
+                    const uint16_t *bt = wb + k0 * 16; /* inputs k0 .. k0 + 31: 1 KiB */
+                    if (g == 0)
+                        for (int i = 0; i < 1024; i += 64)
+                            _mm_prefetch((const char *)bt + PREFETCH_BYTES + i, _MM_HINT_T0);
+                    _tile_loadd(2, bt, 64);
+                    if (rows == 16) {
+                        _tile_loadd(1, xg + k0, K * 2);
+                        _tile_dpbf16ps(0, 1, 2);
+                    } else {
+                        _tile_loadd(4, xg + k0, K * 2);
+                        _tile_dpbf16ps(3, 4, 2);
+                    }
+                }
+                if (rows == 16) _tile_stored(0, c, 64); else _tile_stored(3, c, 64);
+                store_rows(c, rows, y + g * 16 * N + j * 16, N, valid);
+            }
+        }
+        _tile_release();
+    }
+}

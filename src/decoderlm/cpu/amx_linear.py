@@ -1,0 +1,86 @@
+"""bfloat16 linear layers of a few rows on Intel AMX (Advanced Matrix Extensions) tiles: the
+products of the serving engine's batched decode steps, read at memory bandwidth.
+
+A decode step of B running sequences multiplies B rows by every weight: a few flops per weight
+byte, so its speed is the rate at which the weights stream from memory. oneDNN's packed bfloat16
+linear (`decoderlm.cpu.packed_linear`) reads them well below that rate at 4-16 rows; the kernel in
+`amx_linear.c` keeps each weight blocked for the tile multiply (TDPBF16PS: 16 rows × 32 inputs
+times 32 inputs × 16 outputs per instruction, float32 sums) and prefetches each block ahead, so
+the products are bound by the memory (measured in benchmarks/README.md, serve.py). Rows beyond 16
+re-read the block from the cache, not from memory.
+
+`pack(weight)` lays a weight (N, K) out as (⌈N/16⌉, K/2, 16, 2) once; `linear(x, packed, N)` is
+x Wᵀ in bfloat16. `supports(weight)` says whether the kernel runs for it: bfloat16, K a multiple
+of 32, a CPU with AMX-BF16 (and AVX512-BF16, for the rounding), a C compiler to build the kernel
+(`decoderlm.cpu.native`), and Linux granting the process the tile state (arch_prctl
+ARCH_REQ_XCOMP_PERM).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from decoderlm.cpu import native
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("amx_linear.c")
+CPU_FLAGS = {"amx_tile", "amx_bf16", "avx512_bf16"}
+INPUTS_PER_TILE = 32  # K is consumed 32 inputs (one tile row of 64 bytes) at a time
+OUTPUTS_PER_BLOCK = 16
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if not CPU_FLAGS.issubset(native.cpu_flags()):
+        return None
+    library = native.load([SOURCE], "bfloat16 linears stay on oneDNN", ctypes.CDLL)
+    if library is None:
+        return None
+    library.amx_request.restype = ctypes.c_int
+    if library.amx_request() != 0:
+        log.warning("decoderlm: the kernel refused AMX tiles; bfloat16 linears stay on oneDNN")
+        return None
+    library.amx_linear_bf16.restype = None
+    library.amx_linear_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    return library
+
+
+def supports(weight: Tensor) -> bool:
+    """Whether `linear` runs for this weight (N, K) here."""
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.shape[1] % INPUTS_PER_TILE == 0
+        and _library() is not None
+    )
+
+
+def pack(weight: Tensor) -> Tensor:
+    """weight (N, K) → (⌈N/16⌉, K/2, 16, 2): block j, row p holds outputs 16j .. 16j + 15, each with
+    inputs 2p and 2p + 1 (outputs past N are zeros)."""
+    n, k = weight.shape
+    blocks = -(-n // OUTPUTS_PER_BLOCK)
+    padded = weight.new_zeros(blocks * OUTPUTS_PER_BLOCK, k)
+    padded[:n] = weight
+    return padded.view(blocks, OUTPUTS_PER_BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def linear(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
+    """x Wᵀ: x (..., K) bfloat16, packed = pack(W) of W (out_features, K) → (..., out_features)."""
+    k = packed.shape[1] * 2
+    if x.shape[-1] != k or x.dtype != torch.bfloat16:
+        raise ValueError(f"amx_linear: x {tuple(x.shape)} {x.dtype} for a weight of {k} inputs")
+    rows = x.reshape(-1, k).contiguous()  # (M, K)
+    y = x.new_empty(rows.shape[0], out_features)  # (M, N)
+    if rows.shape[0]:
+        _library().amx_linear_bf16(
+            rows.data_ptr(), packed.data_ptr(), y.data_ptr(), rows.shape[0], out_features, k
+        )
+    return y.view(*x.shape[:-1], out_features)

@@ -1,0 +1,58 @@
+"""bfloat16 linears on AMX tiles: as close to float64 as F.linear for any row count and output
+tails; weights the kernel cannot take stay on oneDNN; the engine's packed linears use it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from decoderlm.cpu import amx_linear
+from decoderlm.cpu.packed_linear import PackedLinear
+
+needs_amx = pytest.mark.skipif(
+    not amx_linear.supports(torch.zeros(1, 32, dtype=torch.bfloat16)),
+    reason="no AMX-BF16 here, or no C compiler",
+)
+
+
+@needs_amx
+@pytest.mark.parametrize("n, k", [(1376, 512), (37, 64), (16, 32), (5, 96)])
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 40])  # one row, a partial tile, one, one and a row
+def test_tile_product_is_as_close_to_float64_as_f_linear(m, n, k):
+    g = torch.Generator().manual_seed(n + m)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    exact = x.double() @ w.double().T
+    reference_error = (F.linear(x, w).double() - exact).abs().max()
+    got = amx_linear.linear(x, amx_linear.pack(w), n)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().max()  # one bf16 step at the largest
+    assert (got.double() - exact).abs().max() <= 2 * reference_error + ulp
+
+
+@needs_amx
+def test_leading_dimensions_are_kept_and_a_wrong_width_is_refused():
+    w = torch.randn(24, 64).bfloat16()
+    x = torch.randn(3, 2, 64).bfloat16()
+    got = amx_linear.linear(x, amx_linear.pack(w), 24)
+    assert got.shape == (3, 2, 24)
+    assert torch.equal(got[1], amx_linear.linear(x[1], amx_linear.pack(w), 24))
+    with pytest.raises(ValueError, match="for a weight of 64 inputs"):
+        amx_linear.linear(torch.randn(2, 32).bfloat16(), amx_linear.pack(w), 24)
+
+
+@needs_amx
+def test_packed_bf16_linears_use_the_tiles_and_others_stay_on_onednn():
+    torch.manual_seed(0)
+    on_tiles = PackedLinear(nn.Linear(64, 40).bfloat16())  # with a bias
+    odd_width = PackedLinear(nn.Linear(48, 40).bfloat16())  # 48 inputs: not a multiple of 32
+    in_float32 = PackedLinear(nn.Linear(64, 40))
+    assert (on_tiles.amx, odd_width.amx, in_float32.amx) == (True, False, False)
+    for layer in (on_tiles, odd_width):
+        x = torch.randn(6, layer.linear.in_features).bfloat16()
+        exact = x.double() @ layer.linear.weight.double().T + layer.linear.bias.double()
+        reference_error = (layer.linear(x).double() - exact).abs().max()
+        ulp = torch.finfo(torch.bfloat16).eps * exact.abs().max()  # the bias: one more rounding
+        assert (layer(x).double() - exact).abs().max() <= 2 * reference_error + ulp
