@@ -102,9 +102,10 @@ class Engine:
         """kv_cache_memory: the byte budget of the KV pool, which holds
         ⌊budget / (block_size · bytes per token)⌋ blocks; kv_cache_dtype: None (K/V in the model's
         dtype) or "int8" (`decoderlm.model.int8_cache`, whose scales the bytes per token count);
-        cpu_kernels: on the CPU, run the steps with the linear weights packed for oneDNN
-        (`decoderlm.cpu.packed_linear`: faster for a batch of rows, at twice the linear weights'
-        memory; packed now, so a model changed later needs a new engine) and keep freed memory
+        cpu_kernels: on the CPU, run the steps with the linear weights packed for oneDNN, or
+        for AMX tiles in bfloat16 where the CPU has them (`decoderlm.cpu.packed_linear`: faster
+        for a batch of rows, at twice the linear weights' memory; packed now, so a model changed
+        later needs a new engine) and keep freed memory
         in the process (`decoderlm.cpu.heap`), so that each step's gathered K/V reuse the last
         step's pages instead of faulting in new ones; and, for float32 and bfloat16 pools, attend
         the decode rows of layers without a window in place, without gathering their blocks
