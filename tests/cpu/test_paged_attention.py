@@ -63,12 +63,18 @@ def test_in_place_attention_is_as_close_to_float64_as_gather_and_sdpa(dtype, h_k
         keys, values = gathered(k, table, max(lengths)), gathered(v, table, max(lengths))
         return F.scaled_dot_product_attention(q.reshape(group), keys, values, attn_mask=mask)
 
+    assert_as_close_to_float64_as(
+        sdpa, paged_decode_attention(q, k, v, table, n, 16**-0.5), q, k, v
+    )
+
+
+def assert_as_close_to_float64_as(sdpa, got, q, k, v) -> None:
+    """got: the kernel's output; the same sums in another order as sdpa(q, k, v) (B, Hkv, G, hd),
+    so within 2× that one's own error against float64 (+ 1 ulp of 1)."""
     exact = sdpa(q.double(), k.double(), v.double()).reshape(q.shape)
     reference_error = (sdpa(q, k, v).reshape(q.shape).double() - exact).abs().max()
-    got = paged_decode_attention(q, k, v, table, n, 16**-0.5)
-    assert got.shape == q.shape and got.dtype == dtype
-    # the same sums in another order: within 2× SDPA's own error (+ 1 ulp of 1)
-    assert (got.double() - exact).abs().max() <= 2 * reference_error + torch.finfo(dtype).eps
+    assert got.shape == q.shape and got.dtype == q.dtype
+    assert (got.double() - exact).abs().max() <= 2 * reference_error + torch.finfo(q.dtype).eps
 
 
 @needs_kernel
@@ -159,11 +165,9 @@ def test_in_place_attention_over_the_static_cache_is_as_close_to_float64_as_mask
     def sdpa(q, k, v):  # what the compiled step ran before: the whole buffer and a mask
         return F.scaled_dot_product_attention(q.reshape(group), k, v, attn_mask=mask)
 
-    exact = sdpa(q.double(), k.double(), v.double()).reshape(q.shape)
-    reference_error = (sdpa(q, k, v).reshape(q.shape).double() - exact).abs().max()
-    got = static_decode_attention(q, k, v, pad, slot, 16**-0.5)
-    assert got.shape == q.shape and got.dtype == dtype
-    assert (got.double() - exact).abs().max() <= 2 * reference_error + torch.finfo(dtype).eps
+    assert_as_close_to_float64_as(
+        sdpa, static_decode_attention(q, k, v, pad, slot, 16**-0.5), q, k, v
+    )
 
 
 @needs_op

@@ -137,8 +137,7 @@ class InPlaceLayerCache(StaticLayerCache):
 
     def attend_in_place(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """q (B, H, 1, hd); k, v (B, Hkv, 1, hd) → softmax(q Kᵀ · scale) V (B, H, 1, hd)."""
-        self.k.index_copy_(2, self.slots, k)
-        self.v.index_copy_(2, self.slots, v)
+        self.store(k, v)
         return paged_attention.static_decode_attention(
             q, self.k, self.v, self.pad, self.slots, scale
         )

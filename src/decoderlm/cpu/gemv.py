@@ -49,12 +49,7 @@ def _built() -> bool:
     if "avx512f" not in native.cpu_flags():
         return False
     fallback = "one-row linear layers run on PyTorch's kernels"
-    return native.load(SOURCES, fallback, _register) is not None
-
-
-def _register(path: str) -> str:
-    torch.ops.load_library(path)  # registers the CPU kernels with the dispatcher
-    return path
+    return native.load_ops(SOURCES, fallback)
 
 
 @torch.compiler.assume_constant_result  # traced code asks too; the answer never changes

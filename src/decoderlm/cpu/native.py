@@ -118,3 +118,14 @@ def load(sources: Sequence[Path], fallback: str, opener: Callable[[str], T]) -> 
     except OSError as exc:
         log.warning("decoderlm: building %s: %s; %s", target.name, exc, fallback)
         return None
+
+
+def load_ops(sources: Sequence[Path], fallback: str) -> bool:
+    """Build (if need be) and load `sources` as a library of torch ops, whose kernels register
+    themselves with the dispatcher (`torch.ops.load_library`); False (warned) where it cannot be."""
+    return load(sources, fallback, _load_ops_library) is not None
+
+
+def _load_ops_library(path: str) -> str:
+    torch.ops.load_library(path)
+    return path

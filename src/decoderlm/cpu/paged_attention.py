@@ -116,12 +116,7 @@ def paged_decode_attention(
 def _ops_built() -> bool:
     """Whether decoderlm::static_decode_attention's CPU kernel is loaded (built first if need be)."""
     fallback = "the compiled step attends its cache with SDPA"
-    return native.load(OPS_SOURCES, fallback, _register) is not None
-
-
-def _register(path: str) -> str:
-    torch.ops.load_library(path)  # registers the CPU kernel with the dispatcher
-    return path
+    return native.load_ops(OPS_SOURCES, fallback)
 
 
 @torch.compiler.assume_constant_result  # asked while tracing the step; the answer never changes

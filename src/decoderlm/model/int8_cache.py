@@ -110,8 +110,7 @@ class Int8LayerCache(StaticLayerCache):
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """k, v (B, Hkv, T, hd) are quantized into `slots`; returns the dequantized
         (B, Hkv, end or max_len, hd) keys and values in the model's dtype."""
-        self.k.index_copy_(2, self.slots, k)
-        self.v.index_copy_(2, self.slots, v)
+        self.store(k, v)  # Int8Buffer.index_copy_ quantizes
         return self.k[:, :, : self.end], self.v[:, :, : self.end]  # end None: the whole buffer
 
 

@@ -95,10 +95,14 @@ class StaticLayerCache:
         self.slots = torch.zeros(1, dtype=torch.long, device=k.device) if slots is None else slots
         self.end: int | None = None  # attend to slots [0, end); None = the whole buffer
 
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """k, v (B, Hkv, T, hd) go to `slots`; returns (B, Hkv, end or max_len, hd) keys and values."""
+    def store(self, k: Tensor, v: Tensor) -> None:
+        """k, v (B, Hkv, T, hd) go to `slots`."""
         self.k.index_copy_(2, self.slots, k)
         self.v.index_copy_(2, self.slots, v)
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """`store(k, v)`; returns the (B, Hkv, end or max_len, hd) keys and values to attend."""
+        self.store(k, v)
         if self.end is None:
             return self.k, self.v
         return self.k[:, :, : self.end], self.v[:, :, : self.end]
