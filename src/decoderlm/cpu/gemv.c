@@ -12,9 +12,10 @@
 #define INLINE static inline __attribute__((always_inline))
 
 /* Each row's weights are prefetched this far ahead of the loads: the hardware prefetcher alone
- * ramps up too slowly for matrices of a few hundred KB (benchmarks/README.md, llama_cpp.py, has
- * the distances measured). Prefetches past the end of W do not fault. */
-#define PREFETCH_BYTES 8192
+ * ramps up too slowly for matrices of a few hundred KB. Not a multiple of 4 KiB: at 4, 8 and
+ * 12 KiB the bfloat16 kernel read its weights ~20% slower than at 5 or 6 KiB (benchmarks/README.md,
+ * llama_cpp.py, has the distances measured). Prefetches past the end of W do not fault. */
+#define PREFETCH_BYTES 6144
 #define PREFETCH(p) _mm_prefetch((const char *)(p) + PREFETCH_BYTES, _MM_HINT_T0)
 
 /* float32 → bfloat16, rounding to nearest even (finite inputs). */
