@@ -1,5 +1,5 @@
 """The one-row linear kernels (`decoderlm.cpu.gemv`): as close to float64 as F.linear for float32,
-bfloat16 and int8 weights, with N and K that are not multiples of the vector width; one row only;
+bfloat16 and int8 weights (and bfloat16 weights under float32 activations), with N and K that are not multiples of the vector width; one row only;
 called by the compiled decode step, which then decodes the tokens of the eager model; and, where
 they cannot be built, PyTorch's kernels instead."""
 
@@ -59,6 +59,19 @@ def test_int8_product_is_as_close_to_float64_as_the_dequantized_f_linear(dtype, 
 
 
 @needs_kernel
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_bf16_weights_under_float32_activations_are_as_close_to_float64_as_f_linear(n, k):
+    g = torch.Generator().manual_seed(3 * n + k)
+    x, w = torch.randn(1, k, generator=g), torch.randn(n, k, generator=g).to(torch.bfloat16)
+    exact = x.double() @ w.double().T  # the bfloat16 weights, exact in float64
+    ulp = float(exact.abs().max()) * torch.finfo(torch.float32).eps
+    y = gemv.linear(x, w)
+    theirs = rounding_error(F.linear(x, w.float()), exact)
+    assert y.dtype == torch.float32
+    assert rounding_error(y, exact) <= 2 * theirs + ulp, (rounding_error(y, exact), theirs)
+
+
+@needs_kernel
 def test_more_than_one_row_or_a_wrong_width_is_refused():
     w = torch.randn(8, 16)
     with pytest.raises(RuntimeError, match="one row"):
@@ -80,15 +93,15 @@ def ops_called(fn) -> set[str]:
 
 
 @needs_kernel
-@pytest.mark.parametrize("weights", ["fp32", "int8"])
+@pytest.mark.parametrize("weights", ["fp32", "int8", "bf16"])
 def test_the_compiled_decode_step_calls_the_kernels_and_decodes_the_eager_tokens(weights):
     model = tiny_model()
-    if weights == "int8":
-        model = quantize(model, to="int8")
+    if weights != "fp32":
+        model = quantize(model, to=weights)  # bf16: bfloat16 weights, float32 activations
     prompt = [[5, 17, 3, 42]]
     eager = generate(model, prompt, 12, temperature=0)
     compiled = generate(model, prompt, 12, temperature=0, compile=True)  # builds the step first
-    op = "decoderlm::gemv" if weights == "fp32" else "decoderlm::gemv_int8"
+    op = "decoderlm::gemv_int8" if weights == "int8" else "decoderlm::gemv"
     assert op in ops_called(lambda: generate(model, prompt, 12, temperature=0, compile=True))
     assert compiled == eager
 

@@ -1,11 +1,11 @@
-"""`decoderlm quantize`: int8 / int4 weight-only quantization (logic in decoderlm.quant)."""
+"""`decoderlm quantize`: int8 / int4 / bf16 weight-only quantization (logic in decoderlm.quant)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-HELP = "quantize a run or Hugging Face checkpoint's weights to int8 or int4 (a new run directory)"
+HELP = "quantize a run or Hugging Face checkpoint's weights to int8, int4 or bf16 (a new run directory)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,7 +15,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--to",
         required=True,
         metavar="FORMAT",
-        help="int8 (per output channel) or int4 (per group of inputs, LM head int8)",
+        help=(
+            "int8 (per output channel), int4 (per group of inputs, LM head int8) or bf16 "
+            "(bfloat16 weights, float32 activations)"
+        ),
     )
     parser.add_argument(
         "--group-size",

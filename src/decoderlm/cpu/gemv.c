@@ -86,6 +86,35 @@ void gemv_bf16(const uint16_t *x, const uint16_t *W, uint16_t *y, int64_t N, int
 }
 #endif
 
+/* 16 bfloat16 values from p (m of them) widened to float32: exact, the bits shifted up. */
+INLINE __m512 widen_bf16(__mmask16 m, const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+/* y_n = Σ_k x_k W_nk; x float32, W bfloat16 widened to float32 (exact), y float32: the products
+ * and sums of F.linear on the float32 copy of W. Two accumulators per row, as int8_block. */
+INLINE void f32_bf16_block(const float *x, const uint16_t *W, float *y, int64_t n0, int64_t K, const int rows) {
+    __m512 acc[8];
+    for (int r = 0; r < 2 * rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __mmask16 m0 = tail16(K - k), m1 = tail16(K - k - 16);
+        __m512 x0 = _mm512_maskz_loadu_ps(m0, x + k), x1 = _mm512_maskz_loadu_ps(m1, x + k + 16);
+        for (int r = 0; r < rows; r++) {
+            const uint16_t *w = W + (n0 + r) * K + k;
+            PREFETCH(w);
+            acc[2 * r] = _mm512_fmadd_ps(widen_bf16(m0, w), x0, acc[2 * r]);
+            acc[2 * r + 1] = _mm512_fmadd_ps(widen_bf16(m1, w + 16), x1, acc[2 * r + 1]);
+        }
+    }
+    for (int r = 0; r < rows; r++) y[n0 + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * r], acc[2 * r + 1]));
+}
+
+/* x (K,) float32, W (N, K) bfloat16 → y (N,) float32. */
+void gemv_f32_bf16(const float *x, const uint16_t *W, float *y, int64_t N, int64_t K) {
+#define F32_BF16_BLOCK(n, rows) f32_bf16_block(x, W, y, n, K, rows)
+    FOR_ROW_BLOCKS(F32_BF16_BLOCK)
+}
+
 /* y_n = s_n Σ_k x_k W_nk; x float32, W int8 widened to float32 (exact), y float32 or (bf16_out)
  * bfloat16. Two accumulators per row, over alternate 16s of k, hide the conversions' latency. */
 INLINE void int8_block(const float *x, const int8_t *W, const float *s, void *y, int64_t n0, int64_t K,

@@ -14,6 +14,7 @@ using torch::stable::Tensor;
 extern "C" {
 void gemv_f32(const float *x, const float *W, float *y, int64_t N, int64_t K);
 void gemv_bf16(const uint16_t *x, const uint16_t *W, uint16_t *y, int64_t N, int64_t K);
+void gemv_f32_bf16(const float *x, const uint16_t *W, float *y, int64_t N, int64_t K);
 void gemv_int8_f32(const float *x, const int8_t *W, const float *s, float *y, int64_t N, int64_t K);
 int gemv_int8_bf16(const uint16_t *x, const int8_t *W, const float *s, uint16_t *y, int64_t N, int64_t K);
 }
@@ -36,6 +37,11 @@ Tensor gemv(Tensor x, Tensor weight) {
   Tensor y = one_row_output(x, weight);
   const int64_t N = weight.size(0), K = weight.size(1);
   const ScalarType dtype = x.scalar_type();
+  if (dtype == ScalarType::Float && weight.scalar_type() == ScalarType::BFloat16) {
+    gemv_f32_bf16(static_cast<const float *>(x.data_ptr()), static_cast<const uint16_t *>(weight.data_ptr()),
+                  static_cast<float *>(y.data_ptr()), N, K);
+    return y;
+  }
   STD_TORCH_CHECK(weight.scalar_type() == dtype, "gemv: x and weight differ in dtype");
   if (dtype == ScalarType::Float) {
     gemv_f32(static_cast<const float *>(x.data_ptr()), static_cast<const float *>(weight.data_ptr()),

@@ -1,11 +1,12 @@
-"""Weight-only quantization for inference: int8 per output channel, int4 per group of inputs.
+"""Weight-only quantization for inference: int8 per output channel, int4 per group of inputs, and
+bfloat16 weights under float32 activations.
 
 The weights of every nn.Linear are stored as small integers and a float scale, and are turned
 back into floats inside the matmul; activations, the KV cache, norms and the embedding lookup stay
 in floating point (weight-only quantization, as in gpt-fast's `WeightOnlyInt8QuantHandler` and
 llama.cpp's Q8_0 / Q4 formats; Dettmers et al., 2022, and Frantar et al., 2023, on its accuracy).
 
-- `linear`: `Int8Linear` and `Int4Linear`, the modules holding the quantized weights;
+- `linear`: `Int8Linear`, `Int4Linear` and `Bf16Linear`, the modules holding the quantized weights;
 - `apply`: `quantize(model, to, group_size)`, which swaps a model's nn.Linear modules from outside;
 - `io`: quantized run directories (`save_quantized`, `load_quantized`).
 
@@ -17,9 +18,10 @@ llama.cpp's Q8_0 / Q4 formats; Dettmers et al., 2022, and Frantar et al., 2023, 
 
 from decoderlm.quant.apply import quantization_of, quantize
 from decoderlm.quant.io import load_quantized, save_quantized
-from decoderlm.quant.linear import Int4Linear, Int8Linear
+from decoderlm.quant.linear import Bf16Linear, Int4Linear, Int8Linear
 
 __all__ = [
+    "Bf16Linear",
     "Int4Linear",
     "Int8Linear",
     "load_quantized",

@@ -4,6 +4,8 @@ Applied from outside the model, as gpt-fast's `WeightOnlyInt8QuantHandler`: the 
 unchanged and calls `self.head(x)` or `self.qkv(x)` whatever module sits there.
 
 - `to="int8"`: every linear layer becomes an `Int8Linear`.
+- `to="bf16"`: every linear layer becomes a `Bf16Linear`: weights in bfloat16, activations in
+  the model's dtype (float32 for the accuracy of float32 at half its weight bytes).
 - `to="int4"`: the block layers become `Int4Linear`s with `group_size` inputs per scale; the LM
   head stays int8, as in llama.cpp's Q4 files, which keep the output matrix at higher precision:
   its errors go straight into the logits.
@@ -20,9 +22,9 @@ from torch import nn
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.lm import DecoderLM
-from decoderlm.quant.linear import INT4_GROUP_SIZES, Int4Linear, Int8Linear
+from decoderlm.quant.linear import INT4_GROUP_SIZES, Bf16Linear, Int4Linear, Int8Linear
 
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "bf16")
 DEFAULT_GROUP_SIZE = 64  # int4; llama.cpp's Q4_0 uses 32, gpt-fast 128
 
 
@@ -30,10 +32,10 @@ def check_settings(to: str, group_size: int | None) -> int | None:
     """The group size to use (None for int8), or a one-line error naming the bad value."""
     if to not in QUANTIZATIONS:
         raise DecoderLMError(f"--to {to!r} must be one of {', '.join(QUANTIZATIONS)}")
-    if to == "int8":
+    if to != "int4":
         if group_size is not None:
             raise DecoderLMError(
-                f"--group-size {group_size} applies to int4 only (int8 scales whole rows)"
+                f"--group-size {group_size} applies to int4 only ({to} has no groups)"
             )
         return None
     group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
@@ -45,10 +47,13 @@ def check_settings(to: str, group_size: int | None) -> int | None:
 
 
 def quantization_of(model: nn.Module) -> dict[str, Any] | None:
-    """{"to": "int8" | "int4", "group_size": G or None} of a quantized model; None if float."""
+    """{"to": "int8" | "int4" | "bf16", "group_size": G or None} of a quantized model; None if
+    float."""
     int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
     if int4:
         return {"to": "int4", "group_size": int4[0].group_size}
+    if any(isinstance(m, Bf16Linear) for m in model.modules()):
+        return {"to": "bf16", "group_size": None}
     if any(isinstance(m, Int8Linear) for m in model.modules()):
         return {"to": "int8", "group_size": None}
     return None
@@ -69,6 +74,9 @@ def quantize(model: DecoderLM, to: str = "int8", group_size: int | None = None) 
                     f"--group-size {group_size} does not divide the {module.in_features} inputs "
                     f"of {name}; choose one of {', '.join(map(str, INT4_GROUP_SIZES))} that does"
                 )
+    if to == "bf16":
+        _swap(model, lambda name, linear: Bf16Linear.from_linear(linear))
+        return model
     _swap(
         model,
         lambda name, linear: (
@@ -85,6 +93,8 @@ def swap_empty(model: DecoderLM, to: str, group_size: int | None) -> DecoderLM:
 
     def empty(name: str, linear: nn.Linear) -> nn.Module:
         bias = linear.bias is not None
+        if to == "bf16":
+            return Bf16Linear(linear.in_features, linear.out_features, bias)
         if group_size is None or name == "head":
             return Int8Linear(linear.in_features, linear.out_features, bias)
         return Int4Linear(linear.in_features, linear.out_features, bias, group_size)

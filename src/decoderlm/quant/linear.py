@@ -8,7 +8,11 @@
   q_nk = round((W_nk − m_ng) / s_ng) ∈ [0, 15], Ŵ_nk = s_ng · q_nk + m_ng. Asymmetric because a
   group's minimum and maximum are rarely opposite, and with 16 levels every one counts.
 
-Each rounds to the nearest level, so |W − Ŵ| ≤ s / 2 element by element. The scales are float32
+- `Bf16Linear`: the weight rounded to bfloat16 (to nearest even), Ŵ = bf16(W), for float32
+  activations: half the bytes of float32 weights, the products and sums of float32 (llama.cpp's
+  bf16 files store their weights so, but round the activations to bfloat16 for the product too).
+
+Each rounds to the nearest level, so |W − Ŵ| ≤ s / 2 element by element (bf16: half an ulp). The scales are float32
 when quantized and follow the model's dtype when it is cast; the integer weights never change.
 """
 
@@ -92,6 +96,39 @@ class Int8Linear(_QuantizedLinear):
             return y.view(*x.shape[:-1], self.out_features)
         # (x·qᵀ)_n · s_n = (x·Ŵᵀ)_n; under compilation the conversion fuses into the matmul.
         return F.linear(x, self.weight_q.to(x.dtype)) * scale
+
+
+class Bf16Linear(_QuantizedLinear):
+    """Buffers: weight_bits int16 (N, K), the bits of the bfloat16 weight (an integer dtype, so
+    that `model.to(dtype)` never casts it: activations follow the model's dtype, the weight
+    stays bfloat16), and bias (N,) or None."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.register_buffer(
+            "weight_bits", torch.zeros(out_features, in_features, dtype=torch.int16)
+        )
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Bf16Linear:
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None)
+        new.weight_bits.copy_(linear.weight.detach().to(torch.bfloat16).view(torch.int16))
+        if linear.bias is not None:
+            new.bias.copy_(linear.bias.detach())
+        return new
+
+    @property
+    def weight(self) -> Tensor:
+        """Ŵ (N, K) bfloat16, a view of weight_bits."""
+        return self.weight_bits.view(torch.bfloat16)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return self.weight.to(dtype)  # exact: every bfloat16 is a float32
+
+    def matmul(self, x: Tensor) -> Tensor:
+        if gemv.handles(x, self.weight):
+            return gemv.linear(x, self.weight)  # (..., N)
+        return F.linear(x, self.dequantized(x.dtype))
 
 
 class Int4Linear(_QuantizedLinear):
