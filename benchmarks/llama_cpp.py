@@ -6,11 +6,14 @@ directory (`decoderlm.hf.to_hf`, with a Llama-style byte-fallback BPE tokenizer 
 own `convert_hf_to_gguf.py` at f32, bf16 and q8_0. llama.cpp's `llama-bench` times decoding
 (`-p 0 -n N`: N tokens generated one at a time) and prefill (`-p 512 -n 0`); decoderlm's
 `generate` is timed on the same shapes as in `decode.py` (N / (t(N + 1) − t(1)), 16-token prompt;
-prefill: 512 / time to the first token), compiled, in fp32, bf16 and with int8 weight-only
-quantization (`decoderlm.quant`, per-output-channel scales, as Q8_0 but one scale per row rather
-than per 32 weights). Both use --threads threads, one after the other (never at once), run by run
+prefill: 512 / time to the first token), compiled, in fp32, bf16, with bf16 weights under fp32
+activations (`quantize(to="bf16")`: what llama.cpp's bf16 file stores, but its products round the
+activations to bf16 as well) and with int8 weight-only quantization (`decoderlm.quant`,
+per-output-channel scales, as Q8_0 but one scale per row rather than per 32 weights). Both use --threads threads, one after the other (never at once), run by run
 interleaved so that both see the same spells of a shared CPU; ratios are medians of per-run ratios.
-"logits err" is decoderlm's max |logit − fp32 logit| over a 64-token sequence.
+"logits err" is each side's max |logit − decoderlm's fp32 logit| over one 64-token sequence, decoded as one
+batch: decoderlm's forward, and llama.cpp's through `llama_logits.c` (built here against the
+checkout's libllama), so the two engines' rounding is compared on the same weights and tokens.
 
 llama.cpp is not a dependency: build `llama-bench` from a llama.cpp checkout (the `llama-cpp-python`
 source package vendors one under vendor/llama.cpp: `pip download llama-cpp-python --no-deps
@@ -102,6 +105,27 @@ def gguf_files(theirs: torch.nn.Module, llama_cpp: Path, out: Path) -> dict[str,
     return files
 
 
+def build_llama_logits(llama_cpp: Path, out: Path) -> Path:
+    """`llama_logits.c` compiled against the checkout's llama.h and build/bin/libllama.so."""
+    binary, lib = out / "llama-logits", llama_cpp / "build" / "bin"
+    includes = ["-I", str(llama_cpp / "include"), "-I", str(llama_cpp / "ggml" / "include")]
+    source = Path(__file__).with_name("llama_logits.c")
+    link = ["-L", str(lib), "-lllama", f"-Wl,-rpath,{lib}"]
+    subprocess.run(
+        [os.environ.get("CC", "cc"), "-O2", *includes, str(source), *link, "-o", str(binary)],
+        check=True,
+    )
+    return binary
+
+
+def llama_logits(binary: Path, model: Path, threads: int, ids: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's logits (T, V) in float32 for the token ids (T,), decoded as one batch."""
+    text = " ".join(map(str, ids.tolist()))
+    cmd = [str(binary), str(model), str(threads)]
+    result = subprocess.run(cmd, input=text.encode(), check=True, capture_output=True)
+    return torch.frombuffer(bytearray(result.stdout), dtype=torch.float32).view(len(ids), -1)
+
+
 def llama_bench(binary: Path, model: Path, threads: int, args: list[str]) -> float:
     """llama-bench's tokens/s of one repetition of one test (`-p/-n` in args)."""
     cmd = [str(binary), "-m", str(model), "-t", str(threads), "-r", "1", "-o", "json"]
@@ -113,6 +137,7 @@ def ours_variants(model: DecoderLM) -> dict[str, DecoderLM]:
     return {
         "fp32": model,
         "bf16": copy.deepcopy(model).to(torch.bfloat16),
+        "bf16 weights, fp32 activations": quantize(copy.deepcopy(model), to="bf16"),
         "int8 weights, fp32 activations": quantize(copy.deepcopy(model), to="int8"),
         "int8 weights, bf16 activations": quantize(copy.deepcopy(model), to="int8").to(
             torch.bfloat16
@@ -149,6 +174,10 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="llama-cpp-") as tmp:
         files = gguf_files(theirs, args.llama_cpp, Path(tmp))
+        logits_binary = build_llama_logits(args.llama_cpp, Path(tmp))
+        for kind, path in files.items():
+            theirs_logits = llama_logits(logits_binary, path, args.threads, check[0])
+            errors[f"llama.cpp {kind}"] = float((theirs_logits.double() - reference[0]).abs().max())
         fns: dict[str, Callable[[], object]] = {}
         for kind, path in files.items():
             for test, flags in (("decode", ["-p", "0", "-n", str(n)]), ("prefill", ["-p", str(p), "-n", "0"])):  # fmt: skip
@@ -190,6 +219,7 @@ def main() -> None:
     pairs = [
         ("fp32", "llama.cpp f32"),
         ("bf16", "llama.cpp bf16"),
+        ("bf16 weights, fp32 activations", "llama.cpp bf16"),
         ("int8 weights, fp32 activations", "llama.cpp q8_0"),
         ("int8 weights, bf16 activations", "llama.cpp q8_0"),
     ]
