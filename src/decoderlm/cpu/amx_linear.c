@@ -2,7 +2,7 @@
  *
  * W (N, K) is stored blocked once, (⌈N/16⌉, K/2, 16, 2): for each 16 outputs, K/2 rows of
  * 16 (output, pair of inputs) in the VNNI order a tile multiply reads, so that each block of 16
- * outputs is 32·K contiguous bytes streamed once per call (software-prefetched 8 KiB ahead; the
+ * outputs is 32·K contiguous bytes streamed once per call (software-prefetched 6 KiB ahead; the
  * hardware prefetcher ramps up too slowly on blocks of a few KB). For every 16 outputs and every 16
  * rows of x: C (16 × 16, float32) = Σ over K/32 of A (16 rows × 32 inputs of x) · B (32 inputs × 16
  * outputs of W), one TDPBF16PS each; rows beyond the last full 16 use a second pair of tiles
@@ -18,7 +18,7 @@
 
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: let this process use the AMX tile data state */
 #define XFEATURE_XTILEDATA 18
-#define PREFETCH_BYTES 8192
+#define PREFETCH_BYTES 6144 /* not a multiple of 4 KiB: see gemv.c */
 
 int amx_request(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
 
