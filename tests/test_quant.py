@@ -230,7 +230,7 @@ def test_cli_quantizes_a_run_and_a_hf_directory(tmp_path, capsys):
     tokenizer = Tokenizer.train_char(["abcdefgh"])
     checkpoint.save_model(tmp_path / "run", _model(vocab_size=tokenizer.vocab_size), tokenizer)
     hf.export_hf(tmp_path / "run", tmp_path / "hf")
-    for source, to in (("run", "int8"), ("hf", "int4")):
+    for source, to in (("run", "int8"), ("hf", "int4"), ("run", "bf16")):
         out = tmp_path / f"{source}-{to}"
         assert main(["quantize", str(tmp_path / source), "--to", to, "--out", str(out)]) == 0
         model, loaded_tokenizer = load(out)
