@@ -86,63 +86,53 @@ void gemv_bf16(const uint16_t *x, const uint16_t *W, uint16_t *y, int64_t N, int
 }
 #endif
 
-/* 16 bfloat16 values from p (m of them) widened to float32: exact, the bits shifted up. */
-INLINE __m512 widen_bf16(__mmask16 m, const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+/* 16 weights of row w from input k on (m of them valid), widened to float32: exact. */
+INLINE __m512 widen_int8(__mmask16 m, const void *w, int64_t k) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, (const int8_t *)w + k)));
 }
 
-/* y_n = Σ_k x_k W_nk; x float32, W bfloat16 widened to float32 (exact), y float32: the products
- * and sums of F.linear on the float32 copy of W. Two accumulators per row, as int8_block. */
-INLINE void f32_bf16_block(const float *x, const uint16_t *W, float *y, int64_t n0, int64_t K, const int rows) {
+INLINE __m512 widen_bf16(__mmask16 m, const void *w, int64_t k) {  /* the bits shifted up */
+    __m256i bits = _mm256_maskz_loadu_epi16(m, (const uint16_t *)w + k);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+/* y_n = s_n Σ_k x_k W_nk; x float32, W of `bytes`-wide weights that `widen` turns into float32
+ * (int8, or bfloat16), s NULL for 1, y float32 or (bf16_out) bfloat16. Two accumulators per row,
+ * over alternate 16s of k, hide the conversions' latency. Each call site passes constants, so
+ * every variant compiles to its own loop. */
+INLINE void widened_block(const float *x, const void *W, const int bytes,
+                          __m512 (*widen)(__mmask16, const void *, int64_t), const float *s, void *y,
+                          int64_t n0, int64_t K, const int rows, const int bf16_out) {
     __m512 acc[8];
     for (int r = 0; r < 2 * rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
         __mmask16 m0 = tail16(K - k), m1 = tail16(K - k - 16);
         __m512 x0 = _mm512_maskz_loadu_ps(m0, x + k), x1 = _mm512_maskz_loadu_ps(m1, x + k + 16);
         for (int r = 0; r < rows; r++) {
-            const uint16_t *w = W + (n0 + r) * K + k;
-            PREFETCH(w);
-            acc[2 * r] = _mm512_fmadd_ps(widen_bf16(m0, w), x0, acc[2 * r]);
-            acc[2 * r + 1] = _mm512_fmadd_ps(widen_bf16(m1, w + 16), x1, acc[2 * r + 1]);
-        }
-    }
-    for (int r = 0; r < rows; r++) y[n0 + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * r], acc[2 * r + 1]));
-}
-
-/* x (K,) float32, W (N, K) bfloat16 → y (N,) float32. */
-void gemv_f32_bf16(const float *x, const uint16_t *W, float *y, int64_t N, int64_t K) {
-#define F32_BF16_BLOCK(n, rows) f32_bf16_block(x, W, y, n, K, rows)
-    FOR_ROW_BLOCKS(F32_BF16_BLOCK)
-}
-
-/* y_n = s_n Σ_k x_k W_nk; x float32, W int8 widened to float32 (exact), y float32 or (bf16_out)
- * bfloat16. Two accumulators per row, over alternate 16s of k, hide the conversions' latency. */
-INLINE void int8_block(const float *x, const int8_t *W, const float *s, void *y, int64_t n0, int64_t K,
-                       const int rows, const int bf16_out) {
-    __m512 acc[8];
-    for (int r = 0; r < 2 * rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        __mmask16 m0 = tail16(K - k), m1 = tail16(K - k - 16);
-        __m512 x0 = _mm512_maskz_loadu_ps(m0, x + k), x1 = _mm512_maskz_loadu_ps(m1, x + k + 16);
-        for (int r = 0; r < rows; r++) {
-            const int8_t *w = W + (n0 + r) * K + k;
-            PREFETCH(w);
-            __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m0, w)));
-            __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m1, w + 16)));
-            acc[2 * r] = _mm512_fmadd_ps(w0, x0, acc[2 * r]);
-            acc[2 * r + 1] = _mm512_fmadd_ps(w1, x1, acc[2 * r + 1]);
+            const char *w = (const char *)W + (n0 + r) * K * bytes;
+            PREFETCH(w + k * bytes);
+            acc[2 * r] = _mm512_fmadd_ps(widen(m0, w, k), x0, acc[2 * r]);
+            acc[2 * r + 1] = _mm512_fmadd_ps(widen(m1, w, k + 16), x1, acc[2 * r + 1]);
         }
     }
     for (int r = 0; r < rows; r++) {
-        float v = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * r], acc[2 * r + 1])) * s[n0 + r];
+        float v = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * r], acc[2 * r + 1]));
+        if (s != NULL) v *= s[n0 + r];
         if (bf16_out) ((uint16_t *)y)[n0 + r] = to_bf16(v);
         else ((float *)y)[n0 + r] = v;
     }
 }
 
+/* x (K,) float32, W (N, K) bfloat16 → y (N,) float32: the products and sums of F.linear on the
+ * float32 copy of W. */
+void gemv_f32_bf16(const float *x, const uint16_t *W, float *y, int64_t N, int64_t K) {
+#define F32_BF16_BLOCK(n, rows) widened_block(x, W, 2, widen_bf16, NULL, y, n, K, rows, 0)
+    FOR_ROW_BLOCKS(F32_BF16_BLOCK)
+}
+
 /* x (K,) float32, W (N, K) int8, s (N,) float32 → y (N,) float32. */
 void gemv_int8_f32(const float *x, const int8_t *W, const float *s, float *y, int64_t N, int64_t K) {
-#define INT8_F32_BLOCK(n, rows) int8_block(x, W, s, y, n, K, rows, 0)
+#define INT8_F32_BLOCK(n, rows) widened_block(x, W, 1, widen_int8, s, y, n, K, rows, 0)
     FOR_ROW_BLOCKS(INT8_F32_BLOCK)
 }
 
@@ -155,7 +145,7 @@ int gemv_int8_bf16(const uint16_t *x, const int8_t *W, const float *s, uint16_t 
         union { uint32_t u; float f; } v = {(uint32_t)x[k] << 16};
         xf[k] = v.f;
     }
-#define INT8_BF16_BLOCK(n, rows) int8_block(xf, W, s, y, n, K, rows, 1)
+#define INT8_BF16_BLOCK(n, rows) widened_block(xf, W, 1, widen_int8, s, y, n, K, rows, 1)
     FOR_ROW_BLOCKS(INT8_BF16_BLOCK)
     free(xf);
     return 0;
