@@ -9,10 +9,11 @@ own `convert_hf_to_gguf.py` at f32, bf16 and q8_0. llama.cpp's `llama-bench` tim
 prefill: 512 / time to the first token), compiled, in fp32, bf16, with bf16 weights under fp32
 activations (`quantize(to="bf16")`: what llama.cpp's bf16 file stores, but its products round the
 activations to bf16 as well) and with int8 weight-only quantization (`decoderlm.quant`,
-per-output-channel scales, as Q8_0 but one scale per row rather than per 32 weights). Both use --threads threads, one after the other (never at once), run by run
+per-output-channel scales, as Q8_0 but one scale per row rather than per 32 weights). Both use
+--threads threads, one after the other (never at once), run by run
 interleaved so that both see the same spells of a shared CPU; ratios are medians of per-run ratios.
-"logits err" is each side's max |logit − decoderlm's fp32 logit| over one 64-token sequence, decoded as one
-batch: decoderlm's forward, and llama.cpp's through `llama_logits.c` (built here against the
+"logits err" is each side's max |logit − decoderlm's fp32 logit| over one 64-token sequence,
+decoded as one batch: decoderlm's forward, and llama.cpp's through `llama_logits.c` (built here against the
 checkout's libllama), so the two engines' rounding is compared on the same weights and tokens.
 
 llama.cpp is not a dependency: build `llama-bench` from a llama.cpp checkout (the `llama-cpp-python`

@@ -41,8 +41,8 @@ of an hour on 2 shared cores) is skipped, so that the run fits in about 20 minut
 Part "quant": one trained model, by default a char-level Llama on Tiny Shakespeare
 (../shared/data/tinyshakespeare.txt; last 10% = val split) trained --train-s seconds by
 `decoderlm.training.trainer.train`, or --checkpoint RUN (its val split: --eval-data DIR, else the
-data directory its trainer state recorded). Rows: fp32 weights; bf16 and bf16 weights under fp32
-activations (where native); int8 and
+data directory its trainer state recorded). Rows: fp32 weights; bf16 (where native); bf16 weights
+under fp32 activations; int8 and
 int4 (group 64) from `decoderlm.quant.quantize` (activations in --quant-dtype); fp32 weights over
 an int8 KV cache. Columns: weight MiB (parameters and buffers), val loss and perplexity over the
 first --eval-tokens of the val split (`evaluate_tokens`: non-overlapping windows of the model's
@@ -386,8 +386,7 @@ def variants(base: DecoderLM, args: argparse.Namespace) -> dict[str, tuple[Decod
     rows = {"fp32": (base, None)}
     if cpu_has_native_bf16():
         rows["bf16"] = (copy.deepcopy(base).to(torch.bfloat16), None)
-    if cpu_has_native_bf16():
-        rows["bf16 weights"] = (quantize(copy.deepcopy(base), to="bf16"), None)  # fp32 activations
+    rows["bf16 weights"] = (quantize(copy.deepcopy(base), to="bf16"), None)  # fp32 activations
     rows["int8"] = (quantize(copy.deepcopy(base), to="int8").to(quant_dtype), None)
     int4 = quantize(copy.deepcopy(base), to="int4", group_size=args.group_size)
     rows[f"int4 (group {args.group_size})"] = (int4.to(quant_dtype), None)

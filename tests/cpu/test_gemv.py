@@ -1,5 +1,6 @@
 """The one-row linear kernels (`decoderlm.cpu.gemv`): as close to float64 as F.linear for float32,
-bfloat16 and int8 weights (and bfloat16 weights under float32 activations), with N and K that are not multiples of the vector width; one row only;
+bfloat16 and int8 weights (and bfloat16 weights under float32 activations), with N and K that
+are not multiples of the vector width; one row only;
 called by the compiled decode step, which then decodes the tokens of the eager model; and, where
 they cannot be built, PyTorch's kernels instead."""
 

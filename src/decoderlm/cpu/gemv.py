@@ -3,9 +3,10 @@
 Decoding batch 1 reads every weight once per token and does two flops per weight read, so its
 speed is the rate at which the weights stream from memory. The kernels in `gemv.c` compute four
 output rows per pass over x with AVX-512 (vdpbf16ps for bfloat16, bfloat16 weights widened to
-float32 for float32 activations, int8 widened to float32 for per-row-scaled int8), summing in float32 as F.linear does (only the order of the sums differs),
-and prefetch each row's weights 6 KiB ahead: the hardware prefetcher alone ramps up too slowly on
-matrices of a few hundred KB, where F.linear's GEMV and the product-and-row-sum that inductor
+float32 for float32 activations, int8 widened to float32 for per-row-scaled int8), summing in
+float32 as F.linear does (only the order of the sums differs), and prefetch each row's weights
+6 KiB ahead: the hardware prefetcher alone ramps up too slowly on matrices of a few hundred KB,
+where F.linear's GEMV and the product-and-row-sum that inductor
 fuses (`decode.CPULinearKernels`) stay well below the memory bandwidth. Measured against
 llama.cpp and without the prefetch: benchmarks/README.md, llama_cpp.py.
 
@@ -16,7 +17,8 @@ them as opaque and the compiled decode step calls them as they are) and implemen
 Python (a Python kernel's call costs as much as a 512 × 512 product: benchmarks/README.md). `available` says
 whether the kernel for a pair of dtypes was built here: AVX-512 (and AVX512-BF16 for bfloat16
 weights) and C and C++ compilers (`decoderlm.cpu.native`). The call sites
-(`decode.CPULinearKernels`, `quant.linear.Int8Linear` and `Bf16Linear`) fall back to PyTorch where it is not.
+(`decode.CPULinearKernels`, `quant.linear.Int8Linear` and `Bf16Linear`) fall back to PyTorch
+where it is not.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@
   activations: half the bytes of float32 weights, the products and sums of float32 (llama.cpp's
   bf16 files store their weights so, but round the activations to bfloat16 for the product too).
 
-Each rounds to the nearest level, so |W − Ŵ| ≤ s / 2 element by element (bf16: half an ulp). The scales are float32
+Each rounds to the nearest level, so |W − Ŵ| ≤ s / 2 element by element (bf16: half an ulp).
+The scales are float32
 when quantized and follow the model's dtype when it is cast; the integer weights never change.
 """
 
@@ -128,7 +129,7 @@ class Bf16Linear(_QuantizedLinear):
     def matmul(self, x: Tensor) -> Tensor:
         if gemv.handles(x, self.weight):
             return gemv.linear(x, self.weight)  # (..., N)
-        return F.linear(x, self.dequantized(x.dtype))
+        return super().matmul(x)
 
 
 class Int4Linear(_QuantizedLinear):
