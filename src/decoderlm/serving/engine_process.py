@@ -42,12 +42,12 @@ from typing import Any
 import torch
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.serving.engine import Engine, one_by_one, stream_batches
-from decoderlm.serving.types import EngineStats, EngineStoppedError, RequestParams, TokenEvent
+from decoderlm.serving.engine import Engine
+from decoderlm.serving.streams import one_by_one, stream_batches
+from decoderlm.serving.types import EngineStats, EngineStoppedError, RequestParams, Sink, TokenEvent
 
 log = logging.getLogger(__name__)
 REPLY_TIMEOUT_S = 60.0  # a submit, call or stats the child has not answered by then fails
-Sink = Callable[[TokenEvent], None]
 
 
 @dataclass(frozen=True)
