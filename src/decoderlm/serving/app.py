@@ -40,7 +40,13 @@ from decoderlm.serving.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from decoderlm.serving.types import EngineStoppedError, QueueFullError, RequestParams, TokenEvent
+from decoderlm.serving.types import (
+    EngineClient,
+    EngineStoppedError,
+    QueueFullError,
+    RequestParams,
+    TokenEvent,
+)
 
 log = logging.getLogger("decoderlm.serve")
 
@@ -51,7 +57,7 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 class Served:
     """What the app serves, once loaded: an engine (started by the app) and how to talk to it."""
 
-    engine: Any
+    engine: EngineClient
     tokenizer: Any
     model_name: str
     context_length: int
