@@ -32,10 +32,10 @@ from typing import Any
 from torch import Tensor
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.inference.generate import prompt_rows
 from decoderlm.model.int8_cache import check_kv_cache_dtype
 from decoderlm.model.lm import DecoderLM
-from decoderlm.serving.kv_pool import BlockPool, blocks_for
+from decoderlm.serving.inputs import InputProcessor
+from decoderlm.serving.kv_pool import BlockPool
 from decoderlm.serving.output import SequenceOutput, prompt_events
 from decoderlm.serving.runner import ModelRunner
 from decoderlm.serving.sampler import Sampled, SamplingState, sample
@@ -70,6 +70,31 @@ class _Live:
     request: _Request
     sampling: SamplingState
     output: SequenceOutput
+
+
+class _Counters:
+    """What `Engine.stats` counts since the start (under the engine's lock), and the generated
+    tokens of the last RATE_WINDOW_S seconds."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = self.generated = self.max_running = 0
+        self._rate: deque[tuple[float, int]] = deque()  # (time, generated tokens so far)
+
+    def mark(self) -> None:
+        """A step ended: a sample of the rate."""
+        self._rate.append((self._prune(), self.generated))
+
+    def tokens_per_s(self) -> float:
+        now = self._prune()
+        t0, g0 = self._rate[0] if self._rate else (now, self.generated)
+        return (self.generated - g0) / (now - t0) if now > t0 else 0.0
+
+    def _prune(self) -> float:
+        """Forget the rate samples older than the window; returns the time now."""
+        now = time.monotonic()
+        while self._rate and now - self._rate[0][0] > RATE_WINDOW_S:
+            self._rate.popleft()
+        return now
 
 
 class Engine:
@@ -108,6 +133,14 @@ class Engine:
             cpu_kernels=cpu_kernels,
         )
         self.pool = BlockPool(self.runner.num_blocks, block_size, prefix_caching)
+        self.inputs = InputProcessor(
+            tokenizer,
+            model.config.vocab_size,
+            self.max_sequence,
+            block_size,
+            self.runner.num_blocks,
+            max_queue,
+        )
         self.scheduler = Scheduler(self.pool, prefill_chunk)
         self._lock = threading.Condition()  # guards everything below, and the scheduler
         self._requests: dict[str, _Request] = {}
@@ -117,8 +150,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._closed = self._stopping = False
         self.failure: str | None = None  # why the engine stopped by itself, if it did
-        self._prompt_tokens = self._generated = self._max_running = 0
-        self._rate: deque[tuple[float, int]] = deque()  # (time, generated tokens so far)
+        self._counters = _Counters()
 
     # Requests.
 
@@ -135,17 +167,8 @@ class Engine:
         Returns the request id. Raises QueueFullError when the waiting queue cannot take its
         `params.n` sequences, and DecoderLMError for a bad prompt or one that cannot fit the pool.
         """
-        ids = self._prompt_ids(prompt)
-        max_len = min(len(ids) + params.max_tokens, self.max_sequence)
-        needed = blocks_for(max_len, self.pool.block_size)
-        if needed > self.pool.num_blocks:
-            raise DecoderLMError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {needed} KV "
-                f"blocks but kv_cache_memory holds {self.pool.num_blocks}; lower max_tokens or "
-                "raise kv_cache_memory"
-            )
-        if params.n > self.max_queue:
-            raise DecoderLMError(f"n={params.n} exceeds the engine's max_queue={self.max_queue}")
+        ids = self.inputs.prompt_ids(prompt)
+        max_len = self.inputs.max_len(ids, params)
         request_id = uuid.uuid4().hex if request_id is None else request_id
         events: list[tuple[_Request, TokenEvent]] = []
         with self._lock:
@@ -159,7 +182,7 @@ class Engine:
                 )
             request = _Request(request_id, on_event, n_open=params.n)
             self._requests[request_id] = request
-            self._prompt_tokens += len(ids)
+            self._counters.prompt_tokens += len(ids)
             for index in range(params.n):
                 seq = Sequence(list(ids), len(ids), max_len)
                 self._live[seq] = self._new_live(request, index, params, ids)
@@ -186,7 +209,7 @@ class Engine:
         logprob (nothing precedes it), token t has log p(token t | tokens < t) and the `top`
         likeliest tokens at t. The engine's thread computes them before its next step (`call`), in
         one forward pass over the prompt outside the batch and the KV pool. Thread-safe."""
-        ids = self._prompt_ids(prompt)
+        ids = self.inputs.prompt_ids(prompt)
         if not (isinstance(top, int) and not isinstance(top, bool) and top >= 0):
             raise DecoderLMError(f"top={top!r} must be an integer ≥ 0")
         return self.call(Engine._prompt_events, ids, top)
@@ -215,7 +238,7 @@ class Engine:
         while finished < len(prompts):
             while todo:
                 prompt, collector = todo[0]
-                collector.prompt_ids = self._prompt_ids(prompt)
+                collector.prompt_ids = self.inputs.prompt_ids(prompt)
                 try:
                     self.submit(collector.prompt_ids, params, on_event=collector.add)
                 except QueueFullError:
@@ -321,7 +344,8 @@ class Engine:
                     events.append(self._end(seq, "cancelled"))
             self._cancels.clear()
             plan = self.scheduler.schedule()
-            self._max_running = max(self._max_running, len(self.scheduler.running))
+            counters = self._counters
+            counters.max_running = max(counters.max_running, len(self.scheduler.running))
             calls, self._calls = self._calls, []
         batches = [(plan.decode, 1)] if plan.decode else []
         batches += [([seq], n) for seq, n in plan.prefill]
@@ -335,7 +359,7 @@ class Engine:
             with self._lock:
                 for (seqs, n), rows in zip(batches, logits, strict=True):
                     events += self._pass_events(seqs, n, rows)
-                self._rate.append((self._prune_rate(), self._generated))
+                self._counters.mark()
                 self._lock.notify_all()
         self._deliver(events)
         return bool(batches or calls)
@@ -360,7 +384,7 @@ class Engine:
     def _emit(self, seq: Sequence, sampled: Sampled) -> tuple[_Request, TokenEvent]:
         """`seq` takes its sampled token; the event that reports it."""
         seq.tokens.append(sampled.token)
-        self._generated += 1
+        self._counters.generated += 1
         live = self._live[seq]
         event = live.output.event(sampled.token, sampled.logprobs, len(seq.tokens) >= seq.max_len)
         return self._finish(seq, event) if event.finish_reason else (live.request, event)
@@ -400,21 +424,6 @@ class Engine:
             except RuntimeError:  # the consumer is gone (e.g. its event loop closed)
                 self.cancel(request.id)
 
-    # Helpers.
-
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise DecoderLMError("empty prompt: give some text to continue")
-            prompt = self.tokenizer.encode(prompt)
-        ids = prompt_rows([list(prompt)], self.model.config.vocab_size)[0]
-        if len(ids) > self.max_sequence:
-            raise DecoderLMError(
-                f"prompt has {len(ids)} tokens, more than the model's context_length "
-                f"({self.max_sequence})"
-            )
-        return ids
-
     def _new_live(
         self, request: _Request, index: int, params: RequestParams, ids: list[int]
     ) -> _Live:
@@ -422,17 +431,9 @@ class Engine:
         sampling = SamplingState.create(params, index, ids, vocab_size, device)
         return _Live(request, sampling, SequenceOutput.create(self.tokenizer, params, index, ids))
 
-    def _prune_rate(self) -> float:
-        """Forget the rate samples older than the window; returns the time now."""
-        now = time.monotonic()
-        while self._rate and now - self._rate[0][0] > RATE_WINDOW_S:
-            self._rate.popleft()
-        return now
-
     def stats(self) -> EngineStats:
         with self._lock:
-            now = self._prune_rate()
-            t0, g0 = self._rate[0] if self._rate else (now, self._generated)
+            counters = self._counters
             return EngineStats(
                 running=len(self.scheduler.running),
                 waiting=len(self.scheduler.waiting),
@@ -440,11 +441,11 @@ class Engine:
                 kv_blocks_total=self.pool.num_blocks,
                 kv_block_size=self.pool.block_size,
                 kv_bytes_per_token=self.runner.bytes_per_token,
-                prompt_tokens=self._prompt_tokens,
-                generated_tokens=self._generated,
+                prompt_tokens=counters.prompt_tokens,
+                generated_tokens=counters.generated,
                 prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
-                max_running_seen=self._max_running,
-                tokens_per_s=(self._generated - g0) / (now - t0) if now > t0 else 0.0,
+                max_running_seen=counters.max_running,
+                tokens_per_s=counters.tokens_per_s(),
                 preemptions=self.scheduler.preemptions,
             )
 
