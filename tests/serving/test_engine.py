@@ -515,13 +515,13 @@ def test_a_failing_request_ends_with_error_and_the_others_and_the_engine_go_on(t
     broken, healthy = [], []
     engine.submit([1, 2, 3], params, request_id="broken", on_event=broken.append)
     engine.submit([4, 5, 6], params, on_event=healthy.append)
-    seq = engine._requests["broken"].seqs[0]
+    seq = engine.core.requests["broken"].seqs[0]
 
     def fail(token: int) -> str:
         raise ValueError("a detokenizer bug")
 
     # its detokenizing raises; the other row's does not
-    engine._live[seq].output.decoder.add = fail
+    engine.core.live[seq].output.decoder.add = fail
     while engine.step():
         pass
     assert broken == [TokenEvent(None, "", finish_reason="error")]
@@ -559,7 +559,7 @@ def test_a_step_that_raises_on_the_thread_ends_every_request_and_sets_failure(to
     def broken_schedule():
         raise RuntimeError("a scheduler bug")
 
-    engine.scheduler.schedule = broken_schedule
+    engine.core.scheduler.schedule = broken_schedule
     events, done = [], threading.Event()
     engine.submit(
         [1, 2], RequestParams(5, GREEDY), on_event=lambda e: (events.append(e), done.set())

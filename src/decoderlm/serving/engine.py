@@ -1,11 +1,13 @@
 """A continuous-batching inference engine over a paged KV pool, after vLLM's LLMEngine (Kwon et al.,
 2023, "Efficient Memory Management for LLM Serving with PagedAttention").
 
-Each `step` runs the `Scheduler`'s plan: one forward pass decoding a token for every running
-sequence, then the planned prefill chunks, one forward pass each (`runner.ModelRunner`, the only
-part that runs the model); the logits become tokens in `sampler.sample` and tokens become
-`TokenEvent`s in `output.SequenceOutput`. Every sequence samples with its own `SamplingParams`
-and `torch.Generator` and is detokenized by its own `IncrementalDecoder` and `StopMatcher`, so a
+`Engine` is the thread-safe front: requests in, events out to each request's sink, the background
+thread and shutdown. Each of its `step`s runs one step of its `EngineCore` (vLLM's EngineCore): the
+`Scheduler`'s plan, one forward pass decoding a token for every running sequence, then the planned
+prefill chunks, one forward pass each (`runner.ModelRunner`, the only part that runs the model);
+the logits become tokens in `sampler.sample` and tokens become `TokenEvent`s in
+`output.SequenceOutput`. Every sequence samples with its own `SamplingParams` and
+`torch.Generator` and is detokenized by its own `IncrementalDecoder` and `StopMatcher`, so a
 request's tokens do not depend on what else runs: greedy requests equal `decoderlm.generate` on
 their prompt alone, up to floating-point rounding of the batched kernels.
 
@@ -97,6 +99,131 @@ class _Counters:
         return now
 
 
+class EngineCore:
+    """The requests in flight and one step over them: schedule → run → sample → output, after
+    vLLM's EngineCore. Not thread-safe: `Engine` calls it under its lock, except `run` (the
+    forward passes, inside `runner.running()`)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        runner: ModelRunner,
+        block_size: int,
+        prefill_chunk: int,
+        prefix_caching: bool,
+    ) -> None:
+        self.tokenizer, self.vocab_size, self.runner = tokenizer, vocab_size, runner
+        self.pool = BlockPool(runner.num_blocks, block_size, prefix_caching)
+        self.scheduler = Scheduler(self.pool, prefill_chunk)
+        self.requests: dict[str, _Request] = {}
+        self.live: dict[Sequence, _Live] = {}  # the sequences that have not finished
+        self.counters = _Counters()
+
+    def add(
+        self, request: _Request, params: RequestParams, ids: list[int], max_len: int
+    ) -> list[tuple[_Request, TokenEvent]]:
+        """Queue the request's `params.n` sequences of prompt `ids`, to end at `max_len` tokens;
+        the last events of those with nothing to generate (max_tokens 0 or a full context)."""
+        self.requests[request.id] = request
+        self.counters.prompt_tokens += len(ids)
+        events = []
+        for index in range(params.n):
+            seq = Sequence(list(ids), len(ids), max_len)
+            sampling = SamplingState.create(params, index, ids, self.vocab_size, self.runner.device)
+            output = SequenceOutput.create(self.tokenizer, params, index, ids)
+            self.live[seq] = _Live(request, sampling, output)
+            request.seqs.append(seq)
+            if max_len == len(ids):
+                events.append(self.end(seq, "length"))
+            else:
+                self.scheduler.add(seq)
+        return events
+
+    def schedule(self) -> list[tuple[list[Sequence], int]]:
+        """This step's forward passes, (sequences, tokens each): the decode rows, then each
+        prefill chunk."""
+        plan = self.scheduler.schedule()
+        counters = self.counters
+        counters.max_running = max(counters.max_running, len(self.scheduler.running))
+        batches = [(plan.decode, 1)] if plan.decode else []
+        return batches + [([seq], n) for seq, n in plan.prefill]
+
+    def run(self, batches: list[tuple[list[Sequence], int]]) -> list[Tensor | None]:
+        """Each pass's logits (B, V), or None for a pass that raised (logged)."""
+        return [_isolated(self.runner.forward, seqs, n) for seqs, n in batches]
+
+    def outputs(
+        self, batches: list[tuple[list[Sequence], int]], logits: list[Tensor | None]
+    ) -> list[tuple[_Request, TokenEvent]]:
+        """The events of the passes `run` ran."""
+        events = []
+        for (seqs, n), rows in zip(batches, logits, strict=True):
+            events += self._pass_events(seqs, n, rows)
+        self.counters.mark()
+        return events
+
+    def _pass_events(
+        self, seqs: list[Sequence], n: int, logits: Tensor | None
+    ) -> list[tuple[_Request, TokenEvent]]:
+        """The events of a forward pass that ran n tokens of `seqs`, whose logits (B, V) are
+        None if it failed: then its sequences end, and the other passes go on."""
+        if logits is None:
+            return [self.end(seq, "error") for seq in seqs if seq in self.live]
+        ready = [seq in self.live and seq.n_pending == n for seq in seqs]  # at its last token
+        states = [self.live[s].sampling if r else None for s, r in zip(seqs, ready, strict=True)]
+        events = []
+        for seq, is_ready, sampled in zip(seqs, ready, sample(logits, states), strict=True):
+            self.scheduler.computed(seq, n)
+            if is_ready:
+                event = None if sampled is None else _isolated(self._emit, seq, sampled)
+                events.append(self.end(seq, "error") if event is None else event)
+        return events
+
+    def _emit(self, seq: Sequence, sampled: Sampled) -> tuple[_Request, TokenEvent]:
+        """`seq` takes its sampled token; the event that reports it."""
+        seq.tokens.append(sampled.token)
+        self.counters.generated += 1
+        live = self.live[seq]
+        event = live.output.event(sampled.token, sampled.logprobs, len(seq.tokens) >= seq.max_len)
+        return self._finish(seq, event) if event.finish_reason else (live.request, event)
+
+    def end(self, seq: Sequence, reason: str) -> tuple[_Request, TokenEvent]:
+        """Take `seq` out with a last event that carries no token, finish_reason `reason`."""
+        return self._finish(seq, self.live[seq].output.ended(reason))
+
+    def _finish(self, seq: Sequence, event: TokenEvent) -> tuple[_Request, TokenEvent]:
+        """Take `seq` out (its blocks are freed); `event` is its last."""
+        self.scheduler.remove(seq)
+        request = self.live.pop(seq).request
+        request.n_open -= 1
+        if request.n_open == 0:
+            del self.requests[request.id]
+        return request, event
+
+    def prompt_events(self, ids: list[int], top: int) -> list[TokenEvent]:
+        """`Engine.score`'s events for prompt `ids`."""
+        return prompt_events(self.tokenizer, ids, self.runner.prompt_logprobs(ids), top)
+
+    def stats(self) -> EngineStats:
+        """`Engine.stats`."""
+        counters = self.counters
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.pool.num_used,
+            kv_blocks_total=self.pool.num_blocks,
+            kv_block_size=self.pool.block_size,
+            kv_bytes_per_token=self.runner.bytes_per_token,
+            prompt_tokens=counters.prompt_tokens,
+            generated_tokens=counters.generated,
+            prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
+            max_running_seen=counters.max_running,
+            tokens_per_s=counters.tokens_per_s(),
+            preemptions=self.scheduler.preemptions,
+        )
+
+
 class Engine:
     """Serve `model` to many requests at once; see the module docstring."""
 
@@ -132,25 +259,19 @@ class Engine:
             kv_cache_dtype=kv_cache_dtype,
             cpu_kernels=cpu_kernels,
         )
-        self.pool = BlockPool(self.runner.num_blocks, block_size, prefix_caching)
+        vocab_size, num_blocks = model.config.vocab_size, self.runner.num_blocks
         self.inputs = InputProcessor(
-            tokenizer,
-            model.config.vocab_size,
-            self.max_sequence,
-            block_size,
-            self.runner.num_blocks,
-            max_queue,
+            tokenizer, vocab_size, self.max_sequence, block_size, num_blocks, max_queue
         )
-        self.scheduler = Scheduler(self.pool, prefill_chunk)
-        self._lock = threading.Condition()  # guards everything below, and the scheduler
-        self._requests: dict[str, _Request] = {}
-        self._live: dict[Sequence, _Live] = {}
+        self.core = EngineCore(
+            tokenizer, vocab_size, self.runner, block_size, prefill_chunk, prefix_caching
+        )
+        self._lock = threading.Condition()  # guards everything below, and the core
         self._cancels: list[Sequence] = []
         self._calls: list[tuple[Callable[..., Any], tuple, concurrent.futures.Future]] = []
         self._thread: threading.Thread | None = None
         self._closed = self._stopping = False
         self.failure: str | None = None  # why the engine stopped by itself, if it did
-        self._counters = _Counters()
 
     # Requests.
 
@@ -170,27 +291,17 @@ class Engine:
         ids = self.inputs.prompt_ids(prompt)
         max_len = self.inputs.max_len(ids, params)
         request_id = uuid.uuid4().hex if request_id is None else request_id
-        events: list[tuple[_Request, TokenEvent]] = []
         with self._lock:
             if self._closed:
                 raise EngineStoppedError("the engine is shutting down and takes no new requests")
-            if request_id in self._requests:
+            if request_id in self.core.requests:
                 raise DecoderLMError(f"request_id={request_id!r} is already running")
-            if len(self.scheduler.waiting) + params.n > self.max_queue:
+            if len(self.core.scheduler.waiting) + params.n > self.max_queue:
                 raise QueueFullError(
                     f"the engine's waiting queue is full ({self.max_queue} sequences); retry later"
                 )
             request = _Request(request_id, on_event, n_open=params.n)
-            self._requests[request_id] = request
-            self._counters.prompt_tokens += len(ids)
-            for index in range(params.n):
-                seq = Sequence(list(ids), len(ids), max_len)
-                self._live[seq] = self._new_live(request, index, params, ids)
-                request.seqs.append(seq)
-                if max_len == len(ids):  # nothing to generate: max_tokens 0 or a full context
-                    events.append(self._end(seq, "length"))
-                else:
-                    self.scheduler.add(seq)
+            events = self.core.add(request, params, ids, max_len)
             self._lock.notify_all()
         self._deliver(events)
         return request_id
@@ -198,7 +309,7 @@ class Engine:
     def cancel(self, request_id: str) -> None:
         """End a request's sequences at the next step (finish_reason "cancelled"); unknown ids are ignored."""
         with self._lock:
-            request = self._requests.get(request_id)
+            request = self.core.requests.get(request_id)
             self._cancels.extend(request.seqs if request is not None else ())
             self._lock.notify_all()
 
@@ -212,7 +323,7 @@ class Engine:
         ids = self.inputs.prompt_ids(prompt)
         if not (isinstance(top, int) and not isinstance(top, bool) and top >= 0):
             raise DecoderLMError(f"top={top!r} must be an integer ≥ 0")
-        return self.call(Engine._prompt_events, ids, top)
+        return self.call(_prompt_events, ids, top)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
         """fn(self, *args) on the engine's thread before its next step, so that it never runs
@@ -285,7 +396,8 @@ class Engine:
         `grace_s` seconds to finish, then cancel them and stop the thread."""
         with self._lock:
             self._closed = True
-            self._cancels.extend(s for s in self.scheduler.waiting if len(s.tokens) == s.n_prompt)
+            waiting = self.core.scheduler.waiting
+            self._cancels.extend(s for s in waiting if len(s.tokens) == s.n_prompt)
             self._lock.notify_all()
         deadline = time.monotonic() + grace_s
         with self._lock:
@@ -294,7 +406,7 @@ class Engine:
         while self._thread is None and self._has_work() and time.monotonic() < deadline:
             self.step()
         with self._lock:
-            self._cancels.extend(self._live)
+            self._cancels.extend(self.core.live)
             self._stopping = True
             self._lock.notify_all()
             thread = self._thread
@@ -321,7 +433,7 @@ class Engine:
         with self._lock:
             self._closed = self._stopping = True
             self.failure = "an engine step failed; see the server log"
-            events += [self._end(seq, "error") for seq in list(self._live)]
+            events += [self.core.end(seq, "error") for seq in list(self.core.live)]
             for _, _, future in self._calls:
                 future.set_exception(EngineStoppedError("the engine failed; see the server log"))
             self._calls.clear()
@@ -329,9 +441,8 @@ class Engine:
         self._deliver(events)
 
     def _has_work(self) -> bool:
-        return bool(
-            self._cancels or self._calls or self.scheduler.running or self.scheduler.waiting
-        )
+        scheduler = self.core.scheduler
+        return bool(self._cancels or self._calls or scheduler.running or scheduler.waiting)
 
     # One step: schedule → run → sample → output.
 
@@ -340,82 +451,23 @@ class Engine:
         events: list[tuple[_Request, TokenEvent]] = []
         with self._lock:
             for seq in self._cancels:
-                if seq in self._live:  # not finished meanwhile
-                    events.append(self._end(seq, "cancelled"))
+                if seq in self.core.live:  # not finished meanwhile
+                    events.append(self.core.end(seq, "cancelled"))
             self._cancels.clear()
-            plan = self.scheduler.schedule()
-            counters = self._counters
-            counters.max_running = max(counters.max_running, len(self.scheduler.running))
+            batches = self.core.schedule()
             calls, self._calls = self._calls, []
-        batches = [(plan.decode, 1)] if plan.decode else []
-        batches += [([seq], n) for seq, n in plan.prefill]
         with self.runner.running():
             for fn, args, future in calls:
                 try:
                     future.set_result(fn(self, *args))
                 except Exception as exc:  # that call fails; the engine goes on
                     future.set_exception(exc)
-            logits = [self._isolated(self.runner.forward, seqs, n) for seqs, n in batches]
+            logits = self.core.run(batches)
             with self._lock:
-                for (seqs, n), rows in zip(batches, logits, strict=True):
-                    events += self._pass_events(seqs, n, rows)
-                self._counters.mark()
+                events += self.core.outputs(batches, logits)
                 self._lock.notify_all()
         self._deliver(events)
         return bool(batches or calls)
-
-    def _pass_events(
-        self, seqs: list[Sequence], n: int, logits: Tensor | None
-    ) -> list[tuple[_Request, TokenEvent]]:
-        """The events of a forward pass that ran n tokens of `seqs`, whose logits (B, V) are
-        None if it failed: then its sequences end, and the other passes go on."""
-        if logits is None:
-            return [self._end(seq, "error") for seq in seqs if seq in self._live]
-        ready = [seq in self._live and seq.n_pending == n for seq in seqs]  # at its last token
-        states = [self._live[s].sampling if r else None for s, r in zip(seqs, ready, strict=True)]
-        events = []
-        for seq, is_ready, sampled in zip(seqs, ready, sample(logits, states), strict=True):
-            self.scheduler.computed(seq, n)
-            if is_ready:
-                event = None if sampled is None else self._isolated(self._emit, seq, sampled)
-                events.append(self._end(seq, "error") if event is None else event)
-        return events
-
-    def _emit(self, seq: Sequence, sampled: Sampled) -> tuple[_Request, TokenEvent]:
-        """`seq` takes its sampled token; the event that reports it."""
-        seq.tokens.append(sampled.token)
-        self._counters.generated += 1
-        live = self._live[seq]
-        event = live.output.event(sampled.token, sampled.logprobs, len(seq.tokens) >= seq.max_len)
-        return self._finish(seq, event) if event.finish_reason else (live.request, event)
-
-    @staticmethod
-    def _isolated(fn: Callable[..., Any], *args: Any) -> Any:
-        """fn(*args), or None (logged) if it raised: one request's failure ends that request only."""
-        try:
-            return fn(*args)
-        except Exception:
-            log.exception(
-                "decoderlm engine: %s failed; its sequences end with 'error'", fn.__name__
-            )
-            return None
-
-    def _prompt_events(self, ids: list[int], top: int) -> list[TokenEvent]:
-        """`score`'s events for prompt `ids`."""
-        return prompt_events(self.tokenizer, ids, self.runner.prompt_logprobs(ids), top)
-
-    def _end(self, seq: Sequence, reason: str) -> tuple[_Request, TokenEvent]:
-        """Take `seq` out with a last event that carries no token, finish_reason `reason`."""
-        return self._finish(seq, self._live[seq].output.ended(reason))
-
-    def _finish(self, seq: Sequence, event: TokenEvent) -> tuple[_Request, TokenEvent]:
-        """Take `seq` out (its blocks are freed); `event` is its last."""
-        self.scheduler.remove(seq)
-        request = self._live.pop(seq).request
-        request.n_open -= 1
-        if request.n_open == 0:
-            del self._requests[request.id]
-        return request, event
 
     def _deliver(self, events: list[tuple[_Request, TokenEvent]]) -> None:
         for request, event in events:
@@ -424,30 +476,23 @@ class Engine:
             except RuntimeError:  # the consumer is gone (e.g. its event loop closed)
                 self.cancel(request.id)
 
-    def _new_live(
-        self, request: _Request, index: int, params: RequestParams, ids: list[int]
-    ) -> _Live:
-        vocab_size, device = self.model.config.vocab_size, self.runner.device
-        sampling = SamplingState.create(params, index, ids, vocab_size, device)
-        return _Live(request, sampling, SequenceOutput.create(self.tokenizer, params, index, ids))
-
     def stats(self) -> EngineStats:
         with self._lock:
-            counters = self._counters
-            return EngineStats(
-                running=len(self.scheduler.running),
-                waiting=len(self.scheduler.waiting),
-                kv_blocks_used=self.pool.num_used,
-                kv_blocks_total=self.pool.num_blocks,
-                kv_block_size=self.pool.block_size,
-                kv_bytes_per_token=self.runner.bytes_per_token,
-                prompt_tokens=counters.prompt_tokens,
-                generated_tokens=counters.generated,
-                prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
-                max_running_seen=counters.max_running,
-                tokens_per_s=counters.tokens_per_s(),
-                preemptions=self.scheduler.preemptions,
-            )
+            return self.core.stats()
+
+
+def _prompt_events(engine: Engine, ids: list[int], top: int) -> list[TokenEvent]:
+    """`Engine.score`'s events for prompt `ids`, by `Engine.call`."""
+    return engine.core.prompt_events(ids, top)
+
+
+def _isolated(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args), or None (logged) if it raised: one request's failure ends that request only."""
+    try:
+        return fn(*args)
+    except Exception:
+        log.exception("decoderlm engine: %s failed; its sequences end with 'error'", fn.__name__)
+        return None
 
 
 def _positive_int(name: str, value: object) -> None:
