@@ -372,7 +372,7 @@ def test_logprobs_are_the_raw_log_softmax_with_the_top_k(tok):
 
 
 def test_rows_of_one_batch_get_the_tokens_and_logprobs_each_gets_alone(tok):
-    # _batch_choices takes the argmax and log_softmax of the whole batch at once: per row they
+    # sampler.sample takes the argmax and log_softmax of the whole batch at once: per row they
     # must be exactly what one row alone gives, whatever the other rows ask for.
     model = tiny_model(tok)
     greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=9)
