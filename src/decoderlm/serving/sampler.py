@@ -81,7 +81,7 @@ def sample(logits: Tensor, states: list[SamplingState | None]) -> list[Sampled |
     operation over all rows gives every greedy row its token (argmax) and every row that reports
     them its log-probabilities; per row they equal the one-row operations. The other rows sample
     one by one, each from its own generator. A row whose sampling raises gets None (logged), as
-    does a row not sampled: its sequence ends with "error", the other rows go on.
+    does a row not sampled; the engine ends the first's sequence with "error", the others go on.
     """
     greedy = [state is not None and state.greedy for state in states]
     wants_lp = [state is not None and state.logprobs for state in states]
