@@ -101,7 +101,7 @@ def engine_table(dtypes: list[torch.dtype], rounds: int) -> None:
             tokens: dict[bool, list[list[int]]] = {}
             for _ in range(rounds):
                 for in_place in (False, True):
-                    for layer in engine.cache.layers:
+                    for layer in engine.runner.cache.layers:
                         layer.in_place = in_place
                     start = time.perf_counter()
                     done = engine.generate(prompts, params)

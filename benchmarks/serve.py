@@ -50,10 +50,11 @@ from decoderlm import DecoderLM, ModelConfig
 from decoderlm.checkpoint import save_model
 from decoderlm.hf import to_hf
 from decoderlm.inference.sampling import SamplingParams
-from decoderlm.serving.app import Served, create_app
+from decoderlm.serving.app import create_app
 from decoderlm.serving.chat import ChatTemplate
 from decoderlm.serving.engine import Engine
 from decoderlm.serving.engine_process import EngineProcess, EngineSpec
+from decoderlm.serving.http import Served
 from decoderlm.serving.kv_pool import blocks_for
 from decoderlm.serving.types import RequestParams
 from decoderlm.tokenizer import Tokenizer

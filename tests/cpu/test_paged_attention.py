@@ -110,7 +110,7 @@ def engine_layers_in_place(monkeypatch, tmp_path, compiler: str | None) -> list[
             "llama-tiny", vocab_size=tok.vocab_size, d_model=32, n_layers=2, n_heads=4
         )
         engine = Engine(DecoderLM(config).eval(), tok, kv_cache_memory="1MiB")
-        return [layer.in_place for layer in engine.cache.layers]
+        return [layer.in_place for layer in engine.runner.cache.layers]
     finally:
         paged_attention._library.cache_clear()
 

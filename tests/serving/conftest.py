@@ -87,9 +87,9 @@ def wait_healthy(base: str, timeout: float = 30.0) -> None:
 
 def make_served(run_dir: Path, loaded, **engine_kwargs):
     """A `Served` over a fresh engine on the session's model."""
-    from decoderlm.serving.app import Served
     from decoderlm.serving.chat import load_chat_template
     from decoderlm.serving.engine import Engine
+    from decoderlm.serving.http import Served
 
     model, tokenizer = loaded
     return Served(

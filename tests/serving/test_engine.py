@@ -13,8 +13,9 @@ import torch
 from decoderlm import DecoderLM, DecoderLMError, ModelConfig, generate
 from decoderlm.inference.sampling import SamplingParams
 from decoderlm.model.kv_cache import kv_cache_bytes_per_token
-from decoderlm.serving.engine import Engine, stream_batches
+from decoderlm.serving.engine import Engine
 from decoderlm.serving.kv_pool import BlockPool, parse_bytes, prefix_keys
+from decoderlm.serving.streams import stream_batches
 from decoderlm.serving.types import (
     EngineStoppedError,
     QueueFullError,
@@ -226,8 +227,9 @@ def test_int8_pool_counts_its_scales_in_the_blocks_the_budget_holds(tok):
     model = tiny_model(tok, torch.float32)
     budget = 8 * 16 * engine_bytes(model)
     engine = Engine(model, tok, kv_cache_memory=budget, kv_cache_dtype="int8")
-    assert engine.bytes_per_token == kv_cache_bytes_per_token(model.config, "int8") == 96
-    assert engine.cache.nbytes == 21 * 16 * 96 <= budget  # the buffers allocated, scales included
+    assert engine.runner.bytes_per_token == kv_cache_bytes_per_token(model.config, "int8") == 96
+    # the buffers allocated, scales included
+    assert engine.runner.cache.nbytes == 21 * 16 * 96 <= budget
     for prompt in random_prompts(20, tok.vocab_size, (16, 17)):
         engine.submit(prompt, RequestParams(max_tokens=1), on_event=lambda e: None)
     engine.step()
@@ -248,7 +250,7 @@ def test_int8_engine_requests_equal_their_solo_int8_generate_in_float64(tok):
     for (prompt, params), got in zip(requests, events, strict=True):
         solo = generate(model, [prompt], params.max_tokens, temperature=0, kv_cache_dtype="int8")
         assert token_ids(got) == solo[0][len(prompt) :]
-    pool = engine.cache[0].k  # what the requests were decoded from: int8 values and scales
+    pool = engine.runner.cache[0].k  # what the requests were decoded from: int8 values and scales
     assert pool.values.dtype == torch.int8 and bool(pool.scales.any())
 
 
@@ -370,7 +372,7 @@ def test_logprobs_are_the_raw_log_softmax_with_the_top_k(tok):
 
 
 def test_rows_of_one_batch_get_the_tokens_and_logprobs_each_gets_alone(tok):
-    # _batch_choices takes the argmax and log_softmax of the whole batch at once: per row they
+    # sampler.sample takes the argmax and log_softmax of the whole batch at once: per row they
     # must be exactly what one row alone gives, whatever the other rows ask for.
     model = tiny_model(tok)
     greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=9)
@@ -513,12 +515,13 @@ def test_a_failing_request_ends_with_error_and_the_others_and_the_engine_go_on(t
     broken, healthy = [], []
     engine.submit([1, 2, 3], params, request_id="broken", on_event=broken.append)
     engine.submit([4, 5, 6], params, on_event=healthy.append)
-    seq = engine._requests["broken"].seqs[0]
+    seq = engine.core.requests["broken"].seqs[0]
 
     def fail(token: int) -> str:
         raise ValueError("a detokenizer bug")
 
-    engine._outputs[seq].decoder.add = fail  # its sampling step raises; the other row's does not
+    # its detokenizing raises; the other row's does not
+    engine.core.live[seq].output.decoder.add = fail
     while engine.step():
         pass
     assert broken == [TokenEvent(None, "", finish_reason="error")]
@@ -526,7 +529,7 @@ def test_a_failing_request_ends_with_error_and_the_others_and_the_engine_go_on(t
     assert token_ids(healthy) == solo and healthy[-1].finish_reason == "length"
 
     # A forward pass that raises ends the sequences in it; the next request runs normally.
-    forward, calls = engine._forward, []
+    forward, calls = engine.runner.forward, []
 
     def fail_once(seqs, n):
         calls.append(len(seqs))
@@ -534,7 +537,7 @@ def test_a_failing_request_ends_with_error_and_the_others_and_the_engine_go_on(t
             raise RuntimeError("out of memory")
         return forward(seqs, n)
 
-    engine._forward = fail_once
+    engine.runner.forward = fail_once
     first, again = [], []
     engine.submit([7, 8], params, on_event=first.append)
     engine.step()
@@ -556,7 +559,7 @@ def test_a_step_that_raises_on_the_thread_ends_every_request_and_sets_failure(to
     def broken_schedule():
         raise RuntimeError("a scheduler bug")
 
-    engine.scheduler.schedule = broken_schedule
+    engine.core.scheduler.schedule = broken_schedule
     events, done = [], threading.Event()
     engine.submit(
         [1, 2], RequestParams(5, GREEDY), on_event=lambda e: (events.append(e), done.set())

@@ -3,6 +3,7 @@ failed load is an error the server can report, never a hang."""
 
 from __future__ import annotations
 
+import inspect
 import operator
 import shutil
 import sys
@@ -21,7 +22,7 @@ from decoderlm.serving.app import create_app
 from decoderlm.serving.engine import Engine
 from decoderlm.serving.engine_process import EngineProcess, EngineSpec, build_engine
 from decoderlm.serving.playground import _model_facts
-from decoderlm.serving.types import EngineStoppedError, RequestParams
+from decoderlm.serving.types import EngineClient, EngineStoppedError, RequestParams
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -32,6 +33,30 @@ def child(run_dir):
     engine.start()
     yield engine
     engine.shutdown(0)
+
+
+def test_engine_and_engine_process_have_every_member_of_engine_client(loaded):
+    # What the app, the playground and `decoderlm chat` use, with the protocol's signatures.
+    model, tokenizer = loaded
+    members = {name for name in vars(EngineClient) if not name.startswith("_")}
+    assert members == {
+        *("max_sequence", "failure", "start", "shutdown", "submit", "stream", "stream_batches"),
+        *("cancel", "score", "call", "stats"),
+    }
+    engines = [Engine(model, tokenizer, kv_cache_memory="1MiB"), EngineProcess(EngineSpec("x"))]
+    for name in sorted(members):
+        declared = inspect.getattr_static(EngineClient, name)
+        for engine in engines:
+            found = inspect.getattr_static(engine, name)  # AttributeError if it lacks it
+            if isinstance(declared, property):
+                want = inspect.signature(declared.fget, eval_str=True).return_annotation
+                if isinstance(found, property):
+                    assert inspect.signature(found.fget, eval_str=True).return_annotation == want
+                else:  # an attribute of the instance
+                    assert isinstance(found, want), (type(engine).__name__, name)
+            else:
+                got = inspect.signature(found, eval_str=True)
+                assert got == inspect.signature(declared, eval_str=True), (type(engine), name)
 
 
 def test_a_checkpoint_that_fails_to_load_is_one_clear_error(tmp_path, run_dir):

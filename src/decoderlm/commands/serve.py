@@ -69,9 +69,9 @@ def load_served(args: argparse.Namespace, engine_process: bool = False) -> Any:
     """The `Served` of a checkpoint: its tokenizer, chat template and an engine, started in a
     process of its own (`decoderlm.serving.engine_process`) or, without `engine_process`, not yet
     started in this one."""
-    from decoderlm.serving.app import Served
     from decoderlm.serving.chat import load_chat_template
     from decoderlm.serving.engine_process import EngineProcess, EngineSpec, build_engine
+    from decoderlm.serving.http import Served
 
     options = {
         "kv_cache_memory": args.kv_cache_memory,

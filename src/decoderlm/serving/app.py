@@ -9,8 +9,9 @@ not a broken stream. Streams are server-sent events, `data: {json}\\n\\n` ending
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad field
 or a prompt that leaves no room in the context, 404 for an unknown model, 429 for a full queue, 503
 while the model loads or the server drains. `max_tokens` beyond the context is cut to fit
-(finish_reason "length"); the i-th of n choices uses seed + i. The playground page and its
-endpoints (/, /v1/model_card, /v1/engine_stats, /v1/attention) are in serving/playground.py.
+(finish_reason "length"); the i-th of n choices uses seed + i. `create_app` mounts this module's
+router and the playground's (serving/playground.py: /, /static, /v1/model_card,
+/v1/engine_stats, /v1/attention); what both use is in serving/http.py.
 """
 
 from __future__ import annotations
@@ -22,18 +23,25 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.serving import protocol
-from decoderlm.serving.chat import ChatTemplate
-from decoderlm.serving.metrics import Metrics
+from decoderlm.serving import playground, protocol
+from decoderlm.serving.http import (
+    APIError,
+    Served,
+    ServerState,
+    State,
+    chat_prompt,
+    check_model,
+    encode,
+    request_text,
+)
 from decoderlm.serving.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -47,95 +55,9 @@ log = logging.getLogger("decoderlm.serve")
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
 
-@dataclass
-class Served:
-    """What the app serves, once loaded: an engine (started by the app) and how to talk to it."""
-
-    engine: Any
-    tokenizer: Any
-    model_name: str
-    context_length: int
-    vocab_size: int
-    chat_template: ChatTemplate = field(default_factory=ChatTemplate)
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type,
-            param,
-            code,
-        )
-
-    def response(self) -> JSONResponse:
-        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
-        return JSONResponse({"error": error}, status_code=self.status, headers=headers)
-
-
-class _State:
-    """The app's life: loading → serving → draining; and the request ids the engine is running."""
-
-    def __init__(
-        self, load: Callable[[], Served], on_load_error: Callable[[BaseException], None] | None
-    ) -> None:
-        self.load, self.on_load_error = load, on_load_error
-        self.served: Served | None = None
-        self.error: str | None = None
-        self.draining = False
-        self.inflight: set[str] = set()
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.metrics = Metrics(lambda: self.served.engine.stats() if self.served else None)
-
-    async def start(self) -> None:
-        try:
-            served = await asyncio.to_thread(self.load)
-            served.engine.start()
-        except Exception as exc:
-            self.error = f"loading failed: {exc}"
-            log.error("decoderlm serve: %s", self.error)
-            if self.on_load_error is not None:
-                self.on_load_error(exc)
-            return
-        self.served = served
-
-    def ready(self) -> Served:
-        if self.draining:
-            raise APIError(503, "the server is shutting down", "service_unavailable")
-        if self.served is None:
-            raise APIError(503, self.error or "the model is loading", "service_unavailable")
-        if self.served.engine.failure is not None:
-            message = f"the engine has stopped: {self.served.engine.failure}"
-            raise APIError(503, message, "service_unavailable")
-        return self.served
-
-    def drain(self, grace_s: float) -> None:
-        """Refuse new requests; after grace_s seconds cancel those still running."""
-        self.draining = True
-        asyncio.get_running_loop().call_later(grace_s, self.cancel_all)
-
-    def cancel_all(self) -> None:
-        for request_id in list(self.inflight):
-            self.served.engine.cancel(request_id)
-
-
 def drain(app: FastAPI, grace_s: float) -> None:
     """Start a graceful shutdown (safe from a signal handler or another thread)."""
-    state: _State = app.state.server
+    state: ServerState = app.state.server
     if state.loop is not None:
         state.loop.call_soon_threadsafe(state.drain, grace_s)
 
@@ -148,7 +70,7 @@ class _Stream:
 
     def __init__(
         self,
-        state: _State,
+        state: ServerState,
         request_id: str,
         prompt_ids: list[int],
         params: RequestParams,
@@ -382,26 +304,6 @@ async def _respond(
     return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
 
-def check_model(served: Served, model: str | None) -> None:
-    if model is not None and model != served.model_name:
-        raise APIError(
-            404,
-            f"model {model!r} is not served here; this server serves {served.model_name!r}",
-            param="model",
-            code="model_not_found",
-        )
-
-
-def encode(served: Served, text: str, param: str) -> list[int]:
-    try:
-        ids = served.tokenizer.encode(text)
-    except DecoderLMError as exc:
-        raise APIError(400, str(exc), param=param) from None
-    if not ids:
-        raise APIError(400, f"{param} is empty: give at least one token", param=param)
-    return ids
-
-
 def _room(served: Served, ids: list[int], requested: int | None, param: str) -> int:
     """max_tokens for a prompt: the request's (or the rest of the context), cut to fit the context."""
     room = served.context_length - len(ids)
@@ -441,7 +343,7 @@ def _prompts(served: Served, prompt: protocol.Prompt) -> list[list[int]]:
     return prompts
 
 
-async def _completions(state: _State, body: CompletionRequest) -> Response:
+async def _completions(state: ServerState, body: CompletionRequest) -> Response:
     served = state.ready()
     check_model(served, body.model)
     include_usage = _check_stream_options(body)
@@ -461,20 +363,7 @@ async def _completions(state: _State, body: CompletionRequest) -> Response:
     return await _respond(request_id, served, streams, fmt, body.stream, include_usage)
 
 
-def chat_prompt(served: Served, messages: list[protocol.ChatMessage], generation: bool) -> str:
-    return served.chat_template.render([m.as_dict() for m in messages], generation)
-
-
-def request_text(served: Served, body: TokenizeRequest) -> str:
-    """The text of a body with exactly one of prompt and messages (rendered by the chat template)."""
-    if (body.prompt is None) == (body.messages is None):
-        raise APIError(400, "give exactly one of prompt and messages", param="prompt")
-    if body.messages is not None:
-        return chat_prompt(served, body.messages, body.add_generation_prompt)
-    return body.prompt
-
-
-async def _chat(state: _State, body: ChatRequest) -> Response:
+async def _chat(state: ServerState, body: ChatRequest) -> Response:
     served = state.ready()
     check_model(served, body.model)
     include_usage = _check_stream_options(body)
@@ -512,13 +401,98 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, message, param=param)
 
 
+async def _on_error(request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, APIError):
+        return exc.response()
+    if isinstance(exc, RequestValidationError):
+        return _validation_error(exc).response()
+    if isinstance(exc, QueueFullError):
+        return APIError(429, str(exc), "rate_limit_error", code="queue_full").response()
+    if isinstance(exc, EngineStoppedError):
+        return APIError(503, str(exc), "service_unavailable").response()
+    if isinstance(exc, DecoderLMError):
+        return APIError(400, str(exc)).response()
+    if isinstance(exc, HTTPException):
+        return APIError(exc.status_code, str(exc.detail), "invalid_request_error").response()
+    log.exception("decoderlm serve: internal error")
+    return APIError(500, f"internal error: {type(exc).__name__}", "server_error").response()
+
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(state: State) -> JSONResponse:
+    try:
+        state.ready()
+    except APIError as exc:
+        return JSONResponse({"status": exc.message}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics")
+async def metrics(state: State) -> Response:
+    content, media_type = state.metrics.render()
+    return Response(content, media_type=media_type)
+
+
+@router.get("/v1/models")
+async def models(state: State) -> dict[str, Any]:
+    served = state.ready()
+    model = {
+        "id": served.model_name,
+        "object": "model",
+        "created": served.created,
+        "owned_by": "decoderlm",
+        "max_model_len": served.context_length,
+    }
+    return {"object": "list", "data": [model]}
+
+
+@router.post("/v1/completions")
+async def completions(state: State, body: CompletionRequest) -> Response:
+    _log_ignored(body, "/v1/completions")
+    return await _completions(state, body)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(state: State, body: ChatRequest) -> Response:
+    _log_ignored(body, "/v1/chat/completions")
+    return await _chat(state, body)
+
+
+@router.post("/tokenize")
+async def tokenize(state: State, body: TokenizeRequest) -> dict[str, Any]:
+    served = state.ready()
+    check_model(served, body.model)
+    try:
+        tokens = served.tokenizer.encode(request_text(served, body))
+    except DecoderLMError as exc:
+        raise APIError(400, str(exc), param="prompt") from None
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": served.context_length}
+
+
+@router.post("/detokenize")
+async def detokenize(state: State, body: DetokenizeRequest) -> dict[str, str]:
+    served = state.ready()
+    check_model(served, body.model)
+    bad = [t for t in body.tokens if not 0 <= t < served.vocab_size]
+    if bad:
+        raise APIError(
+            400,
+            f"token id {bad[0]} is outside the vocabulary [0, {served.vocab_size})",
+            param="tokens",
+        )
+    return {"prompt": served.tokenizer.decode(body.tokens)}
+
+
 def create_app(
     load: Callable[[], Served],
     on_load_error: Callable[[BaseException], None] | None = None,
     grace_s: float = 30.0,
 ) -> FastAPI:
     """The app; `load()` runs in a thread at startup (GET /health is 503 until it returns)."""
-    state = _State(load, on_load_error)
+    state = ServerState(load, on_load_error)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -531,86 +505,9 @@ def create_app(
 
     app = FastAPI(title="decoderlm", version="1", lifespan=lifespan)
     app.state.server = state
-
-    @app.exception_handler(Exception)
-    async def on_error(request: Request, exc: Exception) -> JSONResponse:
-        if isinstance(exc, APIError):
-            return exc.response()
-        if isinstance(exc, RequestValidationError):
-            return _validation_error(exc).response()
-        if isinstance(exc, QueueFullError):
-            return APIError(429, str(exc), "rate_limit_error", code="queue_full").response()
-        if isinstance(exc, EngineStoppedError):
-            return APIError(503, str(exc), "service_unavailable").response()
-        if isinstance(exc, DecoderLMError):
-            return APIError(400, str(exc)).response()
-        if isinstance(exc, HTTPException):
-            return APIError(exc.status_code, str(exc.detail), "invalid_request_error").response()
-        log.exception("decoderlm serve: internal error")
-        return APIError(500, f"internal error: {type(exc).__name__}", "server_error").response()
-
+    app.add_exception_handler(Exception, _on_error)
     for exc_class in (APIError, RequestValidationError, DecoderLMError, HTTPException):
-        app.add_exception_handler(exc_class, on_error)
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        try:
-            state.ready()
-        except APIError as exc:
-            return JSONResponse({"status": exc.message}, status_code=503)
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        content, media_type = state.metrics.render()
-        return Response(content, media_type=media_type)
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        served = state.ready()
-        model = {
-            "id": served.model_name,
-            "object": "model",
-            "created": served.created,
-            "owned_by": "decoderlm",
-            "max_model_len": served.context_length,
-        }
-        return {"object": "list", "data": [model]}
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
-        _log_ignored(body, "/v1/completions")
-        return await _completions(state, body)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest) -> Response:
-        _log_ignored(body, "/v1/chat/completions")
-        return await _chat(state, body)
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        served = state.ready()
-        check_model(served, body.model)
-        try:
-            tokens = served.tokenizer.encode(request_text(served, body))
-        except DecoderLMError as exc:
-            raise APIError(400, str(exc), param="prompt") from None
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": served.context_length}
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
-        served = state.ready()
-        check_model(served, body.model)
-        bad = [t for t in body.tokens if not 0 <= t < served.vocab_size]
-        if bad:
-            raise APIError(
-                400,
-                f"token id {bad[0]} is outside the vocabulary [0, {served.vocab_size})",
-                param="tokens",
-            )
-        return {"prompt": served.tokenizer.decode(body.tokens)}
-
-    from decoderlm.serving.playground import add_playground  # it imports this module's helpers
-
-    add_playground(app, state)
+        app.add_exception_handler(exc_class, _on_error)
+    app.include_router(router)
+    app.include_router(playground.router)
     return app

@@ -1,78 +1,60 @@
 """A continuous-batching inference engine over a paged KV pool, after vLLM's LLMEngine (Kwon et al.,
 2023, "Efficient Memory Management for LLM Serving with PagedAttention").
 
-Each `step` runs the `Scheduler`'s plan: one forward pass decoding a token for every running
-sequence (rows of different lengths attend their own blocks: read in place by
-`decoderlm.cpu.paged_attention` on the CPU, else gathered and padded under a key mask; a layer
-with a sliding window gathers only the keys inside it), then the planned prefill chunks,
-one forward pass each. Every sequence samples with its
-own `SamplingParams` and `torch.Generator` and is detokenized by its own `IncrementalDecoder` and
-`StopMatcher`, so a request's tokens do not depend on what else runs: greedy requests equal
-`decoderlm.generate` on their prompt alone, up to floating-point rounding of the batched kernels.
+`Engine` is the thread-safe front: requests in, events out to each request's sink, the background
+thread and shutdown. Each of its `step`s runs one step of its `EngineCore` (vLLM's EngineCore): the
+`Scheduler`'s plan, one forward pass decoding a token for every running sequence, then the planned
+prefill chunks, one forward pass each (`runner.ModelRunner`, the only part that runs the model);
+the logits become tokens in `sampler.sample` and tokens become `TokenEvent`s in
+`output.SequenceOutput`. Every sequence samples with its own `SamplingParams` and
+`torch.Generator` and is detokenized by its own `IncrementalDecoder` and `StopMatcher`, so a
+request's tokens do not depend on what else runs: greedy requests equal `decoderlm.generate` on
+their prompt alone, up to floating-point rounding of the batched kernels.
 
 Use it offline with `generate`, or `start()` a background thread that steps while there is work
-and consume `stream(...)` from asyncio. Submitting, cancelling and stats are thread-safe; cancels
-take effect at the next step. A forward pass or a sampling step that raises ends the sequences it
-was for with finish_reason "error" (logged) and the engine goes on with the others.
+and consume `stream(...)` from asyncio (`streams`). Submitting, cancelling and stats are
+thread-safe; cancels take effect at the next step. A forward pass or a sampling step that raises
+ends the sequences it was for with finish_reason "error" (logged) and the engine goes on with the
+others.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import functools
 import logging
 import queue
 import threading
 import time
 import uuid
-import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from decoderlm.cpu import heap, paged_attention
-from decoderlm.cpu.packed_linear import pack_linears, packed
 from decoderlm.errors import DecoderLMError
-from decoderlm.inference.generate import evaluating, make_generator, prompt_rows
-from decoderlm.inference.sampling import greedy_tokens, sample_next
-from decoderlm.inference.stream import IncrementalDecoder, StopMatcher
 from decoderlm.model.int8_cache import check_kv_cache_dtype
-from decoderlm.model.kv_cache import kv_cache_bytes_per_token
 from decoderlm.model.lm import DecoderLM
-from decoderlm.serving.kv_pool import BlockPool, PagedKVCache, blocks_for, parse_bytes
+from decoderlm.serving.inputs import InputProcessor
+from decoderlm.serving.kv_pool import BlockPool
+from decoderlm.serving.output import SequenceOutput, prompt_events
+from decoderlm.serving.runner import ModelRunner
+from decoderlm.serving.sampler import Sampled, SamplingState, sample
 from decoderlm.serving.scheduler import Scheduler, Sequence
+from decoderlm.serving.streams import Collector, one_by_one, stream_batches
 from decoderlm.serving.types import (
     Completion,
     EngineStats,
     EngineStoppedError,
     QueueFullError,
     RequestParams,
+    Sink,
     TokenEvent,
-    TopLogprob,
 )
 
 log = logging.getLogger(__name__)
-Sink = Callable[[TokenEvent], None]
 RATE_WINDOW_S = 5.0  # EngineStats.tokens_per_s averages over this many seconds
-
-
-@dataclass(eq=False)
-class _Output:
-    """What turns one sequence's logits into events: its sampler state and its detokenizer."""
-
-    request: _Request
-    index: int
-    params: RequestParams
-    generator: torch.Generator | None
-    seen: Tensor | None  # (1, V) tokens in the sequence, for the repetition penalty
-    decoder: IncrementalDecoder
-    matcher: StopMatcher
-    eot: int | None
 
 
 @dataclass(eq=False)
@@ -81,6 +63,165 @@ class _Request:
     sink: Sink
     seqs: list[Sequence] = field(default_factory=list)
     n_open: int = 0
+
+
+@dataclass(eq=False)
+class _Live:
+    """A sequence that has not finished: its request, its sampler and its detokenizer."""
+
+    request: _Request
+    sampling: SamplingState
+    output: SequenceOutput
+
+
+class _Counters:
+    """What `Engine.stats` counts since the start (under the engine's lock), and the generated
+    tokens of the last RATE_WINDOW_S seconds."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = self.generated = self.max_running = 0
+        self._rate: deque[tuple[float, int]] = deque()  # (time, generated tokens so far)
+
+    def mark(self) -> None:
+        """A step ended: a sample of the rate."""
+        self._rate.append((self._prune(), self.generated))
+
+    def tokens_per_s(self) -> float:
+        now = self._prune()
+        t0, g0 = self._rate[0] if self._rate else (now, self.generated)
+        return (self.generated - g0) / (now - t0) if now > t0 else 0.0
+
+    def _prune(self) -> float:
+        """Forget the rate samples older than the window; returns the time now."""
+        now = time.monotonic()
+        while self._rate and now - self._rate[0][0] > RATE_WINDOW_S:
+            self._rate.popleft()
+        return now
+
+
+class EngineCore:
+    """The requests in flight and one step over them: schedule → run → sample → output, after
+    vLLM's EngineCore. Not thread-safe: `Engine` calls it under its lock, except `run` (the
+    forward passes, inside `runner.running()`)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        runner: ModelRunner,
+        block_size: int,
+        prefill_chunk: int,
+        prefix_caching: bool,
+    ) -> None:
+        self.tokenizer, self.vocab_size, self.runner = tokenizer, vocab_size, runner
+        self.pool = BlockPool(runner.num_blocks, block_size, prefix_caching)
+        self.scheduler = Scheduler(self.pool, prefill_chunk)
+        self.requests: dict[str, _Request] = {}
+        self.live: dict[Sequence, _Live] = {}  # the sequences that have not finished
+        self.counters = _Counters()
+
+    def add(
+        self, request: _Request, params: RequestParams, ids: list[int], max_len: int
+    ) -> list[tuple[_Request, TokenEvent]]:
+        """Queue the request's `params.n` sequences of prompt `ids`, to end at `max_len` tokens;
+        the last events of those with nothing to generate (max_tokens 0 or a full context)."""
+        self.requests[request.id] = request
+        self.counters.prompt_tokens += len(ids)
+        events = []
+        for index in range(params.n):
+            seq = Sequence(list(ids), len(ids), max_len)
+            sampling = SamplingState.create(params, index, ids, self.vocab_size, self.runner.device)
+            output = SequenceOutput.create(self.tokenizer, params, index, ids)
+            self.live[seq] = _Live(request, sampling, output)
+            request.seqs.append(seq)
+            if max_len == len(ids):
+                events.append(self.end(seq, "length"))
+            else:
+                self.scheduler.add(seq)
+        return events
+
+    def schedule(self) -> list[tuple[list[Sequence], int]]:
+        """This step's forward passes, (sequences, tokens each): the decode rows, then each
+        prefill chunk."""
+        plan = self.scheduler.schedule()
+        counters = self.counters
+        counters.max_running = max(counters.max_running, len(self.scheduler.running))
+        batches = [(plan.decode, 1)] if plan.decode else []
+        return batches + [([seq], n) for seq, n in plan.prefill]
+
+    def run(self, batches: list[tuple[list[Sequence], int]]) -> list[Tensor | None]:
+        """Each pass's logits (B, V), or None for a pass that raised (logged)."""
+        return [_isolated(self.runner.forward, seqs, n) for seqs, n in batches]
+
+    def outputs(
+        self, batches: list[tuple[list[Sequence], int]], logits: list[Tensor | None]
+    ) -> list[tuple[_Request, TokenEvent]]:
+        """The events of the passes `run` ran."""
+        events = []
+        for (seqs, n), rows in zip(batches, logits, strict=True):
+            events += self._pass_events(seqs, n, rows)
+        self.counters.mark()
+        return events
+
+    def _pass_events(
+        self, seqs: list[Sequence], n: int, logits: Tensor | None
+    ) -> list[tuple[_Request, TokenEvent]]:
+        """The events of a forward pass that ran n tokens of `seqs`, whose logits (B, V) are
+        None if it failed: then its sequences end, and the other passes go on."""
+        if logits is None:
+            return [self.end(seq, "error") for seq in seqs if seq in self.live]
+        ready = [seq in self.live and seq.n_pending == n for seq in seqs]  # at its last token
+        states = [self.live[s].sampling if r else None for s, r in zip(seqs, ready, strict=True)]
+        events = []
+        for seq, is_ready, sampled in zip(seqs, ready, sample(logits, states), strict=True):
+            self.scheduler.computed(seq, n)
+            if is_ready:
+                event = None if sampled is None else _isolated(self._emit, seq, sampled)
+                events.append(self.end(seq, "error") if event is None else event)
+        return events
+
+    def _emit(self, seq: Sequence, sampled: Sampled) -> tuple[_Request, TokenEvent]:
+        """`seq` takes its sampled token; the event that reports it."""
+        seq.tokens.append(sampled.token)
+        self.counters.generated += 1
+        live = self.live[seq]
+        event = live.output.event(sampled.token, sampled.logprobs, len(seq.tokens) >= seq.max_len)
+        return self._finish(seq, event) if event.finish_reason else (live.request, event)
+
+    def end(self, seq: Sequence, reason: str) -> tuple[_Request, TokenEvent]:
+        """Take `seq` out with a last event that carries no token, finish_reason `reason`."""
+        return self._finish(seq, self.live[seq].output.ended(reason))
+
+    def _finish(self, seq: Sequence, event: TokenEvent) -> tuple[_Request, TokenEvent]:
+        """Take `seq` out (its blocks are freed); `event` is its last."""
+        self.scheduler.remove(seq)
+        request = self.live.pop(seq).request
+        request.n_open -= 1
+        if request.n_open == 0:
+            del self.requests[request.id]
+        return request, event
+
+    def prompt_events(self, ids: list[int], top: int) -> list[TokenEvent]:
+        """`Engine.score`'s events for prompt `ids`."""
+        return prompt_events(self.tokenizer, ids, self.runner.prompt_logprobs(ids), top)
+
+    def stats(self) -> EngineStats:
+        """`Engine.stats`."""
+        counters = self.counters
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.pool.num_used,
+            kv_blocks_total=self.pool.num_blocks,
+            kv_block_size=self.pool.block_size,
+            kv_bytes_per_token=self.runner.bytes_per_token,
+            prompt_tokens=counters.prompt_tokens,
+            generated_tokens=counters.generated,
+            prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
+            max_running_seen=counters.max_running,
+            tokens_per_s=counters.tokens_per_s(),
+            preemptions=self.scheduler.preemptions,
+        )
 
 
 class Engine:
@@ -99,19 +240,9 @@ class Engine:
         kv_cache_dtype: str | None = None,
         cpu_kernels: bool = True,
     ) -> None:
-        """kv_cache_memory: the byte budget of the KV pool, which holds
-        ⌊budget / (block_size · bytes per token)⌋ blocks; kv_cache_dtype: None (K/V in the model's
-        dtype) or "int8" (`decoderlm.model.int8_cache`, whose scales the bytes per token count);
-        cpu_kernels: on the CPU, run the steps with the linear weights packed for oneDNN, or
-        for AMX tiles in bfloat16 where the CPU has them (`decoderlm.cpu.packed_linear`: faster
-        for a batch of rows, at twice the linear weights' memory; packed now, so a model changed
-        later needs a new engine) and keep freed memory
-        in the process (`decoderlm.cpu.heap`), so that each step's gathered K/V reuse the last
-        step's pages instead of faulting in new ones; and, for float32 and bfloat16 pools, attend
-        the decode rows of layers without a window in place, without gathering their blocks
-        (`decoderlm.cpu.paged_attention`, where a C compiler builds it). (The attention,
-        embedding and linear paths that `generate` applies made the batched steps slower:
-        benchmarks/README.md.)"""
+        """kv_cache_memory, kv_cache_dtype, cpu_kernels: the KV pool and the model's kernels, as
+        `ModelRunner` takes them; max_queue: the most sequences waiting; prefill_chunk: the most
+        prompt tokens one step runs; prefix_caching: reuse the KV blocks of a shared prefix."""
         check_kv_cache_dtype(kv_cache_dtype)
         for name, value in (
             ("block_size", block_size),
@@ -121,43 +252,26 @@ class Engine:
             _positive_int(name, value)
         self.model, self.tokenizer, self.max_queue = model, tokenizer, max_queue
         self.max_sequence = model.config.context_length  # tokens per sequence
-        weight = model.tok_emb.weight
-        self.device = weight.device
-        on_cpu = cpu_kernels and self.device.type == "cpu"
-        if on_cpu:
-            heap.keep_freed_memory()
-        self._packed = pack_linears(model) if on_cpu else []
-        self.bytes_per_token = kv_cache_bytes_per_token(
-            model.config, kv_cache_dtype or weight.dtype
+        self.runner = ModelRunner(
+            model,
+            kv_cache_memory=kv_cache_memory,
+            block_size=block_size,
+            kv_cache_dtype=kv_cache_dtype,
+            cpu_kernels=cpu_kernels,
         )
-        num_blocks = parse_bytes(kv_cache_memory) // (block_size * self.bytes_per_token)
-        if num_blocks == 0:
-            raise DecoderLMError(
-                f"kv_cache_memory={kv_cache_memory!r} holds no KV block: one block of "
-                f"{block_size} tokens takes {block_size * self.bytes_per_token} bytes"
-            )
-        self.pool = BlockPool(num_blocks, block_size, prefix_caching)
-        in_place = on_cpu and paged_attention.available(weight.dtype, self.device)
-        self.cache = PagedKVCache(
-            model.config,
-            num_blocks,
-            block_size,
-            weight.dtype,
-            self.device,
-            kv_cache_dtype,
-            in_place,
+        vocab_size, num_blocks = model.config.vocab_size, self.runner.num_blocks
+        self.inputs = InputProcessor(
+            tokenizer, vocab_size, self.max_sequence, block_size, num_blocks, max_queue
         )
-        self.scheduler = Scheduler(self.pool, prefill_chunk)
-        self._lock = threading.Condition()  # guards everything below, and the scheduler
-        self._requests: dict[str, _Request] = {}
-        self._outputs: dict[Sequence, _Output] = {}
+        self.core = EngineCore(
+            tokenizer, vocab_size, self.runner, block_size, prefill_chunk, prefix_caching
+        )
+        self._lock = threading.Condition()  # guards everything below, and the core
         self._cancels: list[Sequence] = []
         self._calls: list[tuple[Callable[..., Any], tuple, concurrent.futures.Future]] = []
         self._thread: threading.Thread | None = None
         self._closed = self._stopping = False
         self.failure: str | None = None  # why the engine stopped by itself, if it did
-        self._prompt_tokens = self._generated = self._max_running = 0
-        self._rate: deque[tuple[float, int]] = deque()  # (time, generated tokens so far)
 
     # Requests.
 
@@ -174,40 +288,20 @@ class Engine:
         Returns the request id. Raises QueueFullError when the waiting queue cannot take its
         `params.n` sequences, and DecoderLMError for a bad prompt or one that cannot fit the pool.
         """
-        ids = self._prompt_ids(prompt)
-        max_len = min(len(ids) + params.max_tokens, self.max_sequence)
-        needed = blocks_for(max_len, self.pool.block_size)
-        if needed > self.pool.num_blocks:
-            raise DecoderLMError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {needed} KV "
-                f"blocks but kv_cache_memory holds {self.pool.num_blocks}; lower max_tokens or "
-                "raise kv_cache_memory"
-            )
-        if params.n > self.max_queue:
-            raise DecoderLMError(f"n={params.n} exceeds the engine's max_queue={self.max_queue}")
+        ids = self.inputs.prompt_ids(prompt)
+        max_len = self.inputs.max_len(ids, params)
         request_id = uuid.uuid4().hex if request_id is None else request_id
-        events: list[tuple[_Request, TokenEvent]] = []
         with self._lock:
             if self._closed:
                 raise EngineStoppedError("the engine is shutting down and takes no new requests")
-            if request_id in self._requests:
+            if request_id in self.core.requests:
                 raise DecoderLMError(f"request_id={request_id!r} is already running")
-            if len(self.scheduler.waiting) + params.n > self.max_queue:
+            if len(self.core.scheduler.waiting) + params.n > self.max_queue:
                 raise QueueFullError(
                     f"the engine's waiting queue is full ({self.max_queue} sequences); retry later"
                 )
             request = _Request(request_id, on_event, n_open=params.n)
-            self._requests[request_id] = request
-            self._prompt_tokens += len(ids)
-            for index in range(params.n):
-                seq = Sequence(list(ids), len(ids), max_len)
-                self._outputs[seq] = self._output(request, index, params, ids)
-                request.seqs.append(seq)
-                if max_len == len(ids):  # nothing to generate: max_tokens 0 or a full context
-                    event = TokenEvent(None, "", finish_reason="length", index=index)
-                    events.append(self._finish(seq, event))
-                else:
-                    self.scheduler.add(seq)
+            events = self.core.add(request, params, ids, max_len)
             self._lock.notify_all()
         self._deliver(events)
         return request_id
@@ -215,7 +309,7 @@ class Engine:
     def cancel(self, request_id: str) -> None:
         """End a request's sequences at the next step (finish_reason "cancelled"); unknown ids are ignored."""
         with self._lock:
-            request = self._requests.get(request_id)
+            request = self.core.requests.get(request_id)
             self._cancels.extend(request.seqs if request is not None else ())
             self._lock.notify_all()
 
@@ -226,10 +320,10 @@ class Engine:
         logprob (nothing precedes it), token t has log p(token t | tokens < t) and the `top`
         likeliest tokens at t. The engine's thread computes them before its next step (`call`), in
         one forward pass over the prompt outside the batch and the KV pool. Thread-safe."""
-        ids = self._prompt_ids(prompt)
+        ids = self.inputs.prompt_ids(prompt)
         if not (isinstance(top, int) and not isinstance(top, bool) and top >= 0):
             raise DecoderLMError(f"top={top!r} must be an integer ≥ 0")
-        return self.call(Engine._prompt_events, ids, top)
+        return self.call(_prompt_events, ids, top)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
         """fn(self, *args) on the engine's thread before its next step, so that it never runs
@@ -250,12 +344,12 @@ class Engine:
         Steps the engine on this thread, or waits for the background thread if it was started.
         """
         done: queue.SimpleQueue[None] = queue.SimpleQueue()
-        collectors = [_Collector(params, done) for _ in prompts]
+        collectors = [Collector(params, done) for _ in prompts]
         todo, finished = deque(zip(prompts, collectors, strict=True)), 0
         while finished < len(prompts):
             while todo:
                 prompt, collector = todo[0]
-                collector.prompt_ids = self._prompt_ids(prompt)
+                collector.prompt_ids = self.inputs.prompt_ids(prompt)
                 try:
                     self.submit(collector.prompt_ids, params, on_event=collector.add)
                 except QueueFullError:
@@ -282,7 +376,7 @@ class Engine:
     def stream_batches(
         self, prompt_ids: list[int], params: RequestParams, *, request_id: str | None = None
     ) -> AsyncIterator[list[TokenEvent]]:
-        """`stream` that yields every event that has arrived at once (module `stream_batches`)."""
+        """`stream` that yields every event that has arrived at once (`streams.stream_batches`)."""
         batches = stream_batches(self, prompt_ids, params, request_id)
         self.start()
         return batches
@@ -302,7 +396,8 @@ class Engine:
         `grace_s` seconds to finish, then cancel them and stop the thread."""
         with self._lock:
             self._closed = True
-            self._cancels.extend(s for s in self.scheduler.waiting if len(s.tokens) == s.n_prompt)
+            waiting = self.core.scheduler.waiting
+            self._cancels.extend(s for s in waiting if len(s.tokens) == s.n_prompt)
             self._lock.notify_all()
         deadline = time.monotonic() + grace_s
         with self._lock:
@@ -311,7 +406,7 @@ class Engine:
         while self._thread is None and self._has_work() and time.monotonic() < deadline:
             self.step()
         with self._lock:
-            self._cancels.extend(self._outputs)
+            self._cancels.extend(self.core.live)
             self._stopping = True
             self._lock.notify_all()
             thread = self._thread
@@ -338,7 +433,7 @@ class Engine:
         with self._lock:
             self._closed = self._stopping = True
             self.failure = "an engine step failed; see the server log"
-            events += [self._error(seq) for seq in list(self._outputs)]
+            events += [self.core.end(seq, "error") for seq in list(self.core.live)]
             for _, _, future in self._calls:
                 future.set_exception(EngineStoppedError("the engine failed; see the server log"))
             self._calls.clear()
@@ -346,164 +441,33 @@ class Engine:
         self._deliver(events)
 
     def _has_work(self) -> bool:
-        return bool(
-            self._cancels or self._calls or self.scheduler.running or self.scheduler.waiting
-        )
+        scheduler = self.core.scheduler
+        return bool(self._cancels or self._calls or scheduler.running or scheduler.waiting)
 
-    # One step.
+    # One step: schedule → run → sample → output.
 
     def step(self) -> bool:
         """Run one engine step; False when there was nothing to run. Not while `start()`'s thread runs."""
         events: list[tuple[_Request, TokenEvent]] = []
         with self._lock:
-            self._apply_cancels(events)
-            plan = self.scheduler.schedule()
-            self._max_running = max(self._max_running, len(self.scheduler.running))
+            for seq in self._cancels:
+                if seq in self.core.live:  # not finished meanwhile
+                    events.append(self.core.end(seq, "cancelled"))
+            self._cancels.clear()
+            batches = self.core.schedule()
             calls, self._calls = self._calls, []
-        batches = [(plan.decode, 1)] if plan.decode else []
-        batches += [([seq], n) for seq, n in plan.prefill]
-        with evaluating(self.model), packed(self._packed):
+        with self.runner.running():
             for fn, args, future in calls:
                 try:
                     future.set_result(fn(self, *args))
                 except Exception as exc:  # that call fails; the engine goes on
                     future.set_exception(exc)
-            logits = [self._isolated(self._forward, seqs, n) for seqs, n in batches]  # (B, V)
+            logits = self.core.run(batches)
             with self._lock:
-                for (seqs, n), rows in zip(batches, logits, strict=True):
-                    if rows is None:  # the pass failed: its sequences end, the others go on
-                        events += [self._error(seq) for seq in seqs if seq in self._outputs]
-                        continue
-                    choices = self._batch_choices(seqs, rows)
-                    for seq, row, (token, lp) in zip(seqs, rows, choices, strict=True):
-                        self.scheduler.computed(seq, n)
-                        if seq.n_pending == 0 and seq in self._outputs:
-                            sampled = self._isolated(self._sample, seq, row, token, lp)
-                            events.append(self._error(seq) if sampled is None else sampled)
-                self._rate.append((self._prune_rate(), self._generated))
+                events += self.core.outputs(batches, logits)
                 self._lock.notify_all()
         self._deliver(events)
         return bool(batches or calls)
-
-    @staticmethod
-    def _isolated(fn: Callable[..., Any], *args: Any) -> Any:
-        """fn(*args), or None (logged) if it raised: one request's failure ends that request only."""
-        try:
-            return fn(*args)
-        except Exception:
-            log.exception(
-                "decoderlm engine: %s failed; its sequences end with 'error'", fn.__name__
-            )
-            return None
-
-    def _error(self, seq: Sequence) -> tuple[_Request, TokenEvent]:
-        event = TokenEvent(None, "", finish_reason="error", index=self._outputs[seq].index)
-        return self._finish(seq, event)
-
-    def _forward(self, seqs: list[Sequence], n: int) -> Tensor:
-        """Run tokens [n_computed, n_computed + n) of each sequence; logits (B, V) of the last."""
-        dev = self.device
-        start = torch.tensor([s.n_computed for s in seqs], device=dev)  # (B,)
-        width = max(len(s.blocks) for s in seqs)
-        table = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs], device=dev)
-        idx = torch.tensor([s.tokens[s.n_computed : s.n_computed + n] for s in seqs], device=dev)
-        self.cache.seek(table, start, n)  # each layer cache supplies its own key mask
-        positions = start[:, None] + torch.arange(n, device=dev)  # (B, n)
-        logits = self.model(idx, positions, None, self.cache, last_only=True)
-        return logits[:, -1].float()  # (B, V)
-
-    def _batch_choices(
-        self, seqs: list[Sequence], rows: Tensor
-    ) -> list[tuple[int | None, Tensor | None]]:
-        """What one tensor operation over all rows (B, V) gives each sequence: its greedy token
-        (argmax: temperature 0, no repetition penalty; else None) and its log-probabilities (V,)
-        if it reports them (else None). Per row they equal the one-row operations."""
-        outs = [self._outputs.get(seq) for seq in seqs]
-        greedy = [
-            o is not None and o.params.sampling.temperature == 0 and o.seen is None for o in outs
-        ]
-        wants_lp = [o is not None and o.params.logprobs is not None for o in outs]
-        tokens = greedy_tokens(rows).tolist() if any(greedy) else [None] * len(seqs)  # (B,)
-        lps = torch.log_softmax(rows, dim=-1) if any(wants_lp) else None  # (B, V)
-        return [
-            (tokens[i] if greedy[i] else None, lps[i] if wants_lp[i] else None)
-            for i in range(len(seqs))
-        ]
-
-    def _sample(
-        self, seq: Sequence, logits: Tensor, token: int | None, lp: Tensor | None
-    ) -> tuple[_Request, TokenEvent]:
-        """Choose `seq`'s next token from its logits (V,), unless `_batch_choices` chose it
-        (`token`); lp: its log-probabilities when it reports them. The event that reports it."""
-        out = self._outputs[seq]
-        if token is None:
-            token = int(sample_next(logits[None], out.params.sampling, out.seen, out.generator)[0])
-        seq.tokens.append(token)
-        self._generated += 1
-        if out.seen is not None:
-            out.seen[0, token] = True
-        logprob, top = None, ()
-        if out.params.logprobs is not None:  # lp: raw, before penalty and temperature
-            logprob, top = float(lp[token]), self._top_logprobs(lp, out.params.logprobs)
-        finish = None
-        if token == out.eot:
-            text, finish = "", "stop"
-        else:
-            text = out.matcher.feed(out.decoder.add(token))
-            if out.matcher.stopped:
-                finish = "stop"
-            elif len(seq.tokens) >= seq.max_len:
-                finish = "length"
-        if finish is not None and not out.matcher.stopped:
-            text += out.matcher.feed(out.decoder.flush())
-            text += "" if out.matcher.stopped else out.matcher.flush()
-        event = TokenEvent(token, text, logprob, top, finish, out.index)
-        return self._finish(seq, event) if finish else (out.request, event)
-
-    def _top_logprobs(self, lp: Tensor, k: int) -> tuple[TopLogprob, ...]:
-        """The k likeliest tokens of one row of log-probabilities lp (V,), likeliest first."""
-        if k == 0:
-            return ()
-        best = torch.topk(lp, min(k, lp.numel()))
-        return tuple(
-            TopLogprob(i, self.tokenizer.decode([i]), v)
-            for i, v in zip(best.indices.tolist(), best.values.tolist(), strict=True)
-        )
-
-    def _prompt_events(self, ids: list[int], top: int) -> list[TokenEvent]:
-        """`score`'s events for prompt `ids`."""
-        logits = self.model(torch.tensor([ids], device=self.device))[0, :-1]  # (T − 1, V)
-        lp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
-        # row t: log p(· | tokens ≤ t), in at least float32
-        following = torch.tensor(ids[1:], device=self.device)[:, None]  # (T − 1, 1)
-        chosen = lp.gather(1, following)[:, 0].tolist()  # log p(token t + 1 | tokens ≤ t)
-        decoder, events = IncrementalDecoder(self.tokenizer), []
-        for t, token in enumerate(ids):
-            text = decoder.add(token) + (decoder.flush() if t == len(ids) - 1 else "")
-            if t == 0:
-                events.append(TokenEvent(token, text))
-            else:
-                events.append(
-                    TokenEvent(token, text, chosen[t - 1], self._top_logprobs(lp[t - 1], top))
-                )
-        return events
-
-    def _apply_cancels(self, events: list[tuple[_Request, TokenEvent]]) -> None:
-        for seq in self._cancels:
-            if seq in self._outputs:  # not finished meanwhile
-                index = self._outputs[seq].index
-                event = TokenEvent(None, "", finish_reason="cancelled", index=index)
-                events.append(self._finish(seq, event))
-        self._cancels.clear()
-
-    def _finish(self, seq: Sequence, event: TokenEvent) -> tuple[_Request, TokenEvent]:
-        """Take `seq` out (its blocks are freed); `event` is its last."""
-        self.scheduler.remove(seq)
-        request = self._outputs.pop(seq).request
-        request.n_open -= 1
-        if request.n_open == 0:
-            del self._requests[request.id]
-        return request, event
 
     def _deliver(self, events: list[tuple[_Request, TokenEvent]]) -> None:
         for request, event in events:
@@ -512,173 +476,23 @@ class Engine:
             except RuntimeError:  # the consumer is gone (e.g. its event loop closed)
                 self.cancel(request.id)
 
-    # Helpers.
-
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise DecoderLMError("empty prompt: give some text to continue")
-            prompt = self.tokenizer.encode(prompt)
-        ids = prompt_rows([list(prompt)], self.model.config.vocab_size)[0]
-        if len(ids) > self.max_sequence:
-            raise DecoderLMError(
-                f"prompt has {len(ids)} tokens, more than the model's context_length "
-                f"({self.max_sequence})"
-            )
-        return ids
-
-    def _output(
-        self, request: _Request, index: int, params: RequestParams, ids: list[int]
-    ) -> _Output:
-        """Sample j of a request draws from seed + j: sample 0 equals a solo run with `seed`."""
-        seed = None if params.seed is None else (params.seed + index) % 2**64
-        seen = None
-        if params.sampling.repetition_penalty != 1.0:
-            seen = torch.zeros(
-                1, self.model.config.vocab_size, dtype=torch.bool, device=self.device
-            )
-            seen[0, ids] = True
-        return _Output(
-            request,
-            index,
-            params,
-            make_generator(seed, self.device),
-            seen,
-            IncrementalDecoder(self.tokenizer, ids),
-            StopMatcher(params.stop),
-            getattr(self.tokenizer, "eot_id", None) if params.stop_at_eot else None,
-        )
-
-    def _prune_rate(self) -> float:
-        """Forget the rate samples older than the window; returns the time now."""
-        now = time.monotonic()
-        while self._rate and now - self._rate[0][0] > RATE_WINDOW_S:
-            self._rate.popleft()
-        return now
-
     def stats(self) -> EngineStats:
         with self._lock:
-            now = self._prune_rate()
-            t0, g0 = self._rate[0] if self._rate else (now, self._generated)
-            return EngineStats(
-                running=len(self.scheduler.running),
-                waiting=len(self.scheduler.waiting),
-                kv_blocks_used=self.pool.num_used,
-                kv_blocks_total=self.pool.num_blocks,
-                kv_block_size=self.pool.block_size,
-                kv_bytes_per_token=self.bytes_per_token,
-                prompt_tokens=self._prompt_tokens,
-                generated_tokens=self._generated,
-                prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
-                max_running_seen=self._max_running,
-                tokens_per_s=(self._generated - g0) / (now - t0) if now > t0 else 0.0,
-                preemptions=self.scheduler.preemptions,
-            )
+            return self.core.stats()
 
 
-class _Mailbox:
-    """Events bound for one event loop's queues, posted from other threads: one
-    `call_soon_threadsafe` wakes the loop for all the events posted before it runs (a step's
-    tokens for every stream), not one wake-up per event."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.lock = threading.Lock()
-        self.pending: list[tuple[asyncio.Queue[TokenEvent], TokenEvent]] = []
-
-    def post(self, events: asyncio.Queue[TokenEvent], event: TokenEvent) -> None:
-        with self.lock:
-            self.pending.append((events, event))
-            wake = len(self.pending) == 1  # else a wake-up is already on its way
-        if wake:
-            try:
-                self.loop.call_soon_threadsafe(self._hand_over)
-            except RuntimeError:  # the loop is closed: the sink's caller cancels the request
-                with self.lock:
-                    self.pending.clear()
-                raise
-
-    def _hand_over(self) -> None:
-        with self.lock:
-            pending, self.pending = self.pending, []
-        for events, event in pending:
-            events.put_nowait(event)
+def _prompt_events(engine: Engine, ids: list[int], top: int) -> list[TokenEvent]:
+    """`Engine.score`'s events for prompt `ids`, by `Engine.call`."""
+    return engine.core.prompt_events(ids, top)
 
 
-_mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def stream_batches(
-    engine: Any, prompt_ids: list[int], params: RequestParams, request_id: str | None
-) -> AsyncIterator[list[TokenEvent]]:
-    """One request's events as lists, for an engine here or in another process
-    (`engine_process.EngineProcess`): submit through `engine.submit` with a sink onto this event
-    loop, then yield, each time the consumer asks, every event that has arrived (at least one), so
-    a consumer slower than the engine takes several steps' tokens at once, as vLLM's output
-    collector merges them. Leaving early calls `engine.cancel`."""
-    loop = asyncio.get_running_loop()
-    mailbox = _mailboxes.get(loop) or _mailboxes.setdefault(loop, _Mailbox(loop))
-    events: asyncio.Queue[TokenEvent] = asyncio.Queue()
-    sink = functools.partial(mailbox.post, events)
-    request_id = engine.submit(prompt_ids, params, request_id=request_id, on_event=sink)
-
-    async def iterate(open_: int) -> AsyncIterator[list[TokenEvent]]:
-        try:
-            while open_:
-                batch = [await events.get()]
-                while not events.empty():
-                    batch.append(events.get_nowait())
-                open_ -= sum(event.finish_reason is not None for event in batch)
-                yield batch
-        finally:
-            if open_:
-                engine.cancel(request_id)
-
-    return iterate(params.n)
-
-
-async def one_by_one(batches: AsyncIterator[list[TokenEvent]]) -> AsyncIterator[TokenEvent]:
-    """The events of `stream_batches`, one at a time (`stream`); leaving early cancels too."""
+def _isolated(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args), or None (logged) if it raised: one request's failure ends that request only."""
     try:
-        async for batch in batches:
-            for event in batch:
-                yield event
-    finally:
-        await batches.aclose()
-
-
-class _Collector:
-    """Gathers one prompt's events into `Completion`s for `Engine.generate`."""
-
-    def __init__(self, params: RequestParams, done: queue.SimpleQueue[None]) -> None:
-        self.prompt_ids: list[int] = []
-        self.events: list[list[TokenEvent]] = [[] for _ in range(params.n)]
-        self.open, self.done, self.logprobs = params.n, done, params.logprobs is not None
-
-    def add(self, event: TokenEvent) -> None:
-        self.events[event.index].append(event)
-        if event.finish_reason is not None:
-            self.open -= 1
-            if self.open == 0:
-                self.done.put(None)
-
-    def completions(self) -> list[Completion]:
-        result = []
-        for events in self.events:
-            tokens = [e for e in events if e.token_id is not None]
-            result.append(
-                Completion(
-                    self.prompt_ids,
-                    [e.token_id for e in tokens],
-                    "".join(e.text for e in events),
-                    events[-1].finish_reason,
-                    [e.logprob for e in tokens] if self.logprobs else None,
-                    [e.top_logprobs for e in tokens] if self.logprobs else None,
-                )
-            )
-        return result
+        return fn(*args)
+    except Exception:
+        log.exception("decoderlm engine: %s failed; its sequences end with 'error'", fn.__name__)
+        return None
 
 
 def _positive_int(name: str, value: object) -> None:

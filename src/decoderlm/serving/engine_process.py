@@ -8,8 +8,8 @@ load the same forward passes took longer while the server's process used well un
 instead, so the two sides only share the cores.
 
 `EngineProcess` offers the part of `Engine`'s interface that the HTTP app and `decoderlm chat`
-use: `submit`, `stream`, `cancel`, `score`, `call`, `stats`, `start`, `shutdown` and
-`max_sequence`. The child loads the checkpoint itself (`EngineSpec`), so the weights never cross
+use, `types.EngineClient`: `submit`, `stream`, `stream_batches`, `cancel`, `score`, `call`,
+`stats`, `start`, `shutdown`, `max_sequence` and `failure`. The child loads the checkpoint itself (`EngineSpec`), so the weights never cross
 the pipe. Messages are tuples over one `multiprocessing.Pipe`:
 
     parent → child: ("submit", key, request_id, ids, params) · ("cancel", request_id)
@@ -42,12 +42,12 @@ from typing import Any
 import torch
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.serving.engine import Engine, one_by_one, stream_batches
-from decoderlm.serving.types import EngineStats, EngineStoppedError, RequestParams, TokenEvent
+from decoderlm.serving.engine import Engine
+from decoderlm.serving.streams import one_by_one, stream_batches
+from decoderlm.serving.types import EngineStats, EngineStoppedError, RequestParams, Sink, TokenEvent
 
 log = logging.getLogger(__name__)
 REPLY_TIMEOUT_S = 60.0  # a submit, call or stats the child has not answered by then fails
-Sink = Callable[[TokenEvent], None]
 
 
 @dataclass(frozen=True)

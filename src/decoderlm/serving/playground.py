@@ -1,5 +1,5 @@
-"""The playground: a web page at `/` (plain HTML, CSS, JS in serving/static, no build step, no
-network) and the three JSON endpoints it reads besides the OpenAI ones.
+"""The playground's router: a web page at `/` (plain HTML, CSS, JS in serving/static, no build
+step, no network) and the three JSON endpoints it reads besides the OpenAI ones.
 
 - GET /v1/model_card: the model's shape (MHA/GQA/MQA, head_dim, positions, context) and what its
   KV cache costs per token and at 4k/32k/128k tokens, beside its MHA and MQA twins
@@ -16,10 +16,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from fastapi import FastAPI
+from fastapi import APIRouter
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import Field
@@ -29,11 +29,8 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.inference.attention_maps import attention_maps, check_index
 from decoderlm.model.config import ModelConfig
 from decoderlm.model.kv_cache import attention_kind, kv_cache_table
-from decoderlm.serving.app import APIError, check_model, encode, request_text
+from decoderlm.serving.http import APIError, Served, State, check_model, encode, request_text
 from decoderlm.serving.protocol import TokenizeRequest
-
-if TYPE_CHECKING:
-    from decoderlm.serving.app import _State
 
 STATIC = Path(__file__).parent / "static"
 MAX_ATTENTION_TOKENS = 256  # 256² weights per head: a readable map and a JSON body of a few MB
@@ -64,7 +61,7 @@ def _attention_weights(
     return maps.weights[layer, 0, heads], maps.entropy
 
 
-async def model_card(served: Any) -> dict[str, Any]:
+async def model_card(served: Served) -> dict[str, Any]:
     """The model card of the served model: shape, positions, parameters, KV-cache costs."""
     config, dtype, parameters = await asyncio.wrap_future(served.engine.call(_model_facts))
     return {
@@ -94,7 +91,7 @@ def _check_field(name: str, value: int, count: int) -> None:
         raise APIError(400, str(exc), param=name) from None
 
 
-async def attention(served: Any, body: AttentionRequest) -> dict[str, Any]:
+async def attention(served: Served, body: AttentionRequest) -> dict[str, Any]:
     """The weights of body.layer (body.head, or all heads) for the body's text; runs the model."""
     config, _, _ = await asyncio.wrap_future(served.engine.call(_model_facts))
     _check_field("layer", body.layer, config.n_layers)
@@ -128,25 +125,27 @@ async def attention(served: Any, body: AttentionRequest) -> dict[str, Any]:
     }
 
 
-def add_playground(app: FastAPI, state: _State) -> None:
-    """Serve the page at / (and /static/*) and its endpoints on `app`."""
+router = APIRouter()
+router.mount("/static", StaticFiles(directory=STATIC), name="static")
 
-    @app.get("/", include_in_schema=False)
-    async def index() -> FileResponse:
-        return FileResponse(STATIC / "index.html")
 
-    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+@router.get("/", include_in_schema=False)
+async def index() -> FileResponse:
+    return FileResponse(STATIC / "index.html")
 
-    @app.get("/v1/model_card")
-    async def get_model_card() -> dict[str, Any]:
-        return await model_card(state.ready())
 
-    @app.get("/v1/engine_stats")
-    async def engine_stats() -> dict[str, Any]:
-        return dataclasses.asdict(state.ready().engine.stats())
+@router.get("/v1/model_card")
+async def get_model_card(state: State) -> dict[str, Any]:
+    return await model_card(state.ready())
 
-    @app.post("/v1/attention")
-    async def post_attention(body: AttentionRequest) -> dict[str, Any]:
-        served = state.ready()
-        check_model(served, body.model)
-        return await attention(served, body)
+
+@router.get("/v1/engine_stats")
+async def engine_stats(state: State) -> dict[str, Any]:
+    return dataclasses.asdict(state.ready().engine.stats())
+
+
+@router.post("/v1/attention")
+async def post_attention(state: State, body: AttentionRequest) -> dict[str, Any]:
+    served = state.ready()
+    check_model(served, body.model)
+    return await attention(served, body)

@@ -1,4 +1,6 @@
-"""What the engine and the HTTP layer exchange: a request's parameters, its streamed events, stats.
+"""What the engine and the HTTP layer exchange: a request's parameters, its streamed events, stats,
+and `EngineClient`, the engine's interface as the HTTP app and `decoderlm chat` use it (vLLM's
+EngineClient protocol, which its AsyncLLM implements).
 
 The engine (`decoderlm.serving.engine`) takes token ids and `RequestParams` and yields `TokenEvent`s;
 the OpenAI-compatible app (`decoderlm.serving.app`) only translates JSON to these and back.
@@ -6,7 +8,10 @@ the OpenAI-compatible app (`decoderlm.serving.app`) only translates JSON to thes
 
 from __future__ import annotations
 
+import concurrent.futures
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.sampling import SamplingParams
@@ -120,3 +125,71 @@ class QueueFullError(DecoderLMError):
 
 class EngineStoppedError(DecoderLMError):
     """The engine is shutting down (or failed): the request is refused (HTTP 503)."""
+
+
+Sink = Callable[[TokenEvent], None]  # where a request's events go, called from the engine's thread
+
+
+class EngineClient(Protocol):
+    """An engine as the HTTP app, the playground and `decoderlm chat` use it: `Engine` in this
+    process or `EngineProcess` in a process of its own (tests/serving/test_engine_process.py
+    checks that both have every member, with the same signature)."""
+
+    @property
+    def max_sequence(self) -> int:
+        """Tokens per sequence: the model's context_length."""
+        ...
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped by itself, if it did; else None."""
+        ...
+
+    def start(self) -> None:
+        """Start stepping in the background (idempotent)."""
+        ...
+
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        """Refuse new requests; give the running ones `grace_s` seconds, then cancel them."""
+        ...
+
+    def submit(
+        self,
+        prompt: str | list[int],
+        params: RequestParams,
+        *,
+        request_id: str | None = None,
+        on_event: Sink,
+    ) -> str:
+        """Queue a request whose events go to `on_event`; its id."""
+        ...
+
+    def stream(
+        self, prompt_ids: list[int], params: RequestParams, *, request_id: str | None = None
+    ) -> AsyncIterator[TokenEvent]:
+        """Submit now and iterate the request's events on this event loop."""
+        ...
+
+    def stream_batches(
+        self, prompt_ids: list[int], params: RequestParams, *, request_id: str | None = None
+    ) -> AsyncIterator[list[TokenEvent]]:
+        """`stream`, every event that has arrived at once."""
+        ...
+
+    def cancel(self, request_id: str) -> None:
+        """End a request's sequences at the next step; unknown ids are ignored."""
+        ...
+
+    def score(
+        self, prompt: str | list[int], top: int = 0
+    ) -> concurrent.futures.Future[list[TokenEvent]]:
+        """The prompt's own tokens as events, with their log-probabilities."""
+        ...
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        """fn(engine, *args) on the engine's thread, between its steps."""
+        ...
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine."""
+        ...

@@ -1,0 +1,153 @@
+"""What the HTTP routers share (the OpenAI API in `app`, the playground in `playground`): the served
+model, the server's state, OpenAI-shaped errors and the checks and encodings of request fields.
+
+Each router reads the server's state through the `State` dependency, the `ServerState` that
+`app.create_app` puts in `app.state.server`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+from fastapi.responses import JSONResponse
+
+from decoderlm.errors import DecoderLMError
+from decoderlm.serving import protocol
+from decoderlm.serving.chat import ChatTemplate
+from decoderlm.serving.metrics import Metrics
+from decoderlm.serving.protocol import TokenizeRequest
+from decoderlm.serving.types import EngineClient
+
+log = logging.getLogger("decoderlm.serve")
+
+
+@dataclass
+class Served:
+    """What the app serves, once loaded: an engine (started by the app) and how to talk to it."""
+
+    engine: EngineClient
+    tokenizer: Any
+    model_name: str
+    context_length: int
+    vocab_size: int
+    chat_template: ChatTemplate = field(default_factory=ChatTemplate)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
+
+    def response(self) -> JSONResponse:
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        return JSONResponse({"error": error}, status_code=self.status, headers=headers)
+
+
+class ServerState:
+    """The app's life: loading → serving → draining; and the request ids the engine is running."""
+
+    def __init__(
+        self, load: Callable[[], Served], on_load_error: Callable[[BaseException], None] | None
+    ) -> None:
+        self.load, self.on_load_error = load, on_load_error
+        self.served: Served | None = None
+        self.error: str | None = None
+        self.draining = False
+        self.inflight: set[str] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.metrics = Metrics(lambda: self.served.engine.stats() if self.served else None)
+
+    async def start(self) -> None:
+        try:
+            served = await asyncio.to_thread(self.load)
+            served.engine.start()
+        except Exception as exc:
+            self.error = f"loading failed: {exc}"
+            log.error("decoderlm serve: %s", self.error)
+            if self.on_load_error is not None:
+                self.on_load_error(exc)
+            return
+        self.served = served
+
+    def ready(self) -> Served:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", "service_unavailable")
+        if self.served is None:
+            raise APIError(503, self.error or "the model is loading", "service_unavailable")
+        if self.served.engine.failure is not None:
+            message = f"the engine has stopped: {self.served.engine.failure}"
+            raise APIError(503, message, "service_unavailable")
+        return self.served
+
+    def drain(self, grace_s: float) -> None:
+        """Refuse new requests; after grace_s seconds cancel those still running."""
+        self.draining = True
+        asyncio.get_running_loop().call_later(grace_s, self.cancel_all)
+
+    def cancel_all(self) -> None:
+        for request_id in list(self.inflight):
+            self.served.engine.cancel(request_id)
+
+
+def _server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+State = Annotated[ServerState, Depends(_server_state)]  # a route's parameter: the server's state
+
+
+def check_model(served: Served, model: str | None) -> None:
+    if model is not None and model != served.model_name:
+        raise APIError(
+            404,
+            f"model {model!r} is not served here; this server serves {served.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def encode(served: Served, text: str, param: str) -> list[int]:
+    try:
+        ids = served.tokenizer.encode(text)
+    except DecoderLMError as exc:
+        raise APIError(400, str(exc), param=param) from None
+    if not ids:
+        raise APIError(400, f"{param} is empty: give at least one token", param=param)
+    return ids
+
+
+def chat_prompt(served: Served, messages: list[protocol.ChatMessage], generation: bool) -> str:
+    return served.chat_template.render([m.as_dict() for m in messages], generation)
+
+
+def request_text(served: Served, body: TokenizeRequest) -> str:
+    """The text of a body with exactly one of prompt and messages (rendered by the chat template)."""
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+    if body.messages is not None:
+        return chat_prompt(served, body.messages, body.add_generation_prompt)
+    return body.prompt

@@ -1,0 +1,102 @@
+"""Sequences → model inputs → logits, after vLLM's ModelRunner (vllm/v1/worker/gpu_model_runner.py):
+the only part of the serving engine that runs the model and holds the paged KV cache.
+
+Each forward pass runs the same number of tokens of every sequence in it: the decode rows (one
+each; rows of different lengths attend their own blocks, read in place by
+`decoderlm.cpu.paged_attention` on the CPU, else gathered and padded under a key mask; a layer
+with a sliding window gathers only the keys inside it) or one prefill chunk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from decoderlm.cpu import heap, paged_attention
+from decoderlm.cpu.packed_linear import pack_linears, packed
+from decoderlm.errors import DecoderLMError
+from decoderlm.inference.generate import evaluating
+from decoderlm.model.kv_cache import kv_cache_bytes_per_token
+from decoderlm.model.lm import DecoderLM
+from decoderlm.serving.kv_pool import PagedKVCache, parse_bytes
+from decoderlm.serving.scheduler import Sequence
+
+
+class ModelRunner:
+    """`model` over a paged KV cache of `num_blocks` blocks of `block_size` tokens."""
+
+    def __init__(
+        self,
+        model: DecoderLM,
+        *,
+        kv_cache_memory: int | str,
+        block_size: int,
+        kv_cache_dtype: str | None,
+        cpu_kernels: bool,
+    ) -> None:
+        """kv_cache_memory: the byte budget of the KV pool, which holds
+        ⌊budget / (block_size · bytes per token)⌋ blocks; kv_cache_dtype: None (K/V in the model's
+        dtype) or "int8" (`decoderlm.model.int8_cache`, whose scales the bytes per token count);
+        cpu_kernels: on the CPU, run the steps with the linear weights packed for oneDNN, or
+        for AMX tiles in bfloat16 where the CPU has them (`decoderlm.cpu.packed_linear`: faster
+        for a batch of rows, at twice the linear weights' memory; packed now, so a model changed
+        later needs a new engine) and keep freed memory
+        in the process (`decoderlm.cpu.heap`), so that each step's gathered K/V reuse the last
+        step's pages instead of faulting in new ones; and, for float32 and bfloat16 pools, attend
+        the decode rows of layers without a window in place, without gathering their blocks
+        (`decoderlm.cpu.paged_attention`, where a C compiler builds it). (The attention,
+        embedding and linear paths that `generate` applies made the batched steps slower:
+        benchmarks/README.md.)"""
+        self.model = model
+        weight = model.tok_emb.weight
+        self.device = weight.device
+        on_cpu = cpu_kernels and self.device.type == "cpu"
+        if on_cpu:
+            heap.keep_freed_memory()
+        self._packed = pack_linears(model) if on_cpu else []
+        self.bytes_per_token = kv_cache_bytes_per_token(
+            model.config, kv_cache_dtype or weight.dtype
+        )
+        self.num_blocks = parse_bytes(kv_cache_memory) // (block_size * self.bytes_per_token)
+        if self.num_blocks == 0:
+            raise DecoderLMError(
+                f"kv_cache_memory={kv_cache_memory!r} holds no KV block: one block of "
+                f"{block_size} tokens takes {block_size * self.bytes_per_token} bytes"
+            )
+        in_place = on_cpu and paged_attention.available(weight.dtype, self.device)
+        self.cache = PagedKVCache(
+            model.config,
+            self.num_blocks,
+            block_size,
+            weight.dtype,
+            self.device,
+            kv_cache_dtype,
+            in_place,
+        )
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """The model in eval mode without gradients, its linear weights packed: one engine step."""
+        with evaluating(self.model), packed(self._packed):
+            yield
+
+    def forward(self, seqs: list[Sequence], n: int) -> Tensor:
+        """Run tokens [n_computed, n_computed + n) of each sequence; logits (B, V) of the last."""
+        dev = self.device
+        start = torch.tensor([s.n_computed for s in seqs], device=dev)  # (B,)
+        width = max(len(s.blocks) for s in seqs)
+        table = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs], device=dev)
+        idx = torch.tensor([s.tokens[s.n_computed : s.n_computed + n] for s in seqs], device=dev)
+        self.cache.seek(table, start, n)  # each layer cache supplies its own key mask
+        positions = start[:, None] + torch.arange(n, device=dev)  # (B, n)
+        logits = self.model(idx, positions, None, self.cache, last_only=True)
+        return logits[:, -1].float()  # (B, V)
+
+    def prompt_logprobs(self, ids: list[int]) -> Tensor:
+        """Log-probabilities (T − 1, V) of prompt `ids`, in at least float32: row t is
+        log p(· | tokens ≤ t). One forward pass outside the batch and the KV cache."""
+        logits = self.model(torch.tensor([ids], device=self.device))[0, :-1]  # (T − 1, V)
+        return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)

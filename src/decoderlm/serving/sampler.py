@@ -1,0 +1,103 @@
+"""Where the engine's logits become tokens, after vLLM's Sampler (vllm/v1/sample/sampler.py).
+
+`sample` takes one forward pass's logits (B, V) and each row's `SamplingState` and returns each
+row's token and log-probabilities. It is the one place where tokens are chosen:
+
+- logits are masked at the top of `sample`, before any token is chosen: logit processors (a
+  grammar's mask of the tokens allowed next) go there;
+- a chosen token is accepted in `SamplingState.accept`, where it joins the sequence's sampler
+  state: speculative decoding's acceptance of draft tokens goes there.
+
+Every sequence samples with its own `SamplingParams` and `torch.Generator`, so its tokens do not
+depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from decoderlm.inference.generate import make_generator
+from decoderlm.inference.sampling import SamplingParams, greedy_tokens, sample_next
+from decoderlm.serving.types import RequestParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class SamplingState:
+    """One sequence's sampler: its parameters, its generator, the tokens it holds."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    seen: Tensor | None  # (1, V) bool: tokens in the sequence, for the repetition penalty
+    logprobs: bool  # whether its tokens report log-probabilities
+
+    @classmethod
+    def create(
+        cls,
+        params: RequestParams,
+        index: int,
+        prompt_ids: list[int],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingState:
+        """Sample `index` of a request draws from seed + index: sample 0 equals a solo run with
+        `seed`."""
+        seed = None if params.seed is None else (params.seed + index) % 2**64
+        seen = None
+        if params.sampling.repetition_penalty != 1.0:
+            seen = torch.zeros(1, vocab_size, dtype=torch.bool, device=device)
+            seen[0, prompt_ids] = True
+        generator = make_generator(seed, device)
+        return cls(params.sampling, generator, seen, params.logprobs is not None)
+
+    @property
+    def greedy(self) -> bool:
+        """Its token is the argmax of the raw logits: temperature 0, no repetition penalty."""
+        return self.params.temperature == 0 and self.seen is None
+
+    def accept(self, token: int) -> None:
+        """`token` joins the sequence: the repetition penalty counts it from now on."""
+        if self.seen is not None:
+            self.seen[0, token] = True
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One row's choice: its token and, if it reports them, the row's log-probabilities."""
+
+    token: int
+    logprobs: Tensor | None  # (V,) raw: before the repetition penalty and the temperature
+
+
+def sample(logits: Tensor, states: list[SamplingState | None]) -> list[Sampled | None]:
+    """Each row's next token from one forward pass's logits (B, V) in float32.
+
+    states[i] None: row i is not sampled (a prefill chunk short of its prompt's end). One tensor
+    operation over all rows gives every greedy row its token (argmax) and every row that reports
+    them its log-probabilities; per row they equal the one-row operations. The other rows sample
+    one by one, each from its own generator. A row whose sampling raises gets None (logged), as
+    does a row not sampled; the engine ends the first's sequence with "error", the others go on.
+    """
+    greedy = [state is not None and state.greedy for state in states]
+    wants_lp = [state is not None and state.logprobs for state in states]
+    tokens = greedy_tokens(logits).tolist() if any(greedy) else [None] * len(states)  # (B,)
+    lps = torch.log_softmax(logits, dim=-1) if any(wants_lp) else None  # (B, V)
+    chosen: list[Sampled | None] = []
+    for i, state in enumerate(states):
+        token = tokens[i] if greedy[i] else None
+        if state is not None and token is None:
+            try:
+                token = int(sample_next(logits[i][None], state.params, state.seen, state.generator))
+            except Exception:
+                log.exception("decoderlm sampler: sampling failed; its sequence ends with 'error'")
+        if state is None or token is None:
+            chosen.append(None)
+            continue
+        state.accept(token)
+        chosen.append(Sampled(token, lps[i] if wants_lp[i] else None))
+    return chosen
