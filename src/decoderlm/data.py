@@ -40,6 +40,8 @@ from decoderlm.tokenizer import Tokenizer
 
 META_FILE = "meta.json"
 SPLITS = ("train", "val")
+# What `prepare` writes.
+DATA_FILES = (*(f"{split}.bin" for split in SPLITS), TOKENIZER_FILE, META_FILE)
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}  # little-endian on every machine
 META_KEYS = (
     "vocab_size",

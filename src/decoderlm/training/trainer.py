@@ -61,6 +61,7 @@ def train(
     resume: bool = False,
     init_from: str | Path | None = None,
     *,
+    overwrite: bool = False,
     inputs: Sequence[str | Path] | None = None,
     tokenizer: str | None = None,
     vocab_size: int | None = None,
@@ -74,11 +75,13 @@ def train(
     model's vocab_size follows the data. Model: `model_config`, or the "llama-tiny" preset; with
     `init_from` (a run directory) its weights are loaded first (fine-tuning). `resume` continues
     OUT's latest checkpoint exactly; the model and data then default to the run's own and
-    `train_config` to the saved one (see `decoderlm.training.run.resolve_run`).
+    `train_config` to the saved one (see `decoderlm.training.run.resolve_run`). A new run refuses
+    to write over what OUT holds unless `overwrite`.
     """
     run = resolve_run(
         out_dir,
         resume=resume,
+        overwrite=overwrite,
         init_from=init_from,
         model=model_config,
         train=train_config,
