@@ -190,6 +190,7 @@ class Trainer:
         weights = checkpoint.load_file(str(ckpt / checkpoint.WEIGHTS_FILE))
         if self.model_config.tie_embeddings:
             weights["head.weight"] = weights["tok_emb.weight"]
+        self._check_optimizer_state(ckpt, state["optimizer"])
         distributed.load_full_state_dicts(
             self.wrapped, self.optimizer, weights, state["optimizer"], self.info
         )
@@ -209,6 +210,19 @@ class Trainer:
         set_rng_state(state["rng"])
         if self.device.type == "cpu" and not cfg.threads and "threads" in state:
             torch.set_num_threads(state["threads"])  # same summation order as before the stop
+
+    def _check_optimizer_state(self, ckpt: Path, saved: dict[str, Any]) -> None:
+        """A one-line error naming the first saved optimizer tensor whose shape is not its
+        parameter's (torch would load it and train into NaN)."""
+        moments = saved.get("state", {})
+        for name, param in self.wrapped.named_parameters():
+            for key, value in moments.get(name, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() and value.shape != param.shape:
+                    raise DecoderLMError(
+                        f"optimizer tensor 'optimizer/state/{name}/{key}' in {ckpt} has shape "
+                        f"{tuple(value.shape)}, its parameter {tuple(param.shape)}: the trainer "
+                        "state does not fit this model"
+                    )
 
     def _write_run_files(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -284,7 +298,7 @@ class Trainer:
             return "interrupted"
         if cfg.max_steps and self.step >= cfg.max_steps:
             return "max_steps"
-        if cfg.max_time and distributed.all_reduce_mean(elapsed, self.info) >= cfg.max_time:
+        if cfg.time_limit and distributed.all_reduce_mean(elapsed, self.info) >= cfg.time_limit:
             return "max_time"
         return None
 
