@@ -41,6 +41,7 @@ from decoderlm.training.optim import clip_and_step, learning_rate, make_optimize
 from decoderlm.training.report import Report, banner
 from decoderlm.training.run import Run, resolve_run
 from decoderlm.training.runtime import (
+    check_training_memory,
     cpu_threads,
     measure_peak_flops,
     resolve_dtype,
@@ -132,6 +133,7 @@ class Trainer:
 
         if self.device.type == "cpu":
             torch.set_num_threads(cfg.threads or cpu_threads())
+        check_training_memory(self.model_config, self.device)
         seed_everything(cfg.seed)  # identical on every rank: same initial weights
         model = DecoderLM(self.model_config)
         if run.init_from is not None:
@@ -394,16 +396,23 @@ class Trainer:
                 "rng": rng_state(),
                 "threads": torch.get_num_threads(),  # reductions' order, for exact resume
             }
-            return checkpoint.save_checkpoint(
-                self.out,
-                self.step,
-                self.model_config,
-                model_sd,
-                state,
-                train_config=self.cfg.to_dict(),
-                tokenizer_file=self.out / checkpoint.TOKENIZER_FILE,
-                keep_last=self.cfg.keep_last,
-            )
+            try:
+                return checkpoint.save_checkpoint(
+                    self.out,
+                    self.step,
+                    self.model_config,
+                    model_sd,
+                    state,
+                    train_config=self.cfg.to_dict(),
+                    tokenizer_file=self.out / checkpoint.TOKENIZER_FILE,
+                    keep_last=self.cfg.keep_last,
+                )
+            except OSError as exc:  # e.g. a read-only or full disk
+                kept = self.last_checkpoint or "there is none"
+                raise DecoderLMError(
+                    f"cannot save the checkpoint of step {self.step} in {self.out}: "
+                    f"{exc.strerror or exc}; the previous checkpoint is intact ({kept})"
+                ) from None
 
         # Rank 0 writes while the others wait; a failed write stops every rank with its error.
         self.last_checkpoint = distributed.run_on_main(write, self.info)
