@@ -113,16 +113,27 @@ def fifo(tmp_path: Path) -> Path:
     return path
 
 
+INPUT_FILE_FLAGS = {
+    "generate --prompt-file": ["generate", "--checkpoint", "{run}", "--prompt-file", "{path}"],
+    "eval --input": ["eval", "--checkpoint", "{run}", "--input", "{path}"],
+    "train --config": ["train", "--config", "{path}", "--quiet"],
+}
+
+
+@pytest.mark.parametrize("flag", sorted(INPUT_FILE_FLAGS))
 @pytest.mark.parametrize("kind", ["fifo", "directory"])
 def test_an_input_file_that_is_not_a_regular_file_is_named_for_what_it_is(
-    kind: str, run: Path, fifo: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+    kind: str,
+    flag: str,
+    run: Path,
+    fifo: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
 ) -> None:
     path = fifo if kind == "fifo" else tmp_path
     what = "is not a regular file (a FIFO" if kind == "fifo" else "is a directory, not a file"
-    assert main(["generate", "--checkpoint", str(run), "--prompt-file", str(path)]) == 2
-    assert f"decoderlm: error: {path} {what}" in _error_line(capsys)
-    assert main(["eval", "--checkpoint", str(run), "--input", str(path)]) == 2
-    assert f"decoderlm: error: {path} {what}" in _error_line(capsys)
+    assert main([a.format(run=run, path=path) for a in INPUT_FILE_FLAGS[flag]]) == 2
+    assert _error_line(capsys).startswith(f"decoderlm: error: {path} {what}")
 
 
 def test_a_fifo_among_the_inputs_to_prepare_is_named_for_what_it_is(

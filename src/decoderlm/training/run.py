@@ -23,6 +23,7 @@ arguments) into a `Run`:
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import sys
 from collections.abc import Sequence
@@ -197,9 +198,10 @@ def _started(out: Path) -> bool:
 
 
 def _say(message: str) -> None:
-    """One line on stderr, for what the user should know but is not an error."""
-    sys.stderr.write(f"decoderlm: {message}\n")
-    sys.stderr.flush()
+    """One line on stderr, for what the user should know but is not an error (once per job)."""
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for every rank
+        sys.stderr.write(f"decoderlm: {message}\n")
+        sys.stderr.flush()
 
 
 def _resumed_data(

@@ -96,12 +96,13 @@ def _sync(device: torch.device) -> None:
 # ---- memory -------------------------------------------------------------------------------------
 
 
-def check_training_memory(config: ModelConfig, device: torch.device) -> None:
+def check_training_memory(config: ModelConfig, device: torch.device, shards: int = 1) -> None:
     """A one-line error, before anything is allocated, if training `config` on `device` needs more
-    memory than the device has (weights, gradients and AdamW moments alone; activations aside)."""
+    memory than the device has: weights, gradients and AdamW moments alone (activations aside),
+    split into `shards` (FSDP's processes)."""
     with torch.device("meta"):  # shapes only
         parameters = DecoderLM(config).num_params()
-    need = parameters * TRAINING_BYTES_PER_PARAMETER
+    need = parameters * TRAINING_BYTES_PER_PARAMETER // shards
     have = device_memory(device)
     if have and need > have:
         raise DecoderLMError(

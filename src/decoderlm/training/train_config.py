@@ -15,6 +15,7 @@ from typing import Any
 from decoderlm import dtypes
 from decoderlm.errors import ConfigError, DecoderLMError
 from decoderlm.model.config import dataclass_from_dict
+from decoderlm.paths import require_file
 from decoderlm.training import distributed
 
 DTYPES = ("auto", *dtypes.DTYPES)  # auto: bf16 where native, else fp32 (`runtime.resolve_dtype`)
@@ -144,6 +145,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         import tomli as tomllib
 
     path = Path(path)
+    if path.exists():
+        require_file(path)  # a directory or a FIFO (which would block the read): say so
     try:
         values = tomllib.loads(path.read_text())
     except FileNotFoundError:

@@ -133,7 +133,8 @@ class Trainer:
 
         if self.device.type == "cpu":
             torch.set_num_threads(cfg.threads or cpu_threads())
-        check_training_memory(self.model_config, self.device)
+        shards = world if cfg.strategy == "fsdp" else 1
+        check_training_memory(self.model_config, self.device, shards)
         seed_everything(cfg.seed)  # identical on every rank: same initial weights
         model = DecoderLM(self.model_config)
         if run.init_from is not None:
