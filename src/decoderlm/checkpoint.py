@@ -119,12 +119,17 @@ def save_weights(path: str | Path, model: DecoderLM) -> None:
     )
 
 
-def load_weights(model: DecoderLM, path: str | Path) -> None:
-    """Load safetensors weights into `model`, with a one-line error naming any missing/misshaped tensor."""
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, or a one-line error (a missing or truncated file)."""
     try:
-        state = load_file(str(path))
+        return load_file(str(path))
     except (SafetensorError, OSError) as exc:
         raise DecoderLMError(f"cannot read weights from {path}: {exc}") from None
+
+
+def load_weights(model: DecoderLM, path: str | Path) -> None:
+    """Load safetensors weights into `model`, with a one-line error naming any missing/misshaped tensor."""
+    state = read_weights(path)
     expected = model_state_dict(model)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))

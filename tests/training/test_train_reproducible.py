@@ -187,3 +187,14 @@ def test_an_optimizer_state_of_the_wrong_shape_is_refused_with_one_line(
     assert line.startswith(f"decoderlm: error: optimizer tensor '{name}' in "), line
     assert "does not fit this model" in line
     assert json.loads((ckpt / checkpoint.STATE_FILE).read_text())["step"] == 6
+
+
+def test_truncated_checkpoint_weights_are_refused_with_one_line(
+    corpus: Path, uninterrupted: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    run = _copy(uninterrupted, tmp_path)
+    weights = run / "checkpoints" / "step_00000006" / checkpoint.WEIGHTS_FILE
+    weights.write_bytes(weights.read_bytes()[:100])
+    assert main([*_argv(corpus, run), "--resume"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith(f"decoderlm: error: cannot read weights from {weights}: "), line

@@ -190,7 +190,7 @@ class Trainer:
 
     def _restore(self, ckpt: Path, state: dict[str, Any]) -> None:
         """Continue from `ckpt`: weights, optimizer, counters, data position and RNG states."""
-        weights = checkpoint.load_file(str(ckpt / checkpoint.WEIGHTS_FILE))
+        weights = checkpoint.read_weights(ckpt / checkpoint.WEIGHTS_FILE)
         if self.model_config.tie_embeddings:
             weights["head.weight"] = weights["tok_emb.weight"]
         self._check_optimizer_state(ckpt, state["optimizer"])
