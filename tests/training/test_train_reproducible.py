@@ -98,6 +98,8 @@ def test_two_uninterrupted_step_budget_runs_give_identical_weights(
     again = tmp_path / "again"
     assert main(_argv(corpus, again)) == 0
     _assert_identical(again, uninterrupted)
+    # No time limit, and config.json says so: a resume with other flags keeps it that way.
+    assert checkpoint.read_run_config(again)["train"]["max_time"] == 0
 
 
 def test_a_step_budget_schedule_depends_on_steps_alone() -> None:

@@ -5,9 +5,9 @@ arguments) into a `Run`:
 
 - the run directory: OUT, else with `resume` the newest run under runs/, else runs/<date-time>;
 - resume: OUT's latest checkpoint (the one before it if its trainer state is torn); its saved
-  TrainConfig is the base that given fields override (so `--resume --max-steps 2000` changes only
-  the step limit), its model is the model; a run that stopped before its first checkpoint starts
-  again from step 0;
+  TrainConfig (with the time limit a new run resolved, `TrainConfig.time_limit`) is the base that
+  given fields override (so `--resume --max-steps 2000` changes only the step limit), its model is
+  the model; a run that stopped before its first checkpoint starts again from step 0;
 - overwriting: a new run never writes over what OUT holds unless `overwrite` (which also drops
   OUT's checkpoints and re-prepares OUT/data);
 - `init_from`: a run whose model and weights a new run starts from (fine-tuning);
@@ -105,6 +105,8 @@ def resolve_run(
         train_config = train
     else:
         train_config = TrainConfig.from_dict({**saved_config.get("train", {}), **(train or {})})
+    if ckpt is None:  # the time limit as saved: a resumed run keeps it, whatever its flags change
+        train_config = dataclasses.replace(train_config, max_time=train_config.time_limit)
     info = distributed.init_distributed(train_config.device)
 
     if data_dir is not None:
