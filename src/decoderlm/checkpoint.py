@@ -53,6 +53,10 @@ STATE_TENSORS_FILE = "trainer_state.safetensors"
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
+class TornStateError(DecoderLMError):
+    """A checkpoint's trainer state cannot be read (a truncated or unreadable file)."""
+
+
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # read the process umask (the call sets it; this restores it)
 
@@ -115,12 +119,17 @@ def save_weights(path: str | Path, model: DecoderLM) -> None:
     )
 
 
-def load_weights(model: DecoderLM, path: str | Path) -> None:
-    """Load safetensors weights into `model`, with a one-line error naming any missing/misshaped tensor."""
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, or a one-line error (a missing or truncated file)."""
     try:
-        state = load_file(str(path))
+        return load_file(str(path))
     except (SafetensorError, OSError) as exc:
         raise DecoderLMError(f"cannot read weights from {path}: {exc}") from None
+
+
+def load_weights(model: DecoderLM, path: str | Path) -> None:
+    """Load safetensors weights into `model`, with a one-line error naming any missing/misshaped tensor."""
+    state = read_weights(path)
     expected = model_state_dict(model)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -222,7 +231,11 @@ def best_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def checkpoint_val_loss(ckpt_dir: str | Path) -> float | None:
-    return json.loads((Path(ckpt_dir) / STATE_FILE).read_text()).get("val_loss")
+    """The validation loss a checkpoint was saved with; None if it has none or is unreadable."""
+    try:
+        return json.loads((Path(ckpt_dir) / STATE_FILE).read_text()).get("val_loss")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def save_checkpoint(
@@ -323,14 +336,21 @@ def save_trainer_state(directory: str | Path, state: dict[str, Any]) -> None:
 
 
 def load_trainer_state(directory: str | Path) -> dict[str, Any]:
-    """The dict saved by `save_trainer_state` (tensors on the CPU), or a one-line error."""
+    """The dict saved by `save_trainer_state` (tensors on the CPU), or a one-line error:
+    `TornStateError` when a file cannot be read."""
     directory = Path(directory)
     try:
         data = json.loads((directory / STATE_FILE).read_text())
         tensors = load_file(str(directory / STATE_TENSORS_FILE))
-    except (OSError, json.JSONDecodeError, SafetensorError) as exc:
-        raise DecoderLMError(f"cannot read the trainer state in {directory}: {exc}") from None
-    return _decode(data, tensors)
+    except (OSError, ValueError, SafetensorError) as exc:  # JSONDecodeError is a ValueError
+        raise TornStateError(f"cannot read the trainer state in {directory}: {exc}") from None
+    try:
+        return _decode(data, tensors)
+    except KeyError as exc:
+        raise DecoderLMError(
+            f"the trainer state in {directory} names tensor {exc.args[0]!r}, which "
+            f"{STATE_TENSORS_FILE} lacks"
+        ) from None
 
 
 def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:

@@ -36,10 +36,13 @@ from tqdm.auto import tqdm
 
 from decoderlm.checkpoint import TOKENIZER_FILE, atomic_path, atomic_write, write_json
 from decoderlm.errors import DecoderLMError
+from decoderlm.paths import require_file
 from decoderlm.tokenizer import Tokenizer
 
 META_FILE = "meta.json"
 SPLITS = ("train", "val")
+# What `prepare` writes.
+DATA_FILES = (*(f"{split}.bin" for split in SPLITS), TOKENIZER_FILE, META_FILE)
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}  # little-endian on every machine
 META_KEYS = (
     "vocab_size",
@@ -70,10 +73,9 @@ ENCODE_CHUNK = 64  # documents per encode_batch call: parallel in Rust, bounded 
 
 
 def read_text_file(path: str | Path) -> str:
-    """The contents of a UTF-8 text file, with a one-line error if it is missing or not UTF-8."""
-    path = Path(path)
-    if not path.is_file():
-        raise DecoderLMError(f"no such file: {path}")
+    """The contents of a UTF-8 text file, with a one-line error if it is missing, not a regular
+    file or not UTF-8."""
+    path = require_file(path)
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
@@ -240,6 +242,8 @@ def collect_files(
                     rel = file.relative_to(path)
                     if any(rel.match(glob) for glob in include) and file.is_file():
                         found.setdefault(file.resolve(), file)
+        elif path.exists():
+            require_file(path)  # a FIFO, socket or device: the error says so
         else:
             raise DecoderLMError(f"no such file or directory: {item}")
     return sorted(found.values())

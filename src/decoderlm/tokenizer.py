@@ -24,6 +24,7 @@ import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.paths import require_file
 
 # End-of-text / end-of-sequence tokens of common tokenizer.json files, in order of preference:
 # ours and GPT-2's, Llama 3's, Llama 2's and Mistral's, Gemma's, Llama 3's chat turn end.
@@ -83,8 +84,9 @@ class Tokenizer:
         path = Path(path)
         if path.is_dir():
             path = path / "tokenizer.json"
-        if not path.is_file():
+        if not path.exists():
             raise DecoderLMError(f"no such tokenizer file: {path}")
+        require_file(path)  # a FIFO or a device: the error says so
         try:
             return cls(tokenizers.Tokenizer.from_file(str(path)))
         except Exception as exc:  # the Rust side raises a bare Exception for every parse error

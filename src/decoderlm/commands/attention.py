@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.paths import add_overwrite_argument, refuse_overwrite
 
 HELP = "draw the attention weights of a prompt (one head, or all heads of a layer) to a PNG"
 
@@ -20,6 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--head", type=int, metavar="H", help="one head (default: a grid of all heads of the layer)"
     )
     parser.add_argument("--out", required=True, metavar="PNG", help="output file")
+    add_overwrite_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from decoderlm.loading import load
     from decoderlm.plot_attention import plot_attention
 
+    refuse_overwrite(args.out, overwrite=args.overwrite)
     model, tokenizer = load(args.checkpoint)
     if tokenizer is None:
         raise DecoderLMError(f"{args.checkpoint} has no tokenizer.json, so text cannot be encoded")

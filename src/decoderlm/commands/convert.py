@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.paths import ANY_ENTRY, add_overwrite_argument, refuse_overwrite
 
 HELP = "convert checkpoints: --from-hf DIR, --to-hf RUN, or --to-gqa G RUN (mean-pooled K/V heads)"
 
@@ -35,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="--from-hf: weight dtype of the run: float32, bfloat16 or float16 (default float32)",
     )
-    parser.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    add_overwrite_argument(parser, "--force")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         raise DecoderLMError(
             f"unexpected argument {args.gqa_run!r}: only --to-gqa takes a RUN argument"
         )
-    _check_out(Path(source), Path(args.out), args.force)
+    _check_out(Path(source), Path(args.out), args.overwrite)
     if args.from_hf:
         dtype = parse_dtype(args.dtype) if args.dtype else None
         out = hf.import_hf(args.from_hf, args.out, dtype=dtype, allow_pickle=args.allow_pickle)
@@ -63,12 +64,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_out(source: Path, out: Path, force: bool) -> None:
+def _check_out(source: Path, out: Path, overwrite: bool) -> None:
     if not source.exists():
         raise DecoderLMError(f"no such directory: {source}")
     if out.exists() and out.resolve() == source.resolve():
         raise DecoderLMError(f"--out {out} is the source directory; choose a new directory")
-    if out.exists() and not out.is_dir():
-        raise DecoderLMError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise DecoderLMError(f"--out {out} is not empty; choose a new directory or pass --force")
+    refuse_overwrite(out, overwrite=overwrite, inside=ANY_ENTRY)

@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_dtype=args.kv_cache_dtype,
         )  # checks its arguments before anything is printed
         sys.stdout.write(prompt)
-        for piece in pieces:
+        for piece in pieces if max_new else ():  # 0 new tokens: the prompt, unchanged
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")

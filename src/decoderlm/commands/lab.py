@@ -5,15 +5,19 @@ report.md and the plots.
     decoderlm lab --spec study.toml --input corpus.txt --out lab/mine
 
 Without --data/--input the built-in studies train on ../shared/data/tinyshakespeare.txt beside
-the repository (char-level). Running the same command again continues an interrupted study.
+the repository (char-level). The same command plus --resume continues an interrupted study (the
+finished runs are kept); --overwrite starts it over.
 """
 
 from __future__ import annotations
 
 import argparse
 import shlex
+import shutil
 import sys
 from pathlib import Path
+
+from decoderlm.paths import add_overwrite_argument, refuse_overwrite
 
 HELP = "ablation studies (attention variants, positions, scaling, norm placement, GQA up-training)"
 STUDY_NAMES = ("attention-variants", "positions", "scaling", "norm-placement", "uptrain-gqa")
@@ -41,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small models and budget (≤ 3 min)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue the study in OUT, keeping its finished runs"
+    )
+    add_overwrite_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,6 +66,13 @@ def run(args: argparse.Namespace) -> int:
         if not DEFAULT_CORPUS.is_file():
             raise DecoderLMError(f"no default corpus at {DEFAULT_CORPUS}: give --data or --input")
         inputs = [DEFAULT_CORPUS]
+    out = Path(args.out)
+    written = ("data", "runs", runner.RESULTS_FILE, report.REPORT_FILE)
+    other = "or --resume to continue the study"
+    refuse_overwrite(out, overwrite=args.overwrite or args.resume, inside=written, other=other)
+    if args.overwrite and not args.resume:  # start over: nothing of the old study is reused
+        for name in ("runs", "data") if args.data is None else ("runs",):
+            shutil.rmtree(out / name, ignore_errors=True)
     ours = sys.argv[1:2] == ["lab"]  # run as `decoderlm lab ...`, not from Python
     command = shlex.join(["decoderlm", *sys.argv[1:]]) if ours else ""
     results = runner.run_study(

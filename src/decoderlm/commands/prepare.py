@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from decoderlm.paths import add_overwrite_argument, refuse_overwrite
+
 HELP = "Tokenize text files (default: the Python stdlib) into train.bin, val.bin and meta.json."
 
 
@@ -43,13 +45,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=("uint16", "uint32"), help="token file dtype (default: from the vocab)"
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_overwrite_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     import warnings
 
-    from decoderlm.data import prepare
+    from decoderlm.data import DATA_FILES, prepare
 
+    refuse_overwrite(args.out, overwrite=args.overwrite, inside=DATA_FILES)
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
         meta = prepare(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from decoderlm.paths import add_overwrite_argument
+
 HELP = "quantize a run or Hugging Face checkpoint's weights to int8, int4 or bf16 (a new run directory)"
 
 
@@ -27,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="int4: inputs per scale, 32, 64 or 128 (default 64)",
     )
     parser.add_argument("--out", required=True, help="output run directory (must be new or empty)")
-    parser.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    add_overwrite_argument(parser, "--force")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_settings(args.to, args.group_size)
     source = Path(args.source)
-    _check_out(source, Path(args.out), args.force)
+    _check_out(source, Path(args.out), args.overwrite)
     model, _ = load(source)
     quantize(model, to=args.to, group_size=args.group_size)
     tokenizer_file = source / TOKENIZER_FILE

@@ -20,6 +20,7 @@ from typing import Any
 
 from decoderlm.errors import ConfigError
 from decoderlm.model.config import ModelConfig
+from decoderlm.paths import add_overwrite_argument
 
 HELP = "train a model (no arguments: ~5 minutes on the Python stdlib, the main job)"
 
@@ -45,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="continue OUT's latest checkpoint (default: newest run)",
     )
+    add_overwrite_argument(parser)
     parser.add_argument("--init-from", metavar="DIR", help="start from this run's weights")
     parser.add_argument(
         "--tokenizer",
@@ -72,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     run = resolve_run(
         args.out or file.get("out"),
         resume=args.resume,
+        overwrite=args.overwrite,
         init_from=args.init_from,
         preset=args.preset or file.get("preset"),
         model={**file.get("model", {}), **_flag_values(args, ModelConfig)},

@@ -7,7 +7,7 @@ The Trainer averages the gradients of one optimizer step (`grad_accum` micro-ste
   weights of linear layers (see `param_groups`);
 - the learning rate: linear warmup, then cosine decay to a floor (Loshchilov & Hutter, 2017),
   lr(p) = min_lr + ½(lr − min_lr)(1 + cos πp), p ∈ [0, 1] the fraction of the run done (by steps,
-  or by time when `max_time` ends the run).
+  or by time when a time limit ends the run).
 """
 
 from __future__ import annotations
@@ -83,7 +83,9 @@ def learning_rate(cfg: TrainConfig, step: int, elapsed: float) -> float:
     """lr for optimizer step `step` (0-based): linear warmup, then cosine down to min_lr.
 
     p, the fraction of the decay done, counts the steps after warmup up to decay_steps (default
-    max_steps), or the seconds of max_time, whichever is further along.
+    max_steps), or the seconds of the run's time limit (`TrainConfig.time_limit`, none for a step
+    budget without --max-time), whichever is further along. `elapsed` counts the seconds of
+    earlier sessions too, so a resumed time budget continues its schedule.
     """
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -91,8 +93,8 @@ def learning_rate(cfg: TrainConfig, step: int, elapsed: float) -> float:
     horizon = cfg.decay_steps or cfg.max_steps
     if horizon:
         progress = (step - cfg.warmup_steps) / max(1, horizon - cfg.warmup_steps)
-    if cfg.max_time:
-        progress = max(progress, elapsed / cfg.max_time)
+    if cfg.time_limit:
+        progress = max(progress, elapsed / cfg.time_limit)
     progress = min(max(progress, 0.0), 1.0)
     # lr(p) = min_lr + ½(lr − min_lr)(1 + cos πp)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))

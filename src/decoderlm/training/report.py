@@ -119,8 +119,8 @@ class Report:
         done = 0.0
         if self.cfg.max_steps:
             done = step / self.cfg.max_steps
-        if self.cfg.max_time:
-            done = max(done, elapsed / self.cfg.max_time)
+        if self.cfg.time_limit:
+            done = max(done, elapsed / self.cfg.time_limit)
         return 100 * min(done, 1.0)
 
 
@@ -128,7 +128,7 @@ def banner(run: Run, parameters: int, dtype: torch.dtype, step: int) -> str:
     """One line: the run, its model, data, batch, precision and device, limits and start step."""
     cfg, mc, device = run.train_config, run.model_config, run.info.device
     limits = [f"{cfg.max_steps} steps"] if cfg.max_steps else []
-    limits += [duration(cfg.max_time)] if cfg.max_time else []
+    limits += [duration(cfg.time_limit)] if cfg.time_limit else []
     where = f"{str(dtype).removeprefix('torch.')} on {device}"
     if device.type == "cpu":
         n = torch.get_num_threads()

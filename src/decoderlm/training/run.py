@@ -4,8 +4,12 @@
 arguments) into a `Run`:
 
 - the run directory: OUT, else with `resume` the newest run under runs/, else runs/<date-time>;
-- resume: OUT's latest checkpoint; its saved TrainConfig is the base that given fields override
-  (so `--resume --max-steps 2000` changes only the step limit), its model is the model;
+- resume: OUT's latest checkpoint (the one before it if its trainer state is torn); its saved
+  TrainConfig (with the time limit a new run resolved, `TrainConfig.time_limit`) is the base that
+  given fields override (so `--resume --max-steps 2000` changes only the step limit), its model is
+  the model; a run that stopped before its first checkpoint starts again from step 0;
+- overwriting: a new run never writes over what OUT holds unless `overwrite` (which also drops
+  OUT's checkpoints and re-prepares OUT/data);
 - `init_from`: a run whose model and weights a new run starts from (fine-tuning);
 - data: a prepared data directory, or inputs prepared into OUT/data, or the Python standard
   library (the main job). When resuming, or when OUT/data is already there, the inputs, tokenizer
@@ -19,6 +23,9 @@ arguments) into a `Run`:
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -28,6 +35,7 @@ from typing import Any
 from decoderlm import checkpoint, data
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.config import ModelConfig
+from decoderlm.paths import refuse_overwrite
 from decoderlm.training import distributed
 from decoderlm.training.train_config import TrainConfig
 
@@ -41,6 +49,13 @@ RUNS_DIR = Path("runs")  # where runs go without --out: runs/<date-time>
 # Model fields an initialised run may change: no weight depends on them (RoPE and sinusoidal
 # positions are recomputed for any length; learned positions make context_length a weight shape).
 INIT_FROM_FREE_FIELDS = ("context_length", "rope_scaling")
+# What a new run writes in OUT besides checkpoints/ and data/.
+RUN_FILES = (
+    checkpoint.CONFIG_FILE,
+    checkpoint.WEIGHTS_FILE,
+    checkpoint.TOKENIZER_FILE,
+    checkpoint.METRICS_FILE,
+)
 
 
 @dataclass(frozen=True)
@@ -62,6 +77,7 @@ def resolve_run(
     out_dir: str | Path | None = None,
     *,
     resume: bool = False,
+    overwrite: bool = False,
     init_from: str | Path | None = None,
     model: ModelConfig | dict[str, Any] | None = None,
     preset: str | None = None,
@@ -83,13 +99,14 @@ def resolve_run(
     if data_dir is not None and inputs is not None:
         raise DecoderLMError("give either a data directory or inputs to prepare, not both")
     out = Path(out_dir) if out_dir is not None else latest_run() if resume else default_run_dir()
-    ckpt = _resume_checkpoint(out, resume)
+    ckpt, state = _resume_point(out, resume, overwrite)
     saved_config = checkpoint.read_run_config(ckpt) if ckpt is not None else {}
-    state = checkpoint.load_trainer_state(ckpt) if ckpt is not None else {}
     if isinstance(train, TrainConfig):
         train_config = train
     else:
         train_config = TrainConfig.from_dict({**saved_config.get("train", {}), **(train or {})})
+    if ckpt is None:  # the time limit as saved: a resumed run keeps it, whatever its flags change
+        train_config = dataclasses.replace(train_config, max_time=train_config.time_limit)
     info = distributed.init_distributed(train_config.device)
 
     if data_dir is not None:
@@ -99,7 +116,7 @@ def resolve_run(
     else:
 
         def prepare() -> Path:
-            return _prepare(out, inputs, tokenizer, vocab_size, progress)
+            return _prepare(out, inputs, tokenizer, vocab_size, progress, overwrite)
 
         found = distributed.run_on_main(prepare, info)  # a failure stops every rank
         if not info.is_main:  # rank 0 has prepared it: this only finds it
@@ -135,17 +152,58 @@ def latest_run(runs_dir: str | Path = RUNS_DIR) -> Path:
     return max(runs, key=lambda p: checkpoint.latest_checkpoint(p).stat().st_mtime)
 
 
-def _resume_checkpoint(out: Path, resume: bool) -> Path | None:
-    """OUT's latest checkpoint when resuming (there must be one); None for a new run (none allowed)."""
-    latest = checkpoint.latest_checkpoint(out)
-    if resume and latest is None:
+def _resume_point(out: Path, resume: bool, overwrite: bool) -> tuple[Path | None, dict[str, Any]]:
+    """(checkpoint, its trainer state) a resumed run continues, or (None, {}) for a run that starts
+    at step 0: a new one (OUT must hold no run, unless `overwrite`) or, when resuming, one that
+    stopped before its first checkpoint."""
+    checkpoints = checkpoint.list_checkpoints(out)
+    if resume and checkpoints:
+        return _readable_checkpoint(checkpoints)
+    if resume and _started(out):
+        _say(f"{out} has no checkpoint yet: starting the run from step 0")
+        return None, {}
+    if resume:
         raise DecoderLMError(f"cannot resume: {out} has no checkpoint (start without --resume)")
-    if not resume and latest is not None:
+    if checkpoints and not overwrite:
         raise DecoderLMError(
-            f"{out} already holds a run (checkpoint {latest.name}): pass --resume to "
-            "continue it, or choose another --out"
+            f"{out} already holds a run (checkpoint {checkpoints[-1].name}): pass --resume to "
+            "continue it, --overwrite to start it over, or choose another --out"
         )
-    return latest
+    other = "or --resume to continue the run"
+    refuse_overwrite(out, overwrite=overwrite, inside=RUN_FILES, other=other)
+    if overwrite:  # what would mix with the new run: the old one's checkpoints and curves
+        for name in (checkpoint.CHECKPOINTS_DIR, "tensorboard"):
+            shutil.rmtree(out / name, ignore_errors=True)
+    return None, {}
+
+
+def _readable_checkpoint(checkpoints: list[Path]) -> tuple[Path, dict[str, Any]]:
+    """The newest of `checkpoints` (oldest first) whose trainer state reads, and that state; a
+    torn state falls back to the checkpoint before it, saying so."""
+    *older, newest = checkpoints
+    try:
+        return newest, checkpoint.load_trainer_state(newest)
+    except checkpoint.TornStateError as exc:
+        if not older:
+            raise
+        _say(f"warning: {exc}; resuming from the checkpoint before it, {older[-1].name}")
+        return _readable_checkpoint(older)
+
+
+def _started(out: Path) -> bool:
+    """Whether `decoderlm train` started a run in `out` (its config.json has a "train" section, or
+    it prepared OUT/data) that stopped before its first checkpoint."""
+    try:
+        return "train" in checkpoint.read_run_config(out)
+    except DecoderLMError:
+        return (out / "data").is_dir() and not (out / checkpoint.CONFIG_FILE).exists()
+
+
+def _say(message: str) -> None:
+    """One line on stderr, for what the user should know but is not an error (once per job)."""
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for every rank
+        sys.stderr.write(f"decoderlm: {message}\n")
+        sys.stderr.flush()
 
 
 def _resumed_data(
@@ -176,15 +234,16 @@ def _prepare(
     tokenizer: str | None,
     vocab_size: int | None,
     progress: bool,
+    overwrite: bool,
 ) -> Path:
     """A new run's data: the cached standard library, or `inputs` prepared into OUT/data (or
-    found there, from an attempt that stopped before its first checkpoint)."""
+    found there, from an attempt that stopped before its first checkpoint, unless `overwrite`)."""
     if inputs is None:
         return data.prepare_default_corpus(
             tokenizer or DEFAULT_TOKENIZER, vocab_size or DEFAULT_VOCAB_SIZE, progress=progress
         )
     prepared = out / "data"
-    if (prepared / data.META_FILE).is_file():  # meta.json is written last
+    if (prepared / data.META_FILE).is_file() and not overwrite:  # meta.json is written last
         _check_same_source(prepared, inputs, tokenizer, vocab_size)
         return prepared
     tokenizer, vocab_size = tokenizer or DEFAULT_TOKENIZER, vocab_size or DEFAULT_VOCAB_SIZE

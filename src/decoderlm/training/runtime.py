@@ -20,8 +20,11 @@ import torch
 
 from decoderlm.dtypes import parse_dtype
 from decoderlm.errors import DecoderLMError
+from decoderlm.model.config import ModelConfig
+from decoderlm.model.lm import DecoderLM
 
 TORCH_DEFAULT_THREADS = torch.get_num_threads()  # one per core this process may use (at import)
+TRAINING_BYTES_PER_PARAMETER = 16  # float32 weights, gradients and AdamW's two moments
 
 
 # ---- precision ----------------------------------------------------------------------------------
@@ -88,6 +91,36 @@ def measure_peak_flops(
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# ---- memory -------------------------------------------------------------------------------------
+
+
+def check_training_memory(config: ModelConfig, device: torch.device, shards: int = 1) -> None:
+    """A one-line error, before anything is allocated, if training `config` on `device` needs more
+    memory than the device has: weights, gradients and AdamW moments alone (activations aside),
+    split into `shards` (FSDP's processes)."""
+    with torch.device("meta"):  # shapes only
+        parameters = DecoderLM(config).num_params()
+    need = parameters * TRAINING_BYTES_PER_PARAMETER // shards
+    have = device_memory(device)
+    if have and need > have:
+        raise DecoderLMError(
+            f"the model has {parameters:,} parameters: training needs at least {need / 2**30:,.1f} "
+            f"GiB ({TRAINING_BYTES_PER_PARAMETER} bytes per parameter: weights, gradients, AdamW "
+            f"moments), more than the {have / 2**30:,.1f} GiB of this {device.type} device; "
+            "choose a smaller model"
+        )
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory of `device` (a CUDA GPU's, else the machine's RAM); 0 if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # not POSIX
+        return 0
 
 
 # ---- threads ------------------------------------------------------------------------------------

@@ -15,9 +15,11 @@ from typing import Any
 from decoderlm import dtypes
 from decoderlm.errors import ConfigError, DecoderLMError
 from decoderlm.model.config import dataclass_from_dict
+from decoderlm.paths import require_file
 from decoderlm.training import distributed
 
 DTYPES = ("auto", *dtypes.DTYPES)  # auto: bf16 where native, else fp32 (`runtime.resolve_dtype`)
+DEFAULT_MAX_TIME = 300.0  # seconds: the time limit of a run given no step limit (the main job)
 
 
 @dataclass
@@ -33,7 +35,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global gradient norm; 0 = no clipping
     max_steps: int = 0  # stop after this many optimizer steps; 0 = no step limit
-    max_time: float = 300.0  # seconds of training before stopping (summed over resumes); 0 = none
+    max_time: float | None = None  # seconds over resumes; 0 = none; unset: 300 without max_steps
     decay_steps: int = 0  # steps of the cosine decay (nanoGPT's lr_decay_iters); 0 = max_steps
     eval_interval: int = 100  # steps between evaluations (val loss, perplexity, bits/byte, sample)
     eval_iters: int = 10  # val batches per evaluation
@@ -58,6 +60,9 @@ class TrainConfig:
         hints = {f.name: f.type for f in dataclasses.fields(self)}
         for name, kind in hints.items():
             value = getattr(self, name)
+            if kind.endswith(" | None") and value is None:
+                continue
+            kind = kind.removesuffix(" | None")
             if kind == "bool":
                 ok = isinstance(value, bool)
             elif kind == "int":
@@ -77,7 +82,8 @@ class TrainConfig:
             "threads",
         )
         for name in non_negative:
-            _require(getattr(self, name) >= 0, name, getattr(self, name), "must be ≥ 0")
+            value = getattr(self, name)
+            _require(value is None or value >= 0, name, value, "must be ≥ 0")
         _require(self.lr > 0, "lr", self.lr, "must be > 0")
         _require(
             0 <= self.min_lr <= self.lr, "min_lr", self.min_lr, f"must be in [0, lr={self.lr}]"
@@ -100,8 +106,17 @@ class TrainConfig:
             raise ConfigError(
                 f"batch_size={self.batch_size} must be divisible by grad_accum={self.grad_accum}"
             )
-        if not self.max_steps and not self.max_time:
+        if not self.max_steps and not self.time_limit:
             raise ConfigError("max_steps=0 and max_time=0: set at least one to end the run")
+
+    @property
+    def time_limit(self) -> float:
+        """Seconds of training before the run stops (0: none): max_time, or when it is not set,
+        DEFAULT_MAX_TIME for a run without max_steps and no limit for one with it, so that a
+        step budget's run, schedule included, depends on the steps alone."""
+        if self.max_time is not None:
+            return self.max_time
+        return 0.0 if self.max_steps else DEFAULT_MAX_TIME
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -130,6 +145,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         import tomli as tomllib
 
     path = Path(path)
+    if path.exists():
+        require_file(path)  # a directory or a FIFO (which would block the read): say so
     try:
         values = tomllib.loads(path.read_text())
     except FileNotFoundError:

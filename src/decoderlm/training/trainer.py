@@ -41,6 +41,7 @@ from decoderlm.training.optim import clip_and_step, learning_rate, make_optimize
 from decoderlm.training.report import Report, banner
 from decoderlm.training.run import Run, resolve_run
 from decoderlm.training.runtime import (
+    check_training_memory,
     cpu_threads,
     measure_peak_flops,
     resolve_dtype,
@@ -61,6 +62,7 @@ def train(
     resume: bool = False,
     init_from: str | Path | None = None,
     *,
+    overwrite: bool = False,
     inputs: Sequence[str | Path] | None = None,
     tokenizer: str | None = None,
     vocab_size: int | None = None,
@@ -74,11 +76,13 @@ def train(
     model's vocab_size follows the data. Model: `model_config`, or the "llama-tiny" preset; with
     `init_from` (a run directory) its weights are loaded first (fine-tuning). `resume` continues
     OUT's latest checkpoint exactly; the model and data then default to the run's own and
-    `train_config` to the saved one (see `decoderlm.training.run.resolve_run`).
+    `train_config` to the saved one (see `decoderlm.training.run.resolve_run`). A new run refuses
+    to write over what OUT holds unless `overwrite`.
     """
     run = resolve_run(
         out_dir,
         resume=resume,
+        overwrite=overwrite,
         init_from=init_from,
         model=model_config,
         train=train_config,
@@ -129,6 +133,8 @@ class Trainer:
 
         if self.device.type == "cpu":
             torch.set_num_threads(cfg.threads or cpu_threads())
+        shards = world if cfg.strategy == "fsdp" else 1
+        check_training_memory(self.model_config, self.device, shards)
         seed_everything(cfg.seed)  # identical on every rank: same initial weights
         model = DecoderLM(self.model_config)
         if run.init_from is not None:
@@ -184,9 +190,10 @@ class Trainer:
 
     def _restore(self, ckpt: Path, state: dict[str, Any]) -> None:
         """Continue from `ckpt`: weights, optimizer, counters, data position and RNG states."""
-        weights = checkpoint.load_file(str(ckpt / checkpoint.WEIGHTS_FILE))
+        weights = checkpoint.read_weights(ckpt / checkpoint.WEIGHTS_FILE)
         if self.model_config.tie_embeddings:
             weights["head.weight"] = weights["tok_emb.weight"]
+        self._check_optimizer_state(ckpt, state["optimizer"])
         distributed.load_full_state_dicts(
             self.wrapped, self.optimizer, weights, state["optimizer"], self.info
         )
@@ -206,6 +213,19 @@ class Trainer:
         set_rng_state(state["rng"])
         if self.device.type == "cpu" and not cfg.threads and "threads" in state:
             torch.set_num_threads(state["threads"])  # same summation order as before the stop
+
+    def _check_optimizer_state(self, ckpt: Path, saved: dict[str, Any]) -> None:
+        """A one-line error naming the first saved optimizer tensor whose shape is not its
+        parameter's (torch would load it and train into NaN)."""
+        moments = saved.get("state", {})
+        for name, param in self.wrapped.named_parameters():
+            for key, value in moments.get(name, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() and value.shape != param.shape:
+                    raise DecoderLMError(
+                        f"optimizer tensor 'optimizer/state/{name}/{key}' in {ckpt} has shape "
+                        f"{tuple(value.shape)}, its parameter {tuple(param.shape)}: the trainer "
+                        "state does not fit this model"
+                    )
 
     def _write_run_files(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -281,7 +301,7 @@ class Trainer:
             return "interrupted"
         if cfg.max_steps and self.step >= cfg.max_steps:
             return "max_steps"
-        if cfg.max_time and distributed.all_reduce_mean(elapsed, self.info) >= cfg.max_time:
+        if cfg.time_limit and distributed.all_reduce_mean(elapsed, self.info) >= cfg.time_limit:
             return "max_time"
         return None
 
@@ -377,16 +397,23 @@ class Trainer:
                 "rng": rng_state(),
                 "threads": torch.get_num_threads(),  # reductions' order, for exact resume
             }
-            return checkpoint.save_checkpoint(
-                self.out,
-                self.step,
-                self.model_config,
-                model_sd,
-                state,
-                train_config=self.cfg.to_dict(),
-                tokenizer_file=self.out / checkpoint.TOKENIZER_FILE,
-                keep_last=self.cfg.keep_last,
-            )
+            try:
+                return checkpoint.save_checkpoint(
+                    self.out,
+                    self.step,
+                    self.model_config,
+                    model_sd,
+                    state,
+                    train_config=self.cfg.to_dict(),
+                    tokenizer_file=self.out / checkpoint.TOKENIZER_FILE,
+                    keep_last=self.cfg.keep_last,
+                )
+            except OSError as exc:  # e.g. a read-only or full disk
+                kept = self.last_checkpoint or "there is none"
+                raise DecoderLMError(
+                    f"cannot save the checkpoint of step {self.step} in {self.out}: "
+                    f"{exc.strerror or exc}; the previous checkpoint is intact ({kept})"
+                ) from None
 
         # Rank 0 writes while the others wait; a failed write stops every rank with its error.
         self.last_checkpoint = distributed.run_on_main(write, self.info)
