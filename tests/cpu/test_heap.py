@@ -33,29 +33,35 @@ def _with_heap_in_fresh_process(body: str, env: dict[str, str] | None = None) ->
     return run.stdout.strip()
 
 
-def _page_faults_of_growing_buffers(keep: bool) -> int:
-    """Minor page faults, in a fresh process, of writing buffers of 1, 2, ..., 16 MiB in turn."""
+def _page_faults_of_growing_buffers(keep: bool) -> tuple[int, int]:
+    """Minor page faults, in a fresh process, of writing buffers of 1, 2, ..., 16 MiB in turn:
+    (the first pass, a second pass over the same sizes)."""
     body = f"""
         import resource
         if {keep}:
             assert heap.keep_freed_memory()
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        for mib in range(1, 17):
-            buffer = b"x" * (mib * 2**20)  # allocated, every page written, freed
-            del buffer
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        for _ in range(2):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            for mib in range(1, 17):
+                buffer = b"x" * (mib * 2**20)  # allocated, every page written, freed
+                del buffer
+            print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         """
-    return int(_with_heap_in_fresh_process(body))
+    first, second = _with_heap_in_fresh_process(body).split()
+    return int(first), int(second)
 
 
 def test_freed_buffers_are_reused_without_page_faults():
     pages_of_largest = 16 * 2**20 // 4096
-    kept = _page_faults_of_growing_buffers(keep=True)
-    default = _page_faults_of_growing_buffers(keep=False)
-    # Kept: only the heap's growth to the largest buffer faults (4,096 pages). glibc's default maps
-    # each buffer larger than any freed before afresh: 1 + 2 + ... + 16 MiB, 34,816 pages.
-    assert kept <= 1.25 * pages_of_largest
-    assert default > 4 * kept
+    kept_first, kept_again = _page_faults_of_growing_buffers(keep=True)
+    default_first, _ = _page_faults_of_growing_buffers(keep=False)
+    # Kept: once the heap has grown to hold the largest buffer, the same buffers again fault (next
+    # to) never: every page is reused. How much the first pass faults depends on where the
+    # interpreter's own start-up allocations left holes in the heap (4,094 to 6,387 pages seen,
+    # with and without PYTHONPATH set), so that pass is only compared with glibc's default, which
+    # maps each buffer larger than any freed before afresh: 1 + 2 + ... + 16 MiB, 34,816 pages.
+    assert kept_again <= 0.01 * pages_of_largest
+    assert default_first > 4 * kept_first
 
 
 def test_malloc_in_use_names_glibc_or_the_preloaded_tcmalloc() -> None:
