@@ -25,10 +25,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from decoderlm.cpu.attention import blockwise_attention, cpu_attend
 from decoderlm.errors import ConfigError, DecoderLMError
 from decoderlm.model import flash
-from decoderlm.model.attention import attend, build_mask, causal_mask, scaled_dot_product_attention
+from decoderlm.model.attention import attend, scaled_dot_product_attention
 from decoderlm.model.config import ModelConfig
 from decoderlm.model.flash import flash_attention
 from decoderlm.model.lm import DecoderLM
+from decoderlm.model.masks import build_mask, causal_mask
 from decoderlm.model.ring_cache import RingKVCache
 
 FP32_TOL = dict(atol=2e-5, rtol=1e-4)
