@@ -41,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
     from decoderlm.dtypes import parse_dtype
     from decoderlm.errors import DecoderLMError
     from decoderlm.loading import read_config
+    from decoderlm.model.cache import attention_kind, kv_cache_table
     from decoderlm.model.config import ModelConfig
-    from decoderlm.model.kv_cache import attention_kind, kv_cache_table
     from decoderlm.model.lm import DecoderLM
 
     config = ModelConfig.from_preset(args.preset) if args.preset else read_config(args.checkpoint)

@@ -5,18 +5,18 @@ grouped-query attention (Ainslie et al., 2023): `n_heads` query heads share `n_k
 each K/V head serving a contiguous group of `n_heads / n_kv_heads` query heads.
 
 The masks (causal, bottom-right aligned, with an optional sliding window, and key padding) are
-built by `decoderlm.model.masks`; a KV cache is a `LayerCache`.
+built by `decoderlm.model.masks`; a KV cache is any `decoderlm.model.cache.LayerCache`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from decoderlm.model.cache.protocol import LayerCache
 from decoderlm.model.config import ModelConfig
 from decoderlm.model.flash import flash_attention
 from decoderlm.model.layers import make_norm
@@ -28,19 +28,6 @@ from decoderlm.model.masks import (
     masked_softmax,
 )
 from decoderlm.model.positional import apply_rope
-
-
-class LayerCache(Protocol):
-    """What attention needs from a KV cache: store the new keys/values, return all keys/values to attend.
-
-    A cache whose slots are not in key order (the ring of `decoderlm.model.ring_cache.RingKVCache`)
-    also has a `key_padding_mask` attribute, (B, Tk) over the keys `update` returns, which then
-    replaces the caller's. A cache that can attend a step itself, reading the keys where they lie
-    (the paged pool of `decoderlm.serving.kv_pool`), has `attend_in_place(q, k, v, scale)`: it
-    stores k, v and returns the attention output (B, H, T, hd), or None, and then `update` is used.
-    """
-
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
 
 
 def scaled_dot_product_attention(
@@ -189,13 +176,14 @@ class CausalSelfAttention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, hd), (B, Hkv, T, hd)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        in_place = None if need_weights else getattr(kv_cache, "attend_in_place", None)
-        out = in_place(q, k, v, self.softmax_scale) if in_place else None  # (B, H, T, hd) | None
-        weights = None
+        out, weights = None, None  # (B, H, T, hd) once attended
+        if kv_cache is not None and not need_weights:
+            out = kv_cache.attend_in_place(q, k, v, self.softmax_scale)  # None: not handled
         if out is None:
             if kv_cache is not None:
                 k, v = kv_cache.update(k, v)  # (B, Hkv, Tk, hd)
-                key_padding_mask = getattr(kv_cache, "key_padding_mask", key_padding_mask)
+                if kv_cache.key_padding_mask is not None:  # its keys' mask replaces the caller's
+                    key_padding_mask = kv_cache.key_padding_mask
             out, weights = self.attend(
                 q,
                 k,
