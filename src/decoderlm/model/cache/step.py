@@ -11,7 +11,7 @@ from torch import Tensor
 from decoderlm.errors import DecoderLMError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class CacheStep:
     """The new tokens of one forward pass, the same for every layer.
 
