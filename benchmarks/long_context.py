@@ -23,8 +23,9 @@ prefill tok/s = T / that; decode tok/s = (forward passes − 1) / (time from the
 the end of the last), every one-token step with its sampling; "× full": the same cache with full
 attention at the same T; "× fp32": the same attention with the fp32 cache at the same T. KV cache:
 the class and the bytes (`nbytes`) of the cache object generate hands the model (a forward
-pre-hook): StaticKVCache / Int8KVCache of T + n slots for full attention, the RingKVCache of W
-slots for a window. Peak RSS: the process's resident-set high-water mark during the generate call;
+pre-hook): the StaticKVCache of T + n slots for full attention (int8 storage for int8; tables
+from before the cache package name that case Int8KVCache), the RingKVCache of W slots for a
+window. Peak RSS: the process's resident-set high-water mark during the generate call;
 "added": peak − the RSS just before it, which already holds torch, the weights and the prompt.
 
 Memory: each configuration runs in a fresh interpreter (this script with a hidden --one), so peaks

@@ -29,8 +29,8 @@ import numpy as np
 
 from decoderlm import checkpoint, data, gqa
 from decoderlm.inference.evaluate import evaluate_tokens
+from decoderlm.model.cache import kv_cache_bytes_per_token
 from decoderlm.model.config import ModelConfig
-from decoderlm.model.kv_cache import kv_cache_bytes_per_token
 from decoderlm.training.train_config import TrainConfig
 from decoderlm.training.trainer import train
 

@@ -10,8 +10,8 @@ from decoderlm.cli import main
 from decoderlm.errors import DecoderLMError
 from decoderlm.gqa import pool_kv, to_gqa
 from decoderlm.inference.generate import generate
+from decoderlm.model.cache import CacheStep, StaticKVCache
 from decoderlm.model.config import ModelConfig
-from decoderlm.model.kv_cache import StaticKVCache
 from decoderlm.model.lm import DecoderLM
 from decoderlm.tokenizer import Tokenizer
 
@@ -113,7 +113,7 @@ def test_converted_model_runs_with_a_kv_cache_of_g_over_n_heads_the_size(groups)
     assert gqa_cache.layers[0].k.shape == (2, groups, 32, HEAD_DIM)
     assert gqa_cache.nbytes * N_HEADS == mha_cache.nbytes * groups  # size ratio G / n_heads
     idx = torch.randint(0, 64, (2, 12))
-    gqa_cache.seek(torch.arange(12), 12)
+    gqa_cache.seek(CacheStep.span(0, 12, "cpu"))
     with torch.no_grad():
         # Prefill through the cache = the plain forward; fp32, tiny model: 1e-5 covers SDPA rounding.
         torch.testing.assert_close(gqa(idx, kv_caches=gqa_cache), gqa(idx), rtol=0, atol=1e-5)

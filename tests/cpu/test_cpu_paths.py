@@ -14,7 +14,8 @@ from decoderlm.cpu.attention import (
     softmax_zero_if_empty,
 )
 from decoderlm.cpu.embedding import CPUEmbedding
-from decoderlm.model.attention import attend, build_mask, causal_mask, scaled_dot_product_attention
+from decoderlm.model.attention import attend, scaled_dot_product_attention
+from decoderlm.model.masks import build_mask, causal_mask
 
 
 def _inputs(b, h, h_kv, t_q, t_k, d, dtype, seed=0):

@@ -13,7 +13,8 @@ from decoderlm import DecoderLM, ModelConfig
 from decoderlm.checkpoint import save_model
 from decoderlm.cli import main
 from decoderlm.inference.attention_maps import attention_maps, recorded_attention
-from decoderlm.model.attention import attend, causal_mask, scaled_dot_product_attention
+from decoderlm.model.attention import attend, scaled_dot_product_attention
+from decoderlm.model.masks import causal_mask
 from decoderlm.model.positional import apply_rope
 from decoderlm.tokenizer import Tokenizer
 

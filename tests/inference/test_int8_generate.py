@@ -13,7 +13,7 @@ from decoderlm.cli import main
 from decoderlm.inference.evaluate import evaluate_tokens
 from decoderlm.inference.generate import generate
 from decoderlm.inference.stream import generate_text, stream
-from decoderlm.model.ring_cache import RingKVCache
+from decoderlm.model.cache import CacheStep, RingKVCache
 from decoderlm.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -152,7 +152,7 @@ def ring_logits(model: DecoderLM, ids: torch.Tensor, kv_cache_dtype: str | None)
     rows = []
     with torch.no_grad():
         for t in range(ids.shape[1]):
-            cache.seek(torch.tensor([t]), t + 1)
+            cache.seek(CacheStep(torch.tensor([t]), t + 1))
             rows.append(model(ids[:, t : t + 1], torch.tensor([[t]]), None, cache)[:, -1])
     return torch.cat(rows), cache
 

@@ -4,14 +4,9 @@ import pytest
 import torch
 
 from decoderlm import DecoderLM, DecoderLMError, ModelConfig
-from decoderlm.model.attention import (
-    CausalSelfAttention,
-    attend,
-    build_mask,
-    causal_mask,
-    scaled_dot_product_attention,
-)
+from decoderlm.model.attention import CausalSelfAttention, attend, scaled_dot_product_attention
 from decoderlm.model.block import Block
+from decoderlm.model.masks import build_mask, causal_mask
 
 BACKENDS = ["math", "sdpa", "flash"]
 

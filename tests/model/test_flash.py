@@ -21,8 +21,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.model import flash
-from decoderlm.model.attention import build_mask, scaled_dot_product_attention
+from decoderlm.model.attention import scaled_dot_product_attention
 from decoderlm.model.flash import flash_attention
+from decoderlm.model.masks import build_mask
 
 FP32_TOL = dict(atol=2e-5, rtol=1e-4)
 BF16_OUT_TOL = dict(atol=1e-5, rtol=2**-8)

@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.model.attention import build_mask, scaled_dot_product_attention
+from decoderlm.model.attention import scaled_dot_product_attention
+from decoderlm.model.masks import build_mask
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'decoderlm[triton]')")
 

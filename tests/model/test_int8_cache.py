@@ -1,23 +1,21 @@
 """The int8 KV cache: the quantizer's error bound, exact byte counts, and the logit error and greedy
 agreement of decoding through it against the float32 and bfloat16 caches."""
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from decoderlm import DecoderLM, DecoderLMError, ModelConfig
-from decoderlm.model.int8_cache import (
-    Int8KVCache,
-    check_kv_cache_dtype,
-    dequantize,
-    make_static_cache,
-    quantize,
-)
-from decoderlm.model.kv_cache import (
+from decoderlm.model.cache import (
+    CacheStep,
     StaticKVCache,
+    check_kv_cache_dtype,
     kv_cache_bytes,
     kv_cache_bytes_per_token,
     kv_cache_table,
 )
+from decoderlm.model.cache.storage import dequantize, quantize
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -67,7 +65,7 @@ def test_quantizer_keeps_each_element_within_half_a_step_of_its_vector_scale():
 def test_int8_cache_bytes_are_half_the_bf16_cache_plus_the_scales(n_kv_heads):
     cfg = tiny_config(n_kv_heads)
     batch, max_len = 3, 50
-    int8 = Int8KVCache(cfg, batch, max_len, torch.bfloat16)
+    int8 = StaticKVCache(cfg, batch, max_len, torch.bfloat16, kv_cache_dtype="int8")
     bf16 = StaticKVCache(cfg, batch, max_len, torch.bfloat16)
     # One float32 scale per (row, token, layer, K or V, head).
     scales = batch * max_len * 2 * cfg.n_layers * n_kv_heads * 4
@@ -103,14 +101,14 @@ def test_kv_table_counts_int8_scales_and_windows():
 
 def test_update_returns_the_dequantized_keys_in_the_model_dtype():
     cfg = tiny_config()
-    cache = make_static_cache(cfg, 2, 10, torch.bfloat16, "cpu", "int8")
+    cache = StaticKVCache(cfg, 2, 10, torch.bfloat16, "cpu", "int8")
     k, v = (torch.randn(2, 2, 4, 16).bfloat16() for _ in range(2))
-    cache.seek(torch.arange(4), 4)
+    cache.seek(CacheStep.span(0, 4, "cpu"))
     k_all, v_all = cache[0].update(k, v)
     assert k_all.dtype == torch.bfloat16 and k_all.shape == (2, 2, 4, 16)
     torch.testing.assert_close(k_all, dequantize(*quantize(k), torch.bfloat16), rtol=0, atol=0)
     torch.testing.assert_close(v_all, dequantize(*quantize(v), torch.bfloat16), rtol=0, atol=0)
-    cache.seek(torch.tensor([4]), None)  # end None: the whole buffer, unfilled slots are zeros
+    cache.seek(CacheStep(torch.tensor([4])))  # end None: the whole buffer, unfilled slots are zeros
     k_all, _ = cache[0].update(k[:, :, :1], v[:, :, :1])
     assert k_all.shape == (2, 2, 10, 16) and bool((k_all[:, :, 5:] == 0).all())
 
@@ -142,27 +140,36 @@ def greedy(model: DecoderLM) -> list[int]:
     return seq
 
 
-def decoded_logits(model: DecoderLM, cache_type: type, seq: list[int], extend: bool = False):
+def decoded_logits(
+    model: DecoderLM, cache_type: Callable[..., StaticKVCache], seq: list[int], extend: bool = False
+):
     """Logits (N_NEW, V) in float32 predicting seq[len(PROMPT):], from a prefill of PROMPT and one
     cached step per token; with `extend`, seq grows by the greedy token of each step."""
     cache = cache_type(model.config, 1, len(PROMPT) + N_NEW, model.tok_emb.weight.dtype)
     n, out = len(PROMPT), []
     with torch.no_grad():
-        cache.seek(torch.arange(n), n)
+        cache.seek(CacheStep.span(0, n, "cpu"))
         logits = model(torch.tensor([seq[:n]]), torch.arange(n), None, cache)[0, -1]
         for i in range(n, n + N_NEW):
             out.append(logits.float())
             if extend:
                 seq.append(int(logits.argmax()))
             if i + 1 < n + N_NEW:
-                cache.seek(torch.tensor([i]), i + 1)
+                cache.seek(CacheStep(torch.tensor([i]), i + 1))
                 logits = model(torch.tensor([seq[i : i + 1]]), torch.tensor([i]), None, cache)[
                     0, -1
                 ]
     return torch.stack(out)
 
 
-def compare(model: DecoderLM, cache_type: type = Int8KVCache) -> tuple[float, float, torch.Tensor]:
+def int8_cache(*args, **kwargs) -> StaticKVCache:
+    """A `StaticKVCache` over int8 storage."""
+    return StaticKVCache(*args, **kwargs, kv_cache_dtype="int8")
+
+
+def compare(
+    model: DecoderLM, cache_type: Callable[..., StaticKVCache] = int8_cache
+) -> tuple[float, float, torch.Tensor]:
     """(max |Δlogit|, greedy agreement, top-2 gaps where they disagree) of `cache_type` against
     the model-dtype cache, both teacher-forced over the latter's own 128 greedy tokens."""
     seq = greedy(model)

@@ -5,7 +5,8 @@ import torch
 
 from decoderlm import DecoderLM, DecoderLMError, ModelConfig
 from decoderlm.inference.generate import generate
-from decoderlm.model.kv_cache import (
+from decoderlm.model.cache import (
+    CacheStep,
     StaticKVCache,
     kv_cache_bytes,
     kv_cache_bytes_per_token,
@@ -75,10 +76,10 @@ def cached_logits(model: DecoderLM, seq: list[int], n_prompt: int) -> torch.Tens
     cache = StaticKVCache(model.config, 1, len(seq), model.tok_emb.weight.dtype)
     ids = torch.tensor([seq])
     with torch.no_grad():
-        cache.seek(torch.arange(n_prompt), n_prompt)
+        cache.seek(CacheStep.span(0, n_prompt, "cpu"))
         out = [model(ids[:, :n_prompt], torch.arange(n_prompt), None, cache)[0]]
         for i in range(n_prompt, len(seq)):
-            cache.seek(torch.tensor([i]), i + 1)
+            cache.seek(CacheStep(torch.tensor([i]), i + 1))
             out.append(model(ids[:, i : i + 1], torch.tensor([i]), None, cache)[0])
     return torch.cat(out)
 

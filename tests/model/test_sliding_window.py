@@ -25,11 +25,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from decoderlm.cpu.attention import blockwise_attention, cpu_attend
 from decoderlm.errors import ConfigError, DecoderLMError
 from decoderlm.model import flash
-from decoderlm.model.attention import attend, build_mask, causal_mask, scaled_dot_product_attention
+from decoderlm.model.attention import attend, scaled_dot_product_attention
+from decoderlm.model.cache import CacheStep, RingKVCache
 from decoderlm.model.config import ModelConfig
 from decoderlm.model.flash import flash_attention
 from decoderlm.model.lm import DecoderLM
-from decoderlm.model.ring_cache import RingKVCache
+from decoderlm.model.masks import build_mask, causal_mask
 
 FP32_TOL = dict(atol=2e-5, rtol=1e-4)
 LOGITS_ATOL = 1e-5
@@ -297,9 +298,9 @@ def _decode_with_ring(model, prompt, valid, n_new, chunks=(None,)):
     idx, pairs = prompt, []
     with torch.no_grad():
         for s0, s1 in itertools.pairwise(starts):  # the prefill, in chunks
-            slots = torch.arange(s0, s1)
             positions = (valid.long().cumsum(1) - 1).clamp(min=0)[:, s0:s1]
-            cache.seek(slots, s1, None if valid.all() else valid[:, s0:s1])  # None: all real
+            real = None if valid.all() else valid[:, s0:s1]  # None: all real
+            cache.seek(CacheStep.span(s0, s1 - s0, "cpu", real))
             logits = model(prompt[:, s0:s1], positions, valid[:, :s1], cache)[:, -1]
         for _ in range(n_new):
             pairs.append((logits, _full_logits(model, idx, valid)))
@@ -308,7 +309,7 @@ def _decode_with_ring(model, prompt, valid, n_new, chunks=(None,)):
             position = valid.sum(1, keepdim=True)  # (B, 1)
             idx, valid = torch.cat([idx, token], 1), torch.cat([valid, torch.ones_like(token)], 1)
             valid = valid.bool()
-            cache.seek(slot, idx.shape[1])
+            cache.seek(CacheStep(slot, idx.shape[1]))
             logits = model(token, position, valid, cache)[:, -1]
     return cache, pairs
 

@@ -12,7 +12,7 @@ import torch
 
 from decoderlm import DecoderLM, DecoderLMError, ModelConfig, generate
 from decoderlm.inference.sampling import SamplingParams
-from decoderlm.model.kv_cache import kv_cache_bytes_per_token
+from decoderlm.model.cache import kv_cache_bytes_per_token
 from decoderlm.serving.engine import Engine
 from decoderlm.serving.kv_pool import BlockPool, parse_bytes, prefix_keys
 from decoderlm.serving.streams import stream_batches

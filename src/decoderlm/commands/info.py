@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 HELP = "parameters, FLOPs per token and KV-cache size (vs MHA and MQA) of a checkpoint or preset"
 
 CONTEXTS = (4096, 32768, 131072)
-# The cache dtypes the table always shows ("int8": decoderlm.model.int8_cache, scales counted).
+# The cache dtypes the table always shows ("int8": decoderlm.model.cache.storage, scales counted).
 KV_DTYPES = ("float32", "bfloat16", "int8")
 KV_DTYPE_NOTES = {"int8": " (int8 K/V + a float32 scale per token and head)"}
 
@@ -41,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
     from decoderlm.dtypes import parse_dtype
     from decoderlm.errors import DecoderLMError
     from decoderlm.loading import read_config
+    from decoderlm.model.cache import attention_kind, kv_cache_table
     from decoderlm.model.config import ModelConfig
-    from decoderlm.model.kv_cache import attention_kind, kv_cache_table
     from decoderlm.model.lm import DecoderLM
 
     config = ModelConfig.from_preset(args.preset) if args.preset else read_config(args.checkpoint)
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _kv_dtype(name: str) -> torch.dtype | str:
-    """The `dtype` argument of decoderlm.model.kv_cache for a dtype name ("int8" stays a name)."""
+    """The `dtype` argument of decoderlm.model.cache.sizes for a dtype name ("int8" stays a name)."""
     from decoderlm.dtypes import parse_dtype
 
     return name if name == "int8" else parse_dtype(name)

@@ -13,14 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from decoderlm.model.attention import (
-    MaskedSoftmax,
-    attend,
-    build_mask,
-    effective_window,
-    masked_softmax,
-    scaled_dot_product_attention,
-)
+from decoderlm.model.attention import attend, scaled_dot_product_attention
+from decoderlm.model.masks import MaskedSoftmax, build_mask, effective_window, masked_softmax
 
 
 def softmax_zero_if_empty(scores: Tensor) -> Tensor:

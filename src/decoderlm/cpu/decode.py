@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from decoderlm.cpu import gemv, paged_attention
-from decoderlm.model.kv_cache import StaticKVCache, StaticLayerCache
+from decoderlm.model.cache import CacheStep, LayerCache, StaticKVCache, StaticLayerCache
 from decoderlm.model.lm import DecoderLM
 
 
@@ -109,7 +109,7 @@ def linear_kernels(enabled: bool, compiling: bool = False) -> AbstractContextMan
 Forward = Callable[
     [
         DecoderLM,
-        Sequence[StaticLayerCache],
+        Sequence[LayerCache],
         Tensor,
         Tensor,
         Tensor | None,
@@ -131,8 +131,8 @@ class InPlaceLayerCache(StaticLayerCache):
     (`paged_attention.static_decode_attention`), instead of handing SDPA the whole buffer and a
     mask over its unfilled slots. For layers without a window, one query per row."""
 
-    def __init__(self, k: Tensor, v: Tensor, slots: Tensor, pad: Tensor) -> None:
-        super().__init__(k, v, slots)
+    def __init__(self, k: Tensor, v: Tensor, step: CacheStep, pad: Tensor) -> None:
+        super().__init__(k, v, step)
         self.pad = pad  # (B,) each row's first real slot
 
     def attend_in_place(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
@@ -177,10 +177,11 @@ class _OneTokenStep(nn.Module):
         slots = torch.arange(keys[0].shape[2], device=token.device)  # (S,)
         key_padding_mask = (slots >= pad[:, None]) & (slots <= slot)  # (B, S): each row's tokens
         positions = (slot - pad)[:, None]  # (B, 1): 0 at each row's first real token
+        step = CacheStep(slot)  # end None: the whole buffer, masked by key_padding_mask
         if self.cpu_kernels and attends_in_place(self.model, keys[0].dtype, keys[0].device):
-            cache = [InPlaceLayerCache(k, v, slot, pad) for k, v in zip(keys, values, strict=True)]
+            cache = [InPlaceLayerCache(k, v, step, pad) for k, v in zip(keys, values, strict=True)]
         else:
-            cache = [StaticLayerCache(k, v, slot) for k, v in zip(keys, values, strict=True)]
+            cache = [StaticLayerCache(k, v, step) for k, v in zip(keys, values, strict=True)]
         with linear_kernels(self.cpu_kernels, compiling=True):
             return self.logits(self.model, cache, token, positions, key_padding_mask, state)
 

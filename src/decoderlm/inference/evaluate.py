@@ -19,7 +19,7 @@ On the CPU the forward passes take the speed paths of `decoderlm.cpu` (`decoderl
 and `decoderlm.cpu.decode.CPULinearKernels`) unless `cpu_kernels=False`.
 
 `kv_cache_dtype="int8"` scores the model as it decodes over an int8 cache
-(`decoderlm.model.int8_cache`): each window's forward pass writes its K/V to a fresh cache at
+(`decoderlm.model.cache.storage`): each window's forward pass writes its K/V to a fresh cache at
 positions 0..T−1 and attends them from there, so the keys and values are quantized as cached ones.
 """
 
@@ -41,7 +41,7 @@ from decoderlm.cpu.decode import linear_kernels
 from decoderlm.data import read_text_file
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.generate import evaluating
-from decoderlm.model.int8_cache import check_kv_cache_dtype, make_static_cache
+from decoderlm.model.cache import CacheStep, StaticKVCache, check_kv_cache_dtype
 from decoderlm.model.lm import DecoderLM
 
 # Windows per forward pass are chosen so that a batch holds about this many tokens (bounds the
@@ -174,8 +174,8 @@ def _window_logits(model: DecoderLM, x: Tensor, kv_cache_dtype: str | None) -> T
         return model(x)
     b, t = x.shape
     dtype = model.tok_emb.weight.dtype
-    cache = make_static_cache(model.config, b, t, dtype, x.device, kv_cache_dtype)
-    cache.seek(torch.arange(t, device=x.device), t)  # a prefill: the usual causal triangle
+    cache = StaticKVCache(model.config, b, t, dtype, x.device, kv_cache_dtype)
+    cache.seek(CacheStep.span(0, t, x.device))  # a prefill: the usual causal triangle
     return model(x, None, None, cache)
 
 

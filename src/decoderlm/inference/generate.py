@@ -30,10 +30,14 @@ from decoderlm.cpu import optimized
 from decoderlm.cpu.decode import CompiledStep, linear_kernels
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.sampling import SamplingParams, sample_next, sampling_params
-from decoderlm.model.int8_cache import check_kv_cache_dtype, make_static_cache
-from decoderlm.model.kv_cache import StaticKVCache, StaticLayerCache
+from decoderlm.model.cache import (
+    CacheStep,
+    LayerCache,
+    RingKVCache,
+    StaticKVCache,
+    check_kv_cache_dtype,
+)
 from decoderlm.model.lm import DecoderLM
-from decoderlm.model.ring_cache import RingKVCache
 
 Prompt = Tensor | Sequence[Sequence[int]] | Sequence[int]
 
@@ -64,7 +68,7 @@ def evaluating(model: DecoderLM) -> Iterator[None]:
 
 def next_logits(
     model: DecoderLM,
-    cache: Sequence[StaticLayerCache],
+    cache: Sequence[LayerCache],
     idx: Tensor,
     positions: Tensor,
     key_padding_mask: Tensor | None,
@@ -136,7 +140,7 @@ def check_cache_options(
 ) -> None:
     """DecoderLMError for an unknown `kv_cache_dtype`, or "int8" with `compile`: the AOT-compiled
     step of `decoderlm.cpu.decode` takes plain K/V buffers as its inputs, not int8 values and scales;
-    nor does it take the ring cache (`decoderlm.model.ring_cache`) a windowed model decodes over."""
+    nor does it take the ring cache (`decoderlm.model.cache.ring`) a windowed model decodes over."""
     check_kv_cache_dtype(kv_cache_dtype)
     if compile and kv_cache_dtype == "int8":
         raise DecoderLMError(
@@ -189,9 +193,8 @@ def _make_cache(
     """The KV cache of one generation: rings for a windowed model, else static buffers; either in
     the model's dtype or int8."""
     cfg, weight = model.config, model.tok_emb.weight
-    if cfg.sliding_window is not None:
-        return RingKVCache(cfg, batch_size, max_len, weight.dtype, weight.device, kv_cache_dtype)
-    return make_static_cache(cfg, batch_size, max_len, weight.dtype, weight.device, kv_cache_dtype)
+    cache = RingKVCache if cfg.sliding_window is not None else StaticKVCache
+    return cache(cfg, batch_size, max_len, weight.dtype, weight.device, kv_cache_dtype)
 
 
 def decode_steps(
@@ -214,9 +217,10 @@ def decode_steps(
     (one prefill), so every token still sees ≥ 3/4 of a context. `cpu_kernels`: the prefill (and
     with `compile` the one-token step) under `CPULinearKernels`; the eager one-token step never,
     as the mode's Python hook on every op costs more than it saves there. `kv_cache_dtype`: None
-    caches K/V in the model's dtype, "int8" quantizes them (`decoderlm.model.int8_cache`). A model
-    with a sliding window keeps its windowed layers' K/V in rings of W slots (`RingKVCache`); when
-    every layer has one, decoding goes on past `context_length` with nothing refilled.
+    caches K/V in the model's dtype, "int8" quantizes them (`decoderlm.model.cache.storage`). A
+    model with a sliding window keeps its windowed layers' K/V in rings of W slots
+    (`RingKVCache`); when every layer has one, decoding goes on past `context_length` with nothing
+    refilled.
     """
     cfg = model.config
     context = cfg.context_length
@@ -240,10 +244,7 @@ def decode_steps(
         padded = bool(pad.any())
         idx = torch.tensor([[0] * (n - len(row)) + row for row in rows], device=device)  # (B, n)
         positions = (slots[None, :n] - pad[:, None]).clamp(min=0)  # (B, n): 0 at the 1st token
-        if isinstance(cache, RingKVCache):  # the ring layers also learn which new tokens are real
-            cache.seek(slots[:n], n, filled[:, :n] if padded else None)
-        else:
-            cache.seek(slots[:n], n)
+        cache.seek(CacheStep.span(0, n, device, filled[:, :n] if padded else None))
         prefill = compiled_prefill() if compile else next_logits
         with linear_kernels(cpu_kernels and (compile or n > 1), compiling=compile):
             logits = prefill(model, cache, idx, positions, filled[:, :n] if padded else None)
@@ -269,7 +270,7 @@ def decode_steps(
                 if not unbounded:
                     filled[:, n] = True
                     key_padding_mask = filled[:, : n + 1] if padded else None
-                cache.seek(slot, n + 1)
+                cache.seek(CacheStep(slot, n + 1))
                 logits = next_logits(
                     model, cache, token[:, None], (slot - pad)[:, None], key_padding_mask
                 )
@@ -309,7 +310,7 @@ def generate(
     `decoderlm.cpu.decode`; the first call of a shape pays for the compilation, and prompts are
     left-padded to a multiple of 64 so that nearby lengths share one prefill graph).
     `cpu_kernels=False` switches off the CPU speed paths (module docstring). `kv_cache_dtype="int8"`
-    keeps the cache in int8 with a scale per token and head (`decoderlm.model.int8_cache`: half
+    keeps the cache in int8 with a scale per token and head (`decoderlm.model.cache.storage`: half
     the bytes of a bfloat16 cache, plus the scales); not with `compile`.
     """
     params = sampling_params(params, sampling)

@@ -34,7 +34,7 @@ from decoderlm.inference.evaluate import bits_per_byte, evaluate_tokens
 from decoderlm.lab import measure
 from decoderlm.lab.spec import StudySpec, Variant, count_params
 from decoderlm.lab.stats import summarise
-from decoderlm.model.kv_cache import kv_cache_bytes_per_token
+from decoderlm.model.cache import kv_cache_bytes_per_token
 from decoderlm.training.runtime import cpu_name
 from decoderlm.training.trainer import train
 

@@ -1,9 +1,11 @@
 """The seeds: the decoder's mechanisms, and nothing of training, serving, Hugging Face or the CLI.
 
-config (ModelConfig + presets), attention (the SDPA formula, MHA/GQA/MQA, sliding windows,
-backend dispatch), positional (sinusoidal, learned, RoPE + scaling), layers (norms, MLPs), block
-(Pre-LN / Post-LN), lm (DecoderLM), kv_cache (static cache), ring_cache (sliding-window cache),
-int8_cache (int8 K/V), flash (FlashAttention-2 in PyTorch), kernels/ (Triton).
+config (ModelConfig + presets), attention (the SDPA formula, MHA/GQA/MQA, backend dispatch), masks
+(causal, sliding-window and padding masks), positional (sinusoidal, learned, RoPE + scaling), layers
+(norms, MLPs), block (Pre-LN / Post-LN), lm (DecoderLM), cache/ (per-layer inference state: the
+`LayerCache` contract, `CacheStep`, the static and ring KV caches, int8 storage, their sizes),
+flash (FlashAttention-2 in PyTorch) and flash_inputs (its input checks), kernels/ (Triton).
+kv_cache and int8_cache only re-export names for serving/engine.py and serving/playground.py.
 This package imports nothing of decoderlm outside itself but `decoderlm.errors` (import-linter
 checks it: pyproject.toml).
 """

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from decoderlm.model.attention import CausalSelfAttention, LayerCache
+from decoderlm.model.attention import CausalSelfAttention
+from decoderlm.model.cache.protocol import LayerCache
 from decoderlm.model.config import ModelConfig
 from decoderlm.model.layers import MLP, make_norm
 

@@ -24,9 +24,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from decoderlm.errors import DecoderLMError
-from decoderlm.model.attention import effective_window
+from decoderlm.model.flash_inputs import check_inputs
 from decoderlm.model.kernels import triton_available
+from decoderlm.model.masks import effective_window
 
 # Tile sizes. A tile is (B·Hkv, G·BLOCK_Q, BLOCK_K) scores: big enough that the matmuls are
 # BLAS-sized and Python overhead vanishes, small enough (2 MiB in fp32 at G = 4) to stay in cache
@@ -56,7 +56,7 @@ def flash_attention(
     window = effective_window(causal, window, k.shape[2])
     if (
         q.is_cuda and triton_available()
-    ):  # on a GPU: the IO-aware Triton kernel (decoderlm.model.kernels)
+    ):  # on a GPU: the IO-aware Triton kernel (decoderlm.model.kernels); imports triton
         from decoderlm.model.kernels import flash_triton
 
         if q.shape[-1] in flash_triton.HEAD_DIMS and q.dtype in flash_triton.DTYPES:
@@ -284,35 +284,3 @@ def _block_q(n: int, g: int) -> int:
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def check_inputs(
-    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, caller: str
-) -> None:
-    """Raise DecoderLMError, one line, for inputs no attention kernel can take (shared by
-    `flash_attention` and the Triton kernel, which adds its own limits)."""
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        raise DecoderLMError(
-            f"{caller}: q must be 4-D (B, Hq, Tq, D) and k, v 4-D of one shape (B, Hkv, Tk, D); "
-            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    (b, h_q, _, d), (b_k, h_kv, t_k, d_k) = q.shape, k.shape
-    if b != b_k or d != d_k:
-        raise DecoderLMError(
-            f"{caller}: q {tuple(q.shape)} and k/v {tuple(k.shape)} must share batch and head_dim"
-        )
-    if h_kv == 0 or h_q % h_kv:
-        raise DecoderLMError(
-            f"{caller}: query heads {h_q} must be a multiple of key/value heads {h_kv}"
-        )
-    if not q.is_floating_point() or not (q.dtype == k.dtype == v.dtype):
-        raise DecoderLMError(
-            f"{caller}: q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
-    if key_padding_mask is not None and (
-        key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (b, t_k)
-    ):
-        raise DecoderLMError(
-            f"{caller}: key_padding_mask must be bool of shape (B, Tk) = ({b}, {t_k}), got "
-            f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
-        )

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.model.attention import LayerCache
 from decoderlm.model.block import Block
+from decoderlm.model.cache.protocol import LayerCache
 from decoderlm.model.config import ModelConfig
 from decoderlm.model.layers import RMSNorm, make_norm
 from decoderlm.model.positional import LearnedPositions, RotaryEmbedding, SinusoidalPositions

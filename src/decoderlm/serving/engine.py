@@ -34,7 +34,7 @@ from typing import Any
 from torch import Tensor
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.model.int8_cache import check_kv_cache_dtype
+from decoderlm.model.cache import check_kv_cache_dtype
 from decoderlm.model.lm import DecoderLM
 from decoderlm.serving.inputs import InputProcessor
 from decoderlm.serving.kv_pool import BlockPool

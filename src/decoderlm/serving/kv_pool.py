@@ -8,12 +8,16 @@ blocks (prefix caching): a full, computed block is registered under a hash of ev
 end, and a freed block keeps that registration until the pool hands it out again (least recently
 freed first), so a later request with the same prefix can still find it.
 
-`PagedKVCache` is the model's side: it implements the `LayerCache` protocol by writing each new
+`PagedKVCache` is the model's side: its layers keep the `LayerCache` contract
+(`decoderlm.model.cache`) by writing each new
 token's K/V to its slot and gathering each row's blocks into one (B, Hkv, Tk, hd) tensor; with
 `in_place`, a decode step of a layer without a window skips the gather and attends the keys where
 they lie (`attend_in_place`, `decoderlm.cpu.paged_attention`). With
-kv_cache_dtype "int8" its pools are `decoderlm.model.int8_cache.Int8Buffer`s: int8 K/V and one
+kv_cache_dtype "int8" its pools are `decoderlm.model.cache.Int8Buffer`s: int8 K/V and one
 scale per (slot, head), quantized as they are written and dequantized as they are gathered.
+Its step is `seek(table, start, n_new)`: block tables and a start per row, as the engine batches
+sequences of different lengths; a rollback is the engine's (the next step's `start`), so its
+layers refuse `rollback`.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from torch import Tensor
 
 from decoderlm.cpu.paged_attention import check_block_tables, paged_decode_attention
 from decoderlm.errors import DecoderLMError
+from decoderlm.model.cache import BaseLayerCache, Int8Buffer, LayerCaches, kv_buffer
 from decoderlm.model.config import ModelConfig
-from decoderlm.model.int8_cache import Int8Buffer, check_kv_cache_dtype
 
 _UNITS = {
     "": 1,
@@ -146,7 +150,7 @@ class BlockPool:
         return block
 
 
-class PagedLayerCache:
+class PagedLayerCache(BaseLayerCache):
     """One layer's K and V pools, (num_blocks, block_size, Hkv, hd) each: a `LayerCache`.
 
     A layer without a window reads each row's blocks whole, right-padded; a layer with window W
@@ -164,7 +168,8 @@ class PagedLayerCache:
     ) -> None:
         """in_place: attend decode steps in place (`attend_in_place`); the caller checked that
         `decoderlm.cpu.paged_attention` is available for these pools."""
-        self.k, self.v, self.window = k, v, window
+        super().__init__(k, v)
+        self.window = window
         self.in_place = in_place and window is None and isinstance(k, Tensor)
         num_blocks, block_size, n_kv_heads, head_dim = k.shape
         slots = (num_blocks * block_size, n_kv_heads, head_dim)
@@ -212,7 +217,7 @@ class PagedLayerCache:
         return keys.view(rows, n_keys, *keys.shape[1:]).transpose(1, 2)
 
 
-class PagedKVCache:
+class PagedKVCache(LayerCaches):
     """The pools of all layers, indexed as `kv_caches[i]` by `DecoderLM.forward`.
 
     dtype: the model's; kv_cache_dtype: None (pools in `dtype`) or "int8" (`Int8Buffer` pools,
@@ -231,30 +236,18 @@ class PagedKVCache:
         kv_cache_dtype: str | None = None,
         in_place: bool = False,
     ) -> None:
-        check_kv_cache_dtype(kv_cache_dtype)
         self.block_size = block_size
         shape = (num_blocks, block_size, config.n_kv_heads, config.head_dim)
-
-        def pool() -> Tensor | Int8Buffer:
-            if kv_cache_dtype == "int8":
-                return Int8Buffer(shape, dtype, device)
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        self.layers = [
-            PagedLayerCache(pool(), pool(), config.layer_window(i), in_place)
-            for i in range(config.n_layers)
-        ]
-
-    def __getitem__(self, i: int) -> PagedLayerCache:
-        return self.layers[i]
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by all K and V pools (with an int8 cache, their scales too)."""
-        return sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers)
+        pools = (
+            [kv_buffer(shape, dtype, device, kv_cache_dtype) for _ in "kv"]
+            for _ in range(config.n_layers)
+        )
+        super().__init__(
+            [
+                PagedLayerCache(k, v, config.layer_window(i), in_place)
+                for i, (k, v) in enumerate(pools)
+            ]
+        )
 
     def slots(self, table: Tensor, positions: Tensor) -> Tensor:
         """Pool slots of token `positions` (B, T) given block tables (B, n_blocks): same shape."""

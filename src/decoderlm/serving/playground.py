@@ -3,7 +3,7 @@ step, no network) and the three JSON endpoints it reads besides the OpenAI ones.
 
 - GET /v1/model_card: the model's shape (MHA/GQA/MQA, head_dim, positions, context) and what its
   KV cache costs per token and at 4k/32k/128k tokens, beside its MHA and MQA twins
-  (`decoderlm.model.kv_cache.kv_cache_table`, as `decoderlm info` prints it).
+  (`decoderlm.model.cache.kv_cache_table`, as `decoderlm info` prints it).
 - GET /v1/engine_stats: the engine's `EngineStats` (sequences running and waiting, KV blocks,
   tokens/s), as /metrics exports them.
 - POST /v1/attention: the attention weights of one layer (one head or all) for a text of at most
@@ -27,8 +27,8 @@ from torch import Tensor
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.attention_maps import attention_maps, check_index
+from decoderlm.model.cache import attention_kind, kv_cache_table
 from decoderlm.model.config import ModelConfig
-from decoderlm.model.kv_cache import attention_kind, kv_cache_table
 from decoderlm.serving.http import APIError, Served, State, check_model, encode, request_text
 from decoderlm.serving.protocol import TokenizeRequest
 

@@ -19,7 +19,7 @@ from decoderlm.cpu import heap, paged_attention
 from decoderlm.cpu.packed_linear import pack_linears, packed
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.generate import evaluating
-from decoderlm.model.kv_cache import kv_cache_bytes_per_token
+from decoderlm.model.cache import kv_cache_bytes_per_token
 from decoderlm.model.lm import DecoderLM
 from decoderlm.serving.kv_pool import PagedKVCache, parse_bytes
 from decoderlm.serving.scheduler import Sequence
@@ -39,7 +39,7 @@ class ModelRunner:
     ) -> None:
         """kv_cache_memory: the byte budget of the KV pool, which holds
         ⌊budget / (block_size · bytes per token)⌋ blocks; kv_cache_dtype: None (K/V in the model's
-        dtype) or "int8" (`decoderlm.model.int8_cache`, whose scales the bytes per token count);
+        dtype) or "int8" (`decoderlm.model.cache.storage`, whose scales the bytes per token count);
         cpu_kernels: on the CPU, run the steps with the linear weights packed for oneDNN, or
         for AMX tiles in bfloat16 where the CPU has them (`decoderlm.cpu.packed_linear`: faster
         for a batch of rows, at twice the linear weights' memory; packed now, so a model changed

@@ -28,8 +28,8 @@ import triton.language as tl
 from torch import Tensor
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.model.attention import effective_window
-from decoderlm.model.flash import check_inputs
+from decoderlm.model.flash_inputs import check_inputs
+from decoderlm.model.masks import effective_window
 
 HEAD_DIMS = (16, 32, 64, 128)  # powers of two (tl.arange) that fit a tile in on-chip memory
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)

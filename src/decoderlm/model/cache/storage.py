@@ -1,30 +1,29 @@
-"""An int8 KV cache: symmetric absmax quantization per token and head, dequantized for attention.
+"""Where a cache keeps its K and V: a tensor in the model's dtype, or int8 (`Int8Buffer`).
 
-Each key or value vector x (head_dim,) of one token and one K/V head is kept as int8 values and
-one float32 scale, the vector-wise absmax quantization of LLM.int8() (Dettmers et al., 2022):
+int8 is symmetric absmax quantization per token and head, dequantized for attention. Each key or
+value vector x (head_dim,) of one token and one K/V head is kept as int8 values and one float32
+scale, the vector-wise absmax quantization of LLM.int8() (Dettmers et al., 2022):
 
     s = max_i |x_i| / 127,   x_q = round(x / s) ∈ [−127, 127],   x̂ = s · x_q,   |x − x̂| ≤ s / 2.
 
 A token then costs head_dim + 4 bytes per layer, head and K or V instead of 2 · head_dim (bfloat16)
-or 4 · head_dim (float32); `decoderlm.model.kv_cache.kv_cache_bytes_per_token(config, "int8")`
+or 4 · head_dim (float32); `decoderlm.model.cache.kv_cache_bytes_per_token(config, "int8")`
 counts both. K/V are quantized as they are written and the attended slots come back dequantized
 in the model's dtype, so attention itself is unchanged: the saving is the memory the cache holds
 between steps; each step dequantizes the keys/values it attends (there is no int8 kernel).
+Every cache takes its storage from `kv_buffer`, so int8 is a storage choice, not a cache type.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from torch import Tensor
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.model.config import ModelConfig
-from decoderlm.model.kv_cache import KV_SCALE_DTYPE, StaticKVCache, StaticLayerCache
 
 # The `kv_cache_dtype` values besides None (= the model's own dtype).
 KV_CACHE_DTYPES = ("int8",)
+KV_SCALE_DTYPE = torch.float32  # int8 storage keeps one scale of this dtype per token and head
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str | None) -> None:
@@ -34,6 +33,20 @@ def check_kv_cache_dtype(kv_cache_dtype: str | None) -> None:
         raise DecoderLMError(
             f"kv_cache_dtype={kv_cache_dtype!r} must be None (the model's dtype) or {allowed}"
         )
+
+
+def kv_buffer(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    kv_cache_dtype: str | None = None,
+) -> Tensor | Int8Buffer:
+    """A zeroed K or V buffer of `shape` (..., hd): a tensor of `dtype` (kv_cache_dtype None) or an
+    `Int8Buffer` ("int8") that hands its vectors back in `dtype`."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype == "int8":
+        return Int8Buffer(shape, dtype, device)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def quantize(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -102,49 +115,3 @@ class Int8Buffer:
         viewed.dtype, viewed.values = self.dtype, self.values.view(*shape)
         viewed.scales = self.scales.view(*shape[:-1], 1)
         return viewed
-
-
-class Int8LayerCache(StaticLayerCache):
-    """One layer of `Int8KVCache`: `StaticLayerCache` over two `Int8Buffer`s (B, Hkv, max_len, hd)."""
-
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """k, v (B, Hkv, T, hd) are quantized into `slots`; returns the dequantized
-        (B, Hkv, end or max_len, hd) keys and values in the model's dtype."""
-        self.store(k, v)  # Int8Buffer.index_copy_ quantizes
-        return self.k[:, :, : self.end], self.v[:, :, : self.end]  # end None: the whole buffer
-
-
-class Int8KVCache(StaticKVCache):
-    """`StaticKVCache` (the same `seek` and indexing) whose layers hold int8 K/V and their scales.
-
-    dtype: the model's, in which attention receives the keys and values. `nbytes` counts the
-    int8 values and the scales: `kv_cache_bytes(config, max_len, batch_size, "int8")`.
-    """
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        batch_size: int,
-        max_len: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        self.max_len = max_len
-        shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
-        buffer = functools.partial(Int8Buffer, shape, dtype, device)
-        slots = functools.partial(torch.zeros, 1, dtype=torch.long, device=device)
-        self.layers = [Int8LayerCache(buffer(), buffer(), slots()) for _ in range(config.n_layers)]
-
-
-def make_static_cache(
-    config: ModelConfig,
-    batch_size: int,
-    max_len: int,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    kv_cache_dtype: str | None = None,
-) -> StaticKVCache:
-    """A `StaticKVCache` in the model's `dtype` (kv_cache_dtype None) or an `Int8KVCache` ("int8")."""
-    check_kv_cache_dtype(kv_cache_dtype)
-    cache = Int8KVCache if kv_cache_dtype == "int8" else StaticKVCache
-    return cache(config, batch_size, max_len, dtype, device)

@@ -1,0 +1,58 @@
+"""Per-layer inference state: the KV caches a model decodes over, and the contract they keep.
+
+The contract (`protocol`): attention sees one layer's state through `LayerCache` — `update(k, v)`
+stores this step's keys/values and returns those to attend, `key_padding_mask` (None: the
+caller's) masks them, `attend_in_place(q, k, v, scale)` may attend the step itself (None: not
+handled, `update` is used), `rollback(n)` forgets the last n tokens written. `BaseLayerCache` has
+the defaults (no mask of its own, nothing in place, no rollback); `LayerCaches` holds every layer.
+
+The step (`step`): before each forward pass the caller fills one `CacheStep` — the new tokens'
+cache slots, the end of the keys attended, which new tokens are real — and hands it to the whole
+cache with `seek(step)`; every cache here has that one signature. (The paged pool of
+`decoderlm.serving.kv_pool` is seeked by block tables, whose positions differ per row.)
+
+The caches: `static` (`StaticKVCache`: max_len slots per layer), `ring` (`RingKVCache`: W slots per
+windowed layer). Their storage (`storage`) is a tensor in the model's dtype or an `Int8Buffer`
+(kv_cache_dtype "int8"): a storage choice, not a cache type. `sizes` counts their bytes.
+
+A new kind of state (a recurrent layer's conv and matrix state, say) is a new module here: a
+`BaseLayerCache` subclass keyed by the same `CacheStep`, its cache a `LayerCaches` with `seek`.
+"""
+
+from decoderlm.model.cache.protocol import BaseLayerCache, LayerCache, LayerCaches
+from decoderlm.model.cache.ring import RingKVCache, RingLayerCache
+from decoderlm.model.cache.sizes import (
+    KVDtype,
+    attention_kind,
+    kv_cache_bytes,
+    kv_cache_bytes_per_token,
+    kv_cache_table,
+)
+from decoderlm.model.cache.static import StaticKVCache, StaticLayerCache
+from decoderlm.model.cache.step import CacheStep
+from decoderlm.model.cache.storage import (
+    KV_CACHE_DTYPES,
+    Int8Buffer,
+    check_kv_cache_dtype,
+    kv_buffer,
+)
+
+__all__ = [
+    "KV_CACHE_DTYPES",
+    "BaseLayerCache",
+    "CacheStep",
+    "Int8Buffer",
+    "KVDtype",
+    "LayerCache",
+    "LayerCaches",
+    "RingKVCache",
+    "RingLayerCache",
+    "StaticKVCache",
+    "StaticLayerCache",
+    "attention_kind",
+    "check_kv_cache_dtype",
+    "kv_buffer",
+    "kv_cache_bytes",
+    "kv_cache_bytes_per_token",
+    "kv_cache_table",
+]
