@@ -1,9 +1,8 @@
 """CPU decoding speed paths: F.linear through the kernel that suits its shape, and the one-token
-step compiled ahead of time. Both are applied by their call sites (`decoderlm.inference`), which
-switch them off with `cpu_kernels=False`.
+step compiled ahead of time. Both are applied by their call sites (`decoderlm.inference`), as the
+`linear_kernels` and `in_place_attention` paths of their `decoderlm.cpu.paths.SpeedPaths`.
 
-- `CPULinearKernels` (`linear_kernels`: it or nothing): F.linear on the CPU through the kernel
-  fastest for its shape.
+- `CPULinearKernels`: F.linear on the CPU through the kernel fastest for its shape.
 - `CompiledStep`: the one-token step, run once per generated token, compiled ahead of time, its
   attention read in place from the static cache (`InPlaceLayerCache`) where it can be. It is
   exported with `torch.export` and compiled by AOTInductor into a shared library that Python calls
@@ -26,7 +25,7 @@ import os
 import tempfile
 import warnings
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -98,11 +97,6 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def linear_kernels(enabled: bool, compiling: bool = False) -> AbstractContextManager[Any]:
-    """`CPULinearKernels(compiling)` when `enabled`, else a context that changes nothing."""
-    return CPULinearKernels(compiling) if enabled else nullcontext()
-
-
 # The forward pass over a cache that the step compiles: (model, cache, idx (B, T), positions
 # (B, T), key_padding_mask (B, S) | None, state) → logits (B, V), as
 # `decoderlm.inference.generate.next_logits`.
@@ -159,15 +153,21 @@ class _OneTokenStep(nn.Module):
     forward(*state, *keys, *values, token, slot, pad): the model's parameters and buffers (in the
     order of `names`), each layer's key and value buffers (B, Hkv, S, hd), the new tokens (B, 1),
     the cache slot they go to (1,) and each row's left padding (B,) → logits (B, V) in float32:
-    `forward` of the model over that cache, traced under `CPULinearKernels` if `cpu_kernels`,
-    which also attends in place where `attends_in_place`.
+    `forward` of the model over that cache, traced under `CPULinearKernels` if `linear_kernels`,
+    attending in place if `in_place_attention` where `attends_in_place`.
     """
 
     def __init__(
-        self, model: DecoderLM, names: list[str], forward: Forward, cpu_kernels: bool
+        self,
+        model: DecoderLM,
+        names: list[str],
+        forward: Forward,
+        linear_kernels: bool,
+        in_place_attention: bool,
     ) -> None:
         super().__init__()
-        self.model, self.names, self.logits, self.cpu_kernels = model, names, forward, cpu_kernels
+        self.model, self.names, self.logits = model, names, forward
+        self.paths = (linear_kernels, in_place_attention)  # the speed paths traced into the step
 
     def forward(self, *tensors: Tensor) -> Tensor:
         n, n_layers = len(self.names), self.model.config.n_layers
@@ -178,11 +178,12 @@ class _OneTokenStep(nn.Module):
         key_padding_mask = (slots >= pad[:, None]) & (slots <= slot)  # (B, S): each row's tokens
         positions = (slot - pad)[:, None]  # (B, 1): 0 at each row's first real token
         step = CacheStep(slot)  # end None: the whole buffer, masked by key_padding_mask
-        if self.cpu_kernels and attends_in_place(self.model, keys[0].dtype, keys[0].device):
+        linear_kernels, in_place = self.paths
+        if in_place and attends_in_place(self.model, keys[0].dtype, keys[0].device):
             cache = [InPlaceLayerCache(k, v, step, pad) for k, v in zip(keys, values, strict=True)]
         else:
             cache = [StaticLayerCache(k, v, step) for k, v in zip(keys, values, strict=True)]
-        with linear_kernels(self.cpu_kernels, compiling=True):
+        with CPULinearKernels(compiling=True) if linear_kernels else nullcontext():
             return self.logits(self.model, cache, token, positions, key_padding_mask, state)
 
 
@@ -193,12 +194,19 @@ class CompiledStep:
     and returns the logits (B, V) in float32 of the token after it; row b has `pad[b]` slots of left
     padding, so its key mask is slots pad[b]..slot and its position slot − pad[b]. `forward` is
     the forward pass that is compiled (`decoderlm.inference.generate.next_logits`), under
-    `CPULinearKernels` unless `cpu_kernels` is False. The library is made (or found) once per model
-    object, forward, switch and shapes in a process.
+    `CPULinearKernels` with `linear_kernels`, attending the cache in place with
+    `in_place_attention` (where `attends_in_place`). The library is made (or found) once per model
+    object, forward, paths and shapes in a process.
     """
 
     def __init__(
-        self, model: DecoderLM, cache: StaticKVCache, forward: Forward, cpu_kernels: bool = True
+        self,
+        model: DecoderLM,
+        cache: StaticKVCache,
+        forward: Forward,
+        *,
+        linear_kernels: bool = True,
+        in_place_attention: bool = True,
     ) -> None:
         state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         self.inputs = [
@@ -206,7 +214,7 @@ class CompiledStep:
             *(layer.k for layer in cache.layers),
             *(layer.v for layer in cache.layers),
         ]
-        step = _OneTokenStep(model, list(state), forward, cpu_kernels)
+        step = _OneTokenStep(model, list(state), forward, linear_kernels, in_place_attention)
         self.run = _step_library(step, self.inputs, batch=cache.layers[0].k.shape[0])
 
     def __call__(self, token: Tensor, slot: Tensor, pad: Tensor) -> Tensor:
@@ -226,7 +234,7 @@ def _step_library(
         json.dumps(step.model.config.to_dict(), sort_keys=True, default=str),
         tuple(step.names),
         step.logits,
-        step.cpu_kernels,
+        step.paths,
         tuple(_spec(t) for t in inputs),  # the batch size and cache length among them
         torch.get_num_threads(),  # the generated code's OpenMP thread count
     )

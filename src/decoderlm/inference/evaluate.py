@@ -15,8 +15,8 @@ of context. Evaluating past the training context (a model whose RoPE was scaled,
 Bits per byte = total nats / (ln 2 · UTF-8 bytes): unlike perplexity it does not depend on the
 tokenizer, so models with different vocabularies can be compared on the same text.
 
-On the CPU the forward passes take the speed paths of `decoderlm.cpu` (`decoderlm.cpu.optimized`
-and `decoderlm.cpu.decode.CPULinearKernels`) unless `cpu_kernels=False`.
+On the CPU the forward passes take `generate`'s speed paths (`decoderlm.cpu.paths.SpeedPaths`:
+the attention and embedding paths, the linear kernels) unless `cpu_kernels=False`.
 
 `kv_cache_dtype="int8"` scores the model as it decodes over an int8 cache
 (`decoderlm.model.cache.storage`): each window's forward pass writes its K/V to a fresh cache at
@@ -36,12 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from decoderlm.cpu import optimized
-from decoderlm.cpu.decode import linear_kernels
+from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.data import read_text_file
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.generate import evaluating
-from decoderlm.model.cache import CacheStep, StaticKVCache, check_kv_cache_dtype
+from decoderlm.inference.options import DecodeOptions
+from decoderlm.model.cache import CacheStep, StaticKVCache
 from decoderlm.model.lm import DecoderLM
 
 # Windows per forward pass are chosen so that a batch holds about this many tokens (bounds the
@@ -95,17 +95,17 @@ def evaluate_tokens(
     stride: int | None = None,
     batch_size: int | None = None,
     progress: bool = False,
-    cpu_kernels: bool = True,
+    cpu_kernels: bool | SpeedPaths = True,
     kv_cache_dtype: str | None = None,
     bucket_width: int | None = None,
 ) -> EvalResult:
     """Mean next-token loss of `model` over a 1-D stream of token ids (the first id is context only).
 
-    `cpu_kernels=False` runs the model as defined, without the CPU speed paths; `kv_cache_dtype`
-    "int8" runs each window through an int8 cache; `bucket_width` positions per loss bucket
-    (default ⌈T/8⌉; module docstring).
+    `cpu_kernels=False` runs the model as defined, without the CPU speed paths (a `SpeedPaths`
+    picks them); `kv_cache_dtype` "int8" runs each window through an int8 cache; `bucket_width`
+    positions per loss bucket (default ⌈T/8⌉; module docstring).
     """
-    check_kv_cache_dtype(kv_cache_dtype)
+    options = DecodeOptions.of(cpu_kernels=cpu_kernels, kv_cache_dtype=kv_cache_dtype)
     cfg = model.config
     context = cfg.context_length if context_length is None else context_length
     if not 1 <= context <= cfg.context_length:
@@ -138,7 +138,7 @@ def evaluate_tokens(
         from tqdm import tqdm
 
         batches = tqdm(batches, desc="eval", unit="batch")
-    with evaluating(model), optimized(model, enabled=cpu_kernels), linear_kernels(cpu_kernels):
+    with evaluating(model), options.paths.applied(model), options.paths.linear():
         for batch in batches:
             x, y = _window_batch(ids, batch)  # (B, T) inputs and targets
             logits = _window_logits(model, x.to(device), kv_cache_dtype)  # (B, T, V)
@@ -192,19 +192,9 @@ def _window_batch(ids: Tensor, batch: list[tuple[int, int, int]]) -> tuple[Tenso
 
 
 def evaluate_text(
-    model: DecoderLM,
-    tokenizer: Any,
-    text: str,
-    context_length: int | None = None,
-    stride: int | None = None,
-    max_tokens: int | None = None,
-    batch_size: int | None = None,
-    progress: bool = False,
-    cpu_kernels: bool = True,
-    kv_cache_dtype: str | None = None,
-    bucket_width: int | None = None,
+    model: DecoderLM, tokenizer: Any, text: str, max_tokens: int | None = None, **kwargs: Any
 ) -> EvalResult:
-    """Loss, perplexity and bits per byte of `model` on `text`.
+    """Loss, perplexity and bits per byte of `model` on `text`; `kwargs` are `evaluate_tokens`'s.
 
     The end-of-text token (when the tokenizer has one) is put before the text so that every token of
     the text is scored and bits per byte covers all of its bytes. Without one, the first token is
@@ -222,17 +212,7 @@ def evaluate_text(
         ids = [eot, *ids]
     elif ids:
         n_bytes -= len(tokenizer.decode(ids[:1]).encode("utf-8"))
-    result = evaluate_tokens(
-        model,
-        ids,
-        context_length,
-        stride,
-        batch_size,
-        progress,
-        cpu_kernels,
-        kv_cache_dtype,
-        bucket_width,
-    )
+    result = evaluate_tokens(model, ids, **kwargs)
     bpb = bits_per_byte(result.loss, result.n_tokens, n_bytes)
     return EvalResult(**{**result.to_dict(), "bits_per_byte": bpb, "n_bytes": n_bytes})
 

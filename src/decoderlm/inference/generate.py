@@ -8,11 +8,12 @@ a key mask hides its padding, so a row decodes exactly as it would alone.
 Sampling (`decoderlm.inference.sampling`) applies the repetition penalty, temperature, top-k and
 top-p in Hugging Face's order; its options are the fields of `SamplingParams`, given once.
 
-On the CPU, decoding takes the speed paths of `decoderlm.cpu` from here, all switched by one
-keyword, `cpu_kernels` (default True): the attention/embedding paths of `decoderlm.cpu.optimized`,
-the linear kernels of `decoderlm.cpu.decode.CPULinearKernels` for the prefill, and (with
-`compile=True`) the same kernels in the compiled prefill and one-token step. Off, the model runs
-as defined, with F.linear.
+How to decode, as opposed to what, is one `DecodeOptions` (`decoderlm.inference.options`):
+compilation, the KV cache's storage, refilling past the context, and the CPU speed paths
+(`decoderlm.cpu.paths.SpeedPaths.for_generate`: the attention/embedding paths inside the model,
+the linear kernels for the prefill and the compiled steps, the compiled step's attention read in
+place). `generate(cpu_kernels=False)` runs the model as defined, with F.linear; a `SpeedPaths`
+picks paths one by one.
 """
 
 from __future__ import annotations
@@ -26,20 +27,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from decoderlm.cpu import optimized
-from decoderlm.cpu.decode import CompiledStep, linear_kernels
+from decoderlm.cpu.decode import CompiledStep
+from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.errors import DecoderLMError
+from decoderlm.inference.options import DecodeOptions
+from decoderlm.inference.prompts import Prompt, make_generator, prompt_rows
 from decoderlm.inference.sampling import SamplingParams, sample_next, sampling_params
-from decoderlm.model.cache import (
-    CacheStep,
-    LayerCache,
-    RingKVCache,
-    StaticKVCache,
-    check_kv_cache_dtype,
-)
+from decoderlm.model.cache import CacheStep, LayerCache, RingKVCache, StaticKVCache
 from decoderlm.model.lm import DecoderLM
-
-Prompt = Tensor | Sequence[Sequence[int]] | Sequence[int]
 
 # Rows stop being checked for end-of-text on every step (a host sync); `generate` looks every this many.
 EOS_CHECK_INTERVAL = 16
@@ -93,83 +88,6 @@ def compiled_prefill() -> Callable[..., Tensor]:
     return torch.compile(next_logits, dynamic=False)
 
 
-def prompt_rows(prompt: Prompt, vocab_size: int) -> list[list[int]]:
-    """Normalise a prompt — (B, T) or (T,) ids, a list of id lists, or one id list — to id lists."""
-    if isinstance(prompt, Tensor):
-        if prompt.is_floating_point() or prompt.dim() not in (1, 2):
-            raise DecoderLMError(
-                f"prompt tensor must hold integer token ids, shape (B, T) or (T,); got "
-                f"{prompt.dtype} of shape {tuple(prompt.shape)}"
-            )
-        prompt = prompt.tolist()
-    rows = list(prompt)
-    if rows and not isinstance(rows[0], Sequence | Tensor):
-        rows = [rows]  # a single sequence of ids
-    rows = [[int(t) for t in row] for row in rows]
-    if not rows or any(len(row) == 0 for row in rows):
-        raise DecoderLMError("empty prompt: give at least one token per row")
-    bad = [t for row in rows for t in row if not 0 <= t < vocab_size]
-    if bad:
-        raise DecoderLMError(
-            f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
-        )
-    return rows
-
-
-def check_lengths(
-    rows: list[list[int]], max_new_tokens: int, context_length: int, refill_past_context: bool
-) -> None:
-    """DecoderLMError if a prompt is longer than the context, or the generation would outgrow it."""
-    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
-        raise DecoderLMError(f"max_new_tokens={max_new_tokens!r} must be an integer ≥ 0")
-    longest = max(len(row) for row in rows)
-    if longest > context_length:
-        raise DecoderLMError(
-            f"prompt has {longest} tokens, more than the model's context_length={context_length}"
-        )
-    if longest + max_new_tokens > context_length and not refill_past_context:
-        raise DecoderLMError(
-            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-            f"context_length={context_length}; generate fewer tokens, or refill past it "
-            "(refill_past_context=True, --refill-past-context)"
-        )
-
-
-def check_cache_options(
-    kv_cache_dtype: str | None, compile: bool, sliding_window: int | None = None
-) -> None:
-    """DecoderLMError for an unknown `kv_cache_dtype`, or "int8" with `compile`: the AOT-compiled
-    step of `decoderlm.cpu.decode` takes plain K/V buffers as its inputs, not int8 values and scales;
-    nor does it take the ring cache (`decoderlm.model.cache.ring`) a windowed model decodes over."""
-    check_kv_cache_dtype(kv_cache_dtype)
-    if compile and kv_cache_dtype == "int8":
-        raise DecoderLMError(
-            "compile=True does not support kv_cache_dtype='int8' (the compiled one-token step "
-            "takes plain K/V buffers); drop one of the two"
-        )
-    if compile and sliding_window is not None:
-        raise DecoderLMError(
-            f"a model with sliding_window={sliding_window} decodes over a ring KV cache, which "
-            "compile=True does not support yet; drop compile"
-        )
-
-
-def check_options(
-    model: DecoderLM,
-    rows: list[list[int]],
-    max_new_tokens: int,
-    refill_past_context: bool,
-    kv_cache_dtype: str | None,
-    compile: bool,
-) -> None:
-    """`check_lengths` and `check_cache_options` for this model: a model whose every layer has a
-    sliding window has no length limit past its prompt."""
-    cfg = model.config
-    past = refill_past_context or cfg.decodes_past_context
-    check_lengths(rows, max_new_tokens, cfg.context_length, past)
-    check_cache_options(kv_cache_dtype, compile, cfg.sliding_window)
-
-
 def _fill_lengths(
     rows: list[list[int]], max_new_tokens: int, context: int, compile: bool
 ) -> tuple[int, int]:
@@ -203,33 +121,38 @@ def decode_steps(
     max_new_tokens: int,
     params: SamplingParams,
     generator: torch.Generator | None = None,
-    refill_past_context: bool = False,
-    compile: bool = False,
-    cpu_kernels: bool = True,
-    kv_cache_dtype: str | None = None,
+    options: DecodeOptions | None = None,
 ) -> Iterator[Tensor]:
     """Yield the new token of every row, (B,) on the model's device, `max_new_tokens` times.
 
-    Call it under `torch.inference_mode()` with the model in eval mode (and, for the CPU attention
-    paths, `decoderlm.cpu.optimized`). Nothing here waits for the device: the caller decides when
-    to look at the tokens (and to stop). Past `context_length`, either raise (default) or, with
+    Call it under `torch.inference_mode()` with the model in eval mode and `options.paths`
+    applied (`generate` does both). Nothing here waits for the device: the caller decides when to
+    look at the tokens (and to stop). Past `context_length`, either raise (default) or, with
     `refill_past_context`, drop the oldest quarter of the context and refill the cache from the rest
-    (one prefill), so every token still sees ≥ 3/4 of a context. `cpu_kernels`: the prefill (and
-    with `compile` the one-token step) under `CPULinearKernels`; the eager one-token step never,
-    as the mode's Python hook on every op costs more than it saves there. `kv_cache_dtype`: None
-    caches K/V in the model's dtype, "int8" quantizes them (`decoderlm.model.cache.storage`). A
-    model with a sliding window keeps its windowed layers' K/V in rings of W slots
-    (`RingKVCache`); when every layer has one, decoding goes on past `context_length` with nothing
-    refilled.
+    (one prefill), so every token still sees ≥ 3/4 of a context. The linear-kernels path covers the
+    prefill (and with `compile` the one-token step); never the eager one-token step, as the mode's
+    Python hook on every op costs more than it saves there. A model with a sliding window keeps its
+    windowed layers' K/V in rings of W slots (`RingKVCache`); when every layer has one, decoding
+    goes on past `context_length` with nothing refilled.
     """
+    options = DecodeOptions() if options is None else options
     cfg = model.config
     context = cfg.context_length
     unbounded = cfg.decodes_past_context  # the ring never fills: no refill, no length limit
-    check_options(model, rows, max_new_tokens, refill_past_context, kv_cache_dtype, compile)
+    options.check(model, rows, max_new_tokens)
+    compile, paths = options.compile, options.paths
     n, max_len = _fill_lengths(rows, max_new_tokens, context, compile)
     device = model.tok_emb.weight.device
-    cache = _make_cache(model, len(rows), max_len, kv_cache_dtype)
-    step = CompiledStep(model, cache, next_logits, cpu_kernels) if compile else None
+    cache = _make_cache(model, len(rows), max_len, options.kv_cache_dtype)
+    step = None
+    if compile:
+        step = CompiledStep(
+            model,
+            cache,
+            next_logits,
+            linear_kernels=paths.linear_kernels,
+            in_place_attention=paths.in_place_attention,
+        )
     seen = None
     if params.repetition_penalty != 1.0:
         seen = torch.zeros(len(rows), cfg.vocab_size, dtype=torch.bool, device=device)  # (B, V)
@@ -246,7 +169,7 @@ def decode_steps(
         positions = (slots[None, :n] - pad[:, None]).clamp(min=0)  # (B, n): 0 at the 1st token
         cache.seek(CacheStep.span(0, n, device, filled[:, :n] if padded else None))
         prefill = compiled_prefill() if compile else next_logits
-        with linear_kernels(cpu_kernels and (compile or n > 1), compiling=compile):
+        with paths.linear(compile or n > 1, compiling=compile):
             logits = prefill(model, cache, idx, positions, filled[:, :n] if padded else None)
         filled &= slots < n  # from here on: the slots holding a real token
         new: list[Tensor] = []
@@ -292,7 +215,7 @@ def generate(
     num_samples: int = 1,
     refill_past_context: bool = False,
     compile: bool = False,
-    cpu_kernels: bool = True,
+    cpu_kernels: bool | SpeedPaths = True,
     kv_cache_dtype: str | None = None,
     **sampling: Any,
 ) -> list[list[int]]:
@@ -309,7 +232,8 @@ def generate(
     prefill with torch.compile and the one-token step ahead of time with AOTInductor (see
     `decoderlm.cpu.decode`; the first call of a shape pays for the compilation, and prompts are
     left-padded to a multiple of 64 so that nearby lengths share one prefill graph).
-    `cpu_kernels=False` switches off the CPU speed paths (module docstring). `kv_cache_dtype="int8"`
+    `cpu_kernels=False` switches off the CPU speed paths, a `SpeedPaths` picks them one by one
+    (module docstring). `kv_cache_dtype="int8"`
     keeps the cache in int8 with a scale per token and head (`decoderlm.model.cache.storage`: half
     the bytes of a bfloat16 cache, plus the scales); not with `compile`.
     """
@@ -317,23 +241,14 @@ def generate(
     if not (isinstance(num_samples, int) and num_samples >= 1):
         raise DecoderLMError(f"num_samples={num_samples!r} must be an integer ≥ 1")
     rows = [row for row in prompt_rows(prompt, model.config.vocab_size) for _ in range(num_samples)]
-    check_options(model, rows, max_new_tokens, refill_past_context, kv_cache_dtype, compile)
+    options = DecodeOptions.of(compile, cpu_kernels, kv_cache_dtype, refill_past_context)
+    options.check(model, rows, max_new_tokens)
     if max_new_tokens == 0:
         return rows
     generator = make_generator(seed, model.tok_emb.weight.device)
     new: list[Tensor] = []
-    with evaluating(model), optimized(model, enabled=cpu_kernels):
-        steps = decode_steps(
-            model,
-            rows,
-            max_new_tokens,
-            params,
-            generator,
-            refill_past_context,
-            compile,
-            cpu_kernels,
-            kv_cache_dtype,
-        )
+    with evaluating(model), options.paths.applied(model):
+        steps = decode_steps(model, rows, max_new_tokens, params, generator, options)
         done = torch.zeros(len(rows), dtype=torch.bool, device=model.tok_emb.weight.device)
         for i, token in enumerate(steps):
             new.append(token)
@@ -350,11 +265,3 @@ def _until(ids: list[int], eos_id: int | None) -> list[int]:
     if eos_id is not None and eos_id in ids:
         return ids[: ids.index(eos_id) + 1]
     return ids
-
-
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
-    if seed is None:
-        return None
-    if not isinstance(seed, int):
-        raise DecoderLMError(f"seed={seed!r} must be an integer (or None)")
-    return torch.Generator(device=device).manual_seed(seed)

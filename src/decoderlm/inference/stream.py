@@ -11,15 +11,11 @@ from typing import Any
 
 from torch import Tensor
 
-from decoderlm.cpu import optimized
+from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.errors import DecoderLMError
-from decoderlm.inference.generate import (
-    check_options,
-    decode_steps,
-    evaluating,
-    make_generator,
-    prompt_rows,
-)
+from decoderlm.inference.generate import decode_steps, evaluating
+from decoderlm.inference.options import DecodeOptions
+from decoderlm.inference.prompts import make_generator, prompt_rows
 from decoderlm.inference.sampling import SamplingParams, sampling_params
 from decoderlm.model import DecoderLM
 
@@ -99,7 +95,7 @@ def stream(
     stop_at_eot: bool = True,
     refill_past_context: bool = False,
     compile: bool = False,
-    cpu_kernels: bool = True,
+    cpu_kernels: bool | SpeedPaths = True,
     kv_cache_dtype: str | None = None,
     **sampling: Any,
 ) -> Iterator[str]:
@@ -109,30 +105,21 @@ def stream(
     False) or before the first of the `stop` strings (which is not yielded). Bad arguments raise
     here, before anything is generated. Sampling (`params` and/or its fields as keywords), `seed`,
     `refill_past_context`, `compile`, `cpu_kernels` and `kv_cache_dtype` are those of
-    `decoderlm.inference.generate.generate`; the model is in eval mode (and, with `cpu_kernels`,
-    under `decoderlm.cpu.optimized`) while the iterator runs, restored when it ends or is closed.
+    `decoderlm.inference.generate.generate`; the model is in eval mode (with the speed paths of
+    `cpu_kernels` applied) while the iterator runs, restored when it ends or is closed.
     """
     params = sampling_params(params, sampling)
     if not prompt:
         raise DecoderLMError("empty prompt: give some text to continue")
     ids = tokenizer.encode(prompt)
     rows = prompt_rows([ids], model.config.vocab_size)
-    check_options(model, rows, max_new_tokens, refill_past_context, kv_cache_dtype, compile)
+    options = DecodeOptions.of(compile, cpu_kernels, kv_cache_dtype, refill_past_context)
+    options.check(model, rows, max_new_tokens)
     eot = getattr(tokenizer, "eot_id", None) if stop_at_eot else None
     generator = make_generator(seed, model.tok_emb.weight.device)
-    steps = decode_steps(
-        model,
-        rows,
-        max_new_tokens,
-        params,
-        generator,
-        refill_past_context,
-        compile,
-        cpu_kernels,
-        kv_cache_dtype,
-    )
+    steps = decode_steps(model, rows, max_new_tokens, params, generator, options)
     decoder, matcher = IncrementalDecoder(tokenizer, ids), StopMatcher(stop)
-    return _text_pieces(model, steps, decoder, matcher, eot, cpu_kernels)
+    return _text_pieces(model, steps, decoder, matcher, eot, options.paths)
 
 
 def _text_pieces(
@@ -141,9 +128,9 @@ def _text_pieces(
     decoder: IncrementalDecoder,
     matcher: StopMatcher,
     eot: int | None,
-    cpu_kernels: bool,
+    paths: SpeedPaths,
 ) -> Iterator[str]:
-    with evaluating(model), optimized(model, enabled=cpu_kernels):
+    with evaluating(model), paths.applied(model):
         for token in steps:
             token_id = int(token[0])  # streaming needs each token on the host
             if token_id == eot:

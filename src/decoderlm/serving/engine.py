@@ -33,6 +33,7 @@ from typing import Any
 
 from torch import Tensor
 
+from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.cache import check_kv_cache_dtype
 from decoderlm.model.lm import DecoderLM
@@ -238,9 +239,9 @@ class Engine:
         prefill_chunk: int = 128,
         prefix_caching: bool = True,
         kv_cache_dtype: str | None = None,
-        cpu_kernels: bool = True,
+        cpu_kernels: bool | SpeedPaths = True,
     ) -> None:
-        """kv_cache_memory, kv_cache_dtype, cpu_kernels: the KV pool and the model's kernels, as
+        """kv_cache_memory, kv_cache_dtype, cpu_kernels (its CPU speed paths): the KV pool and the model's kernels, as
         `ModelRunner` takes them; max_queue: the most sequences waiting; prefill_chunk: the most
         prompt tokens one step runs; prefix_caching: reuse the KV blocks of a shared prefix."""
         check_kv_cache_dtype(kv_cache_dtype)

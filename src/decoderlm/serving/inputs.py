@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.inference.generate import prompt_rows
+from decoderlm.inference.prompts import prompt_rows
 from decoderlm.serving.kv_pool import blocks_for
 from decoderlm.serving.types import RequestParams
 

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from decoderlm.cpu import heap, paged_attention
-from decoderlm.cpu.packed_linear import pack_linears, packed
+from decoderlm.cpu import paged_attention
+from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.generate import evaluating
 from decoderlm.model.cache import kv_cache_bytes_per_token
@@ -35,28 +35,23 @@ class ModelRunner:
         kv_cache_memory: int | str,
         block_size: int,
         kv_cache_dtype: str | None,
-        cpu_kernels: bool,
+        cpu_kernels: bool | SpeedPaths,
     ) -> None:
         """kv_cache_memory: the byte budget of the KV pool, which holds
         ⌊budget / (block_size · bytes per token)⌋ blocks; kv_cache_dtype: None (K/V in the model's
         dtype) or "int8" (`decoderlm.model.cache.storage`, whose scales the bytes per token count);
-        cpu_kernels: on the CPU, run the steps with the linear weights packed for oneDNN, or
-        for AMX tiles in bfloat16 where the CPU has them (`decoderlm.cpu.packed_linear`: faster
-        for a batch of rows, at twice the linear weights' memory; packed now, so a model changed
-        later needs a new engine) and keep freed memory
-        in the process (`decoderlm.cpu.heap`), so that each step's gathered K/V reuse the last
-        step's pages instead of faulting in new ones; and, for float32 and bfloat16 pools, attend
-        the decode rows of layers without a window in place, without gathering their blocks
-        (`decoderlm.cpu.paged_attention`, where a C compiler builds it). (The attention,
-        embedding and linear paths that `generate` applies made the batched steps slower:
-        benchmarks/README.md.)"""
+        cpu_kernels: the CPU speed paths, True for `SpeedPaths.for_engine()` (False none, or a
+        `SpeedPaths`): the linear weights packed for oneDNN, or for AMX tiles in bfloat16 where
+        the CPU has them (`decoderlm.cpu.packed_linear`: faster for a batch of rows, at twice the
+        linear weights' memory; packed now, so a model changed later needs a new engine); freed
+        memory kept in the process (`decoderlm.cpu.heap`), so that each step's gathered K/V
+        reuse the last step's pages instead of faulting in new ones; and, for float32 and
+        bfloat16 pools, the decode rows of layers without a window attended in place, without
+        gathering their blocks (`decoderlm.cpu.paged_attention`, where a C compiler builds it)."""
         self.model = model
         weight = model.tok_emb.weight
         self.device = weight.device
-        on_cpu = cpu_kernels and self.device.type == "cpu"
-        if on_cpu:
-            heap.keep_freed_memory()
-        self._packed = pack_linears(model) if on_cpu else []
+        self.paths = SpeedPaths.resolve(cpu_kernels, SpeedPaths.for_engine()).applied(model)
         self.bytes_per_token = kv_cache_bytes_per_token(
             model.config, kv_cache_dtype or weight.dtype
         )
@@ -66,7 +61,9 @@ class ModelRunner:
                 f"kv_cache_memory={kv_cache_memory!r} holds no KV block: one block of "
                 f"{block_size} tokens takes {block_size * self.bytes_per_token} bytes"
             )
-        in_place = on_cpu and paged_attention.available(weight.dtype, self.device)
+        in_place = self.paths.paths.in_place_attention and paged_attention.available(
+            weight.dtype, self.device
+        )
         self.cache = PagedKVCache(
             model.config,
             self.num_blocks,
@@ -79,8 +76,8 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        """The model in eval mode without gradients, its linear weights packed: one engine step."""
-        with evaluating(self.model), packed(self._packed):
+        """The model in eval mode without gradients, its speed paths applied: one engine step."""
+        with evaluating(self.model), self.paths:
             yield
 
     def forward(self, seqs: list[Sequence], n: int) -> Tensor:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from decoderlm.inference.generate import make_generator
+from decoderlm.inference.prompts import make_generator
 from decoderlm.inference.sampling import SamplingParams, greedy_tokens, sample_next
 from decoderlm.serving.types import RequestParams
 

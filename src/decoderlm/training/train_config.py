@@ -51,7 +51,7 @@ class TrainConfig:
     dtype: str = "auto"  # autocast: auto (bf16 where native), fp32, bf16, fp16 (CUDA only)
     compile: bool = False  # torch.compile the training forward pass
     threads: int = 0  # CPU threads for torch; 0 = auto: the cores not already busy (`cpu_threads`)
-    cpu_kernels: bool = True  # CPU only: cpu.optimize (embedding grad, attention), cpu.heap
+    cpu_kernels: bool = True  # CPU only: SpeedPaths.for_training (embedding grad, attention, heap)
     strategy: str = "none"  # data parallelism under torchrun: none, ddp, fsdp
     without_replacement: bool = False  # each epoch visits every non-overlapping window once
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = measure a matmul at the start

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from decoderlm import checkpoint, cpu, data
-from decoderlm.cpu import heap
+from decoderlm import checkpoint, data
+from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.errors import DecoderLMError, NonFiniteLossError
 from decoderlm.inference.evaluate import bits_per_byte
 from decoderlm.inference.generate import generate
@@ -140,10 +140,8 @@ class Trainer:
         if run.init_from is not None:
             checkpoint.load_weights(model, run.init_from / checkpoint.WEIGHTS_FILE)
         self.model = model.to(self.device).train()
-        if self.device.type == "cpu":
-            self.model = cpu.optimize(self.model, enabled=cfg.cpu_kernels)
-            if cfg.cpu_kernels:
-                heap.keep_freed_memory()  # each step's activations reuse the last step's pages
+        # The CPU paths (embedding gradient, blockwise attention, the heap), before DDP/FSDP wrap.
+        SpeedPaths.for_training(cfg.cpu_kernels).apply(self.model)
         self.wrapped = distributed.wrap_model(self.model, cfg.strategy, self.info)
         self.optimizer = make_optimizer(self.wrapped, cfg, self.device)
         # Checkpoints come from self.wrapped (uncompiled): no `_orig_mod.` in any name.

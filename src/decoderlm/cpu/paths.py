@@ -1,0 +1,153 @@
+"""Which CPU speed paths a call site applies: one `SpeedPaths` per call site, one context manager.
+
+Each path is one mechanism of `decoderlm.cpu`, applied from outside the model:
+
+| path | mechanism | generate | engine | training |
+|---|---|---|---|---|
+| `embedding` | nn.Embedding → `CPUEmbedding` (an opaque gradient kernel) | ✓ | | ✓ |
+| `attention` | `CausalSelfAttention.attend` → `cpu_attend` (the blockwise formula) | ✓ | | ✓ |
+| `linear_kernels` | F.linear by shape: gemv kernels, oneDNN (`CPULinearKernels`) | ✓ | | |
+| `in_place_attention` | decode attention read where the keys lie (`paged_attention`) | ✓ | ✓ | |
+| `packed_linears` | linear weights packed for oneDNN / AMX tiles (`PackedLinear`) | | ✓ | |
+| `keep_freed_memory` | glibc keeps freed pages for reuse (`heap`) | | ✓ | ✓ |
+
+The engine leaves out the paths generate uses inside the model (they made its batched steps slower,
+benchmarks/README.md), and generate applies `linear_kernels` only to its prefill and compiled steps
+(the mode's Python hook on every op costs more than it saves in an eager one-token step).
+
+`SpeedPaths.for_generate()` (and `for_engine`, `for_training`) is a call site's set;
+`SpeedPaths.none()` switches all off, `.without("attention")` one at a time. `paths.applied(model)`
+is the one context manager: it does the once-only work (the heap's thresholds, packing) when it is
+made and swaps the model's modules in for each `with` block, restoring them after; on a non-CPU
+device it changes nothing. `paths.apply(model)` applies them for good (the trainer). The call
+sites accept `cpu_kernels=True | False | SpeedPaths` (`TrainConfig.cpu_kernels`: a bool).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from decoderlm.cpu import heap, optimize, optimized
+from decoderlm.cpu.decode import CPULinearKernels
+from decoderlm.cpu.packed_linear import pack_linears, packed
+from decoderlm.errors import DecoderLMError
+
+
+@dataclass(frozen=True)
+class SpeedPaths:
+    """One switch per CPU speed path (module docstring); all off by default."""
+
+    embedding: bool = False
+    attention: bool = False
+    linear_kernels: bool = False
+    in_place_attention: bool = False
+    packed_linears: bool = False
+    keep_freed_memory: bool = False
+
+    @classmethod
+    def none(cls) -> SpeedPaths:
+        return cls()
+
+    @classmethod
+    def for_generate(cls, enabled: bool = True) -> SpeedPaths:
+        """generate, stream and evaluate: the model's inner paths, the linear kernels, in place."""
+        on = dict(embedding=True, attention=True, linear_kernels=True, in_place_attention=True)
+        return cls(**on) if enabled else cls()
+
+    @classmethod
+    def for_engine(cls, enabled: bool = True) -> SpeedPaths:
+        """The serving engine's batched steps: in-place decode attention, packed linears, heap."""
+        on = dict(in_place_attention=True, packed_linears=True, keep_freed_memory=True)
+        return cls(**on) if enabled else cls()
+
+    @classmethod
+    def for_training(cls, enabled: bool = True) -> SpeedPaths:
+        """The trainer: the embedding's gradient kernel, blockwise attention, the heap."""
+        return cls(embedding=True, attention=True, keep_freed_memory=True) if enabled else cls()
+
+    @classmethod
+    def resolve(cls, cpu_kernels: bool | SpeedPaths, default: SpeedPaths) -> SpeedPaths:
+        """A call site's paths from its `cpu_kernels` argument: True = `default`, False = none,
+        a SpeedPaths = exactly those."""
+        if isinstance(cpu_kernels, SpeedPaths):
+            return cpu_kernels
+        if isinstance(cpu_kernels, bool):
+            return default if cpu_kernels else cls()
+        raise DecoderLMError(f"cpu_kernels={cpu_kernels!r} must be True, False or a SpeedPaths")
+
+    def without(self, *paths: str) -> SpeedPaths:
+        """These paths with the named ones switched off."""
+        unknown = sorted(set(paths) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            allowed = ", ".join(f.name for f in dataclasses.fields(self))
+            raise DecoderLMError(f"unknown speed path(s) {unknown}; allowed: {allowed}")
+        return dataclasses.replace(self, **dict.fromkeys(paths, False))
+
+    def on(self, device: torch.device) -> SpeedPaths:
+        """These paths where `device` is the CPU, else none (they are CPU paths)."""
+        return self if device.type == "cpu" else SpeedPaths()
+
+    def linear(self, enabled: bool = True, compiling: bool = False) -> AbstractContextManager[Any]:
+        """F.linear through the CPU kernels for the duration, if `linear_kernels` and `enabled`
+        (the caller's say for this pass), else a context that changes nothing. compiling: inside
+        a function being compiled (torch.compile, torch.export)."""
+        return CPULinearKernels(compiling) if self.linear_kernels and enabled else nullcontext()
+
+    def applied(self, model: nn.Module) -> AppliedPaths:
+        """The paths applied to `model`, on its device: a reusable context manager."""
+        return AppliedPaths(self, model)
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """The paths applied to `model` for the rest of its life (the trainer's, which is wrapped
+        for DDP/FSDP and compiled afterwards), in place; returns it. Packed linears are swapped in
+        per pass only, by `applied`."""
+        if self.packed_linears:
+            raise DecoderLMError("packed_linears are applied per pass: use SpeedPaths.applied")
+        paths = AppliedPaths(self, model).paths  # the heap's thresholds set; on the model's device
+        if paths.embedding or paths.attention:
+            optimize(model, embedding=paths.embedding, attention=paths.attention)
+        return model
+
+
+class AppliedPaths:
+    """`SpeedPaths` applied to one model: made once (the heap's thresholds set, linears packed),
+    entered for each pass or generation (`with applied:`), which swaps the model's modules in and
+    restores them on exit. `paths` holds what applies on the model's device."""
+
+    def __init__(self, paths: SpeedPaths, model: nn.Module) -> None:
+        weight = next(model.parameters(), None)
+        device = weight.device if weight is not None else torch.device("cpu")
+        self.paths, self.model = paths.on(device), model
+        if self.paths.keep_freed_memory:
+            heap.keep_freed_memory()  # process-wide; glibc's thresholds stay raised
+        self._packed = pack_linears(model) if self.paths.packed_linears else []
+        self._open: list[
+            AbstractContextManager[None]
+        ] = []  # the `with` blocks entered, innermost last
+
+    def __enter__(self) -> AppliedPaths:
+        swap = self._swapped()
+        swap.__enter__()
+        self._open.append(swap)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._open.pop().__exit__(*exc)
+
+    @contextmanager
+    def _swapped(self) -> Iterator[None]:
+        paths = self.paths
+        inner = (
+            optimized(self.model, embedding=paths.embedding, attention=paths.attention)
+            if paths.embedding or paths.attention
+            else nullcontext()
+        )
+        with inner, packed(self._packed):
+            yield
