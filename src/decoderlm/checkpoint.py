@@ -7,8 +7,8 @@ A run directory is what every command reads and writes:
     RUN/tokenizer.json     the tokenizer (Hugging Face `tokenizers` format), when there is one
     RUN/metrics.jsonl      training metrics, one JSON object per logged step
 
-Every file is written to a temporary name in the same directory, fsync'ed and renamed over the old one,
-so a process killed mid-write leaves the previous file intact.
+Every file is written atomically (`decoderlm.files`): a process killed mid-write leaves the
+previous file intact.
 
 Training adds checkpoints, each a complete run directory plus the trainer's state:
 
@@ -29,8 +29,6 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +38,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.files import atomic_path, atomic_write, fsync_dir, write_json
 from decoderlm.model.config import ModelConfig
 from decoderlm.model.lm import DecoderLM
 
@@ -55,47 +54,6 @@ _STEP_DIR = re.compile(r"step_(\d+)")
 
 class TornStateError(DecoderLMError):
     """A checkpoint's trainer state cannot be read (a truncated or unreadable file)."""
-
-
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)  # read the process umask (the call sets it; this restores it)
-
-
-@contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; on success fsync it and rename it to `path`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
-    os.chmod(tmp_path, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the usual mode
-    try:
-        yield tmp_path
-        with open(tmp_path, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp_path, path)
-        _fsync_dir(path.parent)
-    finally:
-        tmp_path.unlink(missing_ok=True)
-
-
-def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> None:
-    """Call `write(tmp_path)` and atomically move the result to `path`."""
-    with atomic_path(path) as tmp:
-        write(tmp)
-
-
-def write_json(path: str | Path, data: Any) -> None:
-    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n"))
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def model_state_dict(model: DecoderLM) -> dict[str, torch.Tensor]:
@@ -274,11 +232,11 @@ def save_checkpoint(
         for file in tmp.iterdir():
             with open(file, "rb") as f:
                 os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # the same step saved again (a resumed run re-saving its last step)
             _discard(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     _publish(final / WEIGHTS_FILE, run_dir / WEIGHTS_FILE)

@@ -34,9 +34,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from decoderlm.checkpoint import TOKENIZER_FILE, atomic_path, atomic_write, write_json
+from decoderlm.checkpoint import TOKENIZER_FILE
 from decoderlm.errors import DecoderLMError
-from decoderlm.paths import require_file
+from decoderlm.files import atomic_path, atomic_write, require_file, write_json
 from decoderlm.tokenizer import Tokenizer
 
 META_FILE = "meta.json"

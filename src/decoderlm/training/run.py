@@ -34,8 +34,8 @@ from typing import Any
 
 from decoderlm import checkpoint, data
 from decoderlm.errors import DecoderLMError
+from decoderlm.files import refuse_overwrite
 from decoderlm.model.config import ModelConfig
-from decoderlm.paths import refuse_overwrite
 from decoderlm.training import distributed
 from decoderlm.training.train_config import TrainConfig
 
