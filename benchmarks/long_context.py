@@ -77,7 +77,16 @@ import torch
 from decode import median_ratio, per_token, run_times
 from shakespeare_char import DEFAULT_DATA
 
-from decoderlm import DecoderLM, DecoderLMError, ModelConfig, checkpoint, data, generate, load
+from decoderlm import (
+    DecoderLM,
+    DecoderLMError,
+    ModelConfig,
+    checkpoint,
+    data,
+    generate,
+    load,
+    trainer_state,
+)
 from decoderlm.inference.evaluate import evaluate_tokens
 from decoderlm.quant import quantize
 from decoderlm.training.runtime import cpu_has_native_bf16, cpu_name
@@ -346,7 +355,7 @@ def trained_run(args: argparse.Namespace, tmp: Path) -> tuple[Path, Path, str]:
         latest = checkpoint.latest_checkpoint(args.checkpoint)
         if latest is None:
             raise DecoderLMError(f"{args.checkpoint} has no checkpoint: give --eval-data DIR")
-        data_dir = Path(checkpoint.load_trainer_state(latest)["data_dir"])
+        data_dir = Path(trainer_state.load_trainer_state(latest)["data_dir"])
         return args.checkpoint, data_dir, f"--checkpoint {args.checkpoint}"
     data_dir = tmp / "data"
     data.prepare([args.data], data_dir, tokenizer="char", val_fraction=0.1, progress=False)
