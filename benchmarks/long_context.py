@@ -87,9 +87,9 @@ from decoderlm import (
     load,
     trainer_state,
 )
+from decoderlm.cpu.features import cpu_name, has_native_bf16
 from decoderlm.inference.evaluate import evaluate_tokens
 from decoderlm.quant import quantize
-from decoderlm.training.runtime import cpu_has_native_bf16, cpu_name
 from decoderlm.training.train_config import TrainConfig
 from decoderlm.training.trainer import train
 
@@ -107,7 +107,7 @@ def header(title: str) -> None:
     """What the figures depend on, above each table."""
     print(
         f"\n## {title}\n\n{cpu_name()}, torch {torch.__version__}, native bf16 "
-        f"{cpu_has_native_bf16()}, {torch.get_num_threads()} thread(s), load average "
+        f"{has_native_bf16()}, {torch.get_num_threads()} thread(s), load average "
         f"{os.getloadavg()[0]:.1f}\n"
     )
 
@@ -222,7 +222,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
 def model_dtype_of(cache: str) -> str:
     """The model's dtype for a cache row: the cache's own, or for int8 bf16 where native."""
     if cache == "int8":
-        return "bf16" if cpu_has_native_bf16() else "fp32"
+        return "bf16" if has_native_bf16() else "fp32"
     return cache
 
 
@@ -243,7 +243,7 @@ def estimate_prefill_s(done: list[dict], row: dict) -> float | None:
 
 
 def long_part(args: argparse.Namespace) -> list[dict]:
-    caches = [c for c in args.caches if c != "bf16" or cpu_has_native_bf16()]
+    caches = [c for c in args.caches if c != "bf16" or has_native_bf16()]
     header(
         f"Long context: {args.preset}, window {args.window}, {args.new_tokens} new tokens, "
         "batch 1, one fresh process per row"
@@ -393,7 +393,7 @@ def variants(base: DecoderLM, args: argparse.Namespace) -> dict[str, tuple[Decod
     int8/int4 copies."""
     quant_dtype = DTYPES[args.quant_dtype]
     rows = {"fp32": (base, None)}
-    if cpu_has_native_bf16():
+    if has_native_bf16():
         rows["bf16"] = (copy.deepcopy(base).to(torch.bfloat16), None)
     rows["bf16 weights"] = (quantize(copy.deepcopy(base), to="bf16"), None)  # fp32 activations
     rows["int8"] = (quantize(copy.deepcopy(base), to="int8").to(quant_dtype), None)

@@ -377,7 +377,7 @@ def test_fp16_on_cpu_is_refused_and_auto_picks_native_bf16() -> None:
 
 @pytest.mark.parametrize("native", [True, False])
 def test_bf16_on_a_cpu_is_taken_only_where_native(monkeypatch, native: bool) -> None:
-    monkeypatch.setattr("decoderlm.training.runtime.cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr("decoderlm.cpu.features.has_native_bf16", lambda: native)
     cpu = torch.device("cpu")
     assert resolve_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
     if native:

@@ -29,6 +29,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from decoderlm import checkpoint, data, gqa
+from decoderlm.cpu.features import cpu_name
 from decoderlm.errors import DecoderLMError, NonFiniteLossError
 from decoderlm.files import write_json
 from decoderlm.inference.evaluate import bits_per_byte, evaluate_tokens
@@ -36,7 +37,6 @@ from decoderlm.lab import measure
 from decoderlm.lab.spec import StudySpec, Variant, count_params
 from decoderlm.lab.stats import summarise
 from decoderlm.model.kv_cache import kv_cache_bytes_per_token
-from decoderlm.training.runtime import cpu_name
 from decoderlm.training.trainer import train
 
 RESULTS_FILE = "results.json"
