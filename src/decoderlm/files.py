@@ -22,7 +22,7 @@ from typing import Any
 
 from decoderlm.errors import DecoderLMError
 
-# ---- atomic writes ---------------------------------------------------------------------------
+# ---- atomic writes --------------------------------------------------------------------------
 
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # read the process umask (the call sets it; this restores it)
@@ -67,7 +67,7 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-# ---- outputs and inputs ----------------------------------------------------------------------
+# ---- outputs and inputs ---------------------------------------------------------------------
 
 OVERWRITE_FLAG = "--overwrite"
 ANY_ENTRY = ("*",)  # `inside` for an output directory that must be new or empty

@@ -1,4 +1,4 @@
-"""The on-disk format of a data directory, and its readers.
+"""The on-disk format of a data directory and its readers, and the reader of UTF-8 text inputs.
 
 A data directory holds
 
