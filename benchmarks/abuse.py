@@ -37,8 +37,8 @@ import torch
 
 from decoderlm import DecoderLM, ModelConfig
 from decoderlm.checkpoint import save_model
+from decoderlm.cpu.features import cpu_name
 from decoderlm.tokenizer import Tokenizer
-from decoderlm.training.runtime import cpu_name
 
 CASES = ("none", "big-body", "many-prompts", "template-bomb", "template-range", "engine-stopped")
 TEMPLATES = {

@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from decoderlm.cpu.attention import blockwise_attention, blockwise_is_faster
+from decoderlm.cpu.features import has_native_bf16
 from decoderlm.model.attention import attend
-from decoderlm.training.runtime import cpu_has_native_bf16
 
 # (name, B, H, Hkv, Tq, Tk, head_dim, training)
 SHAPES = [
@@ -125,10 +125,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch._dynamo.config.cache_size_limit = 64  # one graph per shape and dtype
     # Without native bf16 (AVX512-BF16/AMX), oneDNN's bf16 matmuls run at ~0.3 GFLOP/s: skip them.
-    dtypes = DTYPES if cpu_has_native_bf16() else (torch.float32,)
+    dtypes = DTYPES if has_native_bf16() else (torch.float32,)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, native bf16 "
-        f"{cpu_has_native_bf16()}; ms, best of {args.repeats}"
+        f"{has_native_bf16()}; ms, best of {args.repeats}"
     )
     print(
         "| shape | dtype | eager sdpa | eager blockwise | rule | compiled sdpa "

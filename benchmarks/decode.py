@@ -34,9 +34,9 @@ from collections.abc import Callable
 import torch
 
 from decoderlm import DecoderLM, ModelConfig
+from decoderlm.cpu.features import has_native_bf16
 from decoderlm.hf import to_hf
 from decoderlm.inference.generate import generate
-from decoderlm.training.runtime import cpu_has_native_bf16
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -115,7 +115,7 @@ def main() -> None:
     args = parser.parse_args()
     # Without native bf16 (AVX512-BF16/AMX), oneDNN's bf16 matmuls run at ~0.3 GFLOP/s: a bf16
     # prefill of 512 tokens would take minutes.
-    args.dtypes = args.dtypes or (list(DTYPES) if cpu_has_native_bf16() else ["fp32"])
+    args.dtypes = args.dtypes or (list(DTYPES) if has_native_bf16() else ["fp32"])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -48,9 +48,9 @@ import torch
 from decode import build_models, median_ratio, per_token
 
 from decoderlm import DecoderLM
+from decoderlm.cpu.features import cpu_name
 from decoderlm.inference.generate import generate
 from decoderlm.quant import quantize
-from decoderlm.training.runtime import cpu_name
 
 GGUF_TYPES = ("f32", "bf16", "q8_0")
 

@@ -78,10 +78,19 @@ import torch
 from decode import median_ratio, per_token, run_times
 from shakespeare_char import DEFAULT_DATA
 
-from decoderlm import DecoderLM, DecoderLMError, ModelConfig, checkpoint, data, generate, load
+from decoderlm import (
+    DecoderLM,
+    DecoderLMError,
+    ModelConfig,
+    checkpoint,
+    data,
+    generate,
+    load,
+    trainer_state,
+)
+from decoderlm.cpu.features import cpu_name, has_native_bf16
 from decoderlm.inference.evaluate import evaluate_tokens
 from decoderlm.quant import quantize
-from decoderlm.training.runtime import cpu_has_native_bf16, cpu_name
 from decoderlm.training.train_config import TrainConfig
 from decoderlm.training.trainer import train
 
@@ -99,7 +108,7 @@ def header(title: str) -> None:
     """What the figures depend on, above each table."""
     print(
         f"\n## {title}\n\n{cpu_name()}, torch {torch.__version__}, native bf16 "
-        f"{cpu_has_native_bf16()}, {torch.get_num_threads()} thread(s), load average "
+        f"{has_native_bf16()}, {torch.get_num_threads()} thread(s), load average "
         f"{os.getloadavg()[0]:.1f}\n"
     )
 
@@ -214,7 +223,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
 def model_dtype_of(cache: str) -> str:
     """The model's dtype for a cache row: the cache's own, or for int8 bf16 where native."""
     if cache == "int8":
-        return "bf16" if cpu_has_native_bf16() else "fp32"
+        return "bf16" if has_native_bf16() else "fp32"
     return cache
 
 
@@ -235,7 +244,7 @@ def estimate_prefill_s(done: list[dict], row: dict) -> float | None:
 
 
 def long_part(args: argparse.Namespace) -> list[dict]:
-    caches = [c for c in args.caches if c != "bf16" or cpu_has_native_bf16()]
+    caches = [c for c in args.caches if c != "bf16" or has_native_bf16()]
     header(
         f"Long context: {args.preset}, window {args.window}, {args.new_tokens} new tokens, "
         "batch 1, one fresh process per row"
@@ -347,7 +356,7 @@ def trained_run(args: argparse.Namespace, tmp: Path) -> tuple[Path, Path, str]:
         latest = checkpoint.latest_checkpoint(args.checkpoint)
         if latest is None:
             raise DecoderLMError(f"{args.checkpoint} has no checkpoint: give --eval-data DIR")
-        data_dir = Path(checkpoint.load_trainer_state(latest)["data_dir"])
+        data_dir = Path(trainer_state.load_trainer_state(latest)["data_dir"])
         return args.checkpoint, data_dir, f"--checkpoint {args.checkpoint}"
     data_dir = tmp / "data"
     data.prepare([args.data], data_dir, tokenizer="char", val_fraction=0.1, progress=False)
@@ -385,7 +394,7 @@ def variants(base: DecoderLM, args: argparse.Namespace) -> dict[str, tuple[Decod
     int8/int4 copies."""
     quant_dtype = DTYPES[args.quant_dtype]
     rows = {"fp32": (base, None)}
-    if cpu_has_native_bf16():
+    if has_native_bf16():
         rows["bf16"] = (copy.deepcopy(base).to(torch.bfloat16), None)
     rows["bf16 weights"] = (quantize(copy.deepcopy(base), to="bf16"), None)  # fp32 activations
     rows["int8"] = (quantize(copy.deepcopy(base), to="int8").to(quant_dtype), None)

@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from decoderlm import DecoderLM, ModelConfig
+from decoderlm.cpu.features import cpu_name
 from decoderlm.cpu.paged_attention import available, paged_decode_attention
 from decoderlm.inference.sampling import SamplingParams
 from decoderlm.serving.engine import Engine
 from decoderlm.serving.types import RequestParams
 from decoderlm.tokenizer import Tokenizer
-from decoderlm.training.runtime import cpu_name
 
 ROWS, HEADS, HEAD_DIM, BLOCK = 16, 8, 64, 16
 

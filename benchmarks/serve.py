@@ -48,6 +48,7 @@ import torch
 
 from decoderlm import DecoderLM, ModelConfig
 from decoderlm.checkpoint import save_model
+from decoderlm.cpu.features import cpu_name
 from decoderlm.hf import to_hf
 from decoderlm.inference.sampling import SamplingParams
 from decoderlm.serving.app import create_app
@@ -58,7 +59,6 @@ from decoderlm.serving.http import Served
 from decoderlm.serving.kv_pool import blocks_for
 from decoderlm.serving.types import RequestParams
 from decoderlm.tokenizer import Tokenizer
-from decoderlm.training.runtime import cpu_name
 
 
 def percentile(values: list[float], q: float) -> float:

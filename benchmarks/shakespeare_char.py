@@ -61,14 +61,9 @@ import torch
 
 from decoderlm import ModelConfig, checkpoint, data
 from decoderlm.cpu import heap
+from decoderlm.cpu.features import cpu_name, has_native_bf16
 from decoderlm.inference.evaluate import evaluate_tokens
-from decoderlm.training.runtime import (
-    cpu_has_native_bf16,
-    cpu_name,
-    cpu_threads,
-    measure_peak_flops,
-    resolve_dtype,
-)
+from decoderlm.training.runtime import cpu_threads, measure_peak_flops, resolve_dtype
 from decoderlm.training.train_config import TrainConfig
 from decoderlm.training.trainer import train
 
@@ -256,7 +251,7 @@ def main() -> None:
         dtypes = {resolve_dtype(cfg.dtype, cpu) for _, cfg in recipes.values()}
         peaks = {dt: measure_peak_flops(cpu, dt, repeats=10) for dt in sorted(dtypes, key=str)}
         print(
-            f"torch {torch.__version__}, {cpu_name()}, native bf16 {cpu_has_native_bf16()}, "
+            f"torch {torch.__version__}, {cpu_name()}, native bf16 {has_native_bf16()}, "
             f"{threads} thread(s), malloc {heap.malloc_in_use()}, "
             f"load average {os.getloadavg()[0]:.1f}; matmul peak "
             + ", ".join(

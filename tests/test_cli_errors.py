@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoderlm import DecoderLM, ModelConfig, checkpoint
+from decoderlm import DecoderLM, ModelConfig, checkpoint, trainer_state
 from decoderlm.cli import main
 from decoderlm.tokenizer import Tokenizer
 
@@ -76,7 +76,7 @@ def test_an_unwritable_run_directory_mid_run_is_one_line_and_keeps_the_last_chec
         f"system; the previous checkpoint is intact ({first})"
     )
     assert checkpoint.list_checkpoints(out) == [first]
-    assert checkpoint.load_trainer_state(first)["step"] == 1
+    assert trainer_state.load_trainer_state(first)["step"] == 1
     checkpoint.load_model(out)  # RUN/model.safetensors is still step 1's
 
 

@@ -18,6 +18,7 @@ from decoderlm.cli import main
 from decoderlm.data import (
     BatchSampler,
     load_split,
+    preparation,
     prepare,
     prepare_default_corpus,
     read_meta,
@@ -328,7 +329,7 @@ def test_interrupted_prepare_leaves_no_valid_looking_directory(corpus, tmp_path,
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(data, "_write_tokens", killed)
+    monkeypatch.setattr(preparation, "_write_tokens", killed)
     with pytest.raises(KeyboardInterrupt):  # a second prepare over it dies while encoding
         prepare([corpus / "a_intro.md"], out, tokenizer="char", progress=False)
     with pytest.raises(DecoderLMError, match=r"meta\.json is missing"):
@@ -356,7 +357,7 @@ def test_default_corpus_is_prepared_once_into_the_cache(tmp_path, monkeypatch) -
         raise AssertionError("prepared again")
 
     with monkeypatch.context() as patch:
-        patch.setattr(data, "_prepare_files", must_not_run)
+        patch.setattr(preparation, "_prepare_files", must_not_run)
         assert prepare_default_corpus(vocab_size=300, max_files=4, progress=False) == path
     # Other settings are another cache entry beside it.
     assert prepare_default_corpus(vocab_size=300, max_files=3, progress=False) != path

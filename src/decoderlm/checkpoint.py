@@ -7,8 +7,8 @@ A run directory is what every command reads and writes:
     RUN/tokenizer.json     the tokenizer (Hugging Face `tokenizers` format), when there is one
     RUN/metrics.jsonl      training metrics, one JSON object per logged step
 
-Every file is written to a temporary name in the same directory, fsync'ed and renamed over the old one,
-so a process killed mid-write leaves the previous file intact.
+Every file is written atomically (`decoderlm.files`): a process killed mid-write leaves the
+previous file intact.
 
 Training adds checkpoints, each a complete run directory plus the trainer's state:
 
@@ -17,9 +17,7 @@ Training adds checkpoints, each a complete run directory plus the trainer's stat
 
 A checkpoint is written into a hidden temporary directory and renamed into place, so the set of
 files appears all at once or not at all; RUN/model.safetensors is then pointed at the newest one.
-The trainer state is a nested dict stored as JSON (readable: step, counters, RNG states, data
-position, hyperparameters) with every tensor (optimizer moments, RNG bytes) in a safetensors file
-beside it; nothing is pickled.
+The trainer state's two files are `decoderlm.trainer_state`'s.
 """
 
 from __future__ import annotations
@@ -29,73 +27,25 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.files import atomic_path, atomic_write, fsync_dir, write_json
 from decoderlm.model.config import ModelConfig
 from decoderlm.model.lm import DecoderLM
+from decoderlm.trainer_state import STATE_FILE, save_trainer_state
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 METRICS_FILE = "metrics.jsonl"  # one JSON object per logged training step
 CHECKPOINTS_DIR = "checkpoints"
-STATE_FILE = "trainer_state.json"
-STATE_TENSORS_FILE = "trainer_state.safetensors"
 _STEP_DIR = re.compile(r"step_(\d+)")
-
-
-class TornStateError(DecoderLMError):
-    """A checkpoint's trainer state cannot be read (a truncated or unreadable file)."""
-
-
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)  # read the process umask (the call sets it; this restores it)
-
-
-@contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; on success fsync it and rename it to `path`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
-    os.chmod(tmp_path, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the usual mode
-    try:
-        yield tmp_path
-        with open(tmp_path, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp_path, path)
-        _fsync_dir(path.parent)
-    finally:
-        tmp_path.unlink(missing_ok=True)
-
-
-def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> None:
-    """Call `write(tmp_path)` and atomically move the result to `path`."""
-    with atomic_path(path) as tmp:
-        write(tmp)
-
-
-def write_json(path: str | Path, data: Any) -> None:
-    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n"))
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def model_state_dict(model: DecoderLM) -> dict[str, torch.Tensor]:
@@ -274,11 +224,11 @@ def save_checkpoint(
         for file in tmp.iterdir():
             with open(file, "rb") as f:
                 os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # the same step saved again (a resumed run re-saving its last step)
             _discard(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     _publish(final / WEIGHTS_FILE, run_dir / WEIGHTS_FILE)
@@ -319,71 +269,3 @@ def _remove_leftovers(root: Path) -> None:
     for p in root.iterdir():
         if p.name.startswith((".tmp-", ".trash-")):
             shutil.rmtree(p, ignore_errors=True)
-
-
-def save_trainer_state(directory: str | Path, state: dict[str, Any]) -> None:
-    """Write `state` as trainer_state.json + trainer_state.safetensors into `directory`.
-
-    Tensors and numpy arrays go to the safetensors file, each under its path in the dict
-    ("optimizer/state/head.weight/exp_avg"); the JSON keeps the structure, with tuples and
-    non-string dict keys marked so that `load_trainer_state` returns the same types.
-    """
-    directory = Path(directory)
-    tensors: dict[str, torch.Tensor] = {}
-    data = _encode(state, "", tensors)
-    save_file(tensors, str(directory / STATE_TENSORS_FILE))
-    (directory / STATE_FILE).write_text(json.dumps(data, indent=1) + "\n")
-
-
-def load_trainer_state(directory: str | Path) -> dict[str, Any]:
-    """The dict saved by `save_trainer_state` (tensors on the CPU), or a one-line error:
-    `TornStateError` when a file cannot be read."""
-    directory = Path(directory)
-    try:
-        data = json.loads((directory / STATE_FILE).read_text())
-        tensors = load_file(str(directory / STATE_TENSORS_FILE))
-    except (OSError, ValueError, SafetensorError) as exc:  # JSONDecodeError is a ValueError
-        raise TornStateError(f"cannot read the trainer state in {directory}: {exc}") from None
-    try:
-        return _decode(data, tensors)
-    except KeyError as exc:
-        raise DecoderLMError(
-            f"the trainer state in {directory} names tensor {exc.args[0]!r}, which "
-            f"{STATE_TENSORS_FILE} lacks"
-        ) from None
-
-
-def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
-    path = path.removeprefix("/")
-    if isinstance(obj, torch.Tensor):
-        tensors[path] = obj.detach().cpu().contiguous().clone()
-        return {"__tensor__": path}
-    if isinstance(obj, np.ndarray):  # e.g. numpy's RNG key (uint32); stored as int64
-        tensors[path] = torch.from_numpy(obj.astype(np.int64))
-        return {"__ndarray__": path, "dtype": str(obj.dtype)}
-    if isinstance(obj, dict):
-        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
-            return {k: _encode(v, f"{path}/{k}", tensors) for k, v in obj.items()}
-        return {"__items__": [[k, _encode(v, f"{path}/{k}", tensors)] for k, v in obj.items()]}
-    if isinstance(obj, tuple | list):
-        items = [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)]
-        return {"__tuple__": items} if isinstance(obj, tuple) else items
-    if isinstance(obj, np.generic):
-        return obj.item()
-    return obj
-
-
-def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(obj, list):
-        return [_decode(v, tensors) for v in obj]
-    if not isinstance(obj, dict):
-        return obj
-    if "__tensor__" in obj:
-        return tensors[obj["__tensor__"]]
-    if "__ndarray__" in obj:
-        return tensors[obj["__ndarray__"]].numpy().astype(obj["dtype"])
-    if "__tuple__" in obj:
-        return tuple(_decode(v, tensors) for v in obj["__tuple__"])
-    if "__items__" in obj:
-        return {k: _decode(v, tensors) for k, v in obj["__items__"]}
-    return {k: _decode(v, tensors) for k, v in obj.items()}

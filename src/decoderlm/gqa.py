@@ -23,6 +23,7 @@ import torch
 
 from decoderlm import checkpoint
 from decoderlm.errors import DecoderLMError
+from decoderlm.files import atomic_write
 from decoderlm.model.config import ModelConfig
 from decoderlm.model.lm import DecoderLM
 
@@ -68,7 +69,7 @@ def convert_run(src_run: str | Path, out_run: str | Path, n_kv_heads: int) -> Pa
     checkpoint.save_model(out_run, to_gqa(model, n_kv_heads))
     tokenizer = src_run / checkpoint.TOKENIZER_FILE
     if tokenizer.is_file():
-        checkpoint.atomic_write(
+        atomic_write(
             out_run / checkpoint.TOKENIZER_FILE, lambda tmp: shutil.copyfile(tokenizer, tmp)
         )
     return out_run

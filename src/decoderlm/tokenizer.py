@@ -24,7 +24,7 @@ import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.paths import require_file
+from decoderlm.files import require_file
 
 # End-of-text / end-of-sequence tokens of common tokenizer.json files, in order of preference:
 # ours and GPT-2's, Llama 3's, Llama 2's and Mistral's, Gemma's, Llama 3's chat turn end.

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from decoderlm import ModelConfig, checkpoint, data
+from decoderlm import ModelConfig, checkpoint, data, trainer_state
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.lm import DecoderLM
 from decoderlm.training.optim import clip_and_step, learning_rate, param_groups
@@ -149,7 +149,7 @@ def test_kill_during_save_keeps_previous_checkpoint_and_resume_is_exact(
     assert any(p.name.startswith(".tmp-step_00000004") for p in (out / "checkpoints").iterdir())
     model = checkpoint.load_model(out)
     assert isinstance(model, DecoderLM)
-    assert checkpoint.load_trainer_state(checkpoint.latest_checkpoint(out))["step"] == 2
+    assert trainer_state.load_trainer_state(checkpoint.latest_checkpoint(out))["step"] == 2
 
     train(None, None, None, out, resume=True, progress=False)
     assert losses(out) == losses(reference_run)
@@ -172,7 +172,7 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_last_checkpoint(
     assert bad_step >= 2  # step 1 starts from the finite initial weights
     # Nothing is saved after the bad step; the previous step's checkpoint is the latest and loads.
     assert checkpoint.latest_checkpoint(out) == last_good
-    assert checkpoint.load_trainer_state(last_good)["step"] == bad_step - 1
+    assert trainer_state.load_trainer_state(last_good)["step"] == bad_step - 1
     checkpoint.load_model(out)
 
 
@@ -202,7 +202,7 @@ def test_compiled_training_saves_plain_parameter_names(
         *load_file(str(ckpt / "model.safetensors")),
         *load_file(str(out / "model.safetensors")),
     ]
-    names += list(load_file(str(ckpt / checkpoint.STATE_TENSORS_FILE)))
+    names += list(load_file(str(ckpt / trainer_state.STATE_TENSORS_FILE)))
     assert names and not [n for n in names if "_orig_mod" in n]
     assert set(load_file(str(out / "model.safetensors"))) == set(
         checkpoint.model_state_dict(DecoderLM(tiny_model(vocab_size=15)))
@@ -298,8 +298,8 @@ def test_trainer_state_round_trips_types_and_tensors(tmp_path: Path) -> None:
         "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
         "best_val_loss": None,
     }
-    checkpoint.save_trainer_state(tmp_path, state)
-    back = checkpoint.load_trainer_state(tmp_path)
+    trainer_state.save_trainer_state(tmp_path, state)
+    back = trainer_state.load_trainer_state(tmp_path)
     assert back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.95)
     assert list(back["optimizer"]["state"]) == [0]  # int keys stay ints
     assert torch.equal(back["optimizer"]["state"][0]["step"], torch.tensor(3.0))
@@ -377,7 +377,7 @@ def test_fp16_on_cpu_is_refused_and_auto_picks_native_bf16() -> None:
 
 @pytest.mark.parametrize("native", [True, False])
 def test_bf16_on_a_cpu_is_taken_only_where_native(monkeypatch, native: bool) -> None:
-    monkeypatch.setattr("decoderlm.training.runtime.cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr("decoderlm.cpu.features.has_native_bf16", lambda: native)
     cpu = torch.device("cpu")
     assert resolve_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
     if native:

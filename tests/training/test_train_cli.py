@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from decoderlm import ModelConfig, checkpoint
+from decoderlm import ModelConfig, checkpoint, trainer_state
 from decoderlm.cli import build_parser, main
 from decoderlm.training.train_config import TrainConfig
 
@@ -279,5 +279,5 @@ def test_ctrl_c_saves_a_checkpoint_at_the_current_step_and_exits_130(
     assert "interrupted after" in out and f"decoderlm train --resume --out {run}" in out
     # The step in flight finished, was logged and saved: nothing trained is lost.
     last_logged = json.loads(metrics.read_text().splitlines()[-1])["step"]
-    state = checkpoint.load_trainer_state(checkpoint.latest_checkpoint(run))
+    state = trainer_state.load_trainer_state(checkpoint.latest_checkpoint(run))
     assert state["step"] == last_logged >= 3

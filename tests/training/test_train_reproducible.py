@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from decoderlm import checkpoint
+from decoderlm import checkpoint, trainer_state
 from decoderlm.cli import main
 from decoderlm.training import optim, trainer
 from decoderlm.training.train_config import TrainConfig
@@ -147,7 +147,7 @@ def test_a_torn_latest_trainer_state_falls_back_to_the_checkpoint_before_it(
     corpus: Path, uninterrupted: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     run = _copy(uninterrupted, tmp_path)
-    state = run / "checkpoints" / "step_00000006" / checkpoint.STATE_FILE
+    state = run / "checkpoints" / "step_00000006" / trainer_state.STATE_FILE
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
     capsys.readouterr()
     assert main([*_argv(corpus, run), "--resume"]) == 0
@@ -163,7 +163,7 @@ def test_a_trainer_state_naming_a_missing_tensor_is_refused_with_one_line(
     corpus: Path, uninterrupted: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     run = _copy(uninterrupted, tmp_path)
-    state = run / "checkpoints" / "step_00000006" / checkpoint.STATE_FILE
+    state = run / "checkpoints" / "step_00000006" / trainer_state.STATE_FILE
     text = state.read_text()
     name = re.search(r'"__tensor__": "(optimizer/state/[^"]+/exp_avg)"', text).group(1)
     state.write_text(text.replace(f'"{name}"', f'"{name}_gone"'))
@@ -180,15 +180,15 @@ def test_an_optimizer_state_of_the_wrong_shape_is_refused_with_one_line(
 ) -> None:
     run = _copy(uninterrupted, tmp_path)
     ckpt = run / "checkpoints" / "step_00000006"
-    tensors = load_file(str(ckpt / checkpoint.STATE_TENSORS_FILE))
+    tensors = load_file(str(ckpt / trainer_state.STATE_TENSORS_FILE))
     name = next(k for k in sorted(tensors) if k.endswith("/exp_avg") and tensors[k].dim() == 2)
     tensors[name] = tensors[name][:, :1].contiguous()  # broadcastable: torch would take it
-    save_file(tensors, str(ckpt / checkpoint.STATE_TENSORS_FILE))
+    save_file(tensors, str(ckpt / trainer_state.STATE_TENSORS_FILE))
     assert main([*_argv(corpus, run), "--resume"]) == 2
     line = _one_line(capsys.readouterr().err)
     assert line.startswith(f"decoderlm: error: optimizer tensor '{name}' in "), line
     assert "does not fit this model" in line
-    assert json.loads((ckpt / checkpoint.STATE_FILE).read_text())["step"] == 6
+    assert json.loads((ckpt / trainer_state.STATE_FILE).read_text())["step"] == 6
 
 
 def test_truncated_checkpoint_weights_are_refused_with_one_line(

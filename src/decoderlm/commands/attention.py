@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.paths import add_overwrite_argument, refuse_overwrite
+from decoderlm.files import add_overwrite_argument, refuse_overwrite
 
 HELP = "draw the attention weights of a prompt (one head, or all heads of a layer) to a PNG"
 

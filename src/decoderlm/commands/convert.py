@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.paths import ANY_ENTRY, add_overwrite_argument, refuse_overwrite
+from decoderlm.files import ANY_ENTRY, add_overwrite_argument, refuse_overwrite
 
 HELP = "convert checkpoints: --from-hf DIR, --to-hf RUN, or --to-gqa G RUN (mean-pooled K/V heads)"
 

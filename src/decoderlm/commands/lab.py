@@ -17,7 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from decoderlm.paths import add_overwrite_argument, refuse_overwrite
+from decoderlm.files import add_overwrite_argument, refuse_overwrite
 
 HELP = "ablation studies (attention variants, positions, scaling, norm placement, GQA up-training)"
 STUDY_NAMES = ("attention-variants", "positions", "scaling", "norm-placement", "uptrain-gqa")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from decoderlm.paths import add_overwrite_argument, refuse_overwrite
+from decoderlm.files import add_overwrite_argument, refuse_overwrite
 
 HELP = "plot the train/val loss curves of runs (metrics.jsonl) to a PNG"
 

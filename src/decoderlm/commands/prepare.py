@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from decoderlm.paths import add_overwrite_argument, refuse_overwrite
+from decoderlm.files import add_overwrite_argument, refuse_overwrite
 
 HELP = "Tokenize text files (default: the Python stdlib) into train.bin, val.bin and meta.json."
 

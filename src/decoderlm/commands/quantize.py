@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from decoderlm.paths import add_overwrite_argument
+from decoderlm.files import add_overwrite_argument
 
 HELP = "quantize a run or Hugging Face checkpoint's weights to int8, int4 or bf16 (a new run directory)"
 

@@ -19,8 +19,8 @@ import typing
 from typing import Any
 
 from decoderlm.errors import ConfigError
+from decoderlm.files import add_overwrite_argument
 from decoderlm.model.config import ModelConfig
-from decoderlm.paths import add_overwrite_argument
 
 HELP = "train a model (no arguments: ~5 minutes on the Python stdlib, the main job)"
 

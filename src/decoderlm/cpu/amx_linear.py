@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from decoderlm.cpu import native
+from decoderlm.cpu import features, native
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("amx_linear.c")
@@ -37,7 +37,7 @@ OUTPUTS_PER_BLOCK = 16
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if not CPU_FLAGS.issubset(native.cpu_flags()):
+    if not CPU_FLAGS.issubset(features.cpu_flags()):
         return None
     library = native.load([SOURCE], "bfloat16 linears stay on oneDNN", ctypes.CDLL)
     if library is None:

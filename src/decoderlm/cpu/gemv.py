@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from decoderlm.cpu import native
+from decoderlm.cpu import features, native
 
 SOURCES = [Path(__file__).with_name("gemv.c"), Path(__file__).with_name("gemv_ops.cpp")]
 # (activation dtype, weight dtype) pairs with a kernel, and the CPU flags each needs.
@@ -49,7 +49,7 @@ _OPS.define("gemv_int8(Tensor x, Tensor weight_q, Tensor scale) -> Tensor")
 @functools.cache
 def _built() -> bool:
     """Whether the ops' CPU kernels are loaded (built first where the cache lacks them)."""
-    if "avx512f" not in native.cpu_flags():
+    if "avx512f" not in features.cpu_flags():
         return False
     fallback = "one-row linear layers run on PyTorch's kernels"
     return native.load_ops(SOURCES, fallback)
@@ -59,7 +59,7 @@ def _built() -> bool:
 def available(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
     """Whether a kernel for activations of x_dtype and weights of weight_dtype runs on this CPU."""
     needs = KERNELS.get((x_dtype, weight_dtype))
-    return needs is not None and needs <= native.cpu_flags() and _built()
+    return needs is not None and needs <= features.cpu_flags() and _built()
 
 
 def handles(x: Tensor, weight: Tensor) -> bool:

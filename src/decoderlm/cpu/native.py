@@ -24,6 +24,8 @@ from typing import TypeVar
 
 import torch
 
+from decoderlm.cpu import features
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 # Compiled with -ffast-math (vectorised expf and reductions) but linked without it: gcc < 13 links
@@ -32,21 +34,6 @@ T = TypeVar("T")
 COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
 CXX_COMPILE = ["-O2", "-march=native", "-std=c++17", "-fPIC", "-c"]
 LINK = ["-shared", "-fopenmp"]
-
-
-def cpu_identity() -> str:
-    """The CPU's model name and flags lines (what -march=native compiles for)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
-
-
-def cpu_flags() -> set[str]:
-    """The instruction-set extensions /proc/cpuinfo lists (empty where it cannot be read)."""
-    flags = [line for line in cpu_identity().splitlines() if line.startswith("flags")]
-    return {flag for line in flags for flag in line.split(":", 1)[-1].split()}
 
 
 def _torch_dirs() -> tuple[str, str]:
@@ -69,7 +56,7 @@ def library_path(sources: Sequence[Path]) -> Path:
     """Where the build of `sources` (named after the first), with these flags, for this CPU and
     this torch, lives in the cache."""
     parts = [s.read_bytes() for s in sources]
-    parts += [" ".join(COMPILE + CXX_COMPILE + LINK).encode(), cpu_identity().encode()]
+    parts += [" ".join(COMPILE + CXX_COMPILE + LINK).encode(), features.cpu_identity().encode()]
     parts += [torch.__version__.encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     root = Path(os.environ.get("DECODERLM_CACHE", Path.home() / ".cache" / "decoderlm"))

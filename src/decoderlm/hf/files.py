@@ -19,6 +19,7 @@ from torch import Tensor
 
 from decoderlm import checkpoint
 from decoderlm.errors import DecoderLMError
+from decoderlm.files import atomic_write, write_json
 from decoderlm.hf.config import config_from_hf, config_to_hf
 from decoderlm.hf.weights import state_dict_from_hf, state_dict_to_hf
 from decoderlm.model.lm import DecoderLM
@@ -180,7 +181,7 @@ def export_hf(source: str | Path | DecoderLM, out_dir: str | Path) -> Path:
     eot = _eot_token(tokenizer_file)
     hf_config, state = to_hf(model, eos_token_id=eot[1] if eot else None)
     out_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint.atomic_write(
+    atomic_write(
         out_dir / SAFETENSORS, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"})
     )
     if tokenizer_file is not None and tokenizer_file.is_file():
@@ -191,8 +192,8 @@ def export_hf(source: str | Path | DecoderLM, out_dir: str | Path) -> Path:
         }
         if eot:
             tok_config["eos_token"] = tok_config["bos_token"] = eot[0]
-        checkpoint.write_json(out_dir / TOKENIZER_CONFIG, tok_config)
-    checkpoint.write_json(out_dir / "config.json", hf_config)
+        write_json(out_dir / TOKENIZER_CONFIG, tok_config)
+    write_json(out_dir / "config.json", hf_config)
     return out_dir
 
 
@@ -210,4 +211,4 @@ def _eot_token(tokenizer_file: Path | None) -> tuple[str, int] | None:
 
 def _copy_file(src: Path, dst: Path) -> None:
     if src.is_file():
-        checkpoint.atomic_write(dst, lambda tmp: shutil.copyfile(src, tmp))
+        atomic_write(dst, lambda tmp: shutil.copyfile(src, tmp))

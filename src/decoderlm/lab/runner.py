@@ -29,13 +29,14 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from decoderlm import checkpoint, data, gqa
+from decoderlm.cpu.features import cpu_name
 from decoderlm.errors import DecoderLMError, NonFiniteLossError
+from decoderlm.files import write_json
 from decoderlm.inference.evaluate import bits_per_byte, evaluate_tokens
 from decoderlm.lab import measure
 from decoderlm.lab.spec import StudySpec, Variant, count_params
 from decoderlm.lab.stats import summarise
 from decoderlm.model.cache import kv_cache_bytes_per_token
-from decoderlm.training.runtime import cpu_name
 from decoderlm.training.trainer import train
 
 RESULTS_FILE = "results.json"
@@ -83,10 +84,10 @@ def run_study(
             ):  # finished before the study asked for attention
                 model = checkpoint.load_model(run_dir)
                 result["attention_entropy"] = measure.attention_entropy(model, val)
-                checkpoint.write_json(run_dir / RUN_RESULT_FILE, result)
+                write_json(run_dir / RUN_RESULT_FILE, result)
             if result is None:
                 result = _json_safe(_run(spec, variant, seed, run_dir, out, data_dir, meta, val))
-                checkpoint.write_json(run_dir / RUN_RESULT_FILE, result)
+                write_json(run_dir / RUN_RESULT_FILE, result)
             runs.append(result)
             bar.update(weight)
     init_stats = None
@@ -109,7 +110,7 @@ def run_study(
         "wall_s": time.perf_counter() - start,  # this invocation
         "runs_wall_s": sum(r["wall_s"] for r in runs),  # all runs, across resumed invocations
     }
-    checkpoint.write_json(out / RESULTS_FILE, _json_safe(results))
+    write_json(out / RESULTS_FILE, _json_safe(results))
     return results
 
 

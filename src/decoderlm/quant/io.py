@@ -20,6 +20,7 @@ import torch
 
 from decoderlm import checkpoint
 from decoderlm.errors import DecoderLMError
+from decoderlm.files import atomic_write, write_json
 from decoderlm.model.config import ModelConfig
 from decoderlm.model.lm import DecoderLM
 from decoderlm.quant.apply import check_settings, quantization_of, swap_empty
@@ -51,11 +52,11 @@ def save_quantized(
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint.save_weights(run_dir / checkpoint.WEIGHTS_FILE, model)
     if tokenizer_file is not None:
-        checkpoint.atomic_write(
+        atomic_write(
             run_dir / checkpoint.TOKENIZER_FILE, lambda tmp: shutil.copyfile(tokenizer_file, tmp)
         )
     config = {"model": model.config.to_dict(), QUANTIZATION_KEY: quantization}
-    checkpoint.write_json(run_dir / checkpoint.CONFIG_FILE, config)
+    write_json(run_dir / checkpoint.CONFIG_FILE, config)
     return run_dir
 
 

@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from decoderlm import checkpoint
+from decoderlm.files import atomic_write
 from decoderlm.training.run import Run
 
 
@@ -167,9 +168,7 @@ class MetricsLog:
             kept = [
                 line for line in path.read_text().splitlines() if _line_step(line) <= resume_step
             ]
-        checkpoint.atomic_write(
-            path, lambda tmp: tmp.write_text("".join(f"{line}\n" for line in kept))
-        )
+        atomic_write(path, lambda tmp: tmp.write_text("".join(f"{line}\n" for line in kept)))
         self.file = open(path, "a")  # noqa: SIM115  (kept open for the run, closed in close())
         try:
             from torch.utils.tensorboard import SummaryWriter

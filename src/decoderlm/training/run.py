@@ -32,10 +32,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from decoderlm import checkpoint, data
+from decoderlm import checkpoint, data, trainer_state
 from decoderlm.errors import DecoderLMError
+from decoderlm.files import refuse_overwrite
 from decoderlm.model.config import ModelConfig
-from decoderlm.paths import refuse_overwrite
 from decoderlm.training import distributed
 from decoderlm.training.train_config import TrainConfig
 
@@ -182,8 +182,8 @@ def _readable_checkpoint(checkpoints: list[Path]) -> tuple[Path, dict[str, Any]]
     torn state falls back to the checkpoint before it, saying so."""
     *older, newest = checkpoints
     try:
-        return newest, checkpoint.load_trainer_state(newest)
-    except checkpoint.TornStateError as exc:
+        return newest, trainer_state.load_trainer_state(newest)
+    except trainer_state.TornStateError as exc:
         if not older:
             raise
         _say(f"warning: {exc}; resuming from the checkpoint before it, {older[-1].name}")

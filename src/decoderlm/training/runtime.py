@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import platform
 import random
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from decoderlm.cpu import features
 from decoderlm.dtypes import parse_dtype
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.config import ModelConfig
@@ -30,31 +30,13 @@ TRAINING_BYTES_PER_PARAMETER = 16  # float32 weights, gradients and AdamW's two 
 # ---- precision ----------------------------------------------------------------------------------
 
 
-def cpu_name() -> str:
-    """The CPU's model name (Linux /proc/cpuinfo), else what `platform` knows: printed beside
-    every speed figure, since the machine's CPU changes from one session to the next."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU has bf16 matmul instructions (AVX512-BF16 or AMX), used by oneDNN."""
-    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return bool(probe is not None and probe())
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """The autocast dtype for `name` on `device` ("auto": bf16 where it is fast, else fp32); fp16
     only on CUDA and bf16 on a CPU only where native, the others having no fast kernels."""
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        if device.type == "cpu" and cpu_has_native_bf16():
+        if device.type == "cpu" and features.has_native_bf16():
             return torch.bfloat16
         return torch.float32
     dtype = parse_dtype(name)
@@ -63,7 +45,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
             f"dtype={name!r} needs a CUDA device (this run is on {device.type}, where fp16 has no "
             "fast kernels): use bf16 or fp32"
         )
-    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16():
+    if dtype == torch.bfloat16 and device.type == "cpu" and not features.has_native_bf16():
         raise DecoderLMError(  # without the instructions oneDNN emulates bf16 matmuls
             f"dtype={name!r} needs a CPU with native bf16 (AVX512-BF16 or AMX); on this one a bf16 "
             "matmul is hundreds of times slower than fp32: use fp32 or auto"

@@ -14,8 +14,8 @@ from typing import Any
 
 from decoderlm import dtypes
 from decoderlm.errors import ConfigError, DecoderLMError
+from decoderlm.files import require_file
 from decoderlm.model.config import dataclass_from_dict
-from decoderlm.paths import require_file
 from decoderlm.training import distributed
 
 DTYPES = ("auto", *dtypes.DTYPES)  # auto: bf16 where native, else fp32 (`runtime.resolve_dtype`)

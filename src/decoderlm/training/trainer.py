@@ -31,6 +31,7 @@ import torch
 from decoderlm import checkpoint, data
 from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.errors import DecoderLMError, NonFiniteLossError
+from decoderlm.files import atomic_write, write_json
 from decoderlm.inference.evaluate import bits_per_byte
 from decoderlm.inference.generate import generate
 from decoderlm.model.config import ModelConfig
@@ -228,9 +229,9 @@ class Trainer:
     def _write_run_files(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         config = {"model": self.model_config.to_dict(), "train": self.cfg.to_dict()}
-        checkpoint.write_json(self.out / checkpoint.CONFIG_FILE, config)
+        write_json(self.out / checkpoint.CONFIG_FILE, config)
         tokenizer_file = self.data_dir / checkpoint.TOKENIZER_FILE
-        checkpoint.atomic_write(
+        atomic_write(
             self.out / checkpoint.TOKENIZER_FILE, lambda tmp: shutil.copyfile(tokenizer_file, tmp)
         )
 

@@ -1,20 +1,10 @@
-"""Corpora as token files (nanoGPT's `prepare.py` format), and batches of windows drawn from them.
-
-A data directory holds
-
-    DIR/train.bin, DIR/val.bin  token ids, flat little-endian uint16 (uint32 when vocab_size > 65536)
-    DIR/tokenizer.json          the tokenizer that made them (Hugging Face format)
-    DIR/meta.json               vocab_size, dtype, eot_id, tokens and UTF-8 bytes of text per split,
-                                n_documents, and what it was made from
+"""Text files into a data directory (`decoderlm.data.format`): `prepare`, the default corpus.
 
 `prepare` makes one from text files: each file is a document, followed by the end-of-text token;
 files are read in sorted-path order; the tokenizer (BPE or char) is trained on the whole corpus. The
 val split is the last `val_fraction` of the corpus by characters (nanoGPT-style split by position;
 the document at the cut is cut in two), so a single file such as Tiny Shakespeare splits too, and
 train_bytes/val_bytes are exact. With no inputs the corpus is the Python standard library's source.
-
-`BatchSampler` draws (x, y) windows from a split, y = x shifted by one token, from a counter-based
-seeded stream: batch k depends only on (seed, k), so its whole state is a step counter.
 """
 
 from __future__ import annotations
@@ -31,31 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from tqdm.auto import tqdm
 
-from decoderlm.checkpoint import TOKENIZER_FILE, atomic_path, atomic_write, write_json
+from decoderlm.checkpoint import TOKENIZER_FILE
+from decoderlm.data.format import DATA_FORMAT, DTYPES, META_FILE, SPLITS, load_split
 from decoderlm.errors import DecoderLMError
-from decoderlm.paths import require_file
+from decoderlm.files import atomic_path, atomic_write, require_file, write_json
 from decoderlm.tokenizer import Tokenizer
-
-META_FILE = "meta.json"
-SPLITS = ("train", "val")
-# What `prepare` writes.
-DATA_FILES = (*(f"{split}.bin" for split in SPLITS), TOKENIZER_FILE, META_FILE)
-DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}  # little-endian on every machine
-META_KEYS = (
-    "vocab_size",
-    "dtype",
-    "tokenizer",
-    "eot_id",
-    "train_tokens",
-    "val_tokens",
-    "train_bytes",
-    "val_bytes",
-    "n_documents",
-)
-DATA_FORMAT = 1  # bump when the files' meaning changes: it is part of the default corpus' cache key
 
 # What a directory input picks up unless `include` says otherwise: text and source code.
 _TEXT_EXTENSIONS = (
@@ -70,62 +42,6 @@ SKIP_DIRS = frozenset({"__pycache__", "node_modules", "site-packages", "dist-pac
 STDLIB_SKIP_DIRS = SKIP_DIRS | {"test", "tests", "idle_test", "encodings"}
 STDLIB_INCLUDE = ("*.py",)
 ENCODE_CHUNK = 64  # documents per encode_batch call: parallel in Rust, bounded memory
-
-
-def read_text_file(path: str | Path) -> str:
-    """The contents of a UTF-8 text file, with a one-line error if it is missing, not a regular
-    file or not UTF-8."""
-    path = require_file(path)
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise DecoderLMError(f"{path} is not UTF-8 text: {exc}") from None
-
-
-def read_meta(data_dir: str | Path) -> dict[str, Any]:
-    """meta.json of a prepared data directory, checked for the keys every reader relies on."""
-    data_dir = Path(data_dir)
-    path = data_dir / META_FILE
-    if not data_dir.is_dir():
-        raise DecoderLMError(f"no such data directory: {data_dir}")
-    if not path.is_file():
-        raise DecoderLMError(
-            f"{data_dir} is not a prepared data directory: {META_FILE} is missing "
-            f"(run `decoderlm prepare --out {data_dir}`)"
-        )
-    try:
-        meta = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DecoderLMError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(meta, dict):
-        raise DecoderLMError(f"{path} is not a JSON object")
-    missing = [k for k in META_KEYS if k not in meta]
-    if missing:
-        raise DecoderLMError(f"{path} lacks {', '.join(missing)}: prepare the data again")
-    if meta["dtype"] not in DTYPES:
-        raise DecoderLMError(f"{path}: dtype {meta['dtype']!r} is not one of {sorted(DTYPES)}")
-    return meta
-
-
-def load_split(data_dir: str | Path, split: str) -> np.ndarray:
-    """The token ids of `split` ("train" or "val") as a read-only 1-D memmap."""
-    if split not in SPLITS:
-        raise DecoderLMError(f"split={split!r} must be one of {SPLITS}")
-    meta = read_meta(data_dir)
-    path = Path(data_dir) / f"{split}.bin"
-    dtype = DTYPES[meta["dtype"]]
-    n_tokens = meta[f"{split}_tokens"]
-    if not path.is_file():
-        raise DecoderLMError(f"{path} is missing: prepare the data again")
-    size = path.stat().st_size
-    if size != n_tokens * dtype.itemsize:
-        raise DecoderLMError(
-            f"{path} has {size} bytes but meta.json says {n_tokens} {meta['dtype']} tokens "
-            f"({n_tokens * dtype.itemsize} bytes): prepare the data again"
-        )
-    if n_tokens == 0:  # mmap cannot map an empty file
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r")
 
 
 def prepare(
@@ -422,149 +338,3 @@ def _is_complete(data_dir: Path) -> bool:
     except DecoderLMError:
         return False
     return (data_dir / TOKENIZER_FILE).is_file()
-
-
-CHUNK_TOKENS = 1 << 18  # tokens a BatchSampler draws at once, at most
-
-
-class BatchSampler:
-    """Random (x, y) windows of `context_length` tokens from a 1-D token array.
-
-    Batches are drawn `chunk` at a time (one generator, one gather, up to 64 batches and 2¹⁸
-    tokens): chunk c from `numpy.random.Generator(PCG64(SeedSequence([seed, mode, c])))`. Batch k
-    is row k mod chunk of chunk k // chunk, so the state is just k (`step`) and a resumed sampler
-    continues the same stream exactly. (Drawn one at a time, the numpy calls of each batch run on
-    caches a training step has just cooled, a measurable share of a small model's step.)
-
-    - With replacement (default): window starts uniform in [0, len(tokens) - context_length).
-    - `without_replacement`: the non-overlapping windows starting at multiples of context_length,
-      in a seeded permutation per epoch; the stream of windows is the concatenation of the epochs'
-      permutations, so every window is used once per epoch and a batch may straddle two epochs.
-
-    Distributed: every rank draws the same global batch of world_size·batch_size windows and
-    returns rows [rank·batch_size, (rank+1)·batch_size), so one process with
-    batch_size·world_size sees exactly the union of the ranks' batches.
-    """
-
-    def __init__(
-        self,
-        tokens: np.ndarray,
-        batch_size: int,
-        context_length: int,
-        seed: int = 0,
-        without_replacement: bool = False,
-        rank: int = 0,
-        world_size: int = 1,
-    ) -> None:
-        for name, value in (
-            ("batch_size", batch_size),
-            ("context_length", context_length),
-            ("world_size", world_size),
-        ):
-            if not isinstance(value, int) or value < 1:
-                raise DecoderLMError(f"{name}={value!r} must be a positive integer")
-        if not isinstance(seed, int) or seed < 0:
-            raise DecoderLMError(f"seed={seed!r} must be a non-negative integer")
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise DecoderLMError(f"rank={rank!r} must be in [0, world_size={world_size})")
-        if tokens.ndim != 1:
-            raise DecoderLMError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
-        check_context_length(tokens, context_length)
-        self.tokens = tokens
-        self.batch_size = batch_size
-        self.context_length = context_length
-        self.seed = seed
-        self.without_replacement = without_replacement
-        self.rank = rank
-        self.world_size = world_size
-        self.step = 0  # global batches drawn so far
-        self.global_batch = batch_size * world_size
-        self.n_starts = len(tokens) - context_length  # possible starts of a window of T+1 tokens
-        self.n_blocks = (len(tokens) - 1) // context_length  # non-overlapping windows
-        self._perm_epoch = -1
-        self._perm = np.zeros(0, dtype=np.int64)
-        self.chunk = max(1, min(64, CHUNK_TOKENS // (self.global_batch * (context_length + 1))))
-        self._chunk_id = -1
-        self._x = self._y = torch.zeros(0, dtype=torch.int64)
-
-    @property
-    def epoch(self) -> int:
-        """Passes over the data so far, counted in non-overlapping windows."""
-        return self.step * self.global_batch // self.n_blocks
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (x, y), int64 tensors of shape (batch_size, context_length)."""
-        chunk_id, row = divmod(self.step, self.chunk)
-        if chunk_id != self._chunk_id:
-            self._x, self._y = self._draw_chunk(chunk_id)
-            self._chunk_id = chunk_id
-        self.step += 1
-        return self._x[row], self._y[row]
-
-    def _draw_chunk(self, chunk_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's windows of batches chunk_id·chunk … (chunk_id + 1)·chunk − 1: x, y (chunk, B, T)."""
-        n = self.chunk * self.global_batch
-        if self.without_replacement:  # positions in the stream of all epochs' windows
-            starts = self._block_ids(chunk_id * n, n) * self.context_length
-        else:
-            starts = self._rng(0, chunk_id).integers(0, self.n_starts, size=n)
-        starts = starts.reshape(self.chunk, self.world_size, self.batch_size)[:, self.rank]
-        index = starts[..., None] + np.arange(self.context_length + 1)  # (chunk, B, T+1)
-        window = torch.from_numpy(self.tokens[index].astype(np.int64))  # (chunk, B, T+1)
-        return window[..., :-1].contiguous(), window[..., 1:].contiguous()  # y_t = x_{t+1}
-
-    def state_dict(self) -> dict[str, Any]:
-        """Small and JSON-serialisable: the position in the stream plus what it depends on."""
-        return {
-            "step": self.step,
-            "epoch": self.epoch,
-            "seed": self.seed,
-            "global_batch": self.global_batch,
-            "context_length": self.context_length,
-            "n_tokens": len(self.tokens),
-            "without_replacement": self.without_replacement,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the stream of `state`; the data and the global batch geometry must match."""
-        mine = self.state_dict()
-        for key in ("global_batch", "context_length", "n_tokens", "without_replacement"):
-            if key not in state:
-                raise DecoderLMError(f"sampler state lacks {key!r}")
-            if state[key] != mine[key]:
-                raise DecoderLMError(
-                    f"cannot resume the data stream: it was saved with {key}={state[key]!r}, "
-                    f"this run has {key}={mine[key]!r}"
-                )
-        self.seed = int(state["seed"])
-        self.step = int(state["step"])
-        self._chunk_id = -1  # drawn for the old seed
-
-    def _rng(self, mode: int, counter: int) -> np.random.Generator:
-        return np.random.Generator(
-            np.random.PCG64(np.random.SeedSequence([self.seed, mode, counter]))
-        )
-
-    def _block_ids(self, position: int, count: int) -> np.ndarray:
-        """Ids of the windows at [position, position + count) of the concatenated epochs."""
-        parts = []
-        while count > 0:
-            epoch, offset = divmod(position, self.n_blocks)
-            if epoch != self._perm_epoch:  # one permutation cached: batches walk forward
-                self._perm = self._rng(1, epoch).permutation(self.n_blocks)
-                self._perm_epoch = epoch
-            take = min(count, self.n_blocks - offset)
-            parts.append(self._perm[offset : offset + take])
-            position += take
-            count -= take
-        return np.concatenate(parts)
-
-
-def check_context_length(tokens: np.ndarray, context_length: int) -> None:
-    """Raise a one-line error if `tokens` cannot hold one window of context_length + 1 tokens."""
-    if len(tokens) < context_length + 1:
-        name = getattr(tokens, "filename", None) or "the token array"
-        raise DecoderLMError(
-            f"{name} has {len(tokens)} tokens, fewer than context_length + 1 = "
-            f"{context_length + 1}: use a shorter context or more data"
-        )

@@ -1,5 +1,8 @@
-"""The paths commands are given: input files that must be regular files, and outputs that must not
-be written over.
+"""Files written safely and read carefully: atomic writes, never over what a command did not
+create, inputs that must be regular files.
+
+Every file is written to a temporary name in the same directory, fsync'ed and renamed over the old
+one, so a process killed mid-write leaves the previous file intact.
 
 Every command with `--out` calls `refuse_overwrite` before it writes anything: no command writes
 over a file it did not create in the same invocation unless told to (`--overwrite`, or `--resume`
@@ -9,10 +12,62 @@ where a command continues what is there).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from decoderlm.errors import DecoderLMError
+
+# ---- atomic writes --------------------------------------------------------------------------
+
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # read the process umask (the call sets it; this restores it)
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; on success fsync it and rename it to `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    os.chmod(tmp_path, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the usual mode
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp_path, path)
+        fsync_dir(path.parent)
+    finally:
+        tmp_path.unlink(missing_ok=True)
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> None:
+    """Call `write(tmp_path)` and atomically move the result to `path`."""
+    with atomic_path(path) as tmp:
+        write(tmp)
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    """Write `data` as indented JSON to `path`, atomically."""
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n"))
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or a new entry in `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- outputs and inputs ---------------------------------------------------------------------
 
 OVERWRITE_FLAG = "--overwrite"
 ANY_ENTRY = ("*",)  # `inside` for an output directory that must be new or empty
