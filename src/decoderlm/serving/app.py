@@ -249,6 +249,7 @@ class _ChatFormat(_Format):
 
 async def _respond(
     request_id: str,
+    created: int,
     served: Served,
     streams: list[_Stream],
     fmt: _Format,
@@ -259,12 +260,11 @@ async def _respond(
     n_choices = sum(s.params.n for s in streams)
 
     def envelope(obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        created, model = served.created, served.model_name
         return {
             "id": request_id,
             "object": obj,
             "created": created,
-            "model": model,
+            "model": served.model_name,
             "choices": choices,
         }
 
@@ -344,6 +344,7 @@ def _prompts(served: Served, prompt: protocol.Prompt) -> list[list[int]]:
 
 
 async def _completions(state: ServerState, body: CompletionRequest) -> Response:
+    created = int(time.time())
     served = state.ready()
     check_model(served, body.model)
     include_usage = _check_stream_options(body)
@@ -360,10 +361,11 @@ async def _completions(state: ServerState, body: CompletionRequest) -> Response:
         scored = [served.engine.score(ids, body.logprobs) for ids in prompts]
         prompt_events = [await asyncio.wrap_future(f) for f in scored for _ in range(body.n)]
     fmt = _CompletionFormat(served, echoes, body.logprobs is not None, prompt_events)
-    return await _respond(request_id, served, streams, fmt, body.stream, include_usage)
+    return await _respond(request_id, created, served, streams, fmt, body.stream, include_usage)
 
 
 async def _chat(state: ServerState, body: ChatRequest) -> Response:
+    created = int(time.time())
     served = state.ready()
     check_model(served, body.model)
     include_usage = _check_stream_options(body)
@@ -377,7 +379,7 @@ async def _chat(state: ServerState, body: ChatRequest) -> Response:
     params = protocol.to_params(body, max_tokens, logprobs, served.chat_template.stop)
     streams = [_Stream(state, request_id, ids, params, 0)]
     fmt = _ChatFormat(served, body.n, logprobs is not None)
-    return await _respond(request_id, served, streams, fmt, body.stream, include_usage)
+    return await _respond(request_id, created, served, streams, fmt, body.stream, include_usage)
 
 
 def _log_ignored(body: protocol.Generation, path: str) -> None:
