@@ -8,10 +8,12 @@ not a broken stream. Streams are server-sent events, `data: {json}\\n\\n` ending
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad field
 or a prompt that leaves no room in the context, 404 for an unknown model, 429 for a full queue, 503
-while the model loads or the server drains. `max_tokens` beyond the context is cut to fit
-(finish_reason "length"); the i-th of n choices uses seed + i. `create_app` mounts this module's
-router and the playground's (serving/playground.py: /, /static, /v1/model_card,
-/v1/engine_stats, /v1/attention); what both use is in serving/http.py.
+while the model loads or the server drains; 401 without the API key and 421 for a foreign Host
+(serving/security.py, a middleware that answers before any route). `max_tokens` beyond the
+context is cut to fit (finish_reason "length"); the i-th of n choices uses seed + i. `create_app`
+mounts this module's router and the playground's (serving/playground.py: /, /static,
+/v1/model_card, /v1/engine_stats, /v1/attention); what both use is in serving/http.py. Its
+OpenAPI document (/openapi.json) declares these answers.
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.serving import playground, protocol
 from decoderlm.serving.http import (
+    ERRORS,
     APIError,
     Served,
     ServerState,
@@ -40,6 +45,8 @@ from decoderlm.serving.http import (
     chat_prompt,
     check_model,
     encode,
+    error_response,
+    errors,
     request_text,
 )
 from decoderlm.serving.protocol import (
@@ -48,6 +55,7 @@ from decoderlm.serving.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from decoderlm.serving.security import Guard, Policy
 from decoderlm.serving.types import EngineStoppedError, QueueFullError, RequestParams, TokenEvent
 
 log = logging.getLogger("decoderlm.serve")
@@ -414,16 +422,31 @@ async def _on_error(request: Request, exc: Exception) -> JSONResponse:
         return APIError(503, str(exc), "service_unavailable").response()
     if isinstance(exc, DecoderLMError):
         return APIError(400, str(exc)).response()
-    if isinstance(exc, HTTPException):
-        return APIError(exc.status_code, str(exc.detail), "invalid_request_error").response()
+    if isinstance(exc, HTTPException):  # 404, or 405 with its Allow header
+        return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
     log.exception("decoderlm serve: internal error")
     return APIError(500, f"internal error: {type(exc).__name__}", "server_error").response()
 
 
 router = APIRouter()
+# The OpenAPI responses of the routes beyond FastAPI's own (`_openapi` turns its 422 into a 400)
+HEALTH_503 = {
+    "description": "not ready: loading, failed, stopped or shutting down",
+    "content": {"application/json": {"schema": {"type": "object", "required": ["status"]}}},
+}
+METRICS_200 = {
+    "description": "Prometheus' text format",
+    "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
+}
+GENERATION = errors(404, 429, 503) | {
+    200: {
+        "description": "the completion, or with stream=true its chunks as server-sent events",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
 
 
-@router.get("/health")
+@router.get("/health", responses={503: HEALTH_503})
 async def health(state: State) -> JSONResponse:
     try:
         state.ready()
@@ -432,13 +455,13 @@ async def health(state: State) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, responses={200: METRICS_200})
 async def metrics(state: State) -> Response:
     content, media_type = state.metrics.render()
     return Response(content, media_type=media_type)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=errors(503))
 async def models(state: State) -> dict[str, Any]:
     served = state.ready()
     model = {
@@ -451,19 +474,19 @@ async def models(state: State) -> dict[str, Any]:
     return {"object": "list", "data": [model]}
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=GENERATION)
 async def completions(state: State, body: CompletionRequest) -> Response:
     _log_ignored(body, "/v1/completions")
     return await _completions(state, body)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=GENERATION)
 async def chat_completions(state: State, body: ChatRequest) -> Response:
     _log_ignored(body, "/v1/chat/completions")
     return await _chat(state, body)
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=errors(404, 503))
 async def tokenize(state: State, body: TokenizeRequest) -> dict[str, Any]:
     served = state.ready()
     check_model(served, body.model)
@@ -474,7 +497,7 @@ async def tokenize(state: State, body: TokenizeRequest) -> dict[str, Any]:
     return {"tokens": tokens, "count": len(tokens), "max_model_len": served.context_length}
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses=errors(404, 503))
 async def detokenize(state: State, body: DetokenizeRequest) -> dict[str, str]:
     served = state.ready()
     check_model(served, body.model)
@@ -488,12 +511,35 @@ async def detokenize(state: State, body: DetokenizeRequest) -> dict[str, str]:
     return {"prompt": served.tokenizer.decode(body.tokens)}
 
 
+def _openapi(app: FastAPI, policy: Policy) -> dict[str, Any]:
+    """FastAPI's OpenAPI document, saying what the server answers: a bad body is a 400 (FastAPI
+    says 422) and the policy adds its 401 and 421."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operations in schema["paths"].values():
+            for operation in operations.values():
+                if operation["responses"].pop("422", None) is not None:
+                    operation["responses"]["400"] = error_response(ERRORS[400])
+        components = schema.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        policy.document(schema)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 def create_app(
     load: Callable[[], Served],
     on_load_error: Callable[[BaseException], None] | None = None,
     grace_s: float = 30.0,
+    policy: Policy | None = None,
 ) -> FastAPI:
-    """The app; `load()` runs in a thread at startup (GET /health is 503 until it returns)."""
+    """The app; `load()` runs in a thread at startup (GET /health is 503 until it returns).
+
+    `policy` says which hosts it answers to and its API key (serving/security.py); without it,
+    loopback names only and no key. The OpenAPI document is at /openapi.json; there is no /docs or
+    /redoc, whose pages load their scripts from a CDN (blank offline).
+    """
     state = ServerState(load, on_load_error)
 
     @asynccontextmanager
@@ -505,7 +551,10 @@ def create_app(
         if state.served is not None:
             await asyncio.to_thread(state.served.engine.shutdown, grace_s)
 
-    app = FastAPI(title="decoderlm", version="1", lifespan=lifespan)
+    app = FastAPI(title="decoderlm", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
+    policy = policy or Policy()
+    app.add_middleware(Guard, policy=policy)
+    app.openapi = lambda: _openapi(app, policy)
     app.state.server = state
     app.add_exception_handler(Exception, _on_error)
     for exc_class in (APIError, RequestValidationError, DecoderLMError, HTTPException):

@@ -29,7 +29,15 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.inference.attention_maps import attention_maps, check_index
 from decoderlm.model.config import ModelConfig
 from decoderlm.model.kv_cache import attention_kind, kv_cache_table
-from decoderlm.serving.http import APIError, Served, State, check_model, encode, request_text
+from decoderlm.serving.http import (
+    APIError,
+    Served,
+    State,
+    check_model,
+    encode,
+    errors,
+    request_text,
+)
 from decoderlm.serving.protocol import TokenizeRequest
 
 STATIC = Path(__file__).parent / "static"
@@ -134,17 +142,17 @@ async def index() -> FileResponse:
     return FileResponse(STATIC / "index.html")
 
 
-@router.get("/v1/model_card")
+@router.get("/v1/model_card", responses=errors(503))
 async def get_model_card(state: State) -> dict[str, Any]:
     return await model_card(state.ready())
 
 
-@router.get("/v1/engine_stats")
+@router.get("/v1/engine_stats", responses=errors(503))
 async def engine_stats(state: State) -> dict[str, Any]:
     return dataclasses.asdict(state.ready().engine.stats())
 
 
-@router.post("/v1/attention")
+@router.post("/v1/attention", responses=errors(404, 503))
 async def post_attention(state: State, body: AttentionRequest) -> dict[str, Any]:
     served = state.ready()
     check_model(served, body.model)
