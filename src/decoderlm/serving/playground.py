@@ -1,5 +1,7 @@
 """The playground's router: a web page at `/` (plain HTML, CSS, JS in serving/static, no build
-step, no network) and the three JSON endpoints it reads besides the OpenAI ones.
+step, no network) and the three JSON endpoints it reads besides the OpenAI ones. The page is open
+and holds no secret; on a server with an API key it asks for the key and sends it as a Bearer
+header on each of its requests.
 
 - GET /v1/model_card: the model's shape (MHA/GQA/MQA, head_dim, positions, context) and what its
   KV cache costs per token and at 4k/32k/128k tokens, beside its MHA and MQA twins
