@@ -428,25 +428,49 @@ async def _on_error(request: Request, exc: Exception) -> JSONResponse:
     return APIError(500, f"internal error: {type(exc).__name__}", "server_error").response()
 
 
+# The routes' `responses=`: what they answer, in the OpenAPI document (`_openapi` adds the 400
+# of a bad body, which FastAPI would call 422)
+def _json(description: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _object(**properties: dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema of an object that has (at least) these properties."""
+    return {"type": "object", "required": list(properties), "properties": properties}
+
+
+_INT, _STR = {"type": "integer"}, {"type": "string"}
+_HEALTH = _object(status=_STR)
+_MODELS = _object(
+    object={"const": "list"},
+    data={"type": "array", "items": _object(id=_STR, created=_INT, max_model_len=_INT)},
+)
+_TOKENS = _object(tokens={"type": "array", "items": _INT}, count=_INT, max_model_len=_INT)
+
+
+def _completion(obj: str) -> dict[str, Any]:
+    """A route's `responses=` for a completion (`object` obj) or, with stream=true, its chunks."""
+    usage = _object(prompt_tokens=_INT, completion_tokens=_INT, total_tokens=_INT)
+    schema = _object(
+        id=_STR,
+        object={"const": obj},
+        created=_INT,
+        model=_STR,
+        choices={"type": "array", "items": _object(index=_INT, finish_reason={})},
+        usage=usage,
+    )
+    stream = {"text/event-stream": {"schema": _STR}}
+    whole = _json("the completion, or with stream=true its chunks as server-sent events", schema)
+    return errors(404, 429, 503) | {200: whole | {"content": whole["content"] | stream}}
+
+
 router = APIRouter()
-# The OpenAPI responses of the routes beyond FastAPI's own (`_openapi` turns its 422 into a 400)
-HEALTH_503 = {
-    "description": "not ready: loading, failed, stopped or shutting down",
-    "content": {"application/json": {"schema": {"type": "object", "required": ["status"]}}},
-}
-METRICS_200 = {
-    "description": "Prometheus' text format",
-    "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
-}
-GENERATION = errors(404, 429, 503) | {
-    200: {
-        "description": "the completion, or with stream=true its chunks as server-sent events",
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
-    }
-}
 
 
-@router.get("/health", responses={503: HEALTH_503})
+@router.get(
+    "/health",
+    responses={200: _json("ready", _HEALTH), 503: _json("not ready, and why", _HEALTH)},
+)
 async def health(state: State) -> JSONResponse:
     try:
         state.ready()
@@ -455,13 +479,22 @@ async def health(state: State) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/metrics", response_class=Response, responses={200: METRICS_200})
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "Prometheus' text format",
+            "content": {CONTENT_TYPE_LATEST: {"schema": _STR}},
+        }
+    },
+)
 async def metrics(state: State) -> Response:
     content, media_type = state.metrics.render()
     return Response(content, media_type=media_type)
 
 
-@router.get("/v1/models", responses=errors(503))
+@router.get("/v1/models", responses=errors(503) | {200: _json("the served model", _MODELS)})
 async def models(state: State) -> dict[str, Any]:
     served = state.ready()
     model = {
@@ -474,19 +507,19 @@ async def models(state: State) -> dict[str, Any]:
     return {"object": "list", "data": [model]}
 
 
-@router.post("/v1/completions", responses=GENERATION)
+@router.post("/v1/completions", responses=_completion("text_completion"))
 async def completions(state: State, body: CompletionRequest) -> Response:
     _log_ignored(body, "/v1/completions")
     return await _completions(state, body)
 
 
-@router.post("/v1/chat/completions", responses=GENERATION)
+@router.post("/v1/chat/completions", responses=_completion("chat.completion"))
 async def chat_completions(state: State, body: ChatRequest) -> Response:
     _log_ignored(body, "/v1/chat/completions")
     return await _chat(state, body)
 
 
-@router.post("/tokenize", responses=errors(404, 503))
+@router.post("/tokenize", responses=errors(404, 503) | {200: _json("the ids", _TOKENS)})
 async def tokenize(state: State, body: TokenizeRequest) -> dict[str, Any]:
     served = state.ready()
     check_model(served, body.model)
@@ -497,7 +530,9 @@ async def tokenize(state: State, body: TokenizeRequest) -> dict[str, Any]:
     return {"tokens": tokens, "count": len(tokens), "max_model_len": served.context_length}
 
 
-@router.post("/detokenize", responses=errors(404, 503))
+@router.post(
+    "/detokenize", responses=errors(404, 503) | {200: _json("the text", _object(prompt=_STR))}
+)
 async def detokenize(state: State, body: DetokenizeRequest) -> dict[str, str]:
     served = state.ready()
     check_model(served, body.model)
