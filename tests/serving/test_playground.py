@@ -8,8 +8,11 @@ them they are skipped with a reason that says so, except under CI=true, where th
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -21,11 +24,13 @@ from conftest import make_served, wait_healthy
 from decoderlm import DecoderLM
 from decoderlm.serving.app import create_app
 from decoderlm.serving.playground import MAX_ATTENTION_TOKENS, STATIC
+from decoderlm.serving.security import Policy
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 ARTIFACTS = Path(
     os.environ.get("DECODERLM_TEST_ARTIFACTS", Path(__file__).parents[2] / "test-artifacts")
 )
+BEARER = {"Authorization": "Bearer sk-1"}
 VIRIDIS_0, VIRIDIS_1 = (68, 1, 84), (253, 231, 37)  # the heat-map's colours of weight 0 and 1
 
 
@@ -154,6 +159,39 @@ def test_page_and_its_files_are_served_and_fetch_nothing_from_the_network(server
         assert r.status_code == 200 and kind in r.headers["content-type"]
     for path in STATIC.iterdir():  # no CDN, no web font, no remote anything
         assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}/", path.read_text()), path.name
+
+
+API_JS = """
+const vm = require("vm"), fs = require("fs");
+const [file, key] = process.argv.slice(-2);
+const calls = [], elements = {"api-key": {value: key}};
+const context = {
+  document: {getElementById: (id) => elements[id], addEventListener: () => {}},
+  fetch: (url, options) => calls.push({url, headers: options.headers, method: options.method}),
+};
+vm.createContext(context);
+vm.runInContext(fs.readFileSync(file, "utf8"), context);
+context.api("/v1/completions", {method: "POST", headers: {"Content-Type": "application/json"}});
+context.api("/v1/model_card");
+console.log(JSON.stringify(calls));
+"""
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the page's script")
+def test_page_script_sends_the_api_key_as_a_bearer_header_on_every_fetch():
+    script = (STATIC / "app.js").read_text()
+    assert len(re.findall(r"\bfetch\(", script)) == 1  # every request goes through api()
+
+    def calls(key: str) -> list[dict]:
+        args = ["node", "-e", API_JS, str(STATIC / "app.js"), key]
+        return json.loads(subprocess.run(args, capture_output=True, check=True, text=True).stdout)
+
+    json_type = {"Content-Type": "application/json"}
+    assert calls(" sk-1 ") == [
+        {"url": "/v1/completions", "method": "POST", "headers": json_type | BEARER},
+        {"url": "/v1/model_card", "headers": BEARER},
+    ]
+    assert [c["headers"] for c in calls("")] == [json_type, {}]  # no key, no header
 
 
 # ---- In a real browser ---------------------------------------------------------------------------
@@ -334,3 +372,22 @@ def test_page_chat_mode_streams_a_reply_and_stop_cancels_it(browser, server, mon
     assert turns[0] == "user: hello" and turns[1].startswith("assistant: ") and len(turns) == 2
     until(browser, lambda d: cancelled and engine.stats().running == 0, timeout=10)
     assert cancelled[0].startswith("chatcmpl-") and engine.stats().waiting == 0
+
+
+def test_page_asks_for_the_api_key_then_streams_with_it(browser, run_dir, loaded, start_server):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    served = make_served(run_dir, loaded, kv_cache_memory="1MiB")
+    base = start_server(create_app(lambda: served, grace_s=1.0, policy=Policy("sk-1")))
+    wait_healthy(base)
+    browser.get(base)
+    status = browser.find_element(By.ID, "status")
+    until(browser, lambda d: status.text.startswith("This server needs its API key"))
+    browser.find_element(By.ID, "api-key").send_keys("sk-1", Keys.TAB)
+    until(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#layer option")) == 2)
+    assert status.text == "Ready."
+    fill(browser, {"prompt": "Hi", "max_tokens": "4", "temperature": "0"})
+    browser.find_element(By.ID, "generate").click()
+    until(browser, lambda d: d.find_element(By.ID, "output").get_attribute("data-done") == "true")
+    assert status.text.startswith("Done: ")

@@ -377,3 +377,44 @@ def test_a_drain_cancels_the_streams_still_running_when_the_grace_period_ends(
     # ~95 paced steps would take ≥ 1.9 s; the stream ended one step after the grace period instead.
     assert grace_s <= elapsed < grace_s + 1.0
     assert len(chunks) < CONTEXT - 1
+
+
+def test_created_is_the_requests_time_not_the_models(server, monkeypatch):
+    base, served = server
+    monkeypatch.setattr(served, "created", 0)  # the model's load time, long ago
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    before = int(time.time())
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", chat)):
+        whole = httpx.post(f"{base}{path}", json=body | {"max_tokens": 2}, timeout=60).json()
+        streamed = httpx.post(f"{base}{path}", json=body | {"max_tokens": 2, "stream": True})
+        chunks = [json.loads(e) for e in sse_events(streamed)[:-1]]
+        after = int(time.time())
+        assert all(before <= c["created"] <= after for c in [whole, *chunks]), path
+    assert client(base).models.list().data[0].created == 0  # a model's is its own
+
+
+def test_ignore_eos_goes_on_past_the_end_of_text_token(server, loaded, caplog):
+    base, _ = server
+    model, tokenizer = loaded
+    max_tokens = 40
+
+    def greedy(prompt: str) -> list[int]:
+        ids = tokenizer.encode(prompt)
+        return decoderlm.generate(model, [ids], max_tokens, temperature=0)[0][len(ids) :]
+
+    prompt = next((c for c in TEXT if tokenizer.eot_id in greedy(c)), None)
+    assert prompt is not None, "no prompt of one character makes the test model end its text"
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    stopped = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] < max_tokens
+    with caplog.at_level("WARNING", logger="decoderlm.serve"):
+        full = httpx.post(f"{base}/v1/completions", json=body | {"ignore_eos": True}, timeout=60)
+        chat = {"messages": [{"role": "user", "content": prompt}], "ignore_eos": True}
+        r_chat = httpx.post(f"{base}/v1/chat/completions", json=chat | {"max_tokens": 2})
+    choice = full.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["text"] == tokenizer.decode(
+        greedy(prompt)
+    )
+    assert full.json()["usage"]["completion_tokens"] == max_tokens
+    assert r_chat.status_code == 200 and not caplog.records  # a known field, not an ignored one

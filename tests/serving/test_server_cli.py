@@ -119,3 +119,26 @@ def wait_healthy_process(base: str, proc: subprocess.Popen, timeout: float = 60.
         except (httpx.TransportError, RuntimeError):
             time.sleep(0.1)
     raise RuntimeError("decoderlm serve did not become healthy")
+
+
+def test_serve_takes_its_api_key_from_the_environment_and_its_hosts_from_the_flag(run_dir):
+    port = free_port()
+    cmd = [sys.executable, "-m", "decoderlm.cli", "serve", "--checkpoint", str(run_dir),
+           "--port", str(port), "--kv-cache-memory", "1MiB", "--engine", "thread",
+           "--allowed-hosts", "proxy.example,127.0.0.1"]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": "1", "DECODERLM_API_KEY": "sk-env"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy_process(base, proc)
+        assert httpx.get(f"{base}/v1/models").status_code == 401
+        keyed = httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer sk-env"})
+        assert keyed.status_code == 200
+        for host, status in (("proxy.example", 200), (f"localhost:{port}", 421)):
+            assert httpx.get(f"{base}/health", headers={"Host": host}).status_code == status
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

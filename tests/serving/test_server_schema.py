@@ -1,11 +1,33 @@
-"""Schemathesis against the app's own OpenAPI schema: no request, valid or not, gets a 5xx."""
+"""Schemathesis against the app's own OpenAPI schema: no request, valid or not, gets a 5xx, and
+every answer is one the schema declares (status, content type, body schema, headers), with and
+without an API key."""
 
 from __future__ import annotations
 
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
-from schemathesis.checks import not_a_server_error
+from schemathesis.checks import (
+    allow_header_conformance,
+    content_type_conformance,
+    not_a_server_error,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from conftest import live_server, make_served, wait_healthy
+from decoderlm.serving.app import create_app
+from decoderlm.serving.security import Policy
+
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    response_headers_conformance,
+    allow_header_conformance,
+]
 
 
 @pytest.fixture(scope="module")
@@ -14,10 +36,26 @@ def api_schema(server):
     return schemathesis.openapi.from_url(f"{base}/openapi.json")
 
 
+@pytest.fixture(scope="module")
+def keyed_schema(run_dir, loaded):
+    """The schema of a server with an API key; its requests do not send the key."""
+    served = make_served(run_dir, loaded, kv_cache_memory="1MiB")
+    with live_server(create_app(lambda: served, grace_s=1.0, policy=Policy("sekret"))) as base:
+        wait_healthy(base)
+        yield schemathesis.openapi.from_url(f"{base}/openapi.json")
+
+
 schema = schemathesis.pytest.from_fixture("api_schema")
+keyed = schemathesis.pytest.from_fixture("keyed_schema")
 
 
 @schema.parametrize()
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
-def test_no_request_the_schema_allows_or_forbids_gets_a_server_error(case):
-    case.call_and_validate(checks=[not_a_server_error])
+def test_every_answer_to_any_request_is_one_the_schema_declares(case):
+    case.call_and_validate(checks=CHECKS)
+
+
+@keyed.parametrize()
+@settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
+def test_a_server_with_an_api_key_declares_its_401s(case):
+    case.call_and_validate(checks=CHECKS)

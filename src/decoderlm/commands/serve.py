@@ -1,14 +1,18 @@
 """`decoderlm serve`: an OpenAI-compatible HTTP server for a checkpoint (logic in decoderlm.serving).
 
-The model loads after the server is up (GET /health answers 503 until it is ready). On SIGTERM
-the server stops accepting connections, lets running streams finish for --grace-period seconds,
-cancels what is left (those streams end with finish_reason "cancelled") and exits with status 0.
+The model loads after the server is up (GET /health answers 503 until it is ready). With --api-key
+the OpenAI routes need `Authorization: Bearer KEY`; a request whose Host is not one the server
+answers to gets 421 (serving/security.py). On SIGTERM the server stops accepting connections, lets
+running streams finish for --grace-period seconds, cancels what is left (those streams end with
+finish_reason "cancelled") and exits with status 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +67,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="on SIGTERM, how long running streams may go on before they are cancelled (default 30)",
     )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: "
+        "$DECODERLM_API_KEY; none if unset); /health, /metrics and the playground page stay open",
+    )
+    parser.add_argument(
+        "--allowed-hosts",
+        default=None,
+        metavar="HOSTS",
+        help="comma-separated Host names to answer (others get 421), '*' for any; for a reverse "
+        "proxy's name. Default: 127.0.0.1, localhost, ::1 on loopback; the --host name; any "
+        "host (with a warning) when --host is 0.0.0.0 or ::",
+    )
 
 
 def load_served(args: argparse.Namespace, engine_process: bool = False) -> Any:
@@ -108,6 +127,23 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
         raise DecoderLMError(f"--max-queue={args.max_queue} must be ≥ 1")
 
 
+def policy(args: argparse.Namespace) -> Any:
+    """The server's `Policy` from --api-key (or $DECODERLM_API_KEY), --host and --allowed-hosts;
+    warns on stderr when a server bound to every address answers to any host."""
+    from decoderlm.serving.security import ENV_API_KEY, Policy, allowed_hosts
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get(ENV_API_KEY)
+    hosts = allowed_hosts(args.host, args.allowed_hosts)
+    if hosts is None and args.allowed_hosts is None:
+        print(
+            f"decoderlm serve: warning: bound to {args.host or 'every address'} without "
+            "--allowed-hosts, so any Host header is accepted (no DNS-rebinding protection); "
+            "give --allowed-hosts NAMES, or '*' to silence this",
+            file=sys.stderr,
+        )
+    return Policy(api_key, hosts)
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -128,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         lambda: load_served(args, engine_process=args.engine == "process"),
         on_load_error,
         grace_s=args.grace_period,
+        policy=policy(args),
     )
 
     class Server(uvicorn.Server):

@@ -8,10 +8,12 @@ not a broken stream. Streams are server-sent events, `data: {json}\\n\\n` ending
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad field
 or a prompt that leaves no room in the context, 404 for an unknown model, 429 for a full queue, 503
-while the model loads or the server drains. `max_tokens` beyond the context is cut to fit
-(finish_reason "length"); the i-th of n choices uses seed + i. `create_app` mounts this module's
-router and the playground's (serving/playground.py: /, /static, /v1/model_card,
-/v1/engine_stats, /v1/attention); what both use is in serving/http.py.
+while the model loads or the server drains; 401 without the API key and 421 for a foreign Host
+(serving/security.py, a middleware that answers before any route). `max_tokens` beyond the
+context is cut to fit (finish_reason "length"); the i-th of n choices uses seed + i. `create_app`
+mounts this module's router and the playground's (serving/playground.py: /, /static,
+/v1/model_card, /v1/engine_stats, /v1/attention); what both use is in serving/http.py. Its
+OpenAPI document (/openapi.json) declares these answers.
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.serving import playground, protocol
 from decoderlm.serving.http import (
+    ERRORS,
     APIError,
     Served,
     ServerState,
@@ -40,6 +45,8 @@ from decoderlm.serving.http import (
     chat_prompt,
     check_model,
     encode,
+    error_response,
+    errors,
     request_text,
 )
 from decoderlm.serving.protocol import (
@@ -48,6 +55,7 @@ from decoderlm.serving.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from decoderlm.serving.security import Guard, Policy
 from decoderlm.serving.types import EngineStoppedError, QueueFullError, RequestParams, TokenEvent
 
 log = logging.getLogger("decoderlm.serve")
@@ -249,6 +257,7 @@ class _ChatFormat(_Format):
 
 async def _respond(
     request_id: str,
+    created: int,
     served: Served,
     streams: list[_Stream],
     fmt: _Format,
@@ -259,12 +268,11 @@ async def _respond(
     n_choices = sum(s.params.n for s in streams)
 
     def envelope(obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        created, model = served.created, served.model_name
         return {
             "id": request_id,
             "object": obj,
             "created": created,
-            "model": model,
+            "model": served.model_name,
             "choices": choices,
         }
 
@@ -344,6 +352,7 @@ def _prompts(served: Served, prompt: protocol.Prompt) -> list[list[int]]:
 
 
 async def _completions(state: ServerState, body: CompletionRequest) -> Response:
+    created = int(time.time())
     served = state.ready()
     check_model(served, body.model)
     include_usage = _check_stream_options(body)
@@ -360,10 +369,11 @@ async def _completions(state: ServerState, body: CompletionRequest) -> Response:
         scored = [served.engine.score(ids, body.logprobs) for ids in prompts]
         prompt_events = [await asyncio.wrap_future(f) for f in scored for _ in range(body.n)]
     fmt = _CompletionFormat(served, echoes, body.logprobs is not None, prompt_events)
-    return await _respond(request_id, served, streams, fmt, body.stream, include_usage)
+    return await _respond(request_id, created, served, streams, fmt, body.stream, include_usage)
 
 
 async def _chat(state: ServerState, body: ChatRequest) -> Response:
+    created = int(time.time())
     served = state.ready()
     check_model(served, body.model)
     include_usage = _check_stream_options(body)
@@ -377,7 +387,7 @@ async def _chat(state: ServerState, body: ChatRequest) -> Response:
     params = protocol.to_params(body, max_tokens, logprobs, served.chat_template.stop)
     streams = [_Stream(state, request_id, ids, params, 0)]
     fmt = _ChatFormat(served, body.n, logprobs is not None)
-    return await _respond(request_id, served, streams, fmt, body.stream, include_usage)
+    return await _respond(request_id, created, served, streams, fmt, body.stream, include_usage)
 
 
 def _log_ignored(body: protocol.Generation, path: str) -> None:
@@ -412,16 +422,55 @@ async def _on_error(request: Request, exc: Exception) -> JSONResponse:
         return APIError(503, str(exc), "service_unavailable").response()
     if isinstance(exc, DecoderLMError):
         return APIError(400, str(exc)).response()
-    if isinstance(exc, HTTPException):
-        return APIError(exc.status_code, str(exc.detail), "invalid_request_error").response()
+    if isinstance(exc, HTTPException):  # 404, or 405 with its Allow header
+        return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
     log.exception("decoderlm serve: internal error")
     return APIError(500, f"internal error: {type(exc).__name__}", "server_error").response()
+
+
+# The routes' `responses=`: what they answer, in the OpenAPI document (`_openapi` adds the 400
+# of a bad body, which FastAPI would call 422)
+def _json(description: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _object(**properties: dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema of an object that has (at least) these properties."""
+    return {"type": "object", "required": list(properties), "properties": properties}
+
+
+_INT, _STR = {"type": "integer"}, {"type": "string"}
+_HEALTH = _object(status=_STR)
+_MODELS = _object(
+    object={"const": "list"},
+    data={"type": "array", "items": _object(id=_STR, created=_INT, max_model_len=_INT)},
+)
+_TOKENS = _object(tokens={"type": "array", "items": _INT}, count=_INT, max_model_len=_INT)
+
+
+def _completion(obj: str) -> dict[str, Any]:
+    """A route's `responses=` for a completion (`object` obj) or, with stream=true, its chunks."""
+    usage = _object(prompt_tokens=_INT, completion_tokens=_INT, total_tokens=_INT)
+    schema = _object(
+        id=_STR,
+        object={"const": obj},
+        created=_INT,
+        model=_STR,
+        choices={"type": "array", "items": _object(index=_INT, finish_reason={})},
+        usage=usage,
+    )
+    stream = {"text/event-stream": {"schema": _STR}}
+    whole = _json("the completion, or with stream=true its chunks as server-sent events", schema)
+    return errors(404, 429, 503) | {200: whole | {"content": whole["content"] | stream}}
 
 
 router = APIRouter()
 
 
-@router.get("/health")
+@router.get(
+    "/health",
+    responses={200: _json("ready", _HEALTH), 503: _json("not ready, and why", _HEALTH)},
+)
 async def health(state: State) -> JSONResponse:
     try:
         state.ready()
@@ -430,13 +479,22 @@ async def health(state: State) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "Prometheus' text format",
+            "content": {CONTENT_TYPE_LATEST: {"schema": _STR}},
+        }
+    },
+)
 async def metrics(state: State) -> Response:
     content, media_type = state.metrics.render()
     return Response(content, media_type=media_type)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=errors(503) | {200: _json("the served model", _MODELS)})
 async def models(state: State) -> dict[str, Any]:
     served = state.ready()
     model = {
@@ -449,19 +507,19 @@ async def models(state: State) -> dict[str, Any]:
     return {"object": "list", "data": [model]}
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=_completion("text_completion"))
 async def completions(state: State, body: CompletionRequest) -> Response:
     _log_ignored(body, "/v1/completions")
     return await _completions(state, body)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=_completion("chat.completion"))
 async def chat_completions(state: State, body: ChatRequest) -> Response:
     _log_ignored(body, "/v1/chat/completions")
     return await _chat(state, body)
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=errors(404, 503) | {200: _json("the ids", _TOKENS)})
 async def tokenize(state: State, body: TokenizeRequest) -> dict[str, Any]:
     served = state.ready()
     check_model(served, body.model)
@@ -472,7 +530,9 @@ async def tokenize(state: State, body: TokenizeRequest) -> dict[str, Any]:
     return {"tokens": tokens, "count": len(tokens), "max_model_len": served.context_length}
 
 
-@router.post("/detokenize")
+@router.post(
+    "/detokenize", responses=errors(404, 503) | {200: _json("the text", _object(prompt=_STR))}
+)
 async def detokenize(state: State, body: DetokenizeRequest) -> dict[str, str]:
     served = state.ready()
     check_model(served, body.model)
@@ -486,12 +546,35 @@ async def detokenize(state: State, body: DetokenizeRequest) -> dict[str, str]:
     return {"prompt": served.tokenizer.decode(body.tokens)}
 
 
+def _openapi(app: FastAPI, policy: Policy) -> dict[str, Any]:
+    """FastAPI's OpenAPI document, saying what the server answers: a bad body is a 400 (FastAPI
+    says 422) and the policy adds its 401 and 421."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operations in schema["paths"].values():
+            for operation in operations.values():
+                if operation["responses"].pop("422", None) is not None:
+                    operation["responses"]["400"] = error_response(ERRORS[400])
+        components = schema.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        policy.document(schema)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 def create_app(
     load: Callable[[], Served],
     on_load_error: Callable[[BaseException], None] | None = None,
     grace_s: float = 30.0,
+    policy: Policy | None = None,
 ) -> FastAPI:
-    """The app; `load()` runs in a thread at startup (GET /health is 503 until it returns)."""
+    """The app; `load()` runs in a thread at startup (GET /health is 503 until it returns).
+
+    `policy` says which hosts it answers to and its API key (serving/security.py); without it,
+    loopback names only and no key. The OpenAPI document is at /openapi.json; there is no /docs or
+    /redoc, whose pages load their scripts from a CDN (blank offline).
+    """
     state = ServerState(load, on_load_error)
 
     @asynccontextmanager
@@ -503,7 +586,10 @@ def create_app(
         if state.served is not None:
             await asyncio.to_thread(state.served.engine.shutdown, grace_s)
 
-    app = FastAPI(title="decoderlm", version="1", lifespan=lifespan)
+    app = FastAPI(title="decoderlm", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
+    policy = policy or Policy()
+    app.add_middleware(Guard, policy=policy)
+    app.openapi = lambda: _openapi(app, policy)
     app.state.server = state
     app.add_exception_handler(Exception, _on_error)
     for exc_class in (APIError, RequestValidationError, DecoderLMError, HTTPException):

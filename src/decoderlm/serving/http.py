@@ -51,6 +51,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
@@ -60,11 +61,59 @@ class APIError(Exception):
             param,
             code,
         )
+        self.headers = _retry(status) | (headers or {})
 
     def response(self) -> JSONResponse:
         error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
-        return JSONResponse({"error": error}, status_code=self.status, headers=headers)
+        return JSONResponse({"error": error}, status_code=self.status, headers=self.headers)
+
+
+def _retry(status: int) -> dict[str, str]:
+    """The headers of an APIError of this status: a 429 or 503 tells the client to retry."""
+    return {"Retry-After": "1"} if status in (429, 503) else {}
+
+
+ERROR_SCHEMA = {  # the JSON schema of APIError's body
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+ERRORS = {  # what each status of an APIError means, in the OpenAPI document
+    400: "a bad field, or a prompt that leaves no room in the context",
+    404: "the model is not served here",
+    429: "the queue is full",
+    503: "the model is loading, the engine has stopped or the server is shutting down",
+}
+
+
+def error_response(description: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """An OpenAPI response of an APIError, with its headers."""
+    response: dict[str, Any] = {
+        "description": description,
+        "content": {"application/json": {"schema": ERROR_SCHEMA}},
+    }
+    if headers:
+        response["headers"] = {
+            name: {"required": True, "schema": {"type": "string", "const": value}}
+            for name, value in headers.items()
+        }
+    return response
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """A route's `responses=`: the APIErrors of these statuses that it may answer."""
+    return {status: error_response(ERRORS[status], _retry(status)) for status in statuses}
 
 
 class ServerState:

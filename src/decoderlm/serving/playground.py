@@ -1,5 +1,7 @@
 """The playground's router: a web page at `/` (plain HTML, CSS, JS in serving/static, no build
-step, no network) and the three JSON endpoints it reads besides the OpenAI ones.
+step, no network) and the three JSON endpoints it reads besides the OpenAI ones. The page is open
+and holds no secret; on a server with an API key it asks for the key and sends it as a Bearer
+header on each of its requests.
 
 - GET /v1/model_card: the model's shape (MHA/GQA/MQA, head_dim, positions, context) and what its
   KV cache costs per token and at 4k/32k/128k tokens, beside its MHA and MQA twins
@@ -29,7 +31,15 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.inference.attention_maps import attention_maps, check_index
 from decoderlm.model.cache import attention_kind, kv_cache_table
 from decoderlm.model.config import ModelConfig
-from decoderlm.serving.http import APIError, Served, State, check_model, encode, request_text
+from decoderlm.serving.http import (
+    APIError,
+    Served,
+    State,
+    check_model,
+    encode,
+    errors,
+    request_text,
+)
 from decoderlm.serving.protocol import TokenizeRequest
 
 STATIC = Path(__file__).parent / "static"
@@ -134,17 +144,17 @@ async def index() -> FileResponse:
     return FileResponse(STATIC / "index.html")
 
 
-@router.get("/v1/model_card")
+@router.get("/v1/model_card", responses=errors(503))
 async def get_model_card(state: State) -> dict[str, Any]:
     return await model_card(state.ready())
 
 
-@router.get("/v1/engine_stats")
+@router.get("/v1/engine_stats", responses=errors(503))
 async def engine_stats(state: State) -> dict[str, Any]:
     return dataclasses.asdict(state.ready().engine.stats())
 
 
-@router.post("/v1/attention")
+@router.post("/v1/attention", responses=errors(404, 503))
 async def post_attention(state: State, body: AttentionRequest) -> dict[str, Any]:
     served = state.ready()
     check_model(served, body.model)

@@ -1,8 +1,8 @@
 """OpenAI's request bodies as pydantic models, and the JSON of its responses and stream chunks.
 
 Field names, ranges and defaults follow OpenAI's API reference for /v1/completions and
-/v1/chat/completions, plus vLLM's extensions `top_k`, `repetition_penalty` and /tokenize,
-/detokenize. Unknown fields are ignored. `to_params` maps a body to the engine's `RequestParams`.
+/v1/chat/completions, plus vLLM's extensions `top_k`, `repetition_penalty`, `ignore_eos` and
+/tokenize, /detokenize. Unknown fields are ignored. `to_params` maps a body to the engine's `RequestParams`.
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ class Generation(_Body):
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    ignore_eos: bool = Field(
+        False, description="go on past the end-of-text token, until max_tokens or a stop string"
+    )
 
 
 Prompt = (
@@ -130,6 +133,7 @@ def to_params(
         seed=body.seed,
         logprobs=logprobs,
         n=body.n,
+        stop_at_eot=not body.ignore_eos,
     )
 
 

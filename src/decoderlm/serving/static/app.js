@@ -1,6 +1,7 @@
 // decoderlm playground: streams /v1/completions or /v1/chat/completions (server-sent events),
 // shades each token by its probability with its top-5 alternatives (logprobs), draws the heat-maps
 // of /v1/attention on canvases, and polls /v1/model_card and /v1/engine_stats. No dependencies.
+// A server started with --api-key needs the key on each of these: the page asks for it (#api-key).
 "use strict";
 
 const TOP_LOGPROBS = 5;
@@ -15,6 +16,18 @@ const state = {
   card: null, // /v1/model_card
   attention: null, // the last /v1/attention answer
 };
+
+// The server's API key, as typed into #api-key: kept in this tab's sessionStorage.
+const API_KEY_ITEM = "decoderlm-api-key";
+const NEED_KEY = "This server needs its API key: enter it above.";
+
+// A fetch with the API key, if one was given, as `Authorization: Bearer KEY`.
+function api(url, options = {}) {
+  const headers = { ...options.headers };
+  const key = $("api-key").value.trim();
+  if (key) headers.Authorization = `Bearer ${key}`;
+  return fetch(url, { ...options, headers });
+}
 
 // ---- Generation -----------------------------------------------------------------------------
 
@@ -180,7 +193,7 @@ async function generate(event) {
   let n = 0;
   let finish = null;
   try {
-    const response = await fetch(url, {
+    const response = await api(url, {
       method: "POST",
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify(body),
@@ -279,7 +292,7 @@ function attentionBody() {
 async function loadAttention() {
   setStatus("attention-status", "Computing attention…");
   try {
-    const response = await fetch("/v1/attention", {
+    const response = await api("/v1/attention", {
       method: "POST",
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify(attentionBody()),
@@ -407,11 +420,13 @@ function addFact(dl, term, value) {
 }
 
 async function loadCard() {
-  const response = await fetch("/v1/model_card");
+  const response = await api("/v1/model_card");
   if (!response.ok) {
-    setTimeout(loadCard, 1000); // 503 while the model loads
+    if (response.status === 401) setStatus("status", NEED_KEY, true);
+    setTimeout(loadCard, 1000); // 503 while the model loads, 401 until the key is right
     return;
   }
+  if ($("status").textContent === NEED_KEY) setStatus("status", "Ready.");
   const card = await response.json();
   state.card = card;
   const dl = $("card-facts");
@@ -445,7 +460,7 @@ async function loadCard() {
 async function pollEngine() {
   if (!document.hidden) {
     try {
-      const response = await fetch("/v1/engine_stats");
+      const response = await api("/v1/engine_stats");
       if (response.ok) {
         const s = await response.json();
         $("e-running").textContent = s.running;
@@ -465,6 +480,9 @@ async function pollEngine() {
 // ---- Wiring ---------------------------------------------------------------------------------
 
 function init() {
+  const key = $("api-key");
+  key.value = sessionStorage.getItem(API_KEY_ITEM) || "";
+  key.addEventListener("change", () => sessionStorage.setItem(API_KEY_ITEM, key.value.trim()));
   $("gen-form").addEventListener("submit", generate);
   $("prompt").addEventListener("keydown", (event) => {
     if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) {
