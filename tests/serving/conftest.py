@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ TEXT = (
     "éàü€😀"
 )
 CONTEXT = 96
+LONG_STREAM = 1500  # tokens of one greedy stream: a second or more of engine steps
 
 
 @pytest.fixture(scope="session")
@@ -145,3 +147,29 @@ def start_server() -> Iterator[Callable]:
     yield start
     for ctx in reversed(stack):
         ctx.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def long_run_dir(tmp_path_factory) -> Path:
+    """A tiny model with a long context, so one stream runs for a second or more (greedy after
+    "x" it meets no end-of-text within LONG_STREAM tokens)."""
+    torch.manual_seed(0)
+    tokenizer = Tokenizer.train_char([TEXT])
+    config = ModelConfig.from_preset("llama-tiny", vocab_size=tokenizer.vocab_size,
+                                     context_length=LONG_STREAM + 8, d_model=32, n_layers=2,
+                                     n_heads=4, n_kv_heads=2)  # fmt: skip
+    run = tmp_path_factory.mktemp("long-run")
+    save_model(run, DecoderLM(config).eval(), tokenizer)
+    return run
+
+
+def wait_healthy_process(base: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        try:
+            wait_healthy(base, timeout=0.5)
+            return
+        except (httpx.TransportError, RuntimeError):
+            time.sleep(0.1)
+    raise RuntimeError("decoderlm serve did not become healthy")

@@ -8,22 +8,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
-from conftest import TEXT, free_port, wait_healthy
-from decoderlm import DecoderLM, ModelConfig
-from decoderlm.checkpoint import save_model
+from conftest import LONG_STREAM, free_port, wait_healthy_process
 from decoderlm.cli import main
 from decoderlm.errors import DecoderLMError
 from decoderlm.serving.chat import ChatTemplate, load_chat_template
-from decoderlm.tokenizer import Tokenizer
-
-LONG_STREAM = 1500  # tokens of one greedy stream: a second or more of engine steps
 
 LLAMA2_STYLE = (
     "{{ bos_token }}{% for m in messages %}"
@@ -64,20 +56,6 @@ def test_chat_command_streams_replies_and_resets(run_dir, monkeypatch, capsys):
     assert main([*argv, "--top-p", "2"]) == 2
 
 
-@pytest.fixture(scope="module")
-def long_run_dir(tmp_path_factory) -> Path:
-    """A tiny model with a long context, so one stream runs for a second or more (greedy after
-    "x" it meets no end-of-text within LONG_STREAM tokens)."""
-    torch.manual_seed(0)
-    tokenizer = Tokenizer.train_char([TEXT])
-    config = ModelConfig.from_preset("llama-tiny", vocab_size=tokenizer.vocab_size,
-                                     context_length=LONG_STREAM + 8, d_model=32, n_layers=2,
-                                     n_heads=4, n_kv_heads=2)  # fmt: skip
-    run = tmp_path_factory.mktemp("long-run")
-    save_model(run, DecoderLM(config).eval(), tokenizer)
-    return run
-
-
 def test_sigterm_lets_a_running_stream_finish_then_exits_0(long_run_dir):
     port = free_port()
     cmd = [sys.executable, "-m", "decoderlm.cli", "serve", "--checkpoint", str(long_run_dir),
@@ -107,18 +85,6 @@ def test_sigterm_lets_a_running_stream_finish_then_exits_0(long_run_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def wait_healthy_process(base: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read().decode()
-        try:
-            wait_healthy(base, timeout=0.5)
-            return
-        except (httpx.TransportError, RuntimeError):
-            time.sleep(0.1)
-    raise RuntimeError("decoderlm serve did not become healthy")
 
 
 def test_serve_takes_its_api_key_from_the_environment_and_its_hosts_from_the_flag(run_dir):

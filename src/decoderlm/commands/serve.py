@@ -5,6 +5,17 @@ the OpenAI routes need `Authorization: Bearer KEY`; a request whose Host is not 
 answers to gets 421 (serving/security.py). On SIGTERM the server stops accepting connections, lets
 running streams finish for --grace-period seconds, cancels what is left (those streams end with
 finish_reason "cancelled") and exits with status 0.
+
+What one request may cost is bounded before any work (--max-request-bytes, --max-prompts-per-request,
+--max-tokens-per-request, --max-template-chars, --template-timeout; `serving.limits`).
+
+If the engine's process dies (killed, out of memory, a crash), the server does not restart it: its
+requests in flight end with an error (503), it answers 503 while it shuts down, and it exits with
+status 2 and a one-line error. A supervisor (systemd's Restart=, Kubernetes, a shell loop) restarts
+it, with its own back-off and a fresh process: an engine that died once for a reason the server
+cannot know (a bad host, memory) is better replaced whole than revived beside a server process
+whose state may hold the cause, and a restart loop inside the server would hide a crash loop from
+the one component that can see and limit it.
 """
 
 from __future__ import annotations
@@ -13,6 +24,7 @@ import argparse
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +72,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "GIL its steps need) or in a thread of the server's process (one copy of the tokenizer, "
         "one process to debug)",
     )
+    from decoderlm.serving.limits import Limits
+
+    limits = Limits()
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=limits.max_request_bytes,
+        metavar="N",
+        help="larger request bodies are refused with 413 before they are read "
+        f"(default {limits.max_request_bytes})",
+    )
+    parser.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=limits.max_prompts_per_request,
+        metavar="N",
+        help=f"prompts one completion request may hold (default {limits.max_prompts_per_request})",
+    )
+    parser.add_argument(
+        "--max-tokens-per-request",
+        type=int,
+        default=limits.max_tokens_per_request,
+        metavar="N",
+        help="prompt tokens one request may hold, summed over its prompts, times n "
+        f"(default {limits.max_tokens_per_request})",
+    )
+    parser.add_argument(
+        "--max-template-chars",
+        type=int,
+        default=limits.max_template_chars,
+        metavar="N",
+        help="characters a chat template may render for one request "
+        f"(default {limits.max_template_chars})",
+    )
+    parser.add_argument(
+        "--template-timeout",
+        type=float,
+        default=limits.template_timeout_s,
+        metavar="SECONDS",
+        help=f"time a chat template may take to render (default {limits.template_timeout_s:g})",
+    )
     parser.add_argument(
         "--grace-period",
         type=float,
@@ -84,10 +137,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_served(args: argparse.Namespace, engine_process: bool = False) -> Any:
+def load_served(
+    args: argparse.Namespace,
+    engine_process: bool = False,
+    on_death: Callable[[str], None] | None = None,
+) -> Any:
     """The `Served` of a checkpoint: its tokenizer, chat template and an engine, started in a
-    process of its own (`decoderlm.serving.engine_process`) or, without `engine_process`, not yet
-    started in this one."""
+    process of its own (`decoderlm.serving.engine_process`, which calls `on_death(why)` if it
+    dies) or, without `engine_process`, not yet started in this one."""
     from decoderlm.serving.chat import load_chat_template
     from decoderlm.serving.engine_process import EngineProcess, EngineSpec, build_engine
     from decoderlm.serving.http import Served
@@ -99,12 +156,12 @@ def load_served(args: argparse.Namespace, engine_process: bool = False) -> Any:
     }
     spec = EngineSpec(str(args.checkpoint), args.dtype, options)
     if engine_process:
-        engine: Any = EngineProcess(spec)
+        engine: Any = EngineProcess(spec, on_death)
         engine.start()  # loads the checkpoint in the child
         tokenizer, vocab_size = engine.facts.tokenizer, engine.facts.vocab_size
     else:
         engine = build_engine(spec)
-        tokenizer, vocab_size = engine.tokenizer, engine.model.config.vocab_size
+        tokenizer, vocab_size = engine.tokenizer, engine.inputs.vocab_size
     eot = "" if tokenizer.eot_id is None else tokenizer.decode([tokenizer.eot_id])
     return Served(
         engine=engine,
@@ -148,23 +205,37 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from decoderlm.serving.app import create_app, drain
+    from decoderlm.serving.limits import Limits
 
     check_engine_arguments(args)
     if not 0 <= args.port <= 65535:
         raise DecoderLMError(f"--port={args.port} must be in [0, 65535]")
     if args.grace_period < 0:
         raise DecoderLMError(f"--grace-period={args.grace_period} must be ≥ 0")
+    limits = Limits(
+        max_request_bytes=args.max_request_bytes,
+        max_prompts_per_request=args.max_prompts_per_request,
+        max_tokens_per_request=args.max_tokens_per_request,
+        max_template_chars=args.max_template_chars,
+        template_timeout_s=args.template_timeout,
+    )
     failures: list[BaseException] = []
 
     def on_load_error(exc: BaseException) -> None:
         failures.append(exc)
         server.should_exit = True
 
+    def on_engine_death(why: str) -> None:
+        failures.append(DecoderLMError(f"{why}; exiting for a supervisor to restart the server"))
+        drain(app, 0.0)
+        server.should_exit = True
+
     app = create_app(
-        lambda: load_served(args, engine_process=args.engine == "process"),
+        lambda: load_served(args, args.engine == "process", on_engine_death),
         on_load_error,
         grace_s=args.grace_period,
         policy=policy(args),
+        limits=limits,
     )
 
     class Server(uvicorn.Server):

@@ -7,13 +7,18 @@ not a broken stream. Streams are server-sent events, `data: {json}\\n\\n` ending
 `data: [DONE]\\n\\n`, as OpenAI's clients parse them. A client that goes away cancels its streams.
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad field
-or a prompt that leaves no room in the context, 404 for an unknown model, 429 for a full queue, 503
-while the model loads or the server drains; 401 without the API key and 421 for a foreign Host
-(serving/security.py, a middleware that answers before any route). `max_tokens` beyond the
-context is cut to fit (finish_reason "length"); the i-th of n choices uses seed + i. `create_app`
-mounts this module's router and the playground's (serving/playground.py: /, /static,
-/v1/model_card, /v1/engine_stats, /v1/attention); what both use is in serving/http.py. Its
-OpenAPI document (/openapi.json) declares these answers.
+or a prompt that leaves no room in the context, 404 for an unknown model, 413 for a body over the
+limit, 429 for a full queue, 503 while the model loads, the server drains or the engine has
+stopped, 500 for a request the engine failed; 401 without the API key and 421 for a foreign Host
+(serving/security.py, a middleware that answers before any route). A stream that fails after it
+started ends with an event `data: {"error": {...}}`, then `data: [DONE]`. What a request may cost
+is bounded by the server's `limits.Limits`, checked before any work; tokenizing, chat templates
+and waiting on the engine run off the event loop. A request's sequences are queued (or refused)
+before its prompts are scored for `echo` with `logprobs`. `max_tokens` beyond the context is cut to
+fit (finish_reason "length"); the i-th of n choices uses seed + i. `create_app` mounts this
+module's router and the playground's (serving/playground.py: /, /static, /v1/model_card,
+/v1/engine_stats, /v1/attention); what both use is in serving/http.py. Its OpenAPI document
+(/openapi.json) declares these answers.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from decoderlm.serving.http import (
     errors,
     request_text,
 )
+from decoderlm.serving.limits import BodySizeLimit, Limits, WorkTimeout, wait
 from decoderlm.serving.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -56,6 +62,7 @@ from decoderlm.serving.protocol import (
     TokenizeRequest,
 )
 from decoderlm.serving.security import Guard, Policy
+from decoderlm.serving.streams import stream_batches
 from decoderlm.serving.types import EngineStoppedError, QueueFullError, RequestParams, TokenEvent
 
 log = logging.getLogger("decoderlm.serve")
@@ -96,13 +103,12 @@ class _Stream:
         self.n_tokens = 0
         self.finished = False
 
-    def start(self) -> None:
-        """Submit to the engine (QueueFullError at once if its queue is full)."""
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Submit to the engine (QueueFullError at once if its queue is full); the events go to
+        `loop`. Blocking (an engine in a process answers the submit): call it off the loop."""
         engine = self.state.served.engine
-        self.batches = engine.stream_batches(
-            self.prompt_ids, self.params, request_id=self.request_id
-        )
         self.state.inflight.add(self.request_id)
+        self.batches = stream_batches(engine, self.prompt_ids, self.params, self.request_id, loop)
 
     async def stream(self) -> AsyncIterator[tuple[int, list[TokenEvent]]]:
         """(choice, its events) as they arrive: all of a choice's events that have arrived when
@@ -132,10 +138,16 @@ class _Stream:
         self.state.inflight.discard(self.request_id)
 
 
-def _start_all(streams: list[_Stream]) -> None:
-    try:
+async def _start_all(state: ServerState, streams: list[_Stream]) -> None:
+    """Queue every stream of a request, off the event loop, or none (the error is raised)."""
+    loop = asyncio.get_running_loop()
+
+    def start() -> None:
         for s in streams:
-            s.start()
+            s.start(loop)
+
+    try:
+        await state.work(start, what="queueing the request")
     except BaseException:
         for s in streams:
             s.close()
@@ -255,6 +267,15 @@ class _ChatFormat(_Format):
         }
 
 
+def _engine_error(served: Served) -> APIError:
+    """The error of a request whose sequence ended with finish_reason "error"."""
+    if served.engine.failure is not None:
+        message = f"the engine has stopped: {served.engine.failure}"
+        return APIError(503, message, "service_unavailable")
+    message = "the engine failed on this request; see the server log"
+    return APIError(500, message, "server_error")
+
+
 async def _respond(
     request_id: str,
     created: int,
@@ -264,7 +285,7 @@ async def _respond(
     stream: bool,
     include_usage: bool,
 ) -> Response:
-    _start_all(streams)
+    """The response of a request whose streams have started."""
     n_choices = sum(s.params.n for s in streams)
 
     def envelope(obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -283,6 +304,8 @@ async def _respond(
     if not stream:
         events: list[list[TokenEvent]] = [[] for _ in range(n_choices)]
         async for i, batch in _merged(streams):
+            if any(event.finish_reason == "error" for event in batch):
+                raise _engine_error(served)
             events[i] += batch
         choices = [fmt.choice(i, e, whole=True) for i, e in enumerate(events)]
         return JSONResponse(envelope(fmt.object, choices) | {"usage": total_usage()})
@@ -299,10 +322,14 @@ async def _respond(
                 if opening is not None:
                     yield sse(envelope(fmt.chunk_object, [opening]))
             async for i, batch in _merged(streams):
+                if any(event.finish_reason == "error" for event in batch):
+                    yield f"data: {json.dumps(_engine_error(served).body())}\n\n"
+                    break
                 if fmt.logprobs or any(event.text or event.finish_reason for event in batch):
                     yield sse(envelope(fmt.chunk_object, [fmt.choice(i, batch, whole=False)]))
-            if include_usage:
-                yield sse(envelope(fmt.chunk_object, []) | {"usage": total_usage()})
+            else:  # every stream ended well
+                if include_usage:
+                    yield sse(envelope(fmt.chunk_object, []) | {"usage": total_usage()})
             yield "data: [DONE]\n\n"
         finally:  # also when the client went away and the response was cancelled
             for s in streams:
@@ -334,21 +361,57 @@ def _check_stream_options(body: protocol.Generation) -> bool:
     return body.stream_options is not None and body.stream_options.include_usage
 
 
-def _prompts(served: Served, prompt: protocol.Prompt) -> list[list[int]]:
-    """Token ids of each prompt of a completion request (text, texts, ids or lists of ids)."""
+def _prompts(served: Served, prompt: protocol.Prompt, echo: bool) -> list[tuple[list[int], str]]:
+    """Token ids of each prompt of a completion request (text, texts, ids or lists of ids), and
+    its text to echo ("" without echo). Blocking (tokenizes): run it with `ServerState.work`."""
     if isinstance(prompt, str):
-        return [encode(served, prompt, "prompt")]
-    if isinstance(prompt[0], str):
-        return [encode(served, p, "prompt") for p in prompt]
-    prompts = [prompt] if isinstance(prompt[0], int) else prompt
-    bad = [t for ids in prompts for t in ids if t >= served.vocab_size]
-    if bad:
+        prompts = [encode(served, prompt, "prompt")]
+    elif isinstance(prompt[0], str):
+        prompts = [encode(served, p, "prompt") for p in prompt]
+    else:
+        prompts = [prompt] if isinstance(prompt[0], int) else prompt
+        bad = [t for ids in prompts for t in ids if t >= served.vocab_size]
+        if bad:
+            raise APIError(
+                400,
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {served.vocab_size})",
+                param="prompt",
+            )
+    return [(ids, served.tokenizer.decode(ids) if echo else "") for ids in prompts]
+
+
+def _check_counts(state: ServerState, n_prompts: int, n_tokens: int, n: int, param: str) -> None:
+    """A request within the limits on prompts and on prompt tokens (× n)."""
+    limits = state.limits
+    if n_prompts > limits.max_prompts_per_request:
         raise APIError(
             400,
-            f"prompt token id {bad[0]} is outside the vocabulary [0, {served.vocab_size})",
-            param="prompt",
+            f"{param} has {n_prompts} prompts; this server takes at most "
+            f"{limits.max_prompts_per_request} per request",
+            param=param,
         )
-    return prompts
+    if n_tokens * n > limits.max_tokens_per_request:
+        raise APIError(
+            400,
+            f"{param} has {n_tokens} tokens × n={n}; this server takes at most "
+            f"{limits.max_tokens_per_request} prompt tokens per request",
+            param=param,
+        )
+
+
+async def _scored(
+    state: ServerState, ids: list[list[int]], top: int, streams: list[_Stream]
+) -> list[list[TokenEvent]]:
+    """Each prompt's own tokens with their logprobs (`Engine.score`), once its streams are
+    queued; the engine scores one prompt per step, between the steps of other requests."""
+    engine, timeout = state.served.engine, state.limits.work_timeout_s
+    try:
+        futures = [engine.score(p, top) for p in ids]
+        return [await wait(asyncio.wrap_future(f), timeout, "scoring the prompt") for f in futures]
+    except BaseException:
+        for s in streams:
+            s.close()
+        raise
 
 
 async def _completions(state: ServerState, body: CompletionRequest) -> Response:
@@ -359,15 +422,21 @@ async def _completions(state: ServerState, body: CompletionRequest) -> Response:
     request_id = f"cmpl-{uuid.uuid4().hex}"
     requested = body.max_tokens or DEFAULT_COMPLETION_TOKENS
     streams, echoes, prompt_events = [], [], None
-    prompts = _prompts(served, body.prompt)
-    for p, ids in enumerate(prompts):
+    several = isinstance(body.prompt, list) and isinstance(body.prompt[0], str | list)
+    _check_counts(
+        state, len(body.prompt) if several else 1, 0, body.n, "prompt"
+    )  # before tokenizing
+    prompts = await state.work(_prompts, served, body.prompt, body.echo, what="tokenizing")
+    _check_counts(state, len(prompts), sum(len(ids) for ids, _ in prompts), body.n, "prompt")
+    for p, (ids, echo) in enumerate(prompts):
         max_tokens = _room(served, ids, requested, "prompt")
         params = protocol.to_params(body, max_tokens, body.logprobs)
         streams.append(_Stream(state, f"{request_id}-{p}", ids, params, p * body.n))
-        echoes += [served.tokenizer.decode(ids) if body.echo else ""] * body.n
+        echoes += [echo] * body.n
+    await _start_all(state, streams)
     if body.echo and body.logprobs is not None:  # the prompt's tokens get logprobs too
-        scored = [served.engine.score(ids, body.logprobs) for ids in prompts]
-        prompt_events = [await asyncio.wrap_future(f) for f in scored for _ in range(body.n)]
+        scored = await _scored(state, [ids for ids, _ in prompts], body.logprobs, streams)
+        prompt_events = [events for events in scored for _ in range(body.n)]
     fmt = _CompletionFormat(served, echoes, body.logprobs is not None, prompt_events)
     return await _respond(request_id, created, served, streams, fmt, body.stream, include_usage)
 
@@ -380,13 +449,15 @@ async def _chat(state: ServerState, body: ChatRequest) -> Response:
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    text = chat_prompt(served, body.messages, body.add_generation_prompt)
-    ids = encode(served, text, "messages")
+    text = await chat_prompt(state, served, body.messages, body.add_generation_prompt)
+    ids = await state.work(encode, served, text, "messages", what="tokenizing")
+    _check_counts(state, 1, len(ids), body.n, "messages")
     max_tokens = _room(served, ids, body.max_completion_tokens or body.max_tokens, "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     params = protocol.to_params(body, max_tokens, logprobs, served.chat_template.stop)
     streams = [_Stream(state, request_id, ids, params, 0)]
     fmt = _ChatFormat(served, body.n, logprobs is not None)
+    await _start_all(state, streams)
     return await _respond(request_id, created, served, streams, fmt, body.stream, include_usage)
 
 
@@ -418,7 +489,7 @@ async def _on_error(request: Request, exc: Exception) -> JSONResponse:
         return _validation_error(exc).response()
     if isinstance(exc, QueueFullError):
         return APIError(429, str(exc), "rate_limit_error", code="queue_full").response()
-    if isinstance(exc, EngineStoppedError):
+    if isinstance(exc, EngineStoppedError | WorkTimeout):
         return APIError(503, str(exc), "service_unavailable").response()
     if isinstance(exc, DecoderLMError):
         return APIError(400, str(exc)).response()
@@ -461,7 +532,7 @@ def _completion(obj: str) -> dict[str, Any]:
     )
     stream = {"text/event-stream": {"schema": _STR}}
     whole = _json("the completion, or with stream=true its chunks as server-sent events", schema)
-    return errors(404, 429, 503) | {200: whole | {"content": whole["content"] | stream}}
+    return errors(404, 413, 429, 500, 503) | {200: whole | {"content": whole["content"] | stream}}
 
 
 router = APIRouter()
@@ -490,7 +561,7 @@ async def health(state: State) -> JSONResponse:
     },
 )
 async def metrics(state: State) -> Response:
-    content, media_type = state.metrics.render()
+    content, media_type = await state.work(state.metrics.render, what="the metrics")
     return Response(content, media_type=media_type)
 
 
@@ -523,8 +594,9 @@ async def chat_completions(state: State, body: ChatRequest) -> Response:
 async def tokenize(state: State, body: TokenizeRequest) -> dict[str, Any]:
     served = state.ready()
     check_model(served, body.model)
+    text = await request_text(state, served, body)
     try:
-        tokens = served.tokenizer.encode(request_text(served, body))
+        tokens = await state.work(served.tokenizer.encode, text, what="tokenizing")
     except DecoderLMError as exc:
         raise APIError(400, str(exc), param="prompt") from None
     return {"tokens": tokens, "count": len(tokens), "max_model_len": served.context_length}
@@ -568,14 +640,17 @@ def create_app(
     on_load_error: Callable[[BaseException], None] | None = None,
     grace_s: float = 30.0,
     policy: Policy | None = None,
+    limits: Limits | None = None,
 ) -> FastAPI:
     """The app; `load()` runs in a thread at startup (GET /health is 503 until it returns).
 
     `policy` says which hosts it answers to and its API key (serving/security.py); without it,
-    loopback names only and no key. The OpenAPI document is at /openapi.json; there is no /docs or
-    /redoc, whose pages load their scripts from a CDN (blank offline).
+    loopback names only and no key. `limits`: what one request may cost (`Limits()`'s defaults if
+    None). The OpenAPI document is at /openapi.json; there is no /docs or /redoc, whose pages load
+    their scripts from a CDN (blank offline).
     """
-    state = ServerState(load, on_load_error)
+    limits = Limits() if limits is None else limits
+    state = ServerState(load, on_load_error, limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -585,12 +660,14 @@ def create_app(
         loading.cancel()
         if state.served is not None:
             await asyncio.to_thread(state.served.engine.shutdown, grace_s)
+        state.offload.shutdown()
 
     app = FastAPI(title="decoderlm", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
     policy = policy or Policy()
     app.add_middleware(Guard, policy=policy)
     app.openapi = lambda: _openapi(app, policy)
     app.state.server = state
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_bytes)
     app.add_exception_handler(Exception, _on_error)
     for exc_class in (APIError, RequestValidationError, DecoderLMError, HTTPException):
         app.add_exception_handler(exc_class, _on_error)

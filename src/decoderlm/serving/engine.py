@@ -115,6 +115,7 @@ class EngineCore:
         prefix_caching: bool,
     ) -> None:
         self.tokenizer, self.vocab_size, self.runner = tokenizer, vocab_size, runner
+        self.decodable = decodable_ids(tokenizer, vocab_size)
         self.pool = BlockPool(runner.num_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(self.pool, prefill_chunk)
         self.requests: dict[str, _Request] = {}
@@ -174,7 +175,8 @@ class EngineCore:
         ready = [seq in self.live and seq.n_pending == n for seq in seqs]  # at its last token
         states = [self.live[s].sampling if r else None for s, r in zip(seqs, ready, strict=True)]
         events = []
-        for seq, is_ready, sampled in zip(seqs, ready, sample(logits, states), strict=True):
+        chosen = sample(logits, states, self.decodable)
+        for seq, is_ready, sampled in zip(seqs, ready, chosen, strict=True):
             self.scheduler.computed(seq, n)
             if is_ready:
                 event = None if sampled is None else _isolated(self._emit, seq, sampled)
@@ -204,7 +206,8 @@ class EngineCore:
 
     def prompt_events(self, ids: list[int], top: int) -> list[TokenEvent]:
         """`Engine.score`'s events for prompt `ids`."""
-        return prompt_events(self.tokenizer, ids, self.runner.prompt_logprobs(ids), top)
+        lp = self.runner.prompt_logprobs(ids)[:, : self.decodable].log_softmax(-1)  # as `sample`
+        return prompt_events(self.tokenizer, ids, lp, top)
 
     def stats(self) -> EngineStats:
         """`Engine.stats`."""
@@ -261,8 +264,13 @@ class Engine:
             cpu_kernels=cpu_kernels,
         )
         vocab_size, num_blocks = model.config.vocab_size, self.runner.num_blocks
-        self.inputs = InputProcessor(
-            tokenizer, vocab_size, self.max_sequence, block_size, num_blocks, max_queue
+        self.inputs = InputProcessor(  # prompts hold only ids the tokenizer can decode
+            tokenizer,
+            decodable_ids(tokenizer, vocab_size),
+            self.max_sequence,
+            block_size,
+            num_blocks,
+            max_queue,
         )
         self.core = EngineCore(
             tokenizer, vocab_size, self.runner, block_size, prefill_chunk, prefix_caching
@@ -319,7 +327,7 @@ class Engine:
     ) -> concurrent.futures.Future[list[TokenEvent]]:
         """The prompt's own tokens as events, what `echo` with `logprobs` reports: token 0 has no
         logprob (nothing precedes it), token t has log p(token t | tokens < t) and the `top`
-        likeliest tokens at t. The engine's thread computes them before its next step (`call`), in
+        likeliest tokens at t. The engine's thread computes them before one of its steps (`call`), in
         one forward pass over the prompt outside the batch and the KV pool. Thread-safe."""
         ids = self.inputs.prompt_ids(prompt)
         if not (isinstance(top, int) and not isinstance(top, bool) and top >= 0):
@@ -327,9 +335,11 @@ class Engine:
         return self.call(_prompt_events, ids, top)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
-        """fn(self, *args) on the engine's thread before its next step, so that it never runs
-        the model at the same time as a step (the playground's attention maps, `score`); its
-        result or exception goes to the returned Future. Thread-safe; starts the thread."""
+        """fn(self, *args) on the engine's thread before one of its next steps, so that it never
+        runs the model at the same time as a step (the playground's attention maps, `score`); its
+        result or exception goes to the returned Future. Each step runs at most one call, so that
+        many calls (a request's prompts to score) take turns with the running sequences' steps.
+        Thread-safe; starts the thread."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             if self._closed:
@@ -456,7 +466,7 @@ class Engine:
                     events.append(self.core.end(seq, "cancelled"))
             self._cancels.clear()
             batches = self.core.schedule()
-            calls, self._calls = self._calls, []
+            calls, self._calls = self._calls[:1], self._calls[1:]  # one call per step
         with self.runner.running():
             for fn, args, future in calls:
                 try:
@@ -480,6 +490,20 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._lock:
             return self.core.stats()
+
+
+def decodable_ids(tokenizer: Any, vocab_size: int) -> int:
+    """How many of a model's `vocab_size` ids the tokenizer decodes: all of them, or the
+    tokenizer's size when the model's vocabulary is padded beyond it (GPT-2's 50257 → 50304).
+    DecoderLMError if the tokenizer is larger than the model's vocabulary: it could encode ids
+    the model has no embedding for."""
+    size = getattr(tokenizer, "vocab_size", None) or vocab_size
+    if size > vocab_size:
+        raise DecoderLMError(
+            f"the tokenizer has {size} tokens but the model's vocabulary only {vocab_size}: "
+            "it is not this model's tokenizer"
+        )
+    return size
 
 
 def _prompt_events(engine: Engine, ids: list[int], top: int) -> list[TokenEvent]:

@@ -19,8 +19,10 @@ the pipe. Messages are tuples over one `multiprocessing.Pipe`:
                     ("event", request_id, TokenEvent) and ("result", key, ok, value)
 
 The child sends events in batches (what accumulated while it was busy), one pickle per batch. If
-the child dies, every open request ends with finish_reason "error" and every waiting call raises
-EngineStoppedError; the server then answers 503.
+the child dies, every open request ends with finish_reason "error", every waiting call raises
+EngineStoppedError and `on_death(why)` is called (`decoderlm serve` then exits non-zero, for its
+supervisor to restart it). `stats` waits at most STATS_TIMEOUT_S for a child that is busy or
+stopped.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from decoderlm.serving.streams import one_by_one, stream_batches
 from decoderlm.serving.types import EngineStats, EngineStoppedError, RequestParams, Sink, TokenEvent
 
 log = logging.getLogger(__name__)
-REPLY_TIMEOUT_S = 60.0  # a submit, call or stats the child has not answered by then fails
+REPLY_TIMEOUT_S = 60.0  # a submit or call the child has not answered by then fails
+STATS_TIMEOUT_S = 2.0  # a stats the child has not answered by then fails
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,8 @@ class EngineSpec:
 
 @dataclass(frozen=True)
 class EngineFacts:
-    """What the child reports once loaded: the tokenizer and the sizes the app needs."""
+    """What the child reports once loaded: the tokenizer and the sizes the app needs (vocab_size:
+    the ids a prompt may hold, those the tokenizer decodes)."""
 
     tokenizer: Any
     max_sequence: int
@@ -73,8 +77,9 @@ class EngineProcess:
     """An `Engine` in a child process; see the module docstring. `start()` spawns it and waits
     until it has loaded (raising DecoderLMError if loading failed)."""
 
-    def __init__(self, spec: EngineSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: EngineSpec, on_death: Callable[[str], None] | None = None) -> None:
+        """on_death(why): called (from the reader thread) if the child dies unasked."""
+        self.spec, self.on_death = spec, on_death
         self.facts: EngineFacts | None = None
         self._conn: Any = None
         self._process: multiprocessing.process.BaseProcess | None = None
@@ -194,10 +199,11 @@ class EngineProcess:
         return self._future("call", "call", (fn, *args))  # PicklingError here if fn cannot be
 
     def stats(self) -> EngineStats:
-        """`Engine.stats` of the child's engine (after `shutdown`, its last)."""
+        """`Engine.stats` of the child's engine (after `shutdown`, its last); EngineStoppedError
+        if the child has not answered within STATS_TIMEOUT_S."""
         if self._final_stats is not None:
             return self._final_stats
-        return self._request("call", "stats", ())
+        return self._request("call", "stats", (), timeout=STATS_TIMEOUT_S)
 
     # The pipe.
 
@@ -282,6 +288,8 @@ class EngineProcess:
                     sink(TokenEvent(None, "", finish_reason="error", index=index))
         if code not in (0, None):
             log.error("decoderlm serve: %s", self._dead)
+        if not self._shutting_down and self.on_death is not None:
+            self.on_death(self._dead)
 
 
 def build_engine(spec: EngineSpec) -> Engine:
@@ -306,7 +314,7 @@ def _child_main(spec: EngineSpec, conn: Any) -> None:
     except Exception as exc:
         conn.send(("failed", str(exc) if isinstance(exc, DecoderLMError) else repr(exc)))
         return
-    vocab_size = engine.model.config.vocab_size
+    vocab_size = engine.inputs.vocab_size
     conn.send(("ready", EngineFacts(engine.tokenizer, engine.max_sequence, vocab_size)))
     outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
     sender = threading.Thread(target=_send_batches, args=(conn, outbox), daemon=True)

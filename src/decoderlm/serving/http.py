@@ -2,12 +2,14 @@
 model, the server's state, OpenAI-shaped errors and the checks and encodings of request fields.
 
 Each router reads the server's state through the `State` dependency, the `ServerState` that
-`app.create_app` puts in `app.state.server`.
+`app.create_app` puts in `app.state.server`. Tokenizing and chat templates run off the event loop
+(`limits.Offload`), within the server's `Limits`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -19,10 +21,11 @@ from fastapi.responses import JSONResponse
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.serving import protocol
-from decoderlm.serving.chat import ChatTemplate
+from decoderlm.serving.chat import ChatTemplate, TemplateRenderError
+from decoderlm.serving.limits import Limits, Offload
 from decoderlm.serving.metrics import Metrics
 from decoderlm.serving.protocol import TokenizeRequest
-from decoderlm.serving.types import EngineClient
+from decoderlm.serving.types import EngineClient, EngineStats
 
 log = logging.getLogger("decoderlm.serve")
 
@@ -63,9 +66,13 @@ class APIError(Exception):
         )
         self.headers = _retry(status) | (headers or {})
 
-    def response(self) -> JSONResponse:
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error JSON."""
         error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return JSONResponse({"error": error}, status_code=self.status, headers=self.headers)
+        return {"error": error}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def _retry(status: int) -> dict[str, str]:
@@ -92,7 +99,9 @@ ERROR_SCHEMA = {  # the JSON schema of APIError's body
 ERRORS = {  # what each status of an APIError means, in the OpenAPI document
     400: "a bad field, or a prompt that leaves no room in the context",
     404: "the model is not served here",
+    413: "the request body is larger than the server's --max-request-bytes",
     429: "the queue is full",
+    500: "the engine failed on this request",
     503: "the model is loading, the engine has stopped or the server is shutting down",
 }
 
@@ -120,15 +129,27 @@ class ServerState:
     """The app's life: loading → serving → draining; and the request ids the engine is running."""
 
     def __init__(
-        self, load: Callable[[], Served], on_load_error: Callable[[BaseException], None] | None
+        self,
+        load: Callable[[], Served],
+        on_load_error: Callable[[BaseException], None] | None,
+        limits: Limits,
     ) -> None:
-        self.load, self.on_load_error = load, on_load_error
+        self.load, self.on_load_error, self.limits = load, on_load_error, limits
         self.served: Served | None = None
         self.error: str | None = None
         self.draining = False
         self.inflight: set[str] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.offload = Offload(limits.work_threads)
         self.metrics = Metrics(lambda: self.served.engine.stats() if self.served else None)
+
+    async def work(self, fn: Callable[..., Any], *args: Any, what: str = "the request") -> Any:
+        """fn(*args) off the event loop, within the limits' work_timeout_s."""
+        return await self.offload.run(self.limits.work_timeout_s, what, fn, *args)
+
+    async def stats(self) -> EngineStats:
+        """The engine's stats, asked off the event loop (a stopped engine cannot block it)."""
+        return await self.work(self.ready().engine.stats, what="the engine's stats")
 
     async def start(self) -> None:
         try:
@@ -180,6 +201,7 @@ def check_model(served: Served, model: str | None) -> None:
 
 
 def encode(served: Served, text: str, param: str) -> list[int]:
+    """The token ids of a text (blocking: tokenizes; run it with `ServerState.work`)."""
     try:
         ids = served.tokenizer.encode(text)
     except DecoderLMError as exc:
@@ -189,14 +211,28 @@ def encode(served: Served, text: str, param: str) -> list[int]:
     return ids
 
 
-def chat_prompt(served: Served, messages: list[protocol.ChatMessage], generation: bool) -> str:
-    return served.chat_template.render([m.as_dict() for m in messages], generation)
+async def chat_prompt(
+    state: ServerState, served: Served, messages: list[protocol.ChatMessage], generation: bool
+) -> str:
+    """The chat template's prompt for `messages`, rendered off the loop within the limits."""
+    limits = state.limits
+    render = functools.partial(
+        served.chat_template.render,
+        [m.as_dict() for m in messages],
+        generation,
+        max_chars=limits.max_template_chars,
+        timeout_s=limits.template_timeout_s,
+    )
+    try:
+        return await state.work(render, what="rendering the chat template")
+    except TemplateRenderError as exc:
+        raise APIError(400, str(exc), param="messages") from None
 
 
-def request_text(served: Served, body: TokenizeRequest) -> str:
+async def request_text(state: ServerState, served: Served, body: TokenizeRequest) -> str:
     """The text of a body with exactly one of prompt and messages (rendered by the chat template)."""
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
-        return chat_prompt(served, body.messages, body.add_generation_prompt)
+        return await chat_prompt(state, served, body.messages, body.add_generation_prompt)
     return body.prompt

@@ -1,8 +1,9 @@
 """Prometheus metrics of the server: the engine's state read at each scrape, and request latencies.
 
 The gauges and counters come from `EngineStats` when /metrics is scraped (so they cannot drift from
-the engine); the two histograms are observed by the HTTP layer as each token reaches it:
-time to first token (request received → first token) and inter-token latency (token → next token).
+the engine; they are left out when it does not answer in time); the two histograms are observed by
+the HTTP layer as each token reaches it: time to first token (request received → first token) and
+inter-token latency (token → next token).
 Each app has its own registry, so several apps (tests) can live in one process.
 """
 
@@ -14,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from decoderlm.serving.types import EngineStats
+from decoderlm.serving.types import EngineStats, EngineStoppedError
 
 PREFIX = "decoderlm"
 # Seconds: from a few milliseconds (a tiny model's step) to a minute (a long queue wait).
@@ -29,7 +30,10 @@ class _EngineCollector(Collector):
         self.stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.stats()
+        try:
+            stats = self.stats()
+        except EngineStoppedError:  # the engine did not answer in time: the rest still shows
+            return
         if stats is None:
             return
         gauges = {

@@ -33,7 +33,7 @@ from decoderlm.model.cache import attention_kind, kv_cache_table
 from decoderlm.model.config import ModelConfig
 from decoderlm.serving.http import (
     APIError,
-    Served,
+    ServerState,
     State,
     check_model,
     encode,
@@ -71,8 +71,9 @@ def _attention_weights(
     return maps.weights[layer, 0, heads], maps.entropy
 
 
-async def model_card(served: Served) -> dict[str, Any]:
+async def model_card(state: ServerState) -> dict[str, Any]:
     """The model card of the served model: shape, positions, parameters, KV-cache costs."""
+    served = state.ready()
     config, dtype, parameters = await asyncio.wrap_future(served.engine.call(_model_facts))
     return {
         "model": served.model_name,
@@ -88,7 +89,7 @@ async def model_card(served: Served) -> dict[str, Any]:
         "vocab_size": config.vocab_size,
         "sliding_window": config.sliding_window,
         "dtype": str(dtype).removeprefix("torch."),
-        "kv_cache_bytes_per_token": served.engine.stats().kv_bytes_per_token,
+        "kv_cache_bytes_per_token": (await state.stats()).kv_bytes_per_token,
         "kv_cache": kv_cache_table(config, CONTEXTS, dtype),
     }
 
@@ -101,14 +102,16 @@ def _check_field(name: str, value: int, count: int) -> None:
         raise APIError(400, str(exc), param=name) from None
 
 
-async def attention(served: Served, body: AttentionRequest) -> dict[str, Any]:
+async def attention(state: ServerState, body: AttentionRequest) -> dict[str, Any]:
     """The weights of body.layer (body.head, or all heads) for the body's text; runs the model."""
+    served = state.ready()
     config, _, _ = await asyncio.wrap_future(served.engine.call(_model_facts))
     _check_field("layer", body.layer, config.n_layers)
     if body.head is not None:
         _check_field("head", body.head, config.n_heads)
     param = "prompt" if body.prompt is not None else "messages"
-    ids = encode(served, request_text(served, body), param)
+    text = await request_text(state, served, body)
+    ids = await state.work(encode, served, text, param, what="tokenizing the prompt")
     cap = min(MAX_ATTENTION_TOKENS, config.context_length)
     kept = ids[:cap]
     heads = list(range(config.n_heads)) if body.head is None else [body.head]
@@ -146,16 +149,16 @@ async def index() -> FileResponse:
 
 @router.get("/v1/model_card", responses=errors(503))
 async def get_model_card(state: State) -> dict[str, Any]:
-    return await model_card(state.ready())
+    return await model_card(state)
 
 
 @router.get("/v1/engine_stats", responses=errors(503))
 async def engine_stats(state: State) -> dict[str, Any]:
-    return dataclasses.asdict(state.ready().engine.stats())
+    return dataclasses.asdict(await state.stats())
 
 
 @router.post("/v1/attention", responses=errors(404, 503))
 async def post_attention(state: State, body: AttentionRequest) -> dict[str, Any]:
     served = state.ready()
     check_model(served, body.model)
-    return await attention(served, body)
+    return await attention(state, body)

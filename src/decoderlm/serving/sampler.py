@@ -3,8 +3,9 @@
 `sample` takes one forward pass's logits (B, V) and each row's `SamplingState` and returns each
 row's token and log-probabilities. It is the one place where tokens are chosen:
 
-- logits are masked at the top of `sample`, before any token is chosen: logit processors (a
-  grammar's mask of the tokens allowed next) go there;
+- logits are masked at the top of `sample`, before any token is chosen: the ids past the
+  tokenizer's vocabulary (a model's padded embedding rows, which cannot be decoded) are never
+  chosen; logit processors (a grammar's mask of the tokens allowed next) go there too;
 - a chosen token is accepted in `SamplingState.accept`, where it joins the sequence's sampler
   state: speculative decoding's acceptance of draft tokens goes there.
 
@@ -74,8 +75,11 @@ class Sampled:
     logprobs: Tensor | None  # (V,) raw: before the repetition penalty and the temperature
 
 
-def sample(logits: Tensor, states: list[SamplingState | None]) -> list[Sampled | None]:
-    """Each row's next token from one forward pass's logits (B, V) in float32.
+def sample(
+    logits: Tensor, states: list[SamplingState | None], decodable: int | None = None
+) -> list[Sampled | None]:
+    """Each row's next token from one forward pass's logits (B, V) in float32, among the first
+    `decodable` ids (all if None): the others are masked to -inf, in place.
 
     states[i] None: row i is not sampled (a prefill chunk short of its prompt's end). One tensor
     operation over all rows gives every greedy row its token (argmax) and every row that reports
@@ -83,6 +87,8 @@ def sample(logits: Tensor, states: list[SamplingState | None]) -> list[Sampled |
     one by one, each from its own generator. A row whose sampling raises gets None (logged), as
     does a row not sampled; the engine ends the first's sequence with "error", the others go on.
     """
+    if decodable is not None and decodable < logits.shape[-1]:
+        logits[:, decodable:] = float("-inf")
     greedy = [state is not None and state.greedy for state in states]
     wants_lp = [state is not None and state.logprobs for state in states]
     tokens = greedy_tokens(logits).tolist() if any(greedy) else [None] * len(states)  # (B,)
