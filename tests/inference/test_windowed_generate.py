@@ -79,10 +79,11 @@ def test_engine_serves_a_windowed_model_past_its_window_exactly():
     from decoderlm.tokenizer import Tokenizer
 
     model = windowed_model(sliding_window=12, context_length=40)  # the engine stops at the context
-    tokenizer = Tokenizer.train_char(["abcdefghijklmnopqrstuvwxyz .,;:!?ABCDEFGHIJKLMNOPQRSTU"])
+    tokenizer = Tokenizer.train_char(["abcdefghijklmnopqrstuvwxyz .,;:!?ABCDEFGHIJKLMN"])  # 48 ids
     engine = Engine(model, tokenizer, kv_cache_memory="1MiB")
     assert engine.max_sequence == model.config.context_length
-    params = RequestParams(max_tokens=20, sampling=decoderlm.SamplingParams(temperature=0))
+    greedy = decoderlm.SamplingParams(temperature=0)
+    params = RequestParams(max_tokens=20, sampling=greedy, stop_at_eot=False)  # as the reference
     prompts = [[3, 17, 5], [9, 30, 2, 11, 7]]
     for prompt, completion in zip(prompts, engine.generate(prompts, params), strict=True):
         assert len(prompt) + len(completion.token_ids) == len(prompt) + 20  # past the window
