@@ -256,8 +256,10 @@ def test_a_model_vocabulary_padded_past_the_tokenizer_serves_text(tmp_path, star
 
 
 def serve_command(run: Path, port: int, *extra: str) -> list[str]:
+    # float32: the same tokens on every CPU (the default dtype follows the CPU)
     return [sys.executable, "-m", "decoderlm.cli", "serve", "--checkpoint", str(run),
-            "--port", str(port), "--kv-cache-memory", "4MiB", *extra]  # fmt: skip
+            "--port", str(port), "--kv-cache-memory", "4MiB", "--dtype", "float32",
+            *extra]  # fmt: skip
 
 
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused_at_load(tmp_path):

@@ -321,7 +321,7 @@ def test_page_streams_a_completion_shows_alternatives_and_draws_attention(browse
 
 
 def test_page_splits_a_chunk_of_several_tokens_into_one_span_each(browser, server):
-    # A stream that falls behind the engine gets several tokens per chunk (app._Stream.stream).
+    # A stream that falls behind the engine gets several tokens per chunk (responses.RequestStream.stream).
     open_page(browser, server[0])
     top = [{"a": -0.1}, {"🙂": -0.2}, {"c": -0.3}]
     completion = {"text": "a🙂cd", "finish_reason": "length", "logprobs": {

@@ -58,8 +58,10 @@ def test_chat_command_streams_replies_and_resets(run_dir, monkeypatch, capsys):
 
 def test_sigterm_lets_a_running_stream_finish_then_exits_0(long_run_dir):
     port = free_port()
+    # float32: the same long stream on every CPU (the default dtype follows the CPU)
     cmd = [sys.executable, "-m", "decoderlm.cli", "serve", "--checkpoint", str(long_run_dir),
-           "--port", str(port), "--kv-cache-memory", "4MiB", "--grace-period", "60"]  # fmt: skip
+           "--port", str(port), "--kv-cache-memory", "4MiB", "--grace-period", "60",
+           "--dtype", "float32"]  # fmt: skip
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

@@ -1,10 +1,9 @@
 """The OpenAI-compatible HTTP app: request JSON → `RequestParams` → engine → `TokenEvent`s → JSON or SSE.
 
-It only translates: tokenizing, chat templates and the response shapes live here, scheduling and
-sampling in the engine. Each choice of a request (n per prompt) is one engine stream with request
-id "<id>-<i>"; its first event is awaited before the response starts, so a full queue is a 429 and
-not a broken stream. Streams are server-sent events, `data: {json}\\n\\n` ending with
-`data: [DONE]\\n\\n`, as OpenAI's clients parse them. A client that goes away cancels its streams.
+It only translates: tokenizing and chat templates here, the response shapes and server-sent events
+in serving/responses.py, scheduling and sampling in the engine. Each choice of a request (n per
+prompt) is one engine stream with request id "<id>-<i>", queued before the response starts, so a
+full queue is a 429 and not a broken stream.
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad field
 or a prompt that leaves no room in the context, 404 for an unknown model, 413 for a body over the
@@ -18,13 +17,12 @@ before its prompts are scored for `echo` with `logprobs`. `max_tokens` beyond th
 fit (finish_reason "length"); the i-th of n choices uses seed + i. `create_app` mounts this
 module's router and the playground's (serving/playground.py: /, /static, /v1/model_card,
 /v1/engine_stats, /v1/attention); what both use is in serving/http.py. Its OpenAPI document
-(/openapi.json) declares these answers.
+(/openapi.json, serving/openapi.py) declares these answers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -34,15 +32,13 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.serving import playground, protocol
+from decoderlm.serving import openapi, playground, protocol
 from decoderlm.serving.http import (
-    ERRORS,
     APIError,
     Served,
     ServerState,
@@ -50,20 +46,34 @@ from decoderlm.serving.http import (
     chat_prompt,
     check_model,
     encode,
-    error_response,
-    errors,
     request_text,
 )
 from decoderlm.serving.limits import BodySizeLimit, Limits, WorkTimeout, wait
+from decoderlm.serving.openapi import (
+    HEALTH,
+    MODELS,
+    STR,
+    TOKENS,
+    completion_responses,
+    errors,
+    json_object,
+    json_response,
+)
 from decoderlm.serving.protocol import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from decoderlm.serving.responses import (
+    ChatFormat,
+    CompletionFormat,
+    RequestStream,
+    respond,
+    start_all,
+)
 from decoderlm.serving.security import Guard, Policy
-from decoderlm.serving.streams import stream_batches
-from decoderlm.serving.types import EngineStoppedError, QueueFullError, RequestParams, TokenEvent
+from decoderlm.serving.types import EngineStoppedError, QueueFullError, TokenEvent
 
 log = logging.getLogger("decoderlm.serve")
 
@@ -75,268 +85,6 @@ def drain(app: FastAPI, grace_s: float) -> None:
     state: ServerState = app.state.server
     if state.loop is not None:
         state.loop.call_soon_threadsafe(state.drain, grace_s)
-
-
-class _Stream:
-    """One engine request (a prompt and its n sequences); its events timed for TTFT and ITL.
-
-    Sequence j of the request is choice `first_choice + j` of the response.
-    """
-
-    def __init__(
-        self,
-        state: ServerState,
-        request_id: str,
-        prompt_ids: list[int],
-        params: RequestParams,
-        first_choice: int,
-    ) -> None:
-        self.state, self.request_id, self.prompt_ids, self.params = (
-            state,
-            request_id,
-            prompt_ids,
-            params,
-        )
-        self.first_choice = first_choice
-        self.arrived = time.perf_counter()
-        self.last: dict[int, float] = {}  # choice → when its latest token arrived
-        self.n_tokens = 0
-        self.finished = False
-
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Submit to the engine (QueueFullError at once if its queue is full); the events go to
-        `loop`. Blocking (an engine in a process answers the submit): call it off the loop."""
-        engine = self.state.served.engine
-        self.state.inflight.add(self.request_id)
-        self.batches = stream_batches(engine, self.prompt_ids, self.params, self.request_id, loop)
-
-    async def stream(self) -> AsyncIterator[tuple[int, list[TokenEvent]]]:
-        """(choice, its events) as they arrive: all of a choice's events that have arrived when
-        the response asks for more, so a response that falls behind the engine catches up in one
-        chunk of several tokens instead of one chunk per token."""
-        metrics = self.state.metrics
-        async for batch in self.batches:
-            now = time.perf_counter()
-            choices: dict[int, list[TokenEvent]] = {}
-            for event in batch:
-                choice = self.first_choice + event.index
-                if event.token_id is not None:
-                    histogram = metrics.itl if choice in self.last else metrics.ttft
-                    histogram.observe(now - self.last.get(choice, self.arrived))
-                    self.last[choice] = now
-                    self.n_tokens += 1
-                choices.setdefault(choice, []).append(event)
-            for item in choices.items():
-                yield item
-        self.finished = True
-        self.state.inflight.discard(self.request_id)
-
-    def close(self) -> None:
-        """Cancel the engine's sequences unless they ended by themselves."""
-        if not self.finished and self.request_id in self.state.inflight:
-            self.state.served.engine.cancel(self.request_id)
-        self.state.inflight.discard(self.request_id)
-
-
-async def _start_all(state: ServerState, streams: list[_Stream]) -> None:
-    """Queue every stream of a request, off the event loop, or none (the error is raised)."""
-    loop = asyncio.get_running_loop()
-
-    def start() -> None:
-        for s in streams:
-            s.start(loop)
-
-    try:
-        await state.work(start, what="queueing the request")
-    except BaseException:
-        for s in streams:
-            s.close()
-        raise
-
-
-async def _merged(streams: list[_Stream]) -> AsyncIterator[tuple[int, list[TokenEvent]]]:
-    """(choice, events) from all streams as they come; cancels what is left when it is closed."""
-    queue: asyncio.Queue[tuple[int, list[TokenEvent]] | BaseException | None] = asyncio.Queue()
-
-    async def pump(s: _Stream) -> None:
-        try:
-            async for item in s.stream():
-                queue.put_nowait(item)
-            queue.put_nowait(None)
-        except Exception as exc:
-            queue.put_nowait(exc)
-
-    tasks = [asyncio.create_task(pump(s)) for s in streams]
-    try:
-        remaining = len(streams)
-        while remaining:
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item is None:
-                remaining -= 1
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        for s in streams:
-            s.close()
-
-
-class _Format:
-    """The JSON of one endpoint's choices; `whole` is a non-streamed choice, else a chunk's."""
-
-    object: str
-    chunk_object: str
-
-    def __init__(self, served: Served, n_choices: int, logprobs: bool) -> None:
-        self.served, self.logprobs = served, logprobs
-        self.offsets = [0] * n_choices  # characters of text each choice has released
-
-    def opening(self, i: int) -> dict[str, Any] | None:
-        return None
-
-    def choice(self, i: int, events: list[TokenEvent], whole: bool) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def _text(self, i: int, events: list[TokenEvent]) -> tuple[str, int]:
-        """The events' text, and the offset it starts at in choice i."""
-        text, start = "".join(e.text for e in events), self.offsets[i]
-        self.offsets[i] += len(text)
-        return text, start
-
-
-class _CompletionFormat(_Format):
-    object = chunk_object = "text_completion"
-
-    def __init__(
-        self,
-        served: Served,
-        echoes: list[str],
-        logprobs: bool,
-        prompt_events: list[list[TokenEvent]] | None = None,
-    ) -> None:
-        """echoes: each choice's prompt text ("" without echo); prompt_events: with echo and
-        logprobs, each choice's prompt tokens (`Engine.score`), reported before its own tokens."""
-        super().__init__(served, len(echoes), logprobs)
-        self.echoes, self.prompt_events = echoes, prompt_events
-        self.offsets = [len(e) for e in echoes]
-
-    def opening(self, i: int) -> dict[str, Any] | None:
-        if not self.echoes[i]:
-            return None
-        logprobs = None
-        if self.prompt_events is not None:
-            logprobs = protocol.completion_logprobs(
-                self.prompt_events[i], self.served.token_text, 0
-            )
-        return {"index": i, "text": self.echoes[i], "logprobs": logprobs, "finish_reason": None}
-
-    def choice(self, i: int, events: list[TokenEvent], whole: bool) -> dict[str, Any]:
-        text, start = self._text(i, events)
-        logprobs = None
-        if self.logprobs:
-            if whole and self.prompt_events is not None:  # the prompt's tokens, then the choice's
-                events, start = self.prompt_events[i] + events, 0
-            logprobs = protocol.completion_logprobs(events, self.served.token_text, start)
-        return {
-            "index": i,
-            "text": self.echoes[i] + text if whole else text,
-            "logprobs": logprobs,
-            "finish_reason": events[-1].finish_reason if events else None,
-        }
-
-
-class _ChatFormat(_Format):
-    object, chunk_object = "chat.completion", "chat.completion.chunk"
-
-    def opening(self, i: int) -> dict[str, Any] | None:
-        delta = {"role": "assistant", "content": ""}
-        return {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
-
-    def choice(self, i: int, events: list[TokenEvent], whole: bool) -> dict[str, Any]:
-        text, _ = self._text(i, events)
-        logprobs = protocol.chat_logprobs(events, self.served.token_text) if self.logprobs else None
-        message = {"role": "assistant", "content": text} if whole else {"content": text}
-        return {
-            "index": i,
-            ("message" if whole else "delta"): message if whole or text else {},
-            "logprobs": logprobs,
-            "finish_reason": events[-1].finish_reason if events else None,
-        }
-
-
-def _engine_error(served: Served) -> APIError:
-    """The error of a request whose sequence ended with finish_reason "error"."""
-    if served.engine.failure is not None:
-        message = f"the engine has stopped: {served.engine.failure}"
-        return APIError(503, message, "service_unavailable")
-    message = "the engine failed on this request; see the server log"
-    return APIError(500, message, "server_error")
-
-
-async def _respond(
-    request_id: str,
-    created: int,
-    served: Served,
-    streams: list[_Stream],
-    fmt: _Format,
-    stream: bool,
-    include_usage: bool,
-) -> Response:
-    """The response of a request whose streams have started."""
-    n_choices = sum(s.params.n for s in streams)
-
-    def envelope(obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": request_id,
-            "object": obj,
-            "created": created,
-            "model": served.model_name,
-            "choices": choices,
-        }
-
-    def total_usage() -> dict[str, int]:
-        prompt_tokens = sum(len(s.prompt_ids) for s in streams)
-        return protocol.usage(prompt_tokens, sum(s.n_tokens for s in streams))
-
-    if not stream:
-        events: list[list[TokenEvent]] = [[] for _ in range(n_choices)]
-        async for i, batch in _merged(streams):
-            if any(event.finish_reason == "error" for event in batch):
-                raise _engine_error(served)
-            events[i] += batch
-        choices = [fmt.choice(i, e, whole=True) for i, e in enumerate(events)]
-        return JSONResponse(envelope(fmt.object, choices) | {"usage": total_usage()})
-
-    def sse(obj: dict[str, Any]) -> str:
-        if include_usage:
-            obj.setdefault("usage", None)
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-    async def body() -> AsyncIterator[str]:
-        try:
-            for i in range(n_choices):
-                opening = fmt.opening(i)
-                if opening is not None:
-                    yield sse(envelope(fmt.chunk_object, [opening]))
-            async for i, batch in _merged(streams):
-                if any(event.finish_reason == "error" for event in batch):
-                    yield f"data: {json.dumps(_engine_error(served).body())}\n\n"
-                    break
-                if fmt.logprobs or any(event.text or event.finish_reason for event in batch):
-                    yield sse(envelope(fmt.chunk_object, [fmt.choice(i, batch, whole=False)]))
-            else:  # every stream ended well
-                if include_usage:
-                    yield sse(envelope(fmt.chunk_object, []) | {"usage": total_usage()})
-            yield "data: [DONE]\n\n"
-        finally:  # also when the client went away and the response was cancelled
-            for s in streams:
-                s.close()
-
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
 
 def _room(served: Served, ids: list[int], requested: int | None, param: str) -> int:
@@ -400,7 +148,7 @@ def _check_counts(state: ServerState, n_prompts: int, n_tokens: int, n: int, par
 
 
 async def _scored(
-    state: ServerState, ids: list[list[int]], top: int, streams: list[_Stream]
+    state: ServerState, ids: list[list[int]], top: int, streams: list[RequestStream]
 ) -> list[list[TokenEvent]]:
     """Each prompt's own tokens with their logprobs (`Engine.score`), once its streams are
     queued; the engine scores one prompt per step, between the steps of other requests."""
@@ -431,14 +179,14 @@ async def _completions(state: ServerState, body: CompletionRequest) -> Response:
     for p, (ids, echo) in enumerate(prompts):
         max_tokens = _room(served, ids, requested, "prompt")
         params = protocol.to_params(body, max_tokens, body.logprobs)
-        streams.append(_Stream(state, f"{request_id}-{p}", ids, params, p * body.n))
+        streams.append(RequestStream(state, f"{request_id}-{p}", ids, params, p * body.n))
         echoes += [echo] * body.n
-    await _start_all(state, streams)
+    await start_all(state, streams)
     if body.echo and body.logprobs is not None:  # the prompt's tokens get logprobs too
         scored = await _scored(state, [ids for ids, _ in prompts], body.logprobs, streams)
         prompt_events = [events for events in scored for _ in range(body.n)]
-    fmt = _CompletionFormat(served, echoes, body.logprobs is not None, prompt_events)
-    return await _respond(request_id, created, served, streams, fmt, body.stream, include_usage)
+    fmt = CompletionFormat(served, echoes, body.logprobs is not None, prompt_events)
+    return await respond(request_id, created, served, streams, fmt, body.stream, include_usage)
 
 
 async def _chat(state: ServerState, body: ChatRequest) -> Response:
@@ -455,10 +203,10 @@ async def _chat(state: ServerState, body: ChatRequest) -> Response:
     max_tokens = _room(served, ids, body.max_completion_tokens or body.max_tokens, "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     params = protocol.to_params(body, max_tokens, logprobs, served.chat_template.stop)
-    streams = [_Stream(state, request_id, ids, params, 0)]
-    fmt = _ChatFormat(served, body.n, logprobs is not None)
-    await _start_all(state, streams)
-    return await _respond(request_id, created, served, streams, fmt, body.stream, include_usage)
+    streams = [RequestStream(state, request_id, ids, params, 0)]
+    fmt = ChatFormat(served, body.n, logprobs is not None)
+    await start_all(state, streams)
+    return await respond(request_id, created, served, streams, fmt, body.stream, include_usage)
 
 
 def _log_ignored(body: protocol.Generation, path: str) -> None:
@@ -499,48 +247,15 @@ async def _on_error(request: Request, exc: Exception) -> JSONResponse:
     return APIError(500, f"internal error: {type(exc).__name__}", "server_error").response()
 
 
-# The routes' `responses=`: what they answer, in the OpenAPI document (`_openapi` adds the 400
-# of a bad body, which FastAPI would call 422)
-def _json(description: str, schema: dict[str, Any]) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": schema}}}
-
-
-def _object(**properties: dict[str, Any]) -> dict[str, Any]:
-    """The JSON schema of an object that has (at least) these properties."""
-    return {"type": "object", "required": list(properties), "properties": properties}
-
-
-_INT, _STR = {"type": "integer"}, {"type": "string"}
-_HEALTH = _object(status=_STR)
-_MODELS = _object(
-    object={"const": "list"},
-    data={"type": "array", "items": _object(id=_STR, created=_INT, max_model_len=_INT)},
-)
-_TOKENS = _object(tokens={"type": "array", "items": _INT}, count=_INT, max_model_len=_INT)
-
-
-def _completion(obj: str) -> dict[str, Any]:
-    """A route's `responses=` for a completion (`object` obj) or, with stream=true, its chunks."""
-    usage = _object(prompt_tokens=_INT, completion_tokens=_INT, total_tokens=_INT)
-    schema = _object(
-        id=_STR,
-        object={"const": obj},
-        created=_INT,
-        model=_STR,
-        choices={"type": "array", "items": _object(index=_INT, finish_reason={})},
-        usage=usage,
-    )
-    stream = {"text/event-stream": {"schema": _STR}}
-    whole = _json("the completion, or with stream=true its chunks as server-sent events", schema)
-    return errors(404, 413, 429, 500, 503) | {200: whole | {"content": whole["content"] | stream}}
-
-
 router = APIRouter()
 
 
 @router.get(
     "/health",
-    responses={200: _json("ready", _HEALTH), 503: _json("not ready, and why", _HEALTH)},
+    responses={
+        200: json_response("ready", HEALTH),
+        503: json_response("not ready, and why", HEALTH),
+    },
 )
 async def health(state: State) -> JSONResponse:
     try:
@@ -556,7 +271,7 @@ async def health(state: State) -> JSONResponse:
     responses={
         200: {
             "description": "Prometheus' text format",
-            "content": {CONTENT_TYPE_LATEST: {"schema": _STR}},
+            "content": {CONTENT_TYPE_LATEST: {"schema": STR}},
         }
     },
 )
@@ -565,7 +280,7 @@ async def metrics(state: State) -> Response:
     return Response(content, media_type=media_type)
 
 
-@router.get("/v1/models", responses=errors(503) | {200: _json("the served model", _MODELS)})
+@router.get("/v1/models", responses=errors(503) | {200: json_response("the served model", MODELS)})
 async def models(state: State) -> dict[str, Any]:
     served = state.ready()
     model = {
@@ -578,19 +293,19 @@ async def models(state: State) -> dict[str, Any]:
     return {"object": "list", "data": [model]}
 
 
-@router.post("/v1/completions", responses=_completion("text_completion"))
+@router.post("/v1/completions", responses=completion_responses("text_completion"))
 async def completions(state: State, body: CompletionRequest) -> Response:
     _log_ignored(body, "/v1/completions")
     return await _completions(state, body)
 
 
-@router.post("/v1/chat/completions", responses=_completion("chat.completion"))
+@router.post("/v1/chat/completions", responses=completion_responses("chat.completion"))
 async def chat_completions(state: State, body: ChatRequest) -> Response:
     _log_ignored(body, "/v1/chat/completions")
     return await _chat(state, body)
 
 
-@router.post("/tokenize", responses=errors(404, 503) | {200: _json("the ids", _TOKENS)})
+@router.post("/tokenize", responses=errors(404, 503) | {200: json_response("the ids", TOKENS)})
 async def tokenize(state: State, body: TokenizeRequest) -> dict[str, Any]:
     served = state.ready()
     check_model(served, body.model)
@@ -603,7 +318,8 @@ async def tokenize(state: State, body: TokenizeRequest) -> dict[str, Any]:
 
 
 @router.post(
-    "/detokenize", responses=errors(404, 503) | {200: _json("the text", _object(prompt=_STR))}
+    "/detokenize",
+    responses=errors(404, 503) | {200: json_response("the text", json_object(prompt=STR))},
 )
 async def detokenize(state: State, body: DetokenizeRequest) -> dict[str, str]:
     served = state.ready()
@@ -616,23 +332,6 @@ async def detokenize(state: State, body: DetokenizeRequest) -> dict[str, str]:
             param="tokens",
         )
     return {"prompt": served.tokenizer.decode(body.tokens)}
-
-
-def _openapi(app: FastAPI, policy: Policy) -> dict[str, Any]:
-    """FastAPI's OpenAPI document, saying what the server answers: a bad body is a 400 (FastAPI
-    says 422) and the policy adds its 401 and 421."""
-    if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        for operations in schema["paths"].values():
-            for operation in operations.values():
-                if operation["responses"].pop("422", None) is not None:
-                    operation["responses"]["400"] = error_response(ERRORS[400])
-        components = schema.get("components", {}).get("schemas", {})
-        for name in ("HTTPValidationError", "ValidationError"):
-            components.pop(name, None)
-        policy.document(schema)
-        app.openapi_schema = schema
-    return app.openapi_schema
 
 
 def create_app(
@@ -665,7 +364,7 @@ def create_app(
     app = FastAPI(title="decoderlm", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
     policy = policy or Policy()
     app.add_middleware(Guard, policy=policy)
-    app.openapi = lambda: _openapi(app, policy)
+    app.openapi = lambda: openapi.document(app, policy.document)
     app.state.server = state
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_bytes)
     app.add_exception_handler(Exception, _on_error)

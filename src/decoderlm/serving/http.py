@@ -64,7 +64,7 @@ class APIError(Exception):
             param,
             code,
         )
-        self.headers = _retry(status) | (headers or {})
+        self.headers = retry_headers(status) | (headers or {})
 
     def body(self) -> dict[str, Any]:
         """OpenAI's error JSON."""
@@ -75,54 +75,9 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def _retry(status: int) -> dict[str, str]:
+def retry_headers(status: int) -> dict[str, str]:
     """The headers of an APIError of this status: a 429 or 503 tells the client to retry."""
     return {"Retry-After": "1"} if status in (429, 503) else {}
-
-
-ERROR_SCHEMA = {  # the JSON schema of APIError's body
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type", "param", "code"],
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": ["string", "null"]},
-            },
-        }
-    },
-}
-ERRORS = {  # what each status of an APIError means, in the OpenAPI document
-    400: "a bad field, or a prompt that leaves no room in the context",
-    404: "the model is not served here",
-    413: "the request body is larger than the server's --max-request-bytes",
-    429: "the queue is full",
-    500: "the engine failed on this request",
-    503: "the model is loading, the engine has stopped or the server is shutting down",
-}
-
-
-def error_response(description: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
-    """An OpenAPI response of an APIError, with its headers."""
-    response: dict[str, Any] = {
-        "description": description,
-        "content": {"application/json": {"schema": ERROR_SCHEMA}},
-    }
-    if headers:
-        response["headers"] = {
-            name: {"required": True, "schema": {"type": "string", "const": value}}
-            for name, value in headers.items()
-        }
-    return response
-
-
-def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """A route's `responses=`: the APIErrors of these statuses that it may answer."""
-    return {status: error_response(ERRORS[status], _retry(status)) for status in statuses}
 
 
 class ServerState:

@@ -37,9 +37,9 @@ from decoderlm.serving.http import (
     State,
     check_model,
     encode,
-    errors,
     request_text,
 )
+from decoderlm.serving.openapi import errors
 from decoderlm.serving.protocol import TokenizeRequest
 
 STATIC = Path(__file__).parent / "static"
