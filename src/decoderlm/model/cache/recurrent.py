@@ -70,7 +70,9 @@ class RecurrentLayerCache(BaseLayerCache):
         return self.state.nbytes + (0 if self.conv is None else self.conv.nbytes)
 
     def seek(self, step: CacheStep) -> None:
-        if int(step.slots[0]) == 0:  # a new sequence starts from the zero state
+        # The first new slot, from host integers where the step has them (no device read).
+        start = int(step.slots[0]) if step.end is None else step.end - step.slots.shape[0]
+        if start == 0:  # a new sequence starts from the zero state
             self.state = torch.zeros_like(self.state)
             self.conv = None if self.conv is None else torch.zeros_like(self.conv)
         self.valid = step.valid
