@@ -190,7 +190,12 @@ class ModelConfig:
                 f"layer_types has {len(types)} entries and",
                 f"must have one per layer (n_layers={self.n_layers})",
             )
-        for name in ("recurrent_heads", "recurrent_key_heads", "recurrent_key_dim"):
+        for name in (
+            "recurrent_heads",
+            "recurrent_key_heads",
+            "recurrent_key_dim",
+            "recurrent_value_dim",
+        ):
             value = getattr(self, name)
             _require(
                 value is None or (isinstance(value, int) and value > 0),
@@ -361,6 +366,17 @@ _LLAMA = dict(
     bias=False,
     tie_embeddings=False,
 )
+# The llama-tiny shape, which decoderlm's own recurrent presets share.
+_LLAMA_TINY = dict(
+    _LLAMA,
+    vocab_size=2048,
+    context_length=256,
+    d_model=128,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=344,
+)
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The canonical block of the seed material: d_model 256, 8 heads, MLP ratio 4, GELU, LayerNorm,
@@ -386,41 +402,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-xl": dict(_GPT2, d_model=1600, n_layers=48, n_heads=25),  # 1.5B
     # LLaMA-style (Touvron et al., 2023): RMSNorm, SwiGLU, RoPE, GQA, no bias.
     # ~1.2M parameters: small enough for unit tests and CPU demos.
-    "llama-tiny": dict(
-        _LLAMA,
-        vocab_size=2048,
-        context_length=256,
-        d_model=128,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=344,
-    ),
+    "llama-tiny": _LLAMA_TINY,
     # decoderlm's own small hybrid: llama-tiny with Gated DeltaNet in three of every four layers and
     # attention in the fourth (the 3:1 ratio of Qwen3-Next), GDN heads 4 of 32 (keys shared by 2).
     "hybrid-tiny": dict(
-        _LLAMA,
-        vocab_size=2048,
-        context_length=256,
-        d_model=128,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=344,
+        _LLAMA_TINY,
         layer_types=("gdn", "gdn", "gdn", "attention"),
         recurrent_key_heads=2,
     ),
     # decoderlm's own pure recurrent model: the same shape with Gated DeltaNet in every layer; no
     # attention, so it decodes past context_length.
     "recurrent-tiny": dict(
-        _LLAMA,
-        vocab_size=2048,
-        context_length=256,
-        d_model=128,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=344,
+        _LLAMA_TINY,
         layer_types=("gdn",) * 4,
         recurrent_key_heads=2,
     ),

@@ -35,7 +35,7 @@ def l2norm(x: Tensor) -> Tensor:
 
 class GatedDeltaNet(RecurrentMixer):
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
+        super().__init__(config)
         d = config.d_model
         self.heads, self.key_heads, self.d_k, self.d_v = config.recurrent_dims
         self.chunk = config.recurrent_chunk

@@ -40,7 +40,7 @@ DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 0.1, 1e-4
 
 class Mamba2(RecurrentMixer):
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
+        super().__init__(config)
         d = config.d_model
         self.heads, self.groups, self.d_state, self.head_dim = config.recurrent_dims
         self.chunk = config.recurrent_chunk

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.cache.recurrent import RecurrentLayerCache
+from decoderlm.model.config import ModelConfig
 
 
 def split_heads(y: Tensor, d: int, repeat: int = 1) -> Tensor:
@@ -23,7 +24,12 @@ def split_heads(y: Tensor, d: int, repeat: int = 1) -> Tensor:
 
 class RecurrentMixer(nn.Module):
     """A token mixer with a fixed-size state; `forward` has attention's signature so that `Block`
-    calls either alike (rope is unused: a recurrent layer orders tokens by its recurrence)."""
+    calls either alike (rope is unused: a recurrent layer orders tokens by its recurrence). Its
+    output, as attention's, goes through the residual dropout."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(
         self,
@@ -37,11 +43,11 @@ class RecurrentMixer(nn.Module):
             raise DecoderLMError(f"{type(self).__name__} is causal by construction: causal=False")
         if kv_cache is None:
             y, _, _ = self.mix(x, key_padding_mask, None, None)
-            return y
-        y, kv_cache.conv, kv_cache.state = self.mix(
-            x, kv_cache.valid, kv_cache.conv, kv_cache.state
-        )
-        return y
+        else:
+            y, kv_cache.conv, kv_cache.state = self.mix(
+                x, kv_cache.valid, kv_cache.conv, kv_cache.state
+            )
+        return self.resid_dropout(y)
 
     def mix(
         self, x: Tensor, valid: Tensor | None, conv: Tensor | None, state: Tensor | None
