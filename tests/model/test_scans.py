@@ -4,6 +4,7 @@ written from the papers' equations (the state as the papers orient it)."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from decoderlm.model.scans import (
     chunk_gated_delta_rule,
@@ -149,3 +150,27 @@ def test_the_delta_rule_matches_transformers_torch_path() -> None:
     )
     assert relative_error(ours.transpose(1, 2), theirs) <= 1e-5
     assert relative_error(s_ours, s_theirs) <= 1e-5
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the most elements of any tensor an op returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(x, torch.Tensor):
+                self.most = max(self.most, x.numel())
+        return out
+
+
+@pytest.mark.parametrize("kind", ["linear", "delta"])
+def test_the_chunked_form_never_builds_a_t_by_t_tensor(kind: str) -> None:
+    t, chunk = 512, 16
+    x = {n: a[:1, :1] for n, a in inputs(t).items()}  # (1, 1, T, ...)
+    with LargestTensor() as largest:
+        run(kind, "chunk", x, chunk=chunk)
+    assert largest.most <= t * chunk < t * t  # (N, C, C) = T·C entries at most
