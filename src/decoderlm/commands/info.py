@@ -41,7 +41,12 @@ def run(args: argparse.Namespace) -> int:
     from decoderlm.dtypes import parse_dtype
     from decoderlm.errors import DecoderLMError
     from decoderlm.loading import read_config
-    from decoderlm.model.cache import attention_kind, kv_cache_table
+    from decoderlm.model.cache import (
+        attention_kind,
+        kv_cache_table,
+        recurrent_state_bytes,
+    )
+    from decoderlm.model.cache.sizes import attention_layers
     from decoderlm.model.config import ModelConfig
     from decoderlm.model.lm import DecoderLM
 
@@ -75,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
             name: kv_cache_table(config, CONTEXTS, _kv_dtype(name), window, window_layers)
             for name in dict.fromkeys((*KV_DTYPES, dtype))
         },
+        # per sequence at any context: the recurrent layers' conv and matrix states
+        "recurrent_state_bytes": {
+            name: recurrent_state_bytes(config, _state_dtype(name))
+            for name in dict.fromkeys((*KV_DTYPES, dtype))
+        },
     }
     if args.json:
         print(json.dumps(info))
@@ -106,7 +116,18 @@ def run(args: argparse.Namespace) -> int:
             if window is not None:
                 sizes = "".join(f"{_bytes(row['bytes_at_windowed'][n]):>12}" for n in CONTEXTS)
                 print(f"      {window_label:<24}{'':>11}{sizes}")
+        if config.has_recurrent_layers:  # the same at every context
+            state = _bytes(info["recurrent_state_bytes"][name])
+            label = f"recurrent state, {config.n_layers - attention_layers(config)} layers"
+            print(f"    {label:<26}{'-':>11}" + f"{state:>12}" * len(CONTEXTS))
     return 0
+
+
+def _state_dtype(name: str) -> torch.dtype:
+    """The recurrent states' dtype beside a KV dtype: the same, float32 beside int8 K/V."""
+    from decoderlm.dtypes import parse_dtype
+
+    return parse_dtype("float32" if name == "int8" else name)
 
 
 def _kv_dtype(name: str) -> torch.dtype | str:

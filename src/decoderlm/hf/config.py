@@ -194,6 +194,10 @@ def _require_hf(hf: dict[str, Any], key: str, value: bool) -> None:
 def hf_model_type(config: ModelConfig) -> str:
     """The HF family our config maps onto; DecoderLMError saying why when there is none."""
     c = config
+    if c.has_recurrent_layers:
+        _no_equivalent(
+            f"layer_types={list(c.layer_types)} (decoderlm does not map recurrent layers yet)"
+        )
     if c.norm_placement != "pre":
         _no_equivalent("Post-LN blocks (every supported HF family is Pre-LN)")
     if c.attn_scale != "1/sqrt(head_dim)":

@@ -41,7 +41,7 @@ from decoderlm.data import read_text_file
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.generate import evaluating
 from decoderlm.inference.options import DecodeOptions
-from decoderlm.model.cache import CacheStep, StaticKVCache
+from decoderlm.model.cache import CacheStep, make_cache
 from decoderlm.model.lm import DecoderLM
 
 # Windows per forward pass are chosen so that a batch holds about this many tokens (bounds the
@@ -174,7 +174,7 @@ def _window_logits(model: DecoderLM, x: Tensor, kv_cache_dtype: str | None) -> T
         return model(x)
     b, t = x.shape
     dtype = model.tok_emb.weight.dtype
-    cache = StaticKVCache(model.config, b, t, dtype, x.device, kv_cache_dtype)
+    cache = make_cache(model.config, b, t, dtype, x.device, kv_cache_dtype)
     cache.seek(CacheStep.span(0, t, x.device))  # a prefill: the usual causal triangle
     return model(x, None, None, cache)
 

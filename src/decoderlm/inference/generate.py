@@ -33,7 +33,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.inference.options import DecodeOptions
 from decoderlm.inference.prompts import Prompt, make_generator, prompt_rows
 from decoderlm.inference.sampling import SamplingParams, sample_next, sampling_params
-from decoderlm.model.cache import CacheStep, LayerCache, RingKVCache, StaticKVCache
+from decoderlm.model.cache import CacheStep, LayerCache, LayerCaches, make_cache
 from decoderlm.model.lm import DecoderLM
 
 # Rows stop being checked for end-of-text on every step (a host sync); `generate` looks every this many.
@@ -107,12 +107,14 @@ def _fill_lengths(
 
 def _make_cache(
     model: DecoderLM, batch_size: int, max_len: int, kv_cache_dtype: str | None
-) -> StaticKVCache | RingKVCache:
-    """The KV cache of one generation: rings for a windowed model, else static buffers; either in
-    the model's dtype or int8."""
-    cfg, weight = model.config, model.tok_emb.weight
-    cache = RingKVCache if cfg.sliding_window is not None else StaticKVCache
-    return cache(cfg, batch_size, max_len, weight.dtype, weight.device, kv_cache_dtype)
+) -> LayerCaches:
+    """The cache of one generation (`decoderlm.model.cache.make_cache`): rings for a windowed
+    model, conv and matrix states for recurrent layers, else static buffers; K/V either in the
+    model's dtype or int8."""
+    weight = model.tok_emb.weight
+    return make_cache(
+        model.config, batch_size, max_len, weight.dtype, weight.device, kv_cache_dtype
+    )
 
 
 def decode_steps(
@@ -133,7 +135,9 @@ def decode_steps(
     prefill (and with `compile` the one-token step); never the eager one-token step, as the mode's
     Python hook on every op costs more than it saves there. A model with a sliding window keeps its
     windowed layers' K/V in rings of W slots (`RingKVCache`); when every layer has one, decoding
-    goes on past `context_length` with nothing refilled.
+    goes on past `context_length` with nothing refilled. Recurrent layers keep a fixed-size state
+    (`HybridCache`), which a padded token leaves unchanged (`CacheStep.valid`); a model with no
+    attention layer (and RoPE or no positions) decodes past `context_length` too.
     """
     options = DecodeOptions() if options is None else options
     cfg = model.config

@@ -19,6 +19,9 @@ NORM_KINDS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
 POSITION_KINDS = ("sinusoidal", "learned", "rope", "none")
 ATTN_BACKENDS = ("math", "sdpa", "flash")
+# A layer's token mixer: softmax attention, or a recurrent layer with a fixed-size state
+# (decoderlm.model.linear_attention, .gated_deltanet, .mamba2).
+LAYER_TYPES = ("attention", "linear_attention", "gdn", "mamba2")
 # The score scale: the seeds' 1/√d_k keeps var(q·k) ≈ 1 at any head_dim; "none" is the ablation.
 ATTN_SCALES = ("1/sqrt(head_dim)", "none")
 # Keys of each rope_scaling type besides "type" (or "rope_type"), named as in transformers:
@@ -71,6 +74,18 @@ class ModelConfig:
     # Sliding-window attention (Mistral, Qwen2): query i attends keys i − W < j ≤ i; None = all j ≤ i.
     sliding_window: int | None = None
     sliding_window_layers: tuple[int, ...] | None = None  # layers with the window; None = all
+    # The mixer of each layer, one of LAYER_TYPES per layer; None = attention everywhere.
+    layer_types: tuple[str, ...] | None = None
+    # The recurrent layers' shape (`recurrent_dims`): heads H (GDN: value heads; Mamba-2: heads),
+    # key heads H_k shared by H / H_k heads each (GDN: key heads; Mamba-2: n_groups), key dim d_k
+    # (Mamba-2: state_size) and value dim d_v (Mamba-2: head_dim); None = n_heads, H, head_dim,
+    # head_dim. The state per layer and sequence is H · d_k · d_v numbers.
+    recurrent_heads: int | None = None
+    recurrent_key_heads: int | None = None
+    recurrent_key_dim: int | None = None
+    recurrent_value_dim: int | None = None
+    recurrent_conv: int = 4  # the short causal conv's kernel (GDN, Mamba-2)
+    recurrent_chunk: int = 64  # tokens per chunk of the chunked (training, prefill) form
     init_std: float = 0.02  # GPT-2 initialisation; residual projections get init_std/√(2·n_layers)
     extra: dict[str, Any] = field(default_factory=dict)  # free-form notes (e.g. the preset name)
 
@@ -97,6 +112,8 @@ class ModelConfig:
             self.d_ff = _default_d_ff(self.d_model, self.mlp)
         if isinstance(self.sliding_window_layers, list):  # from JSON
             self.sliding_window_layers = tuple(self.sliding_window_layers)
+        if isinstance(self.layer_types, list):  # from JSON
+            self.layer_types = tuple(self.layer_types)
         self.validate()
 
     def validate(self) -> None:
@@ -122,6 +139,7 @@ class ModelConfig:
         _require(0.0 <= self.dropout < 1.0, f"dropout={self.dropout}", "must be in [0, 1)")
         _require(self.init_std > 0, f"init_std={self.init_std}", "must be > 0")
         self._validate_sliding_window()
+        self._validate_layer_types()
         if self.attn_backend == "flash" and self.dropout > 0:
             raise ConfigError(
                 f"attn_backend='flash' has no attention dropout, but dropout={self.dropout}; "
@@ -158,11 +176,76 @@ class ModelConfig:
             f"must be increasing layer indices in [0, n_layers={self.n_layers})",
         )
 
+    def _validate_layer_types(self) -> None:
+        types = self.layer_types
+        if types is not None:
+            bad = [t for t in types if t not in LAYER_TYPES]
+            _require(
+                isinstance(types, tuple) and not bad,
+                f"layer_types value {bad[0]!r}" if bad else f"layer_types={types!r}",
+                f"is not allowed; choose from: {', '.join(LAYER_TYPES)}",
+            )
+            _require(
+                len(types) == self.n_layers,
+                f"layer_types has {len(types)} entries and",
+                f"must have one per layer (n_layers={self.n_layers})",
+            )
+        for name in (
+            "recurrent_heads",
+            "recurrent_key_heads",
+            "recurrent_key_dim",
+            "recurrent_value_dim",
+        ):
+            value = getattr(self, name)
+            _require(
+                value is None or (isinstance(value, int) and value > 0),
+                f"{name}={value!r}",
+                "must be a positive integer or None",
+            )
+        heads, key_heads, _, _ = self.recurrent_dims
+        _require(
+            heads % key_heads == 0,
+            f"recurrent_heads={heads}",
+            f"must be divisible by recurrent_key_heads={key_heads}",
+        )
+        _require(self.recurrent_conv >= 2, f"recurrent_conv={self.recurrent_conv}", "must be ≥ 2")
+        _require(
+            self.recurrent_chunk >= 1, f"recurrent_chunk={self.recurrent_chunk}", "must be ≥ 1"
+        )
+        _require(
+            self.sliding_window is None or not self.has_recurrent_layers,
+            f"sliding_window={self.sliding_window}",
+            "is not supported with recurrent layer_types yet",
+        )
+
+    def layer_type(self, layer: int) -> str:
+        """The mixer of layer `layer`: one of LAYER_TYPES."""
+        return "attention" if self.layer_types is None else self.layer_types[layer]
+
+    @property
+    def has_recurrent_layers(self) -> bool:
+        return any(self.layer_type(i) != "attention" for i in range(self.n_layers))
+
+    @property
+    def recurrent_dims(self) -> tuple[int, int, int, int]:
+        """(H, H_k, d_k, d_v) of the recurrent layers, the None fields resolved."""
+        heads = self.recurrent_heads or self.n_heads
+        return (
+            heads,
+            self.recurrent_key_heads or heads,
+            self.recurrent_key_dim or self.head_dim,
+            self.recurrent_value_dim or self.head_dim,
+        )
+
     @property
     def decodes_past_context(self) -> bool:
-        """Whether every layer has a sliding window: a ring cache of W slots per layer then
-        decodes past `context_length` (with RoPE or no positions: no table to run out of)."""
-        every_layer = all(self.layer_window(i) is not None for i in range(self.n_layers))
+        """Whether every attention layer has a sliding window (or there is none: a recurrent
+        layer's state does not grow): its cache then decodes past `context_length` (with RoPE or
+        no positions: no table to run out of; recurrent layers use no positions)."""
+        every_layer = all(
+            self.layer_window(i) is not None or self.layer_type(i) != "attention"
+            for i in range(self.n_layers)
+        )
         return every_layer and self.position in ("rope", "none")
 
     def layer_window(self, layer: int) -> int | None:
@@ -283,6 +366,17 @@ _LLAMA = dict(
     bias=False,
     tie_embeddings=False,
 )
+# The llama-tiny shape, which decoderlm's own recurrent presets share.
+_LLAMA_TINY = dict(
+    _LLAMA,
+    vocab_size=2048,
+    context_length=256,
+    d_model=128,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=344,
+)
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The canonical block of the seed material: d_model 256, 8 heads, MLP ratio 4, GELU, LayerNorm,
@@ -308,15 +402,20 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-xl": dict(_GPT2, d_model=1600, n_layers=48, n_heads=25),  # 1.5B
     # LLaMA-style (Touvron et al., 2023): RMSNorm, SwiGLU, RoPE, GQA, no bias.
     # ~1.2M parameters: small enough for unit tests and CPU demos.
-    "llama-tiny": dict(
-        _LLAMA,
-        vocab_size=2048,
-        context_length=256,
-        d_model=128,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=344,
+    "llama-tiny": _LLAMA_TINY,
+    # decoderlm's own small hybrid: llama-tiny with Gated DeltaNet in three of every four layers and
+    # attention in the fourth (the 3:1 ratio of Qwen3-Next), GDN heads 4 of 32 (keys shared by 2).
+    "hybrid-tiny": dict(
+        _LLAMA_TINY,
+        layer_types=("gdn", "gdn", "gdn", "attention"),
+        recurrent_key_heads=2,
+    ),
+    # decoderlm's own pure recurrent model: the same shape with Gated DeltaNet in every layer; no
+    # attention, so it decodes past context_length.
+    "recurrent-tiny": dict(
+        _LLAMA_TINY,
+        layer_types=("gdn",) * 4,
+        recurrent_key_heads=2,
     ),
     # ~15M: the llama2.c TinyStories 15M shape (github.com/karpathy/llama2.c), tied embeddings,
     # with GQA 6→2 (14.5M instead of 15.2M).

@@ -60,7 +60,7 @@ class DecoderLM(nn.Module):
         std = self.config.init_std
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
-                is_residual = name.endswith(("attn.proj", "mlp.down"))
+                is_residual = name.endswith(("attn.proj", "mixer.out_proj", "mlp.down"))
                 nn.init.normal_(
                     module.weight,
                     0.0,
@@ -122,7 +122,8 @@ class DecoderLM(nn.Module):
         return n
 
     def flops_per_token(self, seq_len: int | None = None, training: bool = True) -> int:
-        """Matmul FLOPs per token (Kaplan et al., 2020; PaLM appendix B): forward 2N + 4·L·H·hd·T.
+        """Matmul FLOPs per token (Kaplan et al., 2020; PaLM appendix B): forward 2N + 4·L·H·hd·T,
+        L the attention layers (a recurrent layer's scan is not counted).
 
         N counts the weights used in matmuls (the LM head included, tied or not); training is 3×
         the forward (backward = 2× forward).
@@ -130,7 +131,8 @@ class DecoderLM(nn.Module):
         cfg = self.config
         t = cfg.context_length if seq_len is None else seq_len
         n_matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        forward = 2 * n_matmul + 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * t
+        n_attention = sum(cfg.layer_type(i) == "attention" for i in range(cfg.n_layers))
+        forward = 2 * n_matmul + 4 * n_attention * cfg.n_heads * cfg.head_dim * t
         return 3 * forward if training else forward
 
 

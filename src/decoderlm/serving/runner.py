@@ -48,6 +48,8 @@ class ModelRunner:
         reuse the last step's pages instead of faulting in new ones; and, for float32 and
         bfloat16 pools, the decode rows of layers without a window attended in place, without
         gathering their blocks (`decoderlm.cpu.paged_attention`, where a C compiler builds it)."""
+        if model.config.has_recurrent_layers:
+            raise DecoderLMError("the serving engine does not serve recurrent layers yet")
         self.model = model
         weight = model.tok_emb.weight
         self.device = weight.device

@@ -12,14 +12,22 @@ cache with `seek(step)`; every cache here has that one signature. (The paged poo
 `decoderlm.serving.kv_pool` is seeked by block tables, whose positions differ per row.)
 
 The caches: `static` (`StaticKVCache`: max_len slots per layer), `ring` (`RingKVCache`: W slots per
-windowed layer). Their storage (`storage`) is a tensor in the model's dtype or an `Int8Buffer`
+windowed layer), `recurrent` (`HybridCache`: a recurrent layer's conv and matrix state, a static
+layer for each attention layer); `make_cache` picks one from the config. Their storage (`storage`) is a tensor in the model's dtype or an `Int8Buffer`
 (kv_cache_dtype "int8"): a storage choice, not a cache type. `sizes` counts their bytes.
 
 A new kind of state (a recurrent layer's conv and matrix state, say) is a new module here: a
 `BaseLayerCache` subclass keyed by the same `CacheStep`, its cache a `LayerCaches` with `seek`.
 """
 
+from decoderlm.model.cache.make import make_cache
 from decoderlm.model.cache.protocol import BaseLayerCache, LayerCache, LayerCaches
+from decoderlm.model.cache.recurrent import (
+    HybridCache,
+    RecurrentLayerCache,
+    recurrent_state_bytes,
+    recurrent_state_shapes,
+)
 from decoderlm.model.cache.ring import RingKVCache, RingLayerCache
 from decoderlm.model.cache.sizes import (
     KVDtype,
@@ -41,10 +49,12 @@ __all__ = [
     "KV_CACHE_DTYPES",
     "BaseLayerCache",
     "CacheStep",
+    "HybridCache",
     "Int8Buffer",
     "KVDtype",
     "LayerCache",
     "LayerCaches",
+    "RecurrentLayerCache",
     "RingKVCache",
     "RingLayerCache",
     "StaticKVCache",
@@ -55,4 +65,7 @@ __all__ = [
     "kv_cache_bytes",
     "kv_cache_bytes_per_token",
     "kv_cache_table",
+    "make_cache",
+    "recurrent_state_bytes",
+    "recurrent_state_shapes",
 ]

@@ -28,13 +28,13 @@ class LayerCache(Protocol):
     Where the new tokens go is not an argument: the model's cache is told once per step, before
     the forward pass, by `seek(step)` with a `CacheStep`, and each layer keeps what it needs of it.
 
-    A fixed-size recurrent state (linear attention, Mamba: per layer a conv state (B, C, K − 1)
-    and a matrix state (B, H, d_k, d_v)) fits the same contract without growing with the tokens:
-    its layer calls a `step(x) -> y` in place of `update`, which folds the new tokens into the
-    state (S ← f(S, x)) and reads the output from it, as `attend_in_place` answers from a cache;
-    the same `CacheStep` says which new tokens are real (`valid`: padding leaves S unchanged);
-    having no keys, its `key_padding_mask` stays None; and `rollback(n)` needs the states of the
-    last n tokens kept, or raises until they are.
+    A fixed-size recurrent state (linear attention, Gated DeltaNet, Mamba-2: per layer a conv
+    state (B, C, K − 1) and a matrix state (B, H, d_k, d_v)) fits the same contract without
+    growing with the tokens (`decoderlm.model.cache.recurrent.RecurrentLayerCache`): its mixer
+    reads the states in place of `update`, folds the new tokens in (S ← f(S, x)) and writes the
+    new states back; the same `CacheStep` says which new tokens are real (`valid`: padding leaves
+    S unchanged); having no keys, its `key_padding_mask` stays None; and `rollback(n)` raises (the
+    states of the last n tokens are not kept).
     """
 
     @property

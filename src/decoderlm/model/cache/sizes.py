@@ -15,14 +15,20 @@ from decoderlm.model.config import ModelConfig
 KVDtype = torch.dtype | str
 
 
+def attention_layers(config: ModelConfig) -> int:
+    """The layers that keep K/V: the attention layers (`config.layer_types`; recurrent layers keep
+    a fixed-size state instead, `decoderlm.model.cache.recurrent_state_bytes`)."""
+    return sum(config.layer_type(i) == "attention" for i in range(config.n_layers))
+
+
 def kv_cache_bytes_per_token(config: ModelConfig, dtype: KVDtype = torch.float32) -> int:
-    """Bytes the cache stores per token and sequence: 2 (K and V) · n_layers · n_kv_heads ·
+    """Bytes the cache stores per token and sequence: 2 (K and V) · attention layers · n_kv_heads ·
     (head_dim · size + scale), scale = 4 bytes for "int8" (its float32 scale), else 0."""
     if dtype in ("int8", torch.int8):
         element, scale = 1, KV_SCALE_DTYPE.itemsize
     else:
         element, scale = torch.empty((), dtype=dtype).element_size(), 0
-    return 2 * config.n_layers * config.n_kv_heads * (config.head_dim * element + scale)
+    return 2 * attention_layers(config) * config.n_kv_heads * (config.head_dim * element + scale)
 
 
 def kv_cache_bytes(
@@ -53,7 +59,8 @@ def kv_cache_table(
     tokens in `window_layers` of the layers (None: all), "bytes_at_windowed" holds what a cache
     keeps at context n: per layer and token bytes · (L_w · min(n, W) + (n_layers − L_w) · n).
     """
-    n_windowed = config.n_layers if window_layers is None else window_layers
+    n_layers = attention_layers(config)
+    n_windowed = n_layers if window_layers is None else window_layers
     variants = {"model": config.n_kv_heads, "MHA": config.n_heads, "MQA": 1}
     rows = []
     for name, n_kv in variants.items():
@@ -68,9 +75,9 @@ def kv_cache_table(
             }
         )
         if window is not None:
-            per_layer = kv_cache_bytes_per_token(twin, dtype) // config.n_layers
+            per_layer = kv_cache_bytes_per_token(twin, dtype) // max(n_layers, 1)
             rows[-1]["bytes_at_windowed"] = {
-                n: per_layer * (n_windowed * min(n, window) + (config.n_layers - n_windowed) * n)
+                n: per_layer * (n_windowed * min(n, window) + (n_layers - n_windowed) * n)
                 for n in contexts
             }
     return rows

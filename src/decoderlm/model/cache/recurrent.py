@@ -1,0 +1,124 @@
+"""The inference state of a recurrent layer: a fixed-size conv state and matrix state per sequence.
+
+A recurrent mixer (`decoderlm.model.linear_attention`, `.gated_deltanet`, `.mamba2`) folds each
+new token into a state S of fixed size, S_t = f(S_{t−1}, x_t), and reads its output from it, so
+what it keeps between steps does not grow with the tokens: per layer and sequence a conv state
+(C, K − 1), the last K − 1 inputs of its short convolution (none for linear attention), and a
+matrix state (H, d_k, d_v) (linear attention: (H, d_k, d_v + 1), its normaliser z as the last
+column). `RecurrentLayerCache` holds them, keyed by the same `CacheStep` as the KV caches:
+
+- a step whose first slot is 0 starts a new sequence: the state is zeroed (a fresh prefill, a refill);
+- `step.valid` (B, T) marks the real tokens; the mixer keeps a padded token out of the state
+  (`decoderlm.model.scans.mask_padding`: it leaves S and the conv state as they were — with left
+  padding, the zero state it started from);
+- `rollback` is refused: the state before the last n tokens is not kept.
+
+`HybridCache` holds one layer cache per layer: a `StaticLayerCache` for each attention layer, a
+`RecurrentLayerCache` for each recurrent one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from decoderlm.errors import DecoderLMError
+from decoderlm.model.cache.protocol import BaseLayerCache, LayerCaches
+from decoderlm.model.cache.static import StaticLayerCache
+from decoderlm.model.cache.step import CacheStep
+from decoderlm.model.cache.storage import kv_buffer
+from decoderlm.model.config import ModelConfig
+
+
+def recurrent_state_shapes(
+    config: ModelConfig, layer_type: str, batch_size: int
+) -> tuple[tuple[int, ...] | None, tuple[int, ...]]:
+    """(conv state shape or None, matrix state shape) of one recurrent layer of `layer_type`."""
+    heads, key_heads, d_k, d_v = config.recurrent_dims
+    b, k = batch_size, config.recurrent_conv
+    if layer_type == "linear_attention":  # no conv; the normaliser z is S's last column
+        return None, (b, heads, d_k, d_v + 1)
+    # GDN convolves q, k, v; Mamba-2 convolves x, B, C (H_k = n_groups, d_k = state_size).
+    channels = 2 * key_heads * d_k + heads * d_v
+    return (b, channels, k - 1), (b, heads, d_k, d_v)
+
+
+def recurrent_state_bytes(config: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of every recurrent layer's state for one sequence: the conv states in `dtype`, the
+    matrix states in float32 at least (the scans' precision). Independent of the context."""
+    state_dtype = torch.promote_types(dtype, torch.float32)
+    total = 0
+    for i in range(config.n_layers):
+        if config.layer_type(i) == "attention":
+            continue
+        conv, state = recurrent_state_shapes(config, config.layer_type(i), 1)
+        total += state_dtype.itemsize * torch.Size(state).numel()
+        total += 0 if conv is None else dtype.itemsize * torch.Size(conv).numel()
+    return total
+
+
+class RecurrentLayerCache(BaseLayerCache):
+    """One recurrent layer's state: `conv` (B, C, K − 1) or None, `state` (B, H, d_k, d_v), and
+    the step's `valid` (B, T) or None; the mixer reads them and writes back the new ones."""
+
+    def __init__(self, conv: Tensor | None, state: Tensor) -> None:
+        self.conv, self.state = conv, state
+        self.valid: Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.state.nbytes + (0 if self.conv is None else self.conv.nbytes)
+
+    def seek(self, step: CacheStep) -> None:
+        # The first new slot, from host integers where the step has them (no device read).
+        start = int(step.slots[0]) if step.end is None else step.end - step.slots.shape[0]
+        if start == 0:  # a new sequence starts from the zero state
+            self.state = torch.zeros_like(self.state)
+            self.conv = None if self.conv is None else torch.zeros_like(self.conv)
+        self.valid = step.valid
+
+    def rollback(self, n: int) -> None:
+        raise DecoderLMError(
+            "a recurrent layer's state cannot roll back written tokens: the states before them "
+            "are not kept"
+        )
+
+
+class HybridCache(LayerCaches):
+    """A `StaticLayerCache` of `max_len` slots per attention layer, a `RecurrentLayerCache` per
+    recurrent layer (`config.layer_types`); `seek(step)` as `StaticKVCache.seek`. max_len is
+    unused when no layer is attention. kv_cache_dtype: the attention layers' storage (the
+    recurrent states are kept in `dtype`, their matrix state in float32 at least)."""
+
+    layers: list[StaticLayerCache | RecurrentLayerCache]
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        batch_size: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        kv_cache_dtype: str | None = None,
+    ) -> None:
+        kv_shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
+        state_dtype = torch.promote_types(dtype, torch.float32)
+        layers: list[StaticLayerCache | RecurrentLayerCache] = []
+        for i in range(config.n_layers):
+            kind = config.layer_type(i)
+            if kind == "attention":
+                kv = (kv_buffer(kv_shape, dtype, device, kv_cache_dtype) for _ in "kv")
+                layers.append(StaticLayerCache(*kv))
+                continue
+            conv, state = recurrent_state_shapes(config, kind, batch_size)
+            layers.append(
+                RecurrentLayerCache(
+                    None if conv is None else torch.zeros(conv, dtype=dtype, device=device),
+                    torch.zeros(state, dtype=state_dtype, device=device),
+                )
+            )
+        super().__init__(layers)
+
+    def seek(self, step: CacheStep) -> None:
+        for layer in self.layers:
+            layer.seek(step)
