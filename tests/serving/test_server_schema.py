@@ -59,3 +59,25 @@ def test_every_answer_to_any_request_is_one_the_schema_declares(case):
 @settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
 def test_a_server_with_an_api_key_declares_its_401s(case):
     case.call_and_validate(checks=CHECKS)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "ab", "max_tokens": 2}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "ab"}], "max_tokens": 2},
+        ),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_completion_and_its_server_sent_events_are_as_the_schema_declares(
+    api_schema, path, body, stream
+):
+    case = api_schema[path]["POST"].Case(body=body | {"stream": stream})
+    response = case.call_and_validate(checks=CHECKS)
+    assert response.status_code == 200
+    assert response.headers["content-type"][0].startswith(
+        "text/event-stream" if stream else "application/json"
+    )

@@ -89,7 +89,8 @@ def completion_responses(obj: str) -> dict[str, Any]:
         choices={"type": "array", "items": json_object(index=INT, finish_reason={})},
         usage=usage,
     )
-    stream = {"text/event-stream": {"schema": STR}}
+    # each server-sent event (`data: {chunk JSON}` or `data: [DONE]`), as schemathesis parses them
+    stream = {"text/event-stream": {"schema": json_object(data=STR)}}
     whole = json_response(
         "the completion, or with stream=true its chunks as server-sent events", schema
     )
