@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from decoderlm.inference.sampling import SamplingParams
 from decoderlm.serving.types import RequestParams, TokenEvent
@@ -23,7 +23,8 @@ GREEDY_BELOW = 1e-5
 MIN_TOP_P = 1e-5
 MIN_REPETITION_PENALTY = 0.01
 
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+# StrictInt: JSON true is not the integer 1, nor "5" the integer 5.
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 
 
 class _Body(BaseModel):
@@ -44,16 +45,16 @@ class Generation(_Body):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy; default 1")
     top_p: float | None = Field(None, ge=MIN_TOP_P, le=1)
-    top_k: int | None = Field(None, ge=1)
+    top_k: StrictInt | None = Field(None, ge=1)
     repetition_penalty: float | None = Field(
         None, ge=MIN_REPETITION_PENALTY, le=10, description="> 1 discourages repeats"
     )
     stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
-    seed: int | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    seed: StrictInt | None = None
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(
@@ -71,7 +72,7 @@ Prompt = (
 
 class CompletionRequest(Generation):
     prompt: Prompt
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
 
@@ -94,9 +95,9 @@ class ChatMessage(_Body):
 
 class ChatRequest(Generation):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: int | None = Field(None, ge=1, description="the newer max_tokens")
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, description="the newer max_tokens")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
 
 
@@ -111,7 +112,7 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 def to_params(
