@@ -1,0 +1,160 @@
+"""Where one serving-engine step goes: the time of each phase at 1, 16 and 64 running sequences.
+
+The "llama-55m" preset (random weights, GQA-2) in --dtype (bfloat16 where the CPU has native bf16,
+float32 elsewhere), `Engine` stepped on this thread without HTTP. C requests of a --prompt-tokens
+prompt each decode --new-tokens greedy tokens; only the steps in which every running sequence
+decodes (no prefill chunk) are counted. Each phase is timed by wrapping the function that does it:
+
+- schedule: `EngineCore.schedule` (the scheduler's plan, block allocation);
+- inputs: `ModelRunner.forward` less the model: the step's tensors and `PagedKVCache.seek`
+  (block tables, slots, masks);
+- model: the forward pass itself (`DecoderLM.forward` over the paged cache);
+- sample: `sampler.sample` (masks, greedy argmax or sampling, log-probs);
+- output: `SequenceOutput.event` (detokenizing, stop strings, finish reasons);
+- other: the rest of `Engine.step` (locks, the speed paths' context, bookkeeping, events).
+
+The last line compares the engine's single stream with `generate(compile=True)` on the same
+weights, one sequence: issue 31's target is ≥ 50%.
+
+    HF_HUB_OFFLINE=1 python benchmarks/engine_profile.py [--concurrency 1 16 64] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from decoderlm import DecoderLM, ModelConfig, generate
+from decoderlm.cpu.features import cpu_name, has_native_bf16
+from decoderlm.inference.sampling import SamplingParams
+from decoderlm.serving import engine as engine_module
+from decoderlm.serving import output as output_module
+from decoderlm.serving.engine import Engine
+from decoderlm.serving.types import RequestParams
+from decoderlm.tokenizer import Tokenizer
+
+PHASES = ("schedule", "inputs", "model", "sample", "output", "other")
+
+
+class Clock:
+    """Seconds spent in each phase, and whether the step being timed is all decode."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = defaultdict(float)
+
+    def timed(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[phase] += time.perf_counter() - start
+
+        return wrapper
+
+
+def profile(engine: Engine, prompts: list[list[int]], params: RequestParams) -> dict[str, float]:
+    """Milliseconds per all-decode step in each phase, the step's total, and tokens/s."""
+    clock = Clock()
+    core, runner, model = engine.core, engine.runner, engine.runner.model
+    sample, event = engine_module.sample, output_module.SequenceOutput.event
+    core.schedule = clock.timed("schedule", core.schedule)  # instance attributes, deleted after
+    runner.forward = clock.timed("run", runner.forward)
+    model.forward = clock.timed("model", model.forward)
+    engine_module.sample = clock.timed("sample", sample)
+    output_module.SequenceOutput.event = clock.timed("output", event)
+    for ids in prompts:
+        engine.submit(ids, params, on_event=lambda event: None)
+    totals: dict[str, float] = defaultdict(float)
+    steps = tokens = 0
+    elapsed = 0.0
+    try:
+        while core.live:
+            decoding = all(s.n_pending == 1 for s in core.scheduler.running) and not (
+                core.scheduler.waiting
+            )
+            before = dict(clock.spent)
+            generated = core.counters.generated
+            start = time.perf_counter()
+            engine.step()
+            step = time.perf_counter() - start
+            if decoding and core.scheduler.running:
+                steps += 1
+                elapsed += step
+                tokens += core.counters.generated - generated
+                for phase, spent in clock.spent.items():
+                    totals[phase] += spent - before.get(phase, 0.0)
+                totals["step"] += step
+    finally:
+        del core.schedule, runner.forward, model.forward  # the classes' methods again
+        engine_module.sample, output_module.SequenceOutput.event = sample, event
+    totals["inputs"] = totals["run"] - totals["model"]
+    inside = sum(totals[p] for p in PHASES if p != "other")
+    totals["other"] = totals["step"] - inside
+    result = {phase: 1000 * totals[phase] / max(steps, 1) for phase in (*PHASES, "step")}
+    result["tok_s"] = tokens / elapsed if elapsed else 0.0
+    result["steps"] = steps
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype_name = args.dtype or ("bfloat16" if has_native_bf16() else "float32")
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    config = ModelConfig.from_preset("llama-55m", n_kv_heads=2, context_length=1024)
+    model = DecoderLM(config).eval().to(dtype)
+    tokenizer = Tokenizer.train_char(
+        ["".join(chr(0x4E00 + i) for i in range(config.vocab_size - 1))]
+    )
+    print(f"CPU: {cpu_name()} ({torch.get_num_threads()} threads), torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}, llama-55m GQA-2 {dtype_name}, prompt "
+          f"{args.prompt_tokens}, {args.new_tokens} new tokens (greedy)")  # fmt: skip
+    params = RequestParams(args.new_tokens, SamplingParams(temperature=0), stop_at_eot=False)
+    g = torch.Generator().manual_seed(0)
+    header = " | ".join(f"{p} ms (%)" for p in PHASES)
+    print(f"| running | step ms | {header} | tok/s |")
+    print("|---" * (len(PHASES) + 3) + "|")
+    single = 0.0
+    for c in args.concurrency:
+        engine = Engine(model, tokenizer, kv_cache_memory="1GiB", max_queue=max(64, c))
+        warm = [torch.randint(0, config.vocab_size - 1, (16,), generator=g).tolist()]
+        profile(engine, warm, RequestParams(4, SamplingParams(temperature=0)))  # first-call costs
+        prompts = [
+            torch.randint(0, config.vocab_size - 1, (args.prompt_tokens,), generator=g).tolist()
+            for _ in range(c)
+        ]
+        r = profile(engine, prompts, params)
+        cells = " | ".join(f"{r[p]:.2f} ({100 * r[p] / r['step']:.0f}%)" for p in PHASES)
+        print(f"| {c} | {r['step']:.2f} | {cells} | {r['tok_s']:.0f} |")
+        single = r["tok_s"] if c == 1 else single
+    prompt = torch.randint(0, config.vocab_size - 1, (1, args.prompt_tokens), generator=g)
+    generate(model, prompt, 8, temperature=0, compile=True)  # compiles the step
+    start = time.perf_counter()
+    generate(model, prompt, args.new_tokens + 1, temperature=0, compile=True)
+    with_prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    generate(model, prompt, 1, temperature=0, compile=True)
+    compiled = args.new_tokens / (with_prefill - (time.perf_counter() - start))
+    if single:
+        print(f"engine single stream {single:.0f} tok/s = {100 * single / compiled:.0f}% of "
+              f"generate(compile=True)'s {compiled:.0f} tok/s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
