@@ -14,3 +14,28 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def json_run(tmp_path_factory):
+    """A tiny random model whose byte-level BPE tokenizer spells any JSON (merges learned from
+    JSON text), saved as a run directory: structured output's tests sample it at temperature 1."""
+    from decoderlm import DecoderLM, ModelConfig
+    from decoderlm.checkpoint import save_model
+    from decoderlm.tokenizer import Tokenizer
+
+    text = '{"name": "Ada", "age": 36, "tags": ["x", "y"], "ok": true, "v": null, "f": -1.5e3}\n'
+    tokenizer = Tokenizer.train_bpe([text * 20], vocab_size=320)
+    torch.manual_seed(0)
+    config = ModelConfig.from_preset(
+        "llama-tiny",
+        vocab_size=tokenizer.vocab_size,
+        context_length=256,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+    )
+    run = tmp_path_factory.mktemp("json-run")
+    save_model(run, DecoderLM(config).eval(), tokenizer)
+    return run

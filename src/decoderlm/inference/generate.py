@@ -33,6 +33,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.inference.options import DecodeOptions
 from decoderlm.inference.prompts import Prompt, make_generator, prompt_rows
 from decoderlm.inference.sampling import SamplingParams, sample_next, sampling_params
+from decoderlm.inference.structured import Matcher, StructuredGrammar, accept_tokens, mask_logits
 from decoderlm.model.cache import CacheStep, LayerCache, LayerCaches, make_cache
 from decoderlm.model.lm import DecoderLM
 
@@ -124,6 +125,7 @@ def decode_steps(
     params: SamplingParams,
     generator: torch.Generator | None = None,
     options: DecodeOptions | None = None,
+    matchers: Sequence[Matcher | None] | None = None,
 ) -> Iterator[Tensor]:
     """Yield the new token of every row, (B,) on the model's device, `max_new_tokens` times.
 
@@ -137,7 +139,10 @@ def decode_steps(
     windowed layers' K/V in rings of W slots (`RingKVCache`); when every layer has one, decoding
     goes on past `context_length` with nothing refilled. Recurrent layers keep a fixed-size state
     (`HybridCache`), which a padded token leaves unchanged (`CacheStep.valid`); a model with no
-    attention layer (and RoPE or no positions) decodes past `context_length` too.
+    attention layer (and RoPE or no positions) decodes past `context_length` too. `matchers`: one
+    per row (None: that row is free), each row's structured output
+    (`decoderlm.inference.structured`): its grammar masks the row's logits and takes its tokens,
+    one host copy of the tokens per step.
     """
     options = DecodeOptions() if options is None else options
     cfg = model.config
@@ -179,7 +184,11 @@ def decode_steps(
         new: list[Tensor] = []
         slot = torch.zeros(1, dtype=torch.long, device=device)  # (1,) the slot being written
         while True:
+            if matchers is not None:
+                mask_logits(logits, matchers)
             token = sample_next(logits, params, seen, generator)  # (B,)
+            if matchers is not None:
+                accept_tokens(matchers, token)
             yield token
             new.append(token)
             produced += 1
@@ -221,6 +230,7 @@ def generate(
     compile: bool = False,
     cpu_kernels: bool | SpeedPaths = True,
     kv_cache_dtype: str | None = None,
+    structured: StructuredGrammar | None = None,
     **sampling: Any,
 ) -> list[list[int]]:
     """Continue each prompt row by up to `max_new_tokens` tokens; returns one id list per row.
@@ -239,7 +249,10 @@ def generate(
     `cpu_kernels=False` switches off the CPU speed paths, a `SpeedPaths` picks them one by one
     (module docstring). `kv_cache_dtype="int8"`
     keeps the cache in int8 with a scale per token and head (`decoderlm.model.cache.storage`: half
-    the bytes of a bfloat16 cache, plus the scales); not with `compile`.
+    the bytes of a bfloat16 cache, plus the scales); not with `compile`. `structured`: a
+    `StructuredOutput` compiled for the tokenizer (`compile_structured(tokenizer, spec)`) that
+    every row's new text follows, each row with its own matcher; `eos_id` defaults to its
+    end-of-text token, which ends a complete output.
     """
     params = sampling_params(params, sampling)
     if not (isinstance(num_samples, int) and num_samples >= 1):
@@ -250,9 +263,17 @@ def generate(
     if max_new_tokens == 0:
         return rows
     generator = make_generator(seed, model.tok_emb.weight.device)
+    matchers = None
+    if structured is not None:
+        if not isinstance(structured, StructuredGrammar):
+            raise DecoderLMError(
+                f"structured={structured!r:.80} must be compile_structured(tokenizer, spec)"
+            )
+        matchers = [structured.matcher() for _ in rows]
+        eos_id = structured.stop_id if eos_id is None else eos_id
     new: list[Tensor] = []
     with evaluating(model), options.paths.applied(model):
-        steps = decode_steps(model, rows, max_new_tokens, params, generator, options)
+        steps = decode_steps(model, rows, max_new_tokens, params, generator, options, matchers)
         done = torch.zeros(len(rows), dtype=torch.bool, device=model.tok_emb.weight.device)
         for i, token in enumerate(steps):
             new.append(token)

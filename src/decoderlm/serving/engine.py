@@ -35,6 +35,7 @@ from torch import Tensor
 
 from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.errors import DecoderLMError
+from decoderlm.inference.structured import StructuredGrammar
 from decoderlm.model.cache import check_kv_cache_dtype
 from decoderlm.model.lm import DecoderLM
 from decoderlm.serving.inputs import InputProcessor
@@ -123,16 +124,24 @@ class EngineCore:
         self.counters = _Counters()
 
     def add(
-        self, request: _Request, params: RequestParams, ids: list[int], max_len: int
+        self,
+        request: _Request,
+        params: RequestParams,
+        ids: list[int],
+        max_len: int,
+        grammar: StructuredGrammar | None = None,
     ) -> list[tuple[_Request, TokenEvent]]:
-        """Queue the request's `params.n` sequences of prompt `ids`, to end at `max_len` tokens;
-        the last events of those with nothing to generate (max_tokens 0 or a full context)."""
+        """Queue the request's `params.n` sequences of prompt `ids`, to end at `max_len` tokens,
+        each with its own matcher of `grammar`; the last events of those with nothing to generate
+        (max_tokens 0 or a full context)."""
         self.requests[request.id] = request
         self.counters.prompt_tokens += len(ids)
         events = []
         for index in range(params.n):
             seq = Sequence(list(ids), len(ids), max_len)
-            sampling = SamplingState.create(params, index, ids, self.vocab_size, self.runner.device)
+            sampling = SamplingState.create(
+                params, index, ids, self.vocab_size, self.runner.device, grammar
+            )
             output = SequenceOutput.create(self.tokenizer, params, index, ids)
             self.live[seq] = _Live(request, sampling, output)
             request.seqs.append(seq)
@@ -299,6 +308,7 @@ class Engine:
         """
         ids = self.inputs.prompt_ids(prompt)
         max_len = self.inputs.max_len(ids, params)
+        grammar = self.inputs.grammar(params)
         request_id = uuid.uuid4().hex if request_id is None else request_id
         with self._lock:
             if self._closed:
@@ -310,7 +320,7 @@ class Engine:
                     f"the engine's waiting queue is full ({self.max_queue} sequences); retry later"
                 )
             request = _Request(request_id, on_event, n_open=params.n)
-            events = self.core.add(request, params, ids, max_len)
+            events = self.core.add(request, params, ids, max_len, grammar)
             self._lock.notify_all()
         self._deliver(events)
         return request_id

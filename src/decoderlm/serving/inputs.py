@@ -1,6 +1,7 @@
 """A request's prompt and sizes, checked before it reaches the engine's queue, after vLLM's input
 Processor (vllm/v1/engine/processor.py): text is tokenized, token ids must be in the vocabulary,
-and the sequences must fit the context and the KV pool.
+and the sequences must fit the context and the KV pool; a structured output's grammar is
+compiled here, in the caller's thread, never on the engine's step thread.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from typing import Any
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.prompts import prompt_rows
+from decoderlm.inference.structured import StructuredGrammar, compile_structured
 from decoderlm.serving.kv_pool import blocks_for
 from decoderlm.serving.types import RequestParams
 
@@ -58,3 +60,10 @@ class InputProcessor:
         if params.n > self.max_queue:
             raise DecoderLMError(f"n={params.n} exceeds the engine's max_queue={self.max_queue}")
         return max_len
+
+    def grammar(self, params: RequestParams) -> StructuredGrammar | None:
+        """The request's structured output compiled for the tokenizer (cached), or None;
+        DecoderLMError if it cannot compile."""
+        if params.structured is None:
+            return None
+        return compile_structured(self.tokenizer, params.structured)

@@ -30,7 +30,8 @@ class SequenceOutput:
     def create(
         cls, tokenizer: Any, params: RequestParams, index: int, prompt_ids: list[int]
     ) -> SequenceOutput:
-        eot = getattr(tokenizer, "eot_id", None) if params.stop_at_eot else None
+        stops = params.stop_at_eot or params.structured is not None  # a grammar ends at eot
+        eot = getattr(tokenizer, "eot_id", None) if stops else None
         decoder = IncrementalDecoder(tokenizer, prompt_ids)
         return cls(tokenizer, index, params.logprobs, decoder, StopMatcher(params.stop), eot)
 

@@ -1,7 +1,8 @@
 """OpenAI's request bodies as pydantic models, and the JSON of its responses and stream chunks.
 
 Field names, ranges and defaults follow OpenAI's API reference for /v1/completions and
-/v1/chat/completions, plus vLLM's extensions `top_k`, `repetition_penalty`, `ignore_eos` and
+/v1/chat/completions (`response_format` included), plus vLLM's extensions `top_k`,
+`repetition_penalty`, `ignore_eos`, `structured_outputs` (and its older `guided_*` fields) and
 /tokenize, /detokenize. Unknown fields are ignored. `to_params` maps a body to the engine's `RequestParams`.
 """
 
@@ -11,7 +12,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from decoderlm.errors import DecoderLMError
 from decoderlm.inference.sampling import SamplingParams
+from decoderlm.inference.structured import StructuredOutput
 from decoderlm.serving.types import RequestParams, TokenEvent
 
 MAX_LOGPROBS = 20
@@ -33,6 +36,36 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+JSONValue = dict[str, Any] | str  # a JSON schema: an object, or its JSON text
+
+
+class JSONSchemaFormat(_Body):
+    """OpenAI's response_format.json_schema. `strict` is accepted; the schema is always enforced."""
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format: plain text, any JSON object, or JSON that follows a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's structured_outputs (vLLM ≥ 0.10): one of a JSON schema, a regular expression, a
+    list of choices, an EBNF grammar, or any JSON object."""
+
+    json_: JSONValue | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class Generation(_Body):
@@ -60,6 +93,42 @@ class Generation(_Body):
     ignore_eos: bool = Field(
         False, description="go on past the end-of-text token, until max_tokens or a stop string"
     )
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: JSONValue | None = None  # vLLM < 0.10's names for structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        """The one structured output the body asks for, or None; DecoderLMError naming the
+        fields if it asks for more than one, or for a bad one."""
+        asked: list[tuple[str, str, Any]] = []  # (field, kind, spec)
+        fmt, vllm = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", "json_object", None))
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise DecoderLMError("response_format of type json_schema needs its json_schema")
+            asked.append(("response_format", "json", fmt.json_schema.schema_))
+        if vllm is not None:
+            given = zip(
+                ("json", "regex", "choice", "grammar"),
+                (vllm.json_, vllm.regex, vllm.choice, vllm.grammar),
+                strict=True,
+            )
+            asked += [(f"structured_outputs.{k}", k, v) for k, v in given if v is not None]
+            if vllm.json_object:
+                asked.append(("structured_outputs.json_object", "json_object", None))
+        for kind in ("json", "regex", "choice", "grammar"):
+            spec = getattr(self, f"guided_{kind}")
+            if spec is not None:
+                asked.append((f"guided_{kind}", kind, spec))
+        if len(asked) > 1:
+            raise DecoderLMError(
+                f"give one structured output, not {' and '.join(name for name, _, _ in asked)}"
+            )
+        return StructuredOutput(asked[0][1], asked[0][2]) if asked else None
 
 
 Prompt = (
@@ -135,6 +204,7 @@ def to_params(
         logprobs=logprobs,
         n=body.n,
         stop_at_eot=not body.ignore_eos,
+        structured=body.structured(),
     )
 
 

@@ -5,9 +5,11 @@ row's token and log-probabilities. It is the one place where tokens are chosen:
 
 - logits are masked at the top of `sample`, before any token is chosen: the ids past the
   tokenizer's vocabulary (a model's padded embedding rows, which cannot be decoded) are never
-  chosen; logit processors (a grammar's mask of the tokens allowed next) go there too;
+  chosen; logit processors go there too: a structured output's grammar masks the tokens it
+  forbids next (`decoderlm.inference.structured`), row by row;
 - a chosen token is accepted in `SamplingState.accept`, where it joins the sequence's sampler
-  state: speculative decoding's acceptance of draft tokens goes there.
+  state and advances its grammar's matcher: speculative decoding's acceptance of draft tokens goes
+  there.
 
 Every sequence samples with its own `SamplingParams` and `torch.Generator`, so its tokens do not
 depend on what else is in the batch.
@@ -23,6 +25,7 @@ from torch import Tensor
 
 from decoderlm.inference.prompts import make_generator
 from decoderlm.inference.sampling import SamplingParams, greedy_tokens, sample_next
+from decoderlm.inference.structured import Matcher, StructuredGrammar, mask_logits
 from decoderlm.serving.types import RequestParams
 
 log = logging.getLogger(__name__)
@@ -36,6 +39,7 @@ class SamplingState:
     generator: torch.Generator | None
     seen: Tensor | None  # (1, V) bool: tokens in the sequence, for the repetition penalty
     logprobs: bool  # whether its tokens report log-probabilities
+    grammar: Matcher | None = None  # its structured output's place in its grammar
 
     @classmethod
     def create(
@@ -45,16 +49,18 @@ class SamplingState:
         prompt_ids: list[int],
         vocab_size: int,
         device: torch.device,
+        grammar: StructuredGrammar | None = None,
     ) -> SamplingState:
         """Sample `index` of a request draws from seed + index: sample 0 equals a solo run with
-        `seed`."""
+        `seed`. Each sample has its own matcher of `grammar`."""
         seed = None if params.seed is None else (params.seed + index) % 2**64
         seen = None
         if params.sampling.repetition_penalty != 1.0:
             seen = torch.zeros(1, vocab_size, dtype=torch.bool, device=device)
             seen[0, prompt_ids] = True
         generator = make_generator(seed, device)
-        return cls(params.sampling, generator, seen, params.logprobs is not None)
+        matcher = None if grammar is None else grammar.matcher()
+        return cls(params.sampling, generator, seen, params.logprobs is not None, matcher)
 
     @property
     def greedy(self) -> bool:
@@ -62,9 +68,12 @@ class SamplingState:
         return self.params.temperature == 0 and self.seen is None
 
     def accept(self, token: int) -> None:
-        """`token` joins the sequence: the repetition penalty counts it from now on."""
+        """`token` joins the sequence: the repetition penalty counts it from now on, and its
+        grammar's matcher advances (DecoderLMError if the grammar forbids it)."""
         if self.seen is not None:
             self.seen[0, token] = True
+        if self.grammar is not None:
+            self.grammar.accept(token)
 
 
 @dataclass(frozen=True)
@@ -79,7 +88,8 @@ def sample(
     logits: Tensor, states: list[SamplingState | None], decodable: int | None = None
 ) -> list[Sampled | None]:
     """Each row's next token from one forward pass's logits (B, V) in float32, among the first
-    `decodable` ids (all if None): the others are masked to -inf, in place.
+    `decodable` ids (all if None): the others are masked to -inf, in place, as are the tokens a
+    row's grammar forbids next.
 
     states[i] None: row i is not sampled (a prefill chunk short of its prompt's end). One tensor
     operation over all rows gives every greedy row its token (argmax) and every row that reports
@@ -89,6 +99,7 @@ def sample(
     """
     if decodable is not None and decodable < logits.shape[-1]:
         logits[:, decodable:] = float("-inf")
+    mask_logits(logits, [None if state is None else state.grammar for state in states])
     greedy = [state is not None and state.greedy for state in states]
     wants_lp = [state is not None and state.logprobs for state in states]
     tokens = greedy_tokens(logits).tolist() if any(greedy) else [None] * len(states)  # (B,)
@@ -96,14 +107,18 @@ def sample(
     chosen: list[Sampled | None] = []
     for i, state in enumerate(states):
         token = tokens[i] if greedy[i] else None
-        if state is not None and token is None:
+        if state is not None:
             try:
-                token = int(sample_next(logits[i][None], state.params, state.seen, state.generator))
+                if token is None:
+                    token = int(
+                        sample_next(logits[i][None], state.params, state.seen, state.generator)
+                    )
+                state.accept(token)
             except Exception:
                 log.exception("decoderlm sampler: sampling failed; its sequence ends with 'error'")
+                token = None
         if state is None or token is None:
             chosen.append(None)
             continue
-        state.accept(token)
         chosen.append(Sampled(token, lps[i] if wants_lp[i] else None))
     return chosen

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.sampling import SamplingParams
+from decoderlm.inference.structured import StructuredOutput
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class RequestParams:
     logprobs: int | None = None  # None: none; k ≥ 0: the chosen token's logprob and the top-k
     stop_at_eot: bool = True  # end at the tokenizer's end-of-text token
     n: int = 1  # completions of the prompt, separate sequences; sample j draws from seed + j
+    structured: StructuredOutput | None = None  # the grammar its text follows, to its end
 
     def __post_init__(self) -> None:
         checks = (
@@ -51,6 +53,12 @@ class RequestParams:
                 self.sampling,
                 "a SamplingParams",
                 isinstance(self.sampling, SamplingParams),
+            ),
+            (
+                "structured",
+                self.structured,
+                "a StructuredOutput or None",
+                self.structured is None or isinstance(self.structured, StructuredOutput),
             ),
         )
         for name, value, allowed, ok in checks:
