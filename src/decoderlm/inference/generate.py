@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -30,9 +30,11 @@ from torch import Tensor
 from decoderlm.cpu.decode import CompiledStep
 from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.errors import DecoderLMError
+from decoderlm.inference import speculative
 from decoderlm.inference.options import DecodeOptions
 from decoderlm.inference.prompts import Prompt, make_generator, prompt_rows
 from decoderlm.inference.sampling import SamplingParams, sample_next, sampling_params
+from decoderlm.inference.speculative import DEFAULT_NUM_SPECULATIVE_TOKENS, Draft, SpeculativeStats
 from decoderlm.model.cache import CacheStep, LayerCache, RingKVCache, StaticKVCache
 from decoderlm.model.lm import DecoderLM
 
@@ -217,6 +219,9 @@ def generate(
     compile: bool = False,
     cpu_kernels: bool | SpeedPaths = True,
     kv_cache_dtype: str | None = None,
+    draft: Draft | None = None,
+    num_speculative_tokens: int | None = None,
+    speculative_stats: SpeculativeStats | None = None,
     **sampling: Any,
 ) -> list[list[int]]:
     """Continue each prompt row by up to `max_new_tokens` tokens; returns one id list per row.
@@ -236,6 +241,11 @@ def generate(
     (module docstring). `kv_cache_dtype="int8"`
     keeps the cache in int8 with a scale per token and head (`decoderlm.model.cache.storage`: half
     the bytes of a bfloat16 cache, plus the scales); not with `compile`.
+
+    Speculative decoding (`decoderlm.inference.speculative`): `draft` a DecoderLM with the same
+    vocabulary, or "prompt-lookup"; `num_speculative_tokens` K ≥ 1 proposed per step (default 4);
+    rows are decoded one after another; the same output distribution (greedy: the same tokens).
+    A `SpeculativeStats` given as `speculative_stats` receives the acceptance counts.
     """
     params = sampling_params(params, sampling)
     if not (isinstance(num_samples, int) and num_samples >= 1):
@@ -243,9 +253,35 @@ def generate(
     rows = [row for row in prompt_rows(prompt, model.config.vocab_size) for _ in range(num_samples)]
     options = DecodeOptions.of(compile, cpu_kernels, kv_cache_dtype, refill_past_context)
     options.check(model, rows, max_new_tokens)
+    if draft is None and num_speculative_tokens is not None:
+        raise DecoderLMError("num_speculative_tokens needs a draft (a model or 'prompt-lookup')")
     if max_new_tokens == 0:
         return rows
     generator = make_generator(seed, model.tok_emb.weight.device)
+    if draft is not None:
+        k = (
+            DEFAULT_NUM_SPECULATIVE_TOKENS
+            if num_speculative_tokens is None
+            else num_speculative_tokens
+        )
+        speculative.check(model, draft, k, rows, max_new_tokens, options)
+        with ExitStack() as stack:
+            drafter = [draft] if isinstance(draft, DecoderLM) and draft is not model else []
+            for m in [model, *drafter]:
+                stack.enter_context(evaluating(m))
+                stack.enter_context(options.paths.applied(m))
+            return speculative.speculative_rows(
+                model,
+                rows,
+                max_new_tokens,
+                params,
+                draft,
+                k,
+                generator,
+                options,
+                eos_id,
+                speculative_stats,
+            )
     new: list[Tensor] = []
     with evaluating(model), options.paths.applied(model):
         steps = decode_steps(model, rows, max_new_tokens, params, generator, options)
