@@ -253,20 +253,18 @@ def generate(
     rows = [row for row in prompt_rows(prompt, model.config.vocab_size) for _ in range(num_samples)]
     options = DecodeOptions.of(compile, cpu_kernels, kv_cache_dtype, refill_past_context)
     options.check(model, rows, max_new_tokens)
-    if draft is None and num_speculative_tokens is not None:
+    k = num_speculative_tokens
+    if draft is not None:
+        k = DEFAULT_NUM_SPECULATIVE_TOKENS if k is None else k
+        speculative.check(model, draft, k, rows, max_new_tokens, options)
+    elif k is not None:
         raise DecoderLMError("num_speculative_tokens needs a draft (a model or 'prompt-lookup')")
     if max_new_tokens == 0:
         return rows
     generator = make_generator(seed, model.tok_emb.weight.device)
     if draft is not None:
-        k = (
-            DEFAULT_NUM_SPECULATIVE_TOKENS
-            if num_speculative_tokens is None
-            else num_speculative_tokens
-        )
-        speculative.check(model, draft, k, rows, max_new_tokens, options)
-        with ExitStack() as stack:
-            drafter = [draft] if isinstance(draft, DecoderLM) and draft is not model else []
+        drafter = [draft] if isinstance(draft, DecoderLM) and draft is not model else []
+        with ExitStack() as stack:  # every model in eval mode, its speed paths applied
             for m in [model, *drafter]:
                 stack.enter_context(evaluating(m))
                 stack.enter_context(options.paths.applied(m))

@@ -38,7 +38,7 @@ from torch import Tensor
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.options import DecodeOptions
 from decoderlm.inference.prompts import check_lengths
-from decoderlm.inference.sampling import SamplingParams, draw, token_probs
+from decoderlm.inference.sampling import SamplingParams, draw, sample_next, token_probs
 from decoderlm.model.cache import CacheStep, StaticKVCache
 from decoderlm.model.lm import DecoderLM
 
@@ -206,6 +206,24 @@ def accept(
     return n, draw(residual, generator)  # draw normalises
 
 
+def verify(
+    tokens: list[int],
+    drafts: list[int],
+    logits: Tensor,
+    q: Tensor | None,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """(accepted, next token) of one row's k drafts after `tokens`, from the target's logits
+    (k + 1, V) at [t, d_1 … d_k] and the proposer's q (k, V) (None: one-hot): `accept`, with the
+    repetition penalty of position i counting the drafts before it."""
+    penalty = [seen(tokens + drafts[:i], params, logits) for i in range(len(drafts) + 1)]
+    p = token_probs(logits, params, None if penalty[0] is None else torch.cat(penalty))  # (k+1, V)
+    d = torch.tensor([drafts], device=logits.device)  # (1, k)
+    n, token = accept(d, p[None], None if q is None else q[None], generator)
+    return int(n[0]), int(token[0])
+
+
 def seen(tokens: list[int], params: SamplingParams, like: Tensor) -> Tensor | None:
     """(1, V) bool: the tokens of the row, for the repetition penalty; None without one."""
     if params.repetition_penalty == 1.0:
@@ -237,7 +255,9 @@ def forward(
     cache.seek(CacheStep.span(start, len(tokens), device))
     idx = torch.tensor([tokens], device=device)  # (1, T)
     positions = torch.arange(start, start + len(tokens), device=device)[None]  # (1, T)
-    with options.paths.linear(len(tokens) > 1):
+    # The linear kernels on the prefill (start 0) only: on a few tokens their Python hook on every
+    # op costs more than it saves (3× on a 5-token verification).
+    with options.paths.linear(start == 0 and len(tokens) > 1):
         return model(idx, positions, None, cache, last_only=last_only).float()
 
 
@@ -353,19 +373,17 @@ def speculative_tokens(
         drafts, q = proposer.propose(tokens, k) if k else ([], None)
         k = len(drafts)
         logits = forward(model, cache, tokens[-1:] + drafts, len(tokens) - 1, options)[0]
-        penalty = [seen(tokens + drafts[:i], params, logits) for i in range(k + 1)]
-        p = token_probs(logits, params, None if penalty[0] is None else torch.cat(penalty))
-        d = torch.tensor([drafts], dtype=torch.long, device=logits.device)  # (1, k)
-        n_ok, token = accept(d, p[None], None if q is None else q[None], generator)
-        n = int(n_ok[0])
-        cache.rollback(k - n)
         if k:
+            n, token = verify(tokens, drafts, logits, q, params, generator)
+            cache.rollback(k - n)
             proposer.accepted(n)
             schedule.update(k, n)
             stats.proposed += k
             stats.accepted += n
             stats.verifications += 1
+        else:  # a plain step
+            n, token = 0, int(sample_next(logits, params, seen(tokens, params, logits), generator))
         stats.steps += 1
         stats.tokens += n + 1
-        tokens += [*drafts[:n], int(token[0])]
+        tokens += [*drafts[:n], token]
         yield from tokens[-(n + 1) :]
