@@ -223,12 +223,27 @@ def test_a_draft_of_another_vocabulary_is_refused():
         generate(tiny_model(), PROMPTS, 5, draft=tiny_model(vocab_size=62))
 
 
-def test_sliding_window_models_are_refused():
-    windowed = tiny_model(sliding_window=8)
-    with pytest.raises(DecoderLMError, match="does not support sliding windows"):
-        generate(windowed, PROMPTS, 5, draft="prompt-lookup")
-    with pytest.raises(DecoderLMError, match="does not support sliding windows"):
-        generate(tiny_model(), PROMPTS, 5, draft=windowed)
+@pytest.mark.parametrize("layers", [None, (0,)], ids=["every-layer", "mixed"])
+@pytest.mark.parametrize("draft_kind", ["self", "shallow", "prompt-lookup"])
+def test_sliding_window_models_decode_speculatively_as_plain_greedy(layers, draft_kind):
+    """Windows of 6 slots, prompts and outputs well past them (the mixed model's full layer, and
+    its rings, in int8): once a ring is full it rolls back at most 1 token, so the proposals
+    shrink to what it can forget (`rollback_room`)."""
+    model = tiny_model(sliding_window=6, sliding_window_layers=layers, context_length=64)
+    draft = {
+        "self": copy.deepcopy(model),
+        "shallow": shallow_copy_of(model, 1),
+        "prompt-lookup": "prompt-lookup",
+    }[draft_kind]
+    # The 4th prompt repeats: prompt lookup proposes, and is accepted, while the ring is full.
+    kwargs = dict(temperature=0, kv_cache_dtype="int8" if layers else None)
+    plain = generate(model, PROMPTS, 30, **kwargs)
+    stats = SpeculativeStats()
+    got = generate(
+        model, PROMPTS, 30, draft=draft, num_speculative_tokens=4, speculative_stats=stats, **kwargs
+    )
+    assert got == plain
+    assert stats.verifications > 0
 
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 8

@@ -35,7 +35,7 @@ from decoderlm.inference.options import DecodeOptions
 from decoderlm.inference.prompts import Prompt, make_generator, prompt_rows
 from decoderlm.inference.sampling import SamplingParams, sample_next, sampling_params
 from decoderlm.inference.speculative import DEFAULT_NUM_SPECULATIVE_TOKENS, Draft, SpeculativeStats
-from decoderlm.model.cache import CacheStep, LayerCache, RingKVCache, StaticKVCache
+from decoderlm.model.cache import CacheStep, LayerCache
 from decoderlm.model.lm import DecoderLM
 
 # Rows stop being checked for end-of-text on every step (a host sync); `generate` looks every this many.
@@ -107,16 +107,6 @@ def _fill_lengths(
     return n, max_len
 
 
-def _make_cache(
-    model: DecoderLM, batch_size: int, max_len: int, kv_cache_dtype: str | None
-) -> StaticKVCache | RingKVCache:
-    """The KV cache of one generation: rings for a windowed model, else static buffers; either in
-    the model's dtype or int8."""
-    cfg, weight = model.config, model.tok_emb.weight
-    cache = RingKVCache if cfg.sliding_window is not None else StaticKVCache
-    return cache(cfg, batch_size, max_len, weight.dtype, weight.device, kv_cache_dtype)
-
-
 def decode_steps(
     model: DecoderLM,
     rows: list[list[int]],
@@ -145,7 +135,7 @@ def decode_steps(
     compile, paths = options.compile, options.paths
     n, max_len = _fill_lengths(rows, max_new_tokens, context, compile)
     device = model.tok_emb.weight.device
-    cache = _make_cache(model, len(rows), max_len, options.kv_cache_dtype)
+    cache = options.cache(model, len(rows), max_len)
     step = None
     if compile:
         step = CompiledStep(

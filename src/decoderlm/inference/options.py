@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.prompts import check_lengths
-from decoderlm.model.cache import check_kv_cache_dtype
+from decoderlm.model.cache import RingKVCache, StaticKVCache, check_kv_cache_dtype
 from decoderlm.model.lm import DecoderLM
 
 
@@ -65,3 +65,10 @@ class DecodeOptions:
                 f"a model with sliding_window={cfg.sliding_window} decodes over a ring KV cache, "
                 "which compile=True does not support yet; drop compile"
             )
+
+    def cache(self, model: DecoderLM, batch_size: int, max_len: int) -> StaticKVCache | RingKVCache:
+        """The KV cache of one generation: rings for a windowed model, else static buffers; either
+        in the model's dtype or in `kv_cache_dtype`."""
+        cfg, weight = model.config, model.tok_emb.weight
+        cache = RingKVCache if cfg.sliding_window is not None else StaticKVCache
+        return cache(cfg, batch_size, max_len, weight.dtype, weight.device, self.kv_cache_dtype)

@@ -20,6 +20,9 @@ probability p(d), and on rejection the next token is drawn from p with d removed
 `AdaptiveK` chooses how many tokens to propose at each step: Hugging Face's heuristic schedule
 and a back-off when nothing is accepted, so that a proposer that is always wrong costs little.
 
+Sliding windows: a full ring (`RingKVCache`) forgets at most 1 token, so once a row is past a
+window the proposals shrink to what its caches can roll back (`rollback_room`).
+
 Batches: each row is decoded alone (B = 1, its own caches), one row after the other, since the
 static cache's rollback is whole-batch and rows accept different counts; speculation pays where
 decoding is latency-bound, at batch 1.
@@ -39,7 +42,8 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.inference.options import DecodeOptions
 from decoderlm.inference.prompts import check_lengths
 from decoderlm.inference.sampling import SamplingParams, draw, sample_next, token_probs
-from decoderlm.model.cache import CacheStep, StaticKVCache
+from decoderlm.model.cache import CacheStep, RingKVCache, StaticKVCache
+from decoderlm.model.config import ModelConfig
 from decoderlm.model.lm import DecoderLM
 
 logger = logging.getLogger(__name__)
@@ -134,11 +138,14 @@ class DraftModel:
         options: DecodeOptions,
     ) -> None:
         self.model, self.params, self.generator, self.options = model, params, generator, options
-        self.cache = row_cache(model, max_len, options)
+        self.cache = options.cache(model, 1, max_len)
         self.held = 0  # tokens in the cache
         self.k = 0  # tokens of the last proposal
 
     def propose(self, tokens: list[int], k: int) -> tuple[list[int], Tensor | None]:
+        # It holds len(tokens) + k − 1 tokens after, and may have to forget k − 1 of them.
+        while k > 2 and rollback_room(self.model.config, len(tokens) + k - 1) < k - 1:
+            k -= 1
         drafts: list[int] = []
         q: list[Tensor] = []
         feed = tokens[self.held :]
@@ -233,17 +240,17 @@ def seen(tokens: list[int], params: SamplingParams, like: Tensor) -> Tensor | No
     return mask
 
 
-def row_cache(model: DecoderLM, max_len: int, options: DecodeOptions) -> StaticKVCache:
-    """A static cache of max_len slots for one row, in the model's dtype or int8."""
-    weight = model.tok_emb.weight
-    return StaticKVCache(
-        model.config, 1, max_len, weight.dtype, weight.device, options.kv_cache_dtype
-    )
+def rollback_room(config: ModelConfig, end: int) -> int:
+    """The most tokens a cache of `config` holding `end` may roll back: all of them in static
+    buffers and in rings not yet full, 1 once a ring of W slots has held more than W
+    (`RingKVCache.rollback`: the forgotten tokens overwrote keys still needed)."""
+    w = config.sliding_window
+    return end if w is None or end <= w else 1
 
 
 def forward(
     model: DecoderLM,
-    cache: StaticKVCache,
+    cache: StaticKVCache | RingKVCache,
     tokens: list[int],
     start: int,
     options: DecodeOptions,
@@ -279,14 +286,8 @@ def check(
         raise DecoderLMError(
             "speculative decoding does not support compile or refill_past_context; drop them"
         )
-    models = [model, draft] if isinstance(draft, DecoderLM) else [model]
-    for m in models:
-        if m.config.sliding_window is not None:
-            raise DecoderLMError(
-                f"speculative decoding does not support sliding windows (sliding_window="
-                f"{m.config.sliding_window}): a full ring cannot roll back rejected tokens"
-            )
-        check_lengths(rows, max_new_tokens, m.config.context_length, False)
+    for m in [model, draft] if isinstance(draft, DecoderLM) else [model]:
+        check_lengths(rows, max_new_tokens, m.config.context_length, m.config.decodes_past_context)
     if isinstance(draft, DecoderLM):
         if draft.config.vocab_size != model.config.vocab_size:
             raise DecoderLMError(
@@ -361,7 +362,7 @@ def speculative_tokens(
     positions n … n + k, keeps t and the accepted drafts, and rolls back the rest."""
     if max_new_tokens == 0:
         return
-    cache = row_cache(model, len(row) + max_new_tokens, options)
+    cache = options.cache(model, 1, len(row) + max_new_tokens)
     logits = forward(model, cache, row, 0, options, last_only=True)[:, -1]  # (1, V)
     tokens = [*row, int(draw(token_probs(logits, params, seen(row, params, logits)), generator))]
     stats.tokens += 1
@@ -370,6 +371,8 @@ def speculative_tokens(
     while len(tokens) - len(row) < max_new_tokens:
         room = max_new_tokens - (len(tokens) - len(row)) - 1  # the step adds one token of its own
         k = min(schedule.next(), room)
+        while k > 1 and rollback_room(model.config, len(tokens) + k) < k:  # end: n + k + 1
+            k -= 1
         drafts, q = proposer.propose(tokens, k) if k else ([], None)
         k = len(drafts)
         logits = forward(model, cache, tokens[-1:] + drafts, len(tokens) - 1, options)[0]
