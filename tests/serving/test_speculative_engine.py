@@ -28,8 +28,13 @@ def tok() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def model(tok) -> DecoderLM:
+    return tiny_model(tok)
+
+
+def tiny_model(tok: Tokenizer, **overrides) -> DecoderLM:
     torch.manual_seed(0)
     config = ModelConfig(
+        **overrides,
         vocab_size=tok.vocab_size,
         context_length=128,
         d_model=32,
@@ -90,6 +95,18 @@ def test_greedy_requests_with_prompt_lookup_give_their_plain_tokens(tok, model, 
         f"decoderlm_speculative_accepted_tokens_total {float(stats.speculative_accepted)}" in body
     )
     assert "decoderlm_speculative_acceptance_rate" in body
+
+
+def test_a_windowed_model_with_prompt_lookup_gives_its_plain_tokens(tok):
+    """Windows of 6 tokens, blocks of 4: rejected drafts inside and past the window."""
+    model = tiny_model(tok, sliding_window=6)
+    params = RequestParams(max_tokens=24, sampling=GREEDY, stop_at_eot=False)
+    engine = Engine(model, tok, block_size=4, draft="prompt-lookup")
+    requests = prompts(model)
+    events = run(engine, requests, params)
+    for prompt, got in zip(requests, events, strict=True):
+        assert token_ids(got) == generate(model, [prompt], 24, temperature=0)[0][len(prompt) :]
+    assert engine.stats().speculative_accepted > 0
 
 
 def test_speculation_keeps_log_probabilities_and_stop_strings(tok, model):
