@@ -278,3 +278,23 @@ def test_a_grammar_the_vocabulary_cannot_start_is_refused_and_one_it_cannot_fini
     rows = generate(model, [prompt], 8, temperature=1.0, seed=0, num_samples=2, structured=grammar)
     assert [row[len(prompt) :] for row in rows] == [[*tok.encode("a"), tok.eot_id]] * 2
     assert "no token spells what its grammar needs next" in caplog.text
+
+
+def test_structured_output_and_speculation_together(lm):
+    """generate refuses the pair (a draft would need a mask at every proposed position); the
+    engine serves a constrained request beside speculating ones, without speculating it."""
+    model, tok = lm
+    schema = SCHEMAS[0]
+    grammar = compile_structured(tok, StructuredOutput("json", schema))
+    with pytest.raises(DecoderLMError, match="structured output with speculative decoding"):
+        generate(model, [tok.encode("Answer:")], 8, structured=grammar, draft="prompt-lookup")
+    engine = Engine(model, tok, kv_cache_memory="4MiB", draft="prompt-lookup")
+    greedy = SamplingParams(temperature=0)
+    free, constrained = [], []
+    engine.submit("Answer: {", RequestParams(24, greedy), on_event=free.append)
+    params = RequestParams(MAX_TOKENS, greedy, structured=StructuredOutput("json", schema))
+    engine.submit("Answer:", params, on_event=constrained.append)
+    while engine.step():
+        pass
+    assert constrained[-1].finish_reason == "stop" and free[-1].finish_reason is not None
+    jsonschema.validate(json.loads("".join(e.text for e in constrained)), schema)

@@ -110,7 +110,14 @@ def process_served(run_dir: Path, **engine_kwargs):
 
     from decoderlm.commands.serve import load_served
 
-    args = Namespace(checkpoint=run_dir, dtype=None, kv_cache_dtype=None, **engine_kwargs)
+    args = Namespace(
+        checkpoint=run_dir,
+        dtype=None,
+        kv_cache_dtype=None,
+        draft=None,
+        num_speculative_tokens=None,
+        **engine_kwargs,
+    )
     return load_served(args, engine_process=True)
 
 

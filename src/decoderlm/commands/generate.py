@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from decoderlm.data import read_text_file
 from decoderlm.errors import DecoderLMError
@@ -62,6 +63,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_cpu_kernels_argument(parser)
     add_kv_cache_dtype_argument(parser)
+    parser.add_argument(
+        "--draft",
+        metavar="RUN|prompt-lookup",
+        help="speculative decoding: a draft model (run or Hugging Face directory, same "
+        "vocabulary) or prompt-lookup; the output is printed whole, the acceptance to stderr",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        metavar="K",
+        help="tokens proposed per step with --draft (default 4)",
+    )
 
 
 def add_kv_cache_dtype_argument(parser: argparse.ArgumentParser) -> None:
@@ -104,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
             if args.refill_past_context
             else max(0, min(DEFAULT_MAX_NEW_TOKENS, room))
         )
+    if args.draft is not None:
+        return _speculate(args, model, tokenizer, prompt, params, max_new)
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"--- sample {i + 1} of {args.num_samples} ---", flush=True)
@@ -126,6 +141,52 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         sys.stdout.write("\n")
         sys.stdout.flush()
+    return 0
+
+
+def _speculate(
+    args: argparse.Namespace,
+    model: Any,
+    tokenizer: Any,
+    prompt: str,
+    params: Any,
+    max_new: int,
+) -> int:
+    """--draft: each sample generated speculatively, printed whole (up to the first --stop), and
+    the acceptance counts of all samples to stderr."""
+    from decoderlm.inference.generate import generate
+    from decoderlm.inference.speculative import PROMPT_LOOKUP, SpeculativeStats
+    from decoderlm.loading import load
+
+    draft = args.draft
+    if draft != PROMPT_LOOKUP:
+        draft = load(args.draft, device=args.device, dtype=args.dtype)[0]
+    ids = tokenizer.encode(prompt)
+    eot = getattr(tokenizer, "eot_id", None)
+    stats = SpeculativeStats()
+    for i in range(args.num_samples):
+        if args.num_samples > 1:
+            print(f"--- sample {i + 1} of {args.num_samples} ---", flush=True)
+        row = generate(
+            model,
+            [ids],
+            max_new,
+            params,
+            seed=None if args.seed is None else args.seed + i,
+            eos_id=eot,
+            refill_past_context=args.refill_past_context,
+            compile=args.compile,
+            cpu_kernels=args.cpu_kernels,
+            kv_cache_dtype=args.kv_cache_dtype,
+            draft=draft,
+            num_speculative_tokens=args.num_speculative_tokens,
+            speculative_stats=stats,
+        )[0]
+        new = [t for t in row[len(ids) :] if t != eot]
+        text = tokenizer.decode(new)
+        end = min((text.find(stop) for stop in args.stop if stop in text), default=len(text))
+        print(prompt + text[:end], flush=True)
+    print(stats, file=sys.stderr)
     return 0
 
 

@@ -61,6 +61,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests that may wait for KV room; more are refused with 429 (default 64)",
     )
     add_kv_cache_dtype_argument(parser)
+    parser.add_argument(
+        "--draft",
+        choices=("prompt-lookup",),
+        default=None,
+        help="speculative decoding: each sequence proposes tokens by prompt lookup",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        metavar="K",
+        help="tokens proposed per step with --draft (default 4)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -156,6 +168,8 @@ def load_served(
         "kv_cache_memory": args.kv_cache_memory,
         "max_queue": args.max_queue,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "draft": args.draft,
+        "num_speculative_tokens": args.num_speculative_tokens,
     }
     spec = EngineSpec(str(args.checkpoint), args.dtype, options)
     if engine_process:
@@ -186,6 +200,9 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
     parse_bytes(args.kv_cache_memory)
     if args.max_queue < 1:
         raise DecoderLMError(f"--max-queue={args.max_queue} must be ≥ 1")
+    k = args.num_speculative_tokens
+    if k is not None and (args.draft is None or k < 1):
+        raise DecoderLMError(f"--num-speculative-tokens={k} needs --draft and must be ≥ 1")
 
 
 def serving_dtype(name: str) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -30,11 +30,13 @@ from torch import Tensor
 from decoderlm.cpu.decode import CompiledStep
 from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.errors import DecoderLMError
+from decoderlm.inference import speculative
 from decoderlm.inference.options import DecodeOptions
 from decoderlm.inference.prompts import Prompt, make_generator, prompt_rows
 from decoderlm.inference.sampling import SamplingParams, sample_next, sampling_params
+from decoderlm.inference.speculative import DEFAULT_NUM_SPECULATIVE_TOKENS, Draft, SpeculativeStats
 from decoderlm.inference.structured import Matcher, StructuredGrammar, accept_tokens, mask_logits
-from decoderlm.model.cache import CacheStep, LayerCache, LayerCaches, make_cache
+from decoderlm.model.cache import CacheStep, LayerCache
 from decoderlm.model.lm import DecoderLM
 
 # Rows stop being checked for end-of-text on every step (a host sync); `generate` looks every this many.
@@ -106,18 +108,6 @@ def _fill_lengths(
     return n, max_len
 
 
-def _make_cache(
-    model: DecoderLM, batch_size: int, max_len: int, kv_cache_dtype: str | None
-) -> LayerCaches:
-    """The cache of one generation (`decoderlm.model.cache.make_cache`): rings for a windowed
-    model, conv and matrix states for recurrent layers, else static buffers; K/V either in the
-    model's dtype or int8."""
-    weight = model.tok_emb.weight
-    return make_cache(
-        model.config, batch_size, max_len, weight.dtype, weight.device, kv_cache_dtype
-    )
-
-
 def decode_steps(
     model: DecoderLM,
     rows: list[list[int]],
@@ -152,7 +142,7 @@ def decode_steps(
     compile, paths = options.compile, options.paths
     n, max_len = _fill_lengths(rows, max_new_tokens, context, compile)
     device = model.tok_emb.weight.device
-    cache = _make_cache(model, len(rows), max_len, options.kv_cache_dtype)
+    cache = options.cache(model, len(rows), max_len)
     step = None
     if compile:
         step = CompiledStep(
@@ -231,6 +221,9 @@ def generate(
     cpu_kernels: bool | SpeedPaths = True,
     kv_cache_dtype: str | None = None,
     structured: StructuredGrammar | None = None,
+    draft: Draft | None = None,
+    num_speculative_tokens: int | None = None,
+    speculative_stats: SpeculativeStats | None = None,
     **sampling: Any,
 ) -> list[list[int]]:
     """Continue each prompt row by up to `max_new_tokens` tokens; returns one id list per row.
@@ -253,6 +246,12 @@ def generate(
     `StructuredOutput` compiled for the tokenizer (`compile_structured(tokenizer, spec)`) that
     every row's new text follows, each row with its own matcher; `eos_id` defaults to its
     end-of-text token, which ends a complete output.
+
+    Speculative decoding (`decoderlm.inference.speculative`): `draft` a DecoderLM with the same
+    vocabulary, or "prompt-lookup"; `num_speculative_tokens` K ≥ 1 proposed per step (default 4);
+    rows are decoded one after another; the same output distribution (greedy: the same tokens).
+    A `SpeculativeStats` given as `speculative_stats` receives the acceptance counts. Not with
+    `structured` (its grammar would have to mask every proposed position).
     """
     params = sampling_params(params, sampling)
     if not (isinstance(num_samples, int) and num_samples >= 1):
@@ -260,9 +259,20 @@ def generate(
     rows = [row for row in prompt_rows(prompt, model.config.vocab_size) for _ in range(num_samples)]
     options = DecodeOptions.of(compile, cpu_kernels, kv_cache_dtype, refill_past_context)
     options.check(model, rows, max_new_tokens)
+    k = num_speculative_tokens
+    if draft is not None:
+        k = DEFAULT_NUM_SPECULATIVE_TOKENS if k is None else k
+        speculative.check(model, draft, k, rows, max_new_tokens, options)
+    elif k is not None:
+        raise DecoderLMError("num_speculative_tokens needs a draft (a model or 'prompt-lookup')")
     if max_new_tokens == 0:
         return rows
     generator = make_generator(seed, model.tok_emb.weight.device)
+    if structured is not None and draft is not None:
+        raise DecoderLMError(
+            "structured output with speculative decoding is not supported yet: drop draft= or "
+            "structured="
+        )
     matchers = None
     if structured is not None:
         if not isinstance(structured, StructuredGrammar):
@@ -271,6 +281,24 @@ def generate(
             )
         matchers = [structured.matcher() for _ in rows]
         eos_id = structured.stop_id if eos_id is None else eos_id
+    if draft is not None:
+        drafter = [draft] if isinstance(draft, DecoderLM) and draft is not model else []
+        with ExitStack() as stack:  # every model in eval mode, its speed paths applied
+            for m in [model, *drafter]:
+                stack.enter_context(evaluating(m))
+                stack.enter_context(options.paths.applied(m))
+            return speculative.speculative_rows(
+                model,
+                rows,
+                max_new_tokens,
+                params,
+                draft,
+                k,
+                generator,
+                options,
+                eos_id,
+                speculative_stats,
+            )
     new: list[Tensor] = []
     with evaluating(model), options.paths.applied(model):
         steps = decode_steps(model, rows, max_new_tokens, params, generator, options, matchers)

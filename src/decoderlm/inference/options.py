@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.prompts import check_lengths
-from decoderlm.model.cache import check_kv_cache_dtype
+from decoderlm.model.cache import LayerCaches, check_kv_cache_dtype, make_cache
 from decoderlm.model.lm import DecoderLM
 
 
@@ -70,3 +70,12 @@ class DecodeOptions:
                 f"a model with sliding_window={cfg.sliding_window} decodes over a ring KV cache, "
                 "which compile=True does not support yet; drop compile"
             )
+
+    def cache(self, model: DecoderLM, batch_size: int, max_len: int) -> LayerCaches:
+        """The cache of one generation (`decoderlm.model.cache.make_cache`): rings for a windowed
+        model, conv and matrix states for recurrent layers, else static buffers; K/V in the
+        model's dtype or in `kv_cache_dtype`."""
+        weight = model.tok_emb.weight
+        return make_cache(
+            model.config, batch_size, max_len, weight.dtype, weight.device, self.kv_cache_dtype
+        )

@@ -107,13 +107,17 @@ def sample_next(
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Next token ids (B,) from logits (B, V); `seen` (B, V) bool marks tokens for the repetition penalty."""
-    logits = logits.float()
-    if seen is not None and params.repetition_penalty != 1.0:
-        # A tiny penalty can push a logit past the float32 range: +∞ becomes the largest float.
-        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
-        logits = logits.clamp(max=torch.finfo(logits.dtype).max)
     if params.temperature == 0:
-        return greedy_tokens(logits)
+        return greedy_tokens(_penalized(logits, params, seen))
+    return draw(token_probs(logits, params, seen), generator)  # (B,)
+
+
+def token_probs(logits: Tensor, params: SamplingParams, seen: Tensor | None = None) -> Tensor:
+    """The distribution (B, V), float64, that `sample_next` draws from: one-hot at the argmax for
+    greedy, else the softmax of the penalized logits / T, top-k and top-p filtered."""
+    logits = _penalized(logits, params, seen)
+    if params.temperature == 0:
+        return torch.nn.functional.one_hot(greedy_tokens(logits), logits.shape[-1]).double()
     # (l − max l) / T in float64: the softmax of l / T, and no ∞ − ∞ (NaN) for a tiny T, which
     # float64 also keeps from rounding to 0.
     logits = logits.double()
@@ -122,7 +126,17 @@ def sample_next(
         logits = top_k_filter(logits, params.top_k)
     if params.top_p is not None:
         logits = top_p_filter(logits, params.top_p)
-    return draw(torch.softmax(logits, dim=-1), generator)  # (B,)
+    return torch.softmax(logits, dim=-1)
+
+
+def _penalized(logits: Tensor, params: SamplingParams, seen: Tensor | None) -> Tensor:
+    """logits (B, V) in float32, with the repetition penalty applied to the `seen` tokens."""
+    logits = logits.float()
+    if seen is not None and params.repetition_penalty != 1.0:
+        # A tiny penalty can push a logit past the float32 range: +∞ becomes the largest float.
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+        logits = logits.clamp(max=torch.finfo(logits.dtype).max)
+    return logits
 
 
 def draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:

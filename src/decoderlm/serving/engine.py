@@ -11,6 +11,12 @@ the logits become tokens in `sampler.sample` and tokens become `TokenEvent`s in
 request's tokens do not depend on what else runs: greedy requests equal `decoderlm.generate` on
 their prompt alone, up to floating-point rounding of the batched kernels.
 
+With `draft="prompt-lookup"` each decoding sequence proposes up to K tokens by prompt lookup
+(`decoderlm.inference.speculative`, K adapted per sequence); the scheduler appends them to its
+tokens, its pass runs its last token and them (a small prefill chunk of its own), `sampler.verify`
+accepts a prefix and chooses the next token, and the rejected ones are taken off again (their K/V
+is not counted in n_computed, so the next pass writes over it).
+
 Use it offline with `generate`, or `start()` a background thread that steps while there is work
 and consume `stream(...)` from asyncio (`streams`). Submitting, cancelling and stats are
 thread-safe; cancels take effect at the next step. A forward pass or a sampling step that raises
@@ -35,6 +41,12 @@ from torch import Tensor
 
 from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.errors import DecoderLMError
+from decoderlm.inference.speculative import (
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    PROMPT_LOOKUP,
+    AdaptiveK,
+    PromptLookup,
+)
 from decoderlm.inference.structured import StructuredGrammar
 from decoderlm.model.cache import check_kv_cache_dtype
 from decoderlm.model.lm import DecoderLM
@@ -42,7 +54,7 @@ from decoderlm.serving.inputs import InputProcessor
 from decoderlm.serving.kv_pool import BlockPool
 from decoderlm.serving.output import SequenceOutput, prompt_events
 from decoderlm.serving.runner import ModelRunner
-from decoderlm.serving.sampler import Sampled, SamplingState, sample
+from decoderlm.serving.sampler import Sampled, SamplingState, sample, verify
 from decoderlm.serving.scheduler import Scheduler, Sequence
 from decoderlm.serving.streams import Collector, one_by_one, stream_batches
 from decoderlm.serving.types import (
@@ -74,6 +86,7 @@ class _Live:
     request: _Request
     sampling: SamplingState
     output: SequenceOutput
+    speculation: AdaptiveK | None  # how many tokens to propose next; None: no speculation
 
 
 class _Counters:
@@ -82,6 +95,7 @@ class _Counters:
 
     def __init__(self) -> None:
         self.prompt_tokens = self.generated = self.max_running = 0
+        self.proposed = self.accepted = self.verifications = 0  # speculative decoding's
         self._rate: deque[tuple[float, int]] = deque()  # (time, generated tokens so far)
 
     def mark(self) -> None:
@@ -114,8 +128,14 @@ class EngineCore:
         block_size: int,
         prefill_chunk: int,
         prefix_caching: bool,
+        num_speculative_tokens: int | None = None,
     ) -> None:
+        """num_speculative_tokens: K, each decoding sequence's prompt-lookup proposals per step
+        (`decoderlm.inference.speculative`); None: no speculation."""
         self.tokenizer, self.vocab_size, self.runner = tokenizer, vocab_size, runner
+        self.num_speculative_tokens = num_speculative_tokens
+        self.lookup = PromptLookup()
+        self.drafted: dict[Sequence, int] = {}  # this step's verifications: drafts per sequence
         self.decodable = decodable_ids(tokenizer, vocab_size)
         self.pool = BlockPool(runner.num_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(self.pool, prefill_chunk)
@@ -143,7 +163,9 @@ class EngineCore:
                 params, index, ids, self.vocab_size, self.runner.device, grammar
             )
             output = SequenceOutput.create(self.tokenizer, params, index, ids)
-            self.live[seq] = _Live(request, sampling, output)
+            k = self.num_speculative_tokens  # a constrained sequence does not speculate: `verify`
+            speculation = None if k is None or grammar is not None else AdaptiveK(k)  # has no mask
+            self.live[seq] = _Live(request, sampling, output, speculation)
             request.seqs.append(seq)
             if max_len == len(ids):
                 events.append(self.end(seq, "length"))
@@ -157,12 +179,27 @@ class EngineCore:
         plan = self.scheduler.schedule()
         counters = self.counters
         counters.max_running = max(counters.max_running, len(self.scheduler.running))
-        batches = [(plan.decode, 1)] if plan.decode else []
-        return batches + [([seq], n) for seq, n in plan.prefill]
+        self.drafted = {seq: k for seq in plan.decode if (k := self._speculate(seq))}
+        decode = [seq for seq in plan.decode if seq not in self.drafted]
+        batches = [(decode, 1)] if decode else []
+        verifications = [([seq], k + 1) for seq, k in self.drafted.items()]
+        return batches + verifications + [([seq], n) for seq, n in plan.prefill]
+
+    def _speculate(self, seq: Sequence) -> int:
+        """Prompt lookup's drafts for decoding `seq`, appended to its tokens; how many."""
+        schedule = self.live[seq].speculation
+        k = 0 if schedule is None else schedule.next()
+        drafts = self.lookup.propose(seq.tokens, k)[0] if k else []
+        return self.scheduler.speculate(seq, drafts) if drafts else 0
 
     def run(self, batches: list[tuple[list[Sequence], int]]) -> list[Tensor | None]:
         """Each pass's logits (B, V), or None for a pass that raised (logged)."""
-        return [_isolated(self.runner.forward, seqs, n) for seqs, n in batches]
+        return [
+            _isolated(self.runner.forward, seqs, n, False)  # every position's logits
+            if seqs[0] in self.drafted
+            else _isolated(self.runner.forward, seqs, n)
+            for seqs, n in batches
+        ]
 
     def outputs(
         self, batches: list[tuple[list[Sequence], int]], logits: list[Tensor | None]
@@ -181,6 +218,8 @@ class EngineCore:
         None if it failed: then its sequences end, and the other passes go on."""
         if logits is None:
             return [self.end(seq, "error") for seq in seqs if seq in self.live]
+        if seqs[0] in self.drafted:
+            return self._verified(seqs[0], self.drafted[seqs[0]], logits[0])
         ready = [seq in self.live and seq.n_pending == n for seq in seqs]  # at its last token
         states = [self.live[s].sampling if r else None for s, r in zip(seqs, ready, strict=True)]
         events = []
@@ -190,6 +229,30 @@ class EngineCore:
             if is_ready:
                 event = None if sampled is None else _isolated(self._emit, seq, sampled)
                 events.append(self.end(seq, "error") if event is None else event)
+        return events
+
+    def _verified(self, seq: Sequence, k: int, logits: Tensor) -> list[tuple[_Request, TokenEvent]]:
+        """The events of the pass that ran `seq`'s last token and its k drafts, logits (k + 1, V):
+        the accepted drafts and the next token, one event each, until one finishes it."""
+        live = self.live[seq]
+        drafts = seq.tokens[-k:]
+        self.scheduler.reject(seq, k)  # they come back as they are accepted
+        chosen = _isolated(verify, logits, live.sampling, seq.tokens, drafts, self.decodable)
+        if chosen is None:
+            return [self.end(seq, "error")]
+        n = len(chosen) - 1
+        if live.speculation is not None:
+            live.speculation.update(k, n)
+        self.counters.proposed += k
+        self.counters.accepted += n
+        self.counters.verifications += 1
+        events = []
+        for sampled in chosen:
+            event = _isolated(self._emit, seq, sampled)
+            events.append(self.end(seq, "error") if event is None else event)
+            if seq not in self.live:
+                return events
+        self.scheduler.computed(seq, n + 1)  # the last token and the accepted drafts
         return events
 
     def _emit(self, seq: Sequence, sampled: Sampled) -> tuple[_Request, TokenEvent]:
@@ -234,6 +297,9 @@ class EngineCore:
             max_running_seen=counters.max_running,
             tokens_per_s=counters.tokens_per_s(),
             preemptions=self.scheduler.preemptions,
+            speculative_proposed=counters.proposed,
+            speculative_accepted=counters.accepted,
+            speculative_verifications=counters.verifications,
         )
 
 
@@ -252,10 +318,15 @@ class Engine:
         prefix_caching: bool = True,
         kv_cache_dtype: str | None = None,
         cpu_kernels: bool | SpeedPaths = True,
+        draft: str | None = None,
+        num_speculative_tokens: int | None = None,
     ) -> None:
         """kv_cache_memory, kv_cache_dtype, cpu_kernels (its CPU speed paths): the KV pool and the model's kernels, as
         `ModelRunner` takes them; max_queue: the most sequences waiting; prefill_chunk: the most
-        prompt tokens one step runs; prefix_caching: reuse the KV blocks of a shared prefix."""
+        prompt tokens one step runs; prefix_caching: reuse the KV blocks of a shared prefix;
+        draft "prompt-lookup": speculative decoding, each decoding sequence proposing
+        `num_speculative_tokens` (default 4) tokens per step by prompt lookup, verified in one
+        pass of its own (`decoderlm.inference.speculative`; the same tokens for greedy requests)."""
         check_kv_cache_dtype(kv_cache_dtype)
         for name, value in (
             ("block_size", block_size),
@@ -282,7 +353,13 @@ class Engine:
             max_queue,
         )
         self.core = EngineCore(
-            tokenizer, vocab_size, self.runner, block_size, prefill_chunk, prefix_caching
+            tokenizer,
+            vocab_size,
+            self.runner,
+            block_size,
+            prefill_chunk,
+            prefix_caching,
+            _speculative_tokens(draft, num_speculative_tokens),
         )
         self._lock = threading.Condition()  # guards everything below, and the core
         self._cancels: list[Sequence] = []
@@ -528,6 +605,19 @@ def _isolated(fn: Callable[..., Any], *args: Any) -> Any:
     except Exception:
         log.exception("decoderlm engine: %s failed; its sequences end with 'error'", fn.__name__)
         return None
+
+
+def _speculative_tokens(draft: str | None, num_speculative_tokens: int | None) -> int | None:
+    """The engine's K: None without a draft; DecoderLMError for a draft other than prompt lookup."""
+    if draft is None:
+        if num_speculative_tokens is not None:
+            raise DecoderLMError("num_speculative_tokens needs draft='prompt-lookup'")
+        return None
+    if draft != PROMPT_LOOKUP:
+        raise DecoderLMError(f"draft={draft!r}: the engine speculates with 'prompt-lookup' only")
+    k = DEFAULT_NUM_SPECULATIVE_TOKENS if num_speculative_tokens is None else num_speculative_tokens
+    _positive_int("num_speculative_tokens", k)
+    return k
 
 
 def _positive_int(name: str, value: object) -> None:

@@ -43,6 +43,14 @@ class _EngineCollector(Collector):
             "kv_blocks_total": ("KV-cache blocks in the pool", stats.kv_blocks_total),
             "max_running_seen": ("most sequences decoding at once", stats.max_running_seen),
             "generation_tokens_per_second": ("recent generated tokens/s", stats.tokens_per_s),
+            "speculative_acceptance_rate": (
+                "accepted / proposed speculative tokens",
+                stats.speculative_acceptance_rate,
+            ),
+            "speculative_mean_accepted_length": (
+                "accepted speculative tokens per verification",
+                stats.speculative_mean_accepted_length,
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
@@ -52,6 +60,14 @@ class _EngineCollector(Collector):
             "prefix_cache_hit_tokens": (
                 "prompt tokens served from cached KV blocks",
                 stats.prefix_cache_hit_tokens,
+            ),
+            "speculative_proposed_tokens": (
+                "tokens proposed by prompt lookup",
+                stats.speculative_proposed,
+            ),
+            "speculative_accepted_tokens": (
+                "proposed tokens accepted",
+                stats.speculative_accepted,
             ),
         }
         for name, (doc, value) in counters.items():

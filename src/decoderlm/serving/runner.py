@@ -82,8 +82,9 @@ class ModelRunner:
         with evaluating(self.model), self.paths:
             yield
 
-    def forward(self, seqs: list[Sequence], n: int) -> Tensor:
-        """Run tokens [n_computed, n_computed + n) of each sequence; logits (B, V) of the last."""
+    def forward(self, seqs: list[Sequence], n: int, last_only: bool = True) -> Tensor:
+        """Run tokens [n_computed, n_computed + n) of each sequence; logits (B, V) of the last, or
+        (B, n, V) of every one (a speculative verification's)."""
         dev = self.device
         start = torch.tensor([s.n_computed for s in seqs], device=dev)  # (B,)
         width = max(len(s.blocks) for s in seqs)
@@ -91,8 +92,8 @@ class ModelRunner:
         idx = torch.tensor([s.tokens[s.n_computed : s.n_computed + n] for s in seqs], device=dev)
         self.cache.seek(table, start, n)  # each layer cache supplies its own key mask
         positions = start[:, None] + torch.arange(n, device=dev)  # (B, n)
-        logits = self.model(idx, positions, None, self.cache, last_only=True)
-        return logits[:, -1].float()  # (B, V)
+        logits = self.model(idx, positions, None, self.cache, last_only=last_only)  # (B, n|1, V)
+        return logits[:, -1].float() if last_only else logits.float()
 
     def prompt_logprobs(self, ids: list[int]) -> Tensor:
         """Log-probabilities (T − 1, V) of prompt `ids`, in at least float32: row t is

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from decoderlm.inference import speculative
 from decoderlm.inference.prompts import make_generator
 from decoderlm.inference.sampling import SamplingParams, greedy_tokens, sample_next
 from decoderlm.inference.structured import Matcher, StructuredGrammar, mask_logits
@@ -121,4 +122,26 @@ def sample(
             chosen.append(None)
             continue
         chosen.append(Sampled(token, lps[i] if wants_lp[i] else None))
+    return chosen
+
+
+def verify(
+    logits: Tensor,
+    state: SamplingState,
+    tokens: list[int],
+    drafts: list[int],
+    decodable: int | None,
+) -> list[Sampled]:
+    """Speculative decoding's choice for one sequence: its accepted `drafts` (proposed after
+    `tokens` by prompt lookup, q one-hot) and the next token, from the logits (k + 1, V) float32 of
+    the pass that ran its last token and the drafts, masked as in `sample`; each is accepted in
+    `state` (`decoderlm.inference.speculative.verify`: the target's distribution is kept)."""
+    if decodable is not None and decodable < logits.shape[-1]:
+        logits[:, decodable:] = float("-inf")
+    n, token = speculative.verify(tokens, drafts, logits, None, state.params, state.generator)
+    lps = torch.log_softmax(logits[: n + 1], dim=-1) if state.logprobs else None  # (n + 1, V)
+    chosen = []
+    for i, t in enumerate([*drafts[:n], token]):
+        state.accept(t)
+        chosen.append(Sampled(t, None if lps is None else lps[i]))
     return chosen

@@ -95,6 +95,26 @@ class Scheduler:
                 self.pool.register(seq.blocks[i], keys[i])
             seq.n_registered = full
 
+    def speculate(self, seq: Sequence, drafts: list[int]) -> int:
+        """Append to decoding `seq` the first of `drafts` that fit before its max_len and in its
+        blocks or free ones (no one is preempted for them), so that its next pass runs its last
+        token and them, a small prefill chunk that verifies them; returns how many."""
+        size = self.pool.block_size
+        k = max(0, min(len(drafts), seq.max_len - len(seq.tokens) - 1))
+        while blocks_for(len(seq.tokens) + k, size) > len(seq.blocks):
+            block = self.pool.grow()
+            if block is None:
+                k = len(seq.blocks) * size - len(seq.tokens)
+                break
+            seq.blocks.append(block)
+        seq.tokens += drafts[:k]
+        return k
+
+    def reject(self, seq: Sequence, n: int) -> None:
+        """Take the last n tokens off `seq` (drafts after their pass): its n_computed never counted
+        them, and the next pass writes over their K/V."""
+        del seq.tokens[len(seq.tokens) - n :]
+
     def _admit(self) -> None:
         size = self.pool.block_size
         while self.waiting:

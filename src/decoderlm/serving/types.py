@@ -125,6 +125,24 @@ class EngineStats:
     max_running_seen: int  # the most sequences that ran at once since start
     tokens_per_s: float  # generated tokens per second over the last few seconds
     preemptions: int = 0  # running sequences sent back to the queue (KV pool full) since start
+    speculative_proposed: int = 0  # prompt-lookup tokens proposed since start
+    speculative_accepted: int = 0  # of them, accepted
+    speculative_verifications: int = 0  # passes that verified proposed tokens
+
+    @property
+    def speculative_acceptance_rate(self) -> float:
+        """Accepted / proposed tokens (0 before any proposal)."""
+        return (
+            self.speculative_accepted / self.speculative_proposed
+            if self.speculative_proposed
+            else 0.0
+        )
+
+    @property
+    def speculative_mean_accepted_length(self) -> float:
+        """Accepted tokens per verification (0 before any)."""
+        v = self.speculative_verifications
+        return self.speculative_accepted / v if v else 0.0
 
 
 class QueueFullError(DecoderLMError):
