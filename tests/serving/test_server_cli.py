@@ -116,11 +116,15 @@ def test_serve_takes_its_api_key_from_the_environment_and_its_hosts_from_the_fla
 def test_serve_picks_bfloat16_where_the_cpu_has_native_bf16_as_train_does(
     native, monkeypatch, capsys
 ):
-    from decoderlm.commands.serve import serving_dtype
+    from argparse import Namespace
+
+    from decoderlm.commands.serve import announce_dtype, serving_dtype
 
     monkeypatch.setattr("decoderlm.cpu.features.has_native_bf16", lambda: native)
-    assert serving_dtype("auto") == ("bfloat16" if native else "float32")
-    assert f"serving in {'bfloat16' if native else 'float32'}" in capsys.readouterr().err
+    chosen = "bfloat16" if native else "float32"
+    assert serving_dtype("auto") == chosen
+    announce_dtype(Namespace(dtype=chosen, dtype_chosen=True))
+    assert f"serving in {chosen}" in capsys.readouterr().err
     assert serving_dtype("fp32") == "float32" and serving_dtype("bf16") == "bfloat16"
     with pytest.raises(DecoderLMError, match="dtype='int3' must be one of"):
         serving_dtype("int3")

@@ -11,7 +11,12 @@ import argparse
 import asyncio
 from typing import Any
 
-from decoderlm.commands.serve import add_engine_arguments, check_engine_arguments, load_served
+from decoderlm.commands.serve import (
+    add_engine_arguments,
+    announce_dtype,
+    check_engine_arguments,
+    load_served,
+)
 from decoderlm.errors import DecoderLMError
 
 HELP = "chat with a checkpoint in the terminal (streamed replies; /reset, /quit)"
@@ -59,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         raise DecoderLMError(
             f"--{str(error['loc'][0]).replace('_', '-')}: {error['msg']}"
         ) from None
+    announce_dtype(args)
     served = load_served(args)
     try:
         asyncio.run(_chat(served, body, system))

@@ -196,6 +196,7 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
 
     if not Path(args.checkpoint).is_dir():
         raise DecoderLMError(f"no such checkpoint directory: {args.checkpoint}")
+    args.dtype_chosen = args.dtype == "auto"  # said by `announce_dtype` once every check passed
     args.dtype = serving_dtype(args.dtype)
     parse_bytes(args.kv_cache_memory)
     if args.max_queue < 1:
@@ -208,17 +209,20 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
 def serving_dtype(name: str) -> str:
     """The weights' dtype for --dtype `name`: "auto" is bfloat16 on a CPU with native bf16
     (AVX512-BF16 or AMX: several times float32's batched throughput, at a relative logits error
-    of ~2e-2) and float32 elsewhere (where a bf16 matmul is emulated, hundreds of times slower).
-    Printed on stderr, so a user sees what they serve."""
+    of ~2e-2) and float32 elsewhere (where a bf16 matmul is emulated, hundreds of times slower)."""
     from decoderlm.cpu.features import has_native_bf16
     from decoderlm.dtypes import parse_dtype
 
     if name != "auto":
         return str(parse_dtype(name)).removeprefix("torch.")
-    dtype = "bfloat16" if has_native_bf16() else "float32"
-    why = "native bf16 on this CPU" if dtype == "bfloat16" else "no native bf16 on this CPU"
-    print(f"decoderlm: serving in {dtype} ({why}; --dtype to choose)", file=sys.stderr)
-    return dtype
+    return "bfloat16" if has_native_bf16() else "float32"
+
+
+def announce_dtype(args: argparse.Namespace) -> None:
+    """On stderr, the dtype `--dtype auto` chose, so a user sees what they serve."""
+    if args.dtype_chosen:
+        why = "native bf16 on this CPU" if args.dtype == "bfloat16" else "no native bf16 here"
+        print(f"decoderlm: serving in {args.dtype} ({why}; --dtype to choose)", file=sys.stderr)
 
 
 def policy(args: argparse.Namespace) -> Any:
@@ -256,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
         max_template_chars=args.max_template_chars,
         template_timeout_s=args.template_timeout,
     )
+    announce_dtype(args)
     failures: list[BaseException] = []
 
     def on_load_error(exc: BaseException) -> None:
