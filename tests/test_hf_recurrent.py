@@ -304,7 +304,10 @@ def test_export_refuses_what_the_family_cannot_hold(name, change, reason):
         hf.hf_model_type(config)
 
 
-def test_linear_attention_layers_have_no_hf_family():
+def test_linear_attention_layers_and_attention_without_mlps_have_no_hf_family():
     config = ModelConfig.from_preset("hybrid-tiny", layer_types=("linear_attention",) * 4)
     with pytest.raises(DecoderLMError, match="no HF model family has layer_types"):
+        hf.hf_model_type(config)
+    config = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, mlp="none")
+    with pytest.raises(DecoderLMError, match="mlp='none'"):
         hf.hf_model_type(config)

@@ -167,8 +167,10 @@ def hf_model_type(config: ModelConfig) -> str:
     family = recurrent_family(c)
     if family is not None:
         return recurrent_model_type(c, family)
-    if c.has_recurrent_layers or c.mlp == "none":
-        no_equivalent(f"layer_types={list(c.layer_types or ())} with mlp={c.mlp!r}")
+    if c.has_recurrent_layers:  # linear attention: no HF family
+        no_equivalent(f"layer_types={list(c.layer_types)}")
+    if c.mlp == "none":
+        no_equivalent("mlp='none' (blocks without an MLP) outside Mamba-2's layout")
     if c.rotary_dim not in (None, c.head_dim):
         no_equivalent(f"rotary_dim={c.rotary_dim} (the Llama family rotates the whole head)")
     if c.norm == "rmsnorm_1p":
