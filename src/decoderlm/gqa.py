@@ -31,11 +31,13 @@ from decoderlm.model.lm import DecoderLM
 def pool_kv(tensor: torch.Tensor, config: ModelConfig, n_kv_heads: int) -> torch.Tensor:
     """Fused qkv weight (rows, d_model) or bias (rows,) of `config` → the same with `n_kv_heads` K/V heads.
 
-    Query rows are kept; each new K (and V) head is the mean of the old K (V) heads it replaces.
+    Query rows (and output-gate rows) are kept; each new K (and V) head is the mean of the old K (V)
+    heads it replaces.
     """
     _check_groups(config, n_kv_heads)
     hd, old = config.head_dim, config.n_kv_heads
-    q, k, v = tensor.split([config.n_heads * hd, old * hd, old * hd], dim=0)
+    q_rows = config.n_heads * hd * (2 if config.attn_output_gate else 1)
+    q, k, v = tensor.split([q_rows, old * hd, old * hd], dim=0)
 
     def mean_pool(w: torch.Tensor) -> torch.Tensor:
         grouped = w.reshape(n_kv_heads, old // n_kv_heads, hd, *w.shape[1:])  # (G, old/G, hd, ...)

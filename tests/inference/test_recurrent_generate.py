@@ -133,8 +133,9 @@ def test_info_shows_the_state_bytes_beside_the_kv_bytes(capsys) -> None:
     assert "recurrent state, 3 layers" in capsys.readouterr().out
 
 
-def test_hugging_face_export_refuses_recurrent_layers_until_mapped() -> None:
+def test_hugging_face_export_refuses_a_hybrid_no_hf_family_holds() -> None:
     from decoderlm.hf.config import hf_model_type
 
-    with pytest.raises(DecoderLMError, match="does not map recurrent layers yet"):
+    # GDN layers with plain attention: Qwen3.5's layout has gated attention and 1 + w norms.
+    with pytest.raises(DecoderLMError, match="no HF model family has"):
         hf_model_type(ModelConfig.from_preset("hybrid-tiny"))

@@ -1,8 +1,10 @@
-"""Hugging Face interop: import GPT-2 / Llama / Mistral / Qwen2 / Qwen3 checkpoints, export ours.
+"""Hugging Face interop: import GPT-2 / Llama / Mistral / Qwen2 / Qwen3 / Mamba-2 / Bamba / Qwen3.5
+checkpoints, export ours.
 
 The adapter lives outside the model, which knows nothing of HF names:
 
-- `config`: HF config.json ↔ `ModelConfig` (transformers v4 and v5 layouts);
+- `config`: HF config.json ↔ `ModelConfig` (transformers v4 and v5 layouts); `recurrent` for the
+  recurrent and hybrid families, `fields` for what every family reads alike;
 - `weights`: HF state dict ↔ ours (names, GPT-2's transposed Conv1D, the fused q|k|v projection);
 - `files`: HF directories on disk (safetensors, shards, opt-in pickle, tokenizer files).
 

@@ -1,4 +1,5 @@
-"""Hugging Face config.json ↔ ModelConfig for GPT-2 and the Llama family (Llama, Mistral, Qwen2, Qwen3).
+"""Hugging Face config.json ↔ ModelConfig for GPT-2 and the Llama family (Llama, Mistral, Qwen2, Qwen3);
+the recurrent and hybrid families (Mamba-2, Bamba, Qwen3.5) are in `decoderlm.hf.recurrent`.
 
 Reads both layouts of `transformers`: v4 (`rope_theta`, `rope_scaling` with `type` or `rope_type`,
 `torch_dtype`) and v5 (`rope_parameters`, `dtype`). Writes the v4 layout, which v4 (≥ 4.45) and v5
@@ -10,14 +11,29 @@ exported one max_position_embeddings = its original_max_position_embeddings.
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import Any
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.model.config import ROPE_SCALING_KEYS, ModelConfig
+from decoderlm.hf.fields import (
+    context_length,
+    max_positions_to_hf,
+    no_equivalent,
+    partial_rotary_factor,
+    require_hf,
+    rope_from_hf,
+    rope_to_hf,
+)
+from decoderlm.hf.recurrent import (
+    RECURRENT_MODEL_TYPES,
+    recurrent_config_from_hf,
+    recurrent_config_to_hf,
+    recurrent_family,
+    recurrent_model_type,
+)
+from decoderlm.model.config import ModelConfig
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_MODEL_TYPES = ("gpt2", *LLAMA_FAMILY)
-ROPE_TYPES = ("default", *ROPE_SCALING_KEYS)
+SUPPORTED_MODEL_TYPES = ("gpt2", *LLAMA_FAMILY, *RECURRENT_MODEL_TYPES)
 
 # HF activation name → our MLP kind (GPT-2). "gelu_new" is the tanh approximation GPT-2 was trained with.
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
@@ -38,6 +54,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             f"model_type={model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     try:
+        if model_type in RECURRENT_MODEL_TYPES:
+            return recurrent_config_from_hf(hf)
         return _gpt2_config(hf) if model_type == "gpt2" else _llama_config(hf, model_type)
     except KeyError as exc:
         raise DecoderLMError(f"{model_type} config.json has no {exc.args[0]!r}") from None
@@ -49,9 +67,9 @@ def _gpt2_config(hf: dict[str, Any]) -> ModelConfig:
         raise DecoderLMError(
             f"gpt2 activation_function={act!r} is not supported; supported: {', '.join(_GPT2_ACTIVATIONS)}"
         )
-    _require_hf(hf, "scale_attn_weights", True)
-    _require_hf(hf, "scale_attn_by_inverse_layer_idx", False)
-    _require_hf(hf, "add_cross_attention", False)
+    require_hf(hf, "scale_attn_weights", True)
+    require_hf(hf, "scale_attn_by_inverse_layer_idx", False)
+    require_hf(hf, "add_cross_attention", False)
     d_model = hf["n_embd"]
     return ModelConfig(
         vocab_size=hf["vocab_size"],
@@ -87,11 +105,15 @@ def _llama_config(hf: dict[str, Any], model_type: str) -> ModelConfig:
             )
         qkv_bias = bias
     d_model, n_heads = hf["hidden_size"], hf["num_attention_heads"]
-    rope_theta, rope_scaling = _rope_from_hf(hf)
+    rope_theta, rope_scaling = rope_from_hf(hf)
+    if partial_rotary_factor(hf) != 1.0:
+        raise DecoderLMError(
+            "partial_rotary_factor != 1 is not supported (RoPE on every dimension)"
+        )
     window, window_layers = _sliding_window_from_hf(hf, model_type)
     return ModelConfig(
         vocab_size=hf["vocab_size"],
-        context_length=_context_length(hf, rope_scaling),
+        context_length=context_length(hf, rope_scaling),
         d_model=d_model,
         n_layers=hf["num_hidden_layers"],
         n_heads=n_heads,
@@ -113,16 +135,6 @@ def _llama_config(hf: dict[str, Any], model_type: str) -> ModelConfig:
         dropout=0.0,
         extra={"hf_model_type": model_type},
     )
-
-
-def _context_length(hf: dict[str, Any], rope_scaling: dict[str, Any] | None) -> int:
-    """max_position_embeddings (times the factor for dynamic NTK, whose original length it is).
-
-    A sliding window is not a context: it goes to `ModelConfig.sliding_window`."""
-    length = _max_positions(hf)
-    if rope_scaling is not None and rope_scaling["type"] == "dynamic":
-        length = round(rope_scaling["factor"] * length)
-    return length
 
 
 def _sliding_window_from_hf(
@@ -149,59 +161,24 @@ def _sliding_window_from_hf(
     return window, None if len(layers) == n_layers else layers
 
 
-def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, our rope_scaling) from v5 `rope_parameters` or v4 `rope_theta` + `rope_scaling`."""
-    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise DecoderLMError(
-            "partial_rotary_factor != 1 is not supported (RoPE on every dimension)"
-        )
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        raise DecoderLMError(
-            f"rope_type={kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
-        )
-    if kind == "default":
-        return theta, None
-    required, optional = ROPE_SCALING_KEYS[kind]
-    scaling = {"type": kind}
-    scaling.update({k: params[k] for k in (*required, *optional) if params.get(k) is not None})
-    if "original_max_position_embeddings" in required:
-        scaling["original_max_position_embeddings"] = _original_length(hf, params, kind)
-    return theta, scaling
-
-
-def _original_length(hf: dict[str, Any], params: dict[str, Any], kind: str) -> int:
-    """L₀ where transformers takes it: max_position_embeddings for dynamic; for the others a
-    top-level original_max_position_embeddings (Phi-3's place), else the RoPE parameters' one,
-    else max_position_embeddings."""
-    key = "original_max_position_embeddings"
-    if kind == "dynamic":
-        return _max_positions(hf)
-    return int(hf.get(key) or params.get(key) or _max_positions(hf))
-
-
-def _max_positions(hf: dict[str, Any]) -> int:
-    return int(hf.get("max_position_embeddings", 2048))  # transformers' Llama default
-
-
-def _require_hf(hf: dict[str, Any], key: str, value: bool) -> None:
-    if key in hf and bool(hf[key]) != value:
-        raise DecoderLMError(f"{key}={hf[key]} is not supported; decoderlm needs {key}={value}")
-
-
 def hf_model_type(config: ModelConfig) -> str:
     """The HF family our config maps onto; DecoderLMError saying why when there is none."""
     c = config
-    if c.has_recurrent_layers:
-        _no_equivalent(
-            f"layer_types={list(c.layer_types)} (decoderlm does not map recurrent layers yet)"
-        )
+    family = recurrent_family(c)
+    if family is not None:
+        return recurrent_model_type(c, family)
+    if c.has_recurrent_layers:  # linear attention: no HF family
+        no_equivalent(f"layer_types={list(c.layer_types)}")
+    if c.mlp == "none":
+        no_equivalent("mlp='none' (blocks without an MLP) outside Mamba-2's layout")
+    if c.rotary_dim not in (None, c.head_dim):
+        no_equivalent(f"rotary_dim={c.rotary_dim} (the Llama family rotates the whole head)")
+    if c.norm == "rmsnorm_1p":
+        no_equivalent("norm='rmsnorm_1p' outside Qwen3.5's layout")
     if c.norm_placement != "pre":
-        _no_equivalent("Post-LN blocks (every supported HF family is Pre-LN)")
+        no_equivalent("Post-LN blocks (every supported HF family is Pre-LN)")
     if c.attn_scale != "1/sqrt(head_dim)":
-        _no_equivalent(f"attn_scale={c.attn_scale!r} (every supported HF family scales by 1/√d)")
+        no_equivalent(f"attn_scale={c.attn_scale!r} (every supported HF family scales by 1/√d)")
     if c.position == "learned":
         reasons = [
             (c.norm == "layernorm", f"norm={c.norm!r} (GPT-2 uses layernorm)"),
@@ -229,12 +206,12 @@ def hf_model_type(config: ModelConfig) -> str:
             family = "mistral"
         reasons += _sliding_window_reasons(c, family)
     else:
-        _no_equivalent(
+        no_equivalent(
             f"position={c.position!r} (HF GPT-2 has learned positions and the Llama family RoPE)"
         )
     for ok, reason in reasons:
         if not ok:
-            _no_equivalent(f"{reason}, for a {family}-style model with position={c.position!r}")
+            no_equivalent(f"{reason}, for a {family}-style model with position={c.position!r}")
     return family
 
 
@@ -250,17 +227,13 @@ def _sliding_window_reasons(c: ModelConfig, family: str) -> list[tuple[bool, str
     ]
 
 
-def _no_equivalent(reason: str) -> NoReturn:
-    raise DecoderLMError(f"cannot export to Hugging Face: no HF model family has {reason}")
-
-
 def config_to_hf(
     config: ModelConfig, dtype: str = "float32", eos_token_id: int | None = None
 ) -> dict[str, Any]:
     """An HF config.json dict for our config (v4 layout, which v5 also reads)."""
     c, model_type = config, hf_model_type(config)
     common = {
-        "architectures": [_ARCHITECTURES[model_type]],
+        "architectures": [_ARCHITECTURES.get(model_type)],
         "model_type": model_type,
         "vocab_size": c.vocab_size,
         "tie_word_embeddings": c.tie_embeddings,
@@ -268,6 +241,8 @@ def config_to_hf(
         "eos_token_id": eos_token_id,
         "torch_dtype": dtype,
     }
+    if model_type in RECURRENT_MODEL_TYPES:
+        return recurrent_config_to_hf(c, model_type, common)
     if model_type == "gpt2":
         return {
             **common,
@@ -284,7 +259,7 @@ def config_to_hf(
         }
     hf = {
         **common,
-        "max_position_embeddings": _max_positions_to_hf(c),
+        "max_position_embeddings": max_positions_to_hf(c),
         "hidden_size": c.d_model,
         "num_hidden_layers": c.n_layers,
         "num_attention_heads": c.n_heads,
@@ -294,7 +269,7 @@ def config_to_hf(
         "hidden_act": "silu",
         "rms_norm_eps": c.norm_eps,
         "rope_theta": c.rope_theta,
-        "rope_scaling": _rope_to_hf(c.rope_scaling),
+        "rope_scaling": rope_to_hf(c.rope_scaling),
         "attention_dropout": c.dropout,
     }
     if model_type in ("llama", "qwen3"):
@@ -309,25 +284,3 @@ def config_to_hf(
         hf["sliding_window"] = c.sliding_window
         hf["max_window_layers"] = layers[0] if c.sliding_window is not None else c.n_layers
     return hf
-
-
-def _max_positions_to_hf(config: ModelConfig) -> int:
-    """context_length, or for dynamic NTK its original length (which transformers reads there)."""
-    scaling = config.rope_scaling
-    if scaling is not None and _scaling_type(scaling) == "dynamic":
-        return scaling["original_max_position_embeddings"]
-    return config.context_length
-
-
-def _rope_to_hf(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
-    if scaling is None:
-        return None
-    kind = _scaling_type(scaling)
-    out = {k: v for k, v in scaling.items() if k not in ("type", "rope_type")}
-    if kind == "dynamic":  # written as max_position_embeddings instead
-        del out["original_max_position_embeddings"]
-    return {"rope_type": kind, **out}
-
-
-def _scaling_type(scaling: dict[str, Any]) -> str:
-    return scaling.get("type", scaling.get("rope_type"))

@@ -125,8 +125,15 @@ def attend(
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention with `n_kv_heads` K/V heads (MHA, GQA or MQA), optional RoPE and
-    qk-norm, and the sliding window of its layer (`ModelConfig.layer_window(layer)`)."""
+    """Multi-head self-attention with `n_kv_heads` K/V heads (MHA, GQA or MQA), optional RoPE,
+    qk-norm and output gate, and the sliding window of its layer (`ModelConfig.layer_window(layer)`).
+
+    The output gate (`attn_output_gate`, Qwen3.5's gated attention): with o the heads' outputs
+    concatenated (H·hd per token) and G a gate projection of the block input x,
+
+        out = W_O (o ⊙ sigmoid(x W_G))
+
+    W_G's rows sit in the fused projection after W_Q's: [W_Q | W_G | W_K | W_V]."""
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
@@ -143,10 +150,12 @@ class CausalSelfAttention(nn.Module):
         self.attend: Callable[..., tuple[Tensor, Tensor | None]] = attend
         self.dropout_p = config.dropout
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        self.split_sizes = (q_size, kv_size, kv_size)
+        self.gated = config.attn_output_gate
+        q_rows = 2 * q_size if self.gated else q_size  # W_Q, then W_G if gated
+        self.split_sizes = (q_rows, kv_size, kv_size)
         self.qkv = nn.Linear(
-            config.d_model, q_size + 2 * kv_size, bias=config.qkv_bias
-        )  # fused W_Q|W_K|W_V
+            config.d_model, sum(self.split_sizes), bias=config.qkv_bias
+        )  # fused W_Q|W_K|W_V (W_Q|W_G|W_K|W_V with the output gate)
         self.proj = nn.Linear(q_size, config.d_model, bias=config.bias)  # W_O
         self.q_norm = make_norm(config, self.head_dim) if config.qk_norm else None
         self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else None
@@ -168,6 +177,8 @@ class CausalSelfAttention(nn.Module):
         """
         b, t, _ = x.shape
         q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
+        if self.gated:
+            q, gate = q.chunk(2, dim=-1)  # (B, T, H·hd) each
         q = q.view(b, t, self.n_heads, self.head_dim)  # (B, T, H, hd)
         k = k.view(b, t, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, hd)
         v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
@@ -197,5 +208,7 @@ class CausalSelfAttention(nn.Module):
                 window=self.window,
             )
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, H·hd)
+        if self.gated:
+            out = out * torch.sigmoid(gate)  # o ⊙ sigmoid(x W_G)
         out = self.resid_dropout(self.proj(out))  # (B, T, d_model)
         return (out, weights) if need_weights else out

@@ -26,7 +26,9 @@ RECURRENT_MIXERS: dict[str, type[RecurrentMixer]] = {
 
 
 class Block(nn.Module):
-    """Pre-LN: x + Attn(LN(x)), then x + MLP(LN(x)).  Post-LN: LN(x + Attn(x)), then LN(x + MLP(x))."""
+    """Pre-LN: x + Attn(LN(x)), then x + MLP(LN(x)).  Post-LN: LN(x + Attn(x)), then LN(x + MLP(x)).
+
+    With mlp="none" the block is its first half alone (Mamba-2's block: x + Mixer(LN(x)))."""
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
@@ -37,8 +39,9 @@ class Block(nn.Module):
             self.attn = CausalSelfAttention(config, layer)  # layer: which sliding window applies
         else:
             self.mixer = RECURRENT_MIXERS[self.kind](config)
-        self.norm2 = make_norm(config)
-        self.mlp = MLP(config)
+        has_mlp = config.mlp != "none"
+        self.norm2 = make_norm(config) if has_mlp else None
+        self.mlp = MLP(config) if has_mlp else None
 
     @property
     def mix(self) -> nn.Module:
@@ -55,6 +58,6 @@ class Block(nn.Module):
     ) -> Tensor:  # (B, T, d_model) → (B, T, d_model)
         if self.pre_norm:
             x = x + self.mix(self.norm1(x), rope, key_padding_mask, kv_cache, causal)
-            return x + self.mlp(self.norm2(x))
+            return x if self.mlp is None else x + self.mlp(self.norm2(x))
         x = self.norm1(x + self.mix(x, rope, key_padding_mask, kv_cache, causal))
-        return self.norm2(x + self.mlp(x))
+        return x if self.mlp is None else self.norm2(x + self.mlp(x))

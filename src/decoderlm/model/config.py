@@ -14,8 +14,10 @@ from typing import Any, TypeVar
 
 from decoderlm.errors import ConfigError
 
-MLP_KINDS = ("gelu", "gelu_tanh", "swiglu", "relu2")
-NORM_KINDS = ("layernorm", "rmsnorm")
+# "none": no MLP, the block is its token mixer alone (Mamba-2).
+MLP_KINDS = ("gelu", "gelu_tanh", "swiglu", "relu2", "none")
+# "rmsnorm_1p": RMSNorm whose gain is stored as an offset from 1, y = x̂·(1 + g) (Qwen3.5).
+NORM_KINDS = ("layernorm", "rmsnorm", "rmsnorm_1p")
 NORM_PLACEMENTS = ("pre", "post")
 POSITION_KINDS = ("sinusoidal", "learned", "rope", "none")
 ATTN_BACKENDS = ("math", "sdpa", "flash")
@@ -64,9 +66,11 @@ class ModelConfig:
     position: str = "learned"  # one of POSITION_KINDS
     rope_theta: float = 10000.0  # RoPE base: θ_i = rope_theta^(-2i/head_dim)
     rope_scaling: dict[str, Any] | None = None  # e.g. {"type": "llama3", "factor": 32.0, ...}
+    rotary_dim: int | None = None  # RoPE on the first rotary_dim dims of a head; None = head_dim
     bias: bool = True  # biases in every linear layer and norm
     qkv_bias: bool | None = None  # None = bias; Qwen2 has q/k/v biases and no others
     qk_norm: bool = False  # per-head norm of q and k before RoPE (Qwen3, OLMo 2)
+    attn_output_gate: bool = False  # attention output ⊙ sigmoid(x W_G) before W_O (Qwen3.5)
     tie_embeddings: bool = True  # LM head shares the token-embedding matrix
     dropout: float = 0.0  # on embeddings, attention weights and residual branches
     attn_backend: str = "sdpa"  # one of ATTN_BACKENDS
@@ -147,6 +151,12 @@ class ModelConfig:
             )
         if self.position == "rope":
             _require(self.head_dim % 2 == 0, f"head_dim={self.head_dim}", "must be even for RoPE")
+            _require(
+                self.rotary_dim is None
+                or (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0),
+                f"rotary_dim={self.rotary_dim}",
+                f"must be even and in (0, head_dim={self.head_dim}]",
+            )
             _require(self.rope_theta > 0, f"rope_theta={self.rope_theta}", "must be > 0")
         if self.position == "sinusoidal":
             _require(
@@ -155,7 +165,7 @@ class ModelConfig:
                 "must be even for sinusoidal positions",
             )
         if self.rope_scaling is not None:
-            _check_rope_scaling(self.rope_scaling, self.head_dim)
+            _check_rope_scaling(self.rope_scaling, self.rope_dim)
 
     def _validate_sliding_window(self) -> None:
         window, layers = self.sliding_window, self.sliding_window_layers
@@ -252,6 +262,11 @@ class ModelConfig:
         """The sliding window of layer `layer`; None where it attends every earlier key."""
         layers = self.sliding_window_layers
         return self.sliding_window if layers is None or layer in layers else None
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions of a head that RoPE rotates (the rest pass through)."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def group_size(self) -> int:

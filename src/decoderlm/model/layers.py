@@ -16,16 +16,21 @@ from decoderlm.model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """y = x / √(mean(x²) + ε) · g, computed in (at least) float32 as Llama does, returned in x's dtype."""
+    """y = x / √(mean(x²) + ε) · g, computed in (at least) float32 as Llama does, returned in x's dtype.
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    With `offset` 1 the gain is stored as g − 1: y = x̂ · (1 + w), computed in float32 and then cast
+    (Gemma, Qwen3-Next, Qwen3.5)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
 
     def forward(self, x: Tensor) -> Tensor:
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (self.offset + self.weight.to(xf.dtype))).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 
@@ -78,8 +83,8 @@ def short_conv(
 def make_norm(config: ModelConfig, dim: int | None = None) -> nn.Module:
     """The configured norm over `dim` features (default d_model)."""
     dim = config.d_model if dim is None else dim
-    if config.norm == "rmsnorm":
-        return RMSNorm(dim, config.norm_eps)
+    if config.norm in ("rmsnorm", "rmsnorm_1p"):
+        return RMSNorm(dim, config.norm_eps, offset=1.0 if config.norm == "rmsnorm_1p" else 0.0)
     # y = (x − mean) / √(var + ε) · g + b
     return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.bias)
 

@@ -35,7 +35,7 @@ class DecoderLM(nn.Module):
         self.rope = (
             RotaryEmbedding(
                 config.context_length,
-                config.head_dim,
+                config.rope_dim,
                 config.rope_theta,
                 config.rope_scaling,
                 unbounded=config.decodes_past_context,
@@ -70,10 +70,12 @@ class DecoderLM(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding | LearnedPositions):
                 nn.init.normal_(module.weight, 0.0, std)
-            elif isinstance(module, nn.LayerNorm | RMSNorm):
+            elif isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
-                if getattr(module, "bias", None) is not None:
+                if module.bias is not None:
                     nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                nn.init.constant_(module.weight, 1.0 - module.offset)  # a gain of 1
 
     def forward(
         self,

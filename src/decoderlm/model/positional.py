@@ -233,7 +233,12 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """R_m x for x (B, H, T, D) and cos/sin (T, D) or (B, T, D): x·cos(mθ) + rotate_half(x)·sin(mθ)."""
-    if cos.dim() == 3:  # per-row positions (B, T, D) → broadcast over heads
+    """R_m x for x (B, H, T, D) and cos/sin (T, R) or (B, T, R): x·cos(mθ) + rotate_half(x)·sin(mθ)
+    on the first R ≤ D dimensions (partial RoPE, as transformers' partial_rotary_factor), the rest
+    passed through."""
+    if cos.dim() == 3:  # per-row positions (B, T, R) → broadcast over heads
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
