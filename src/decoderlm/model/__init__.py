@@ -2,10 +2,11 @@
 
 config (ModelConfig + presets), attention (the SDPA formula, MHA/GQA/MQA, backend dispatch), masks
 (causal, sliding-window and padding masks), positional (sinusoidal, learned, RoPE + scaling), layers
-(norms, MLPs), block (Pre-LN / Post-LN), lm (DecoderLM), cache/ (per-layer inference state: the
-`LayerCache` contract, `CacheStep`, the static and ring KV caches, int8 storage, their sizes),
-flash (FlashAttention-2 in PyTorch) and flash_inputs (its input checks), kernels/ (Triton).
-kv_cache and int8_cache only re-export names for serving/engine.py and serving/playground.py.
+(norms, MLPs), block (Pre-LN / Post-LN), lm (DecoderLM), the recurrent mixers (linear_attention,
+gated_deltanet, mamba2, over scans and recurrent), cache/ (per-layer inference state: the
+`LayerCache` contract, `CacheStep`, the static and ring KV caches, recurrent state, int8 storage,
+their sizes), flash (FlashAttention-2 in PyTorch) and flash_inputs (its input checks), kernels/
+(Triton).
 This package imports nothing of decoderlm outside itself but `decoderlm.errors` (import-linter
 checks it: pyproject.toml).
 """
