@@ -1,0 +1,3 @@
+"""Test-time compute: search strategies over a language model for the reasoning tasks of
+`decoderlm.tasks` (`strategies`), the model as they call it (`lm`), and scoring a strategy on a
+task's problems (`evaluate`)."""
