@@ -148,20 +148,13 @@ def sample_solutions(
 ) -> list[Sample]:
     """Up to n solutions (None: as many as the budget allows), in batches, sampling while a
     whole solution of `max_tokens` still fits."""
+    if n is not None:
+        _check_positive(n=n)
+    wanted = math.inf if n is None else n
     samples: list[Sample] = []
-    while n is None or len(samples) < n:
-        batch = (
-            budget.left // max_tokens
-            if n is None
-            else min(n - len(samples), budget.left // max_tokens)
-        )
-        drawn = (
-            budget.sample(lm, [prompt], batch, max_tokens, SOLUTION_END, temperature)
-            if batch
-            else None
-        )
-        if drawn is None:
-            break
+    while (batch := int(min(wanted - len(samples), budget.left // max_tokens))) > 0:
+        drawn = budget.sample(lm, [prompt], batch, max_tokens, SOLUTION_END, temperature)
+        assert drawn is not None  # batch · max_tokens fits
         samples += drawn[0]
     return samples
 
