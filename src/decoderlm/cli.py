@@ -24,6 +24,7 @@ ORDER = (
     "generate",
     "chat",
     "eval",
+    "search",
     "info",
     "convert",
     "quantize",

@@ -1,12 +1,17 @@
-"""`decoderlm prepare`: text files (default: the Python standard library) → a data directory."""
+"""`decoderlm prepare`: text files (default: the Python standard library) → a data directory; or,
+with --task, a corpus of a reasoning task's problems and worked solutions (`decoderlm.tasks`),
+written to OUT/task.txt and tokenized by characters."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from decoderlm.files import add_overwrite_argument, refuse_overwrite
+from decoderlm.tasks import TASK_NAMES
 
+TASK_FILE = "task.txt"
 HELP = "Tokenize text files (default: the Python stdlib) into train.bin, val.bin and meta.json."
 
 
@@ -45,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=("uint16", "uint32"), help="token file dtype (default: from the vocab)"
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    task = parser.add_argument_group("a reasoning task's corpus (instead of --input)")
+    task.add_argument("--task", choices=TASK_NAMES, help="write and tokenize N worked problems")
+    task.add_argument("--difficulty", type=int, help="digits (arithmetic) or numbers (countdown)")
+    task.add_argument("--n", type=int, default=20000, help="problems (default: 20000)")
+    task.add_argument("--seed", type=int, default=0, help="the problems' seed (default: 0)")
     add_overwrite_argument(parser)
 
 
@@ -53,13 +63,16 @@ def run(args: argparse.Namespace) -> int:
 
     from decoderlm.data import DATA_FILES, prepare
 
-    refuse_overwrite(args.out, overwrite=args.overwrite, inside=DATA_FILES)
+    inputs, tokenizer = args.input, args.tokenizer
+    refuse_overwrite(args.out, overwrite=args.overwrite, inside=(*DATA_FILES, TASK_FILE))
+    if args.task is not None:
+        inputs, tokenizer = [_write_task(args)], "char"
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
         meta = prepare(
-            args.input,
+            inputs,
             args.out,
-            tokenizer=args.tokenizer,
+            tokenizer=tokenizer,
             vocab_size=args.vocab_size,
             val_fraction=args.val_fraction,
             include=args.include,
@@ -74,6 +87,23 @@ def run(args: argparse.Namespace) -> int:
         f"{(meta['train_bytes'] + meta['val_bytes']) / max(tokens, 1):.2f} bytes/token)"
     )
     return 0
+
+
+def _write_task(args: argparse.Namespace) -> Path:
+    """OUT/task.txt: the task's corpus, the text that is then tokenized."""
+    from decoderlm.errors import DecoderLMError
+    from decoderlm.files import atomic_write
+    from decoderlm.tasks import corpus, get_task
+
+    if args.input or args.tokenizer != "bpe":
+        raise DecoderLMError(
+            "--task writes its own text, tokenized by characters: drop --input and --tokenizer"
+        )
+    text = corpus(get_task(args.task), args.n, args.difficulty, args.seed)
+    path = Path(args.out, TASK_FILE)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    return path
 
 
 def _show_warning(message: Warning | str, *args: object, **kwargs: object) -> None:

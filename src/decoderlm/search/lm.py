@@ -1,0 +1,143 @@
+"""The language model as the search strategies see it (`SearchLM`), and `EngineLM`, which runs it on
+the serving engine's batched generation.
+
+Why the engine and not `decoderlm.generate(num_samples=...)`: `Engine.generate` runs the N
+samples of a prompt as N sequences that share the prompt's KV blocks (prefix caching), and a
+step-level search that resubmits a prompt with a longer partial solution reuses the blocks of what
+was already computed; it also stops at text stop strings (a step ends at its line's newline) and
+reports each token's log-probability and the top-k next tokens, which best-of-N's mean
+log-probability and token-level beam search need. `generate` has neither stop strings nor
+log-probabilities, and recomputes each sample's prompt.
+
+The budget counts generated tokens: every token a sample generated (its stop string and its
+end-of-text token included), and one token per prefix whose next-token distribution is asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from decoderlm.inference.sampling import SamplingParams
+from decoderlm.serving.engine import Engine, decodable_ids
+from decoderlm.serving.types import Completion, RequestParams
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sampled continuation: its text (without the stop string), every token it generated
+    with its log-probability, and why it ended: "stop" (a stop string), "eot" (end-of-text) or
+    "length" (max_tokens or the context)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish: str
+
+    @property
+    def tokens(self) -> int:
+        """Generated tokens: what this sample cost."""
+        return len(self.token_ids)
+
+
+class SearchLM(Protocol):
+    """What the strategies call: text in, samples out, and next-token log-probabilities."""
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of token ids."""
+        ...
+
+    @property
+    def eot_id(self) -> int | None:
+        """The end-of-text token, if the vocabulary has one."""
+        ...
+
+    def sample(
+        self,
+        prompts: Sequence[str],
+        n: int,
+        max_tokens: int,
+        stop: tuple[str, ...],
+        temperature: float,
+    ) -> list[list[Sample]]:
+        """n samples of each prompt, each of at most `max_tokens` tokens, ending at a stop string
+        or end-of-text; in prompt order."""
+        ...
+
+    def next_token_logprobs(
+        self, prefixes: Sequence[Sequence[int]], k: int
+    ) -> list[list[tuple[int, float]]]:
+        """The k likeliest next tokens of each prefix of token ids, (id, log-probability), likeliest
+        first."""
+        ...
+
+
+class EngineLM:
+    """A `SearchLM` over an `Engine`: each call is one batched `Engine.generate`. Sample j of a
+    call draws from seed + j, and each call advances the seed past its samples, so a search is
+    reproducible and no two calls draw the same stream."""
+
+    def __init__(self, engine: Engine, seed: int = 0) -> None:
+        self.engine, self.tokenizer, self.seed = engine, engine.tokenizer, seed
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    @property
+    def eot_id(self) -> int | None:
+        return self.tokenizer.eot_id
+
+    def sample(
+        self,
+        prompts: Sequence[str],
+        n: int,
+        max_tokens: int,
+        stop: tuple[str, ...],
+        temperature: float,
+    ) -> list[list[Sample]]:
+        out: list[list[Sample]] = [[] for _ in prompts]
+        while len(out[0]) < n:  # at most max_queue sequences a request
+            batch = min(n - len(out[0]), self.engine.max_queue)
+            params = RequestParams(
+                max_tokens=max_tokens,
+                sampling=SamplingParams(temperature=temperature),
+                stop=stop,
+                seed=self._seeds(batch),
+                logprobs=0,
+                n=batch,
+            )
+            done = self.engine.generate(list(prompts), params)
+            for i, samples in enumerate(out):
+                samples += [self._sample(c) for c in done[i * batch : (i + 1) * batch]]
+        return out
+
+    def next_token_logprobs(
+        self, prefixes: Sequence[Sequence[int]], k: int
+    ) -> list[list[tuple[int, float]]]:
+        params = RequestParams(
+            max_tokens=1,
+            sampling=SamplingParams(temperature=0),
+            logprobs=min(k, decodable_ids(self.tokenizer, self.engine.model.config.vocab_size)),
+            stop_at_eot=False,
+        )
+        done = self.engine.generate([list(p) for p in prefixes], params)
+        return [[(t.token_id, t.logprob) for t in c.top_logprobs[0]] for c in done]
+
+    def _seeds(self, n: int) -> int:
+        seed, self.seed = self.seed, self.seed + n
+        return seed
+
+    def _sample(self, completion: Completion) -> Sample:
+        ids = tuple(completion.token_ids)
+        finish = completion.finish_reason
+        if finish == "stop" and ids and ids[-1] == self.eot_id:
+            finish = "eot"
+        return Sample(completion.text, ids, tuple(completion.logprobs or ()), finish)

@@ -1,0 +1,56 @@
+"""`decoderlm search` runs every strategy on a tiny run trained on a task corpus and prints the
+accuracy and the tokens spent, within the budget; bad flags are one-line errors."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from decoderlm.cli import main
+from decoderlm.search import STRATEGY_NAMES
+
+TINY_TRAIN = [
+    *("--context-length", "64", "--d-model", "16", "--n-layers", "1", "--n-heads", "2"),
+    *("--n-kv-heads", "2", "--batch-size", "2", "--max-steps", "1", "--eval-iters", "1"),
+    *("--sample-tokens", "2", "--dtype", "fp32", "--peak-flops", "1e12", "--threads", "1"),
+    "--quiet",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("search")
+    data, run = root / "data", root / "run"
+    prepare = ["prepare", "--task", "arithmetic", "--difficulty", "2", "--n", "300", "--quiet"]
+    assert main([*prepare, "--out", str(data)]) == 0
+    assert main(["train", "--data", str(data), "--out", str(run), *TINY_TRAIN]) == 0
+    return run
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_search_prints_accuracy_and_tokens_within_the_budget(
+    tiny_run: Path, strategy: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["search", "--checkpoint", str(tiny_run), "--task", "arithmetic", "--difficulty", "2"]
+    flags = ["--strategy", strategy, "--budget", "96", "--problems", "2", "--max-tokens", "24"]
+    assert main([*argv, *flags, "--n", "2", "--expand", "2", "--quiet"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    match = re.fullmatch(
+        rf"{strategy} on 2 arithmetic problems \(difficulty 2\): accuracy \d+\.\d% \(\d/2\) · "
+        r"(\d+) generated tokens \(\d+ a problem, budget 96\)",
+        line,
+    )
+    assert match is not None, line
+    assert 0 < int(match.group(1)) <= 2 * 96
+
+
+def test_search_refuses_a_budget_below_one_token(
+    tiny_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["search", "--checkpoint", str(tiny_run), "--task", "countdown"]
+    assert main([*argv, "--strategy", "beam", "--budget", "0", "--quiet"]) == 2
+    assert capsys.readouterr().err == (
+        "decoderlm: error: budget=0 must be an integer ≥ 1 (generated tokens)\n"
+    )

@@ -1,0 +1,188 @@
+"""The search strategies on a model whose distribution is set by hand (`scripted_lm.ScriptedLM`)
+and on the serving engine: the vote picks the mode, best-of-N with an exact verifier finds a
+planted correct sample, beam search equals exhaustive search on a tiny vocabulary, step-level
+beam search and MCTS with a perfect process value find an unlikely solution, and no strategy
+spends a token more than its budget, whose count is exact."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from scripted_lm import EOT, ScriptedLM
+
+from decoderlm import DecoderLM, ModelConfig
+from decoderlm.errors import DecoderLMError
+from decoderlm.search.lm import EngineLM
+from decoderlm.search.strategies import (
+    beam_search,
+    best_of_n,
+    by_verifier,
+    mcts,
+    mean_logprob,
+    self_consistency,
+    step_beam_search,
+)
+from decoderlm.serving.engine import Engine
+from decoderlm.tokenizer import Tokenizer
+
+PROMPT = "Q\n"
+
+
+def answers(probs: dict[str, float]) -> dict[str, float]:
+    return {f"answer: {a}\n\n": p for a, p in probs.items()}
+
+
+def tree(p: dict[str, float], depth: int = 3) -> dict[str, float]:
+    """Every path of `depth` one-letter steps, then its answer line: probability the product."""
+    return {
+        "".join(f"{s}\n" for s in path) + f"answer: {''.join(path)}\n\n": math.prod(
+            p[s] for s in path
+        )
+        for path in itertools.product(p, repeat=depth)
+    }
+
+
+STEPS = {"x": 0.4, "y": 0.4, "z": 0.2}  # the solution is zzz: probability 0.008
+
+
+def on_path(prompt: str, solution: str) -> float:
+    """A perfect process value: 1 while every line so far is a line of the solution zzz."""
+    right = ["z", "z", "z", "answer: zzz"]
+    lines = solution.split("\n")
+    lines = lines[:-1] if lines[-1] == "" else lines
+    return float(lines == right[: len(lines)])
+
+
+def test_self_consistency_picks_the_mode() -> None:
+    lm = ScriptedLM(answers({"1": 0.5, "2": 0.25, "3": 0.25}), PROMPT)
+    result = self_consistency(lm, PROMPT, budget=100 * 11, max_tokens=11)
+    assert len(result.candidates) == 100
+    assert result.answer == "1" and result.text == "answer: 1"
+    votes = {c.answer: c.score for c in result.candidates}
+    assert votes["1"] == max(votes.values()) == sum(c.answer == "1" for c in result.candidates)
+
+
+def test_best_of_n_with_an_exact_verifier_finds_a_planted_correct_sample() -> None:
+    lm = ScriptedLM(answers({"1": 0.6, "2": 0.35, "7": 0.05}), PROMPT)
+    right = best_of_n(
+        lm, PROMPT, 64 * 11, scorer=by_verifier(lambda p, s: float(s == "answer: 7")), max_tokens=11
+    )
+    assert any(c.answer == "7" for c in right.candidates[1:])  # planted among many wrong ones
+    assert right.answer == "7"
+    likeliest = best_of_n(lm, PROMPT, 64 * 11, scorer=mean_logprob, max_tokens=11)
+    assert likeliest.answer == "1"
+
+
+def exhaustive(lm: ScriptedLM, max_len: int, alpha: float) -> tuple[float, str]:
+    """The best length-normalised score over every token sequence of at most max_len tokens that
+    ends at end-of-text, or has max_len tokens, by brute force."""
+    best = (-math.inf, "")
+    for length in range(1, max_len + 1):
+        for seq in itertools.product(lm.chars, repeat=length):
+            logprob, text = 0.0, ""
+            for i, c in enumerate(seq):
+                p = lm.next_chars(text).get(c, 0.0)
+                if p == 0 or (c == EOT and i < length - 1):
+                    break
+                logprob, text = logprob + math.log(p), text + (c if c != EOT else "")
+            else:
+                if seq[-1] == EOT or length == max_len:
+                    best = max(best, (logprob / length**alpha, text))
+    return best
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+def test_beam_search_equals_exhaustive_search_on_a_tiny_vocabulary(alpha: float) -> None:
+    lm = ScriptedLM({"aa": 0.34, "ba": 0.22, "bb": 0.22, "b": 0.12, "abab": 0.1}, PROMPT)
+    score, text = exhaustive(lm, 5, alpha)
+    result = beam_search(
+        lm, PROMPT, 10_000, width=len(lm.chars) ** 5, max_tokens=5, alpha=alpha, extract=str
+    )
+    assert (result.text, max(c.score for c in result.candidates)) == (text, pytest.approx(score))
+    greedy = beam_search(lm, PROMPT, 10_000, width=1, max_tokens=5, alpha=alpha, extract=str)
+    assert greedy.text.startswith("b")  # one beam follows the likelier first letter
+
+
+def test_step_beam_search_with_a_process_verifier_finds_the_unlikely_solution() -> None:
+    lm = ScriptedLM(tree(STEPS), PROMPT)
+    result = step_beam_search(lm, PROMPT, 4096, on_path, width=2, expand=12, step_tokens=16)
+    assert result.answer == "zzz" and result.tokens <= 4096
+
+
+@pytest.mark.parametrize("rollout_tokens", [0, 16])
+def test_mcts_with_a_perfect_value_finds_the_solution_within_its_budget(
+    rollout_tokens: int,
+) -> None:
+    lm = ScriptedLM(tree(STEPS), PROMPT)
+    result = mcts(
+        lm, PROMPT, 4096, on_path, expand=12, step_tokens=16, rollout_tokens=rollout_tokens
+    )
+    assert result.answer == "zzz" and result.tokens <= 4096
+    assert all(c.score == (c.answer == "zzz") for c in result.candidates)
+
+
+class Counting(ScriptedLM):
+    """Counts every token the model generates: each sampled token, one per prefix scored."""
+
+    generated = 0
+
+    def sample(self, prompts, n, max_tokens, stop, temperature):  # type: ignore[no-untyped-def]
+        out = super().sample(prompts, n, max_tokens, stop, temperature)
+        self.generated += sum(s.tokens for group in out for s in group)
+        return out
+
+    def next_token_logprobs(self, prefixes, k):  # type: ignore[no-untyped-def]
+        self.generated += len(prefixes)
+        return super().next_token_logprobs(prefixes, k)
+
+
+STRATEGIES = {
+    "self-consistency": lambda lm, budget: self_consistency(lm, PROMPT, budget, max_tokens=16),
+    "best-of-n": lambda lm, budget: best_of_n(lm, PROMPT, budget, max_tokens=16),
+    "beam": lambda lm, budget: beam_search(lm, PROMPT, budget, width=3, max_tokens=16),
+    "step-beam": lambda lm, budget: step_beam_search(
+        lm, PROMPT, budget, on_path, width=2, expand=3, step_tokens=16
+    ),
+    "mcts": lambda lm, budget: mcts(
+        lm, PROMPT, budget, on_path, expand=3, step_tokens=16, rollout_tokens=16
+    ),
+}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("budget", [1, 47, 200, 1000])
+def test_token_budgets_are_respected_and_counted_exactly(strategy: str, budget: int) -> None:
+    lm = Counting(tree(STEPS), PROMPT, seed=budget)
+    result = STRATEGIES[strategy](lm, budget)
+    assert result.strategy == strategy
+    assert result.tokens == lm.generated <= budget
+    if budget >= 200:
+        assert result.candidates
+
+
+def test_a_budget_below_one_token_is_a_one_line_error() -> None:
+    with pytest.raises(DecoderLMError, match="budget=0 must be an integer ≥ 1"):
+        self_consistency(ScriptedLM(answers({"1": 1.0}), PROMPT), PROMPT, 0)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    torch.manual_seed(0)
+    tokenizer = Tokenizer.train_char(["Q\nanswer: 0123456789xyz\n"])
+    config = ModelConfig(
+        vocab_size=tokenizer.vocab_size, context_length=64, d_model=16, n_layers=1, n_heads=2
+    )
+    return Engine(DecoderLM(config).eval(), tokenizer, kv_cache_memory="1MiB")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_on_the_engine_the_budget_counts_what_the_engine_generated(
+    engine: Engine, strategy: str, one_thread: None
+) -> None:
+    before = engine.stats().generated_tokens
+    result = STRATEGIES[strategy](EngineLM(engine, seed=1), 300)
+    assert result.tokens == engine.stats().generated_tokens - before <= 300
+    assert result.candidates
