@@ -36,6 +36,29 @@ HELP = (
 )
 
 
+# What one request may cost: each `serving.limits.Limits` field's flag and what it bounds (the
+# defaults are Limits()'s).
+LIMIT_FLAGS = {
+    "max_request_bytes": (
+        "--max-request-bytes",
+        "larger request bodies are refused with 413 before they are read",
+    ),
+    "max_prompts_per_request": (
+        "--max-prompts-per-request",
+        "prompts one completion request may hold",
+    ),
+    "max_tokens_per_request": (
+        "--max-tokens-per-request",
+        "prompt tokens one request may hold, summed over its prompts, times n",
+    ),
+    "max_template_chars": (
+        "--max-template-chars",
+        "characters a chat template may render for one request",
+    ),
+    "template_timeout_s": ("--template-timeout", "seconds a chat template may take to render"),
+}
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The options `serve` and `chat` share: the checkpoint and the engine's sizes."""
     parser.add_argument(
@@ -90,44 +113,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from decoderlm.serving.limits import Limits
 
     limits = Limits()
-    parser.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=limits.max_request_bytes,
-        metavar="N",
-        help="larger request bodies are refused with 413 before they are read "
-        f"(default {limits.max_request_bytes})",
-    )
-    parser.add_argument(
-        "--max-prompts-per-request",
-        type=int,
-        default=limits.max_prompts_per_request,
-        metavar="N",
-        help=f"prompts one completion request may hold (default {limits.max_prompts_per_request})",
-    )
-    parser.add_argument(
-        "--max-tokens-per-request",
-        type=int,
-        default=limits.max_tokens_per_request,
-        metavar="N",
-        help="prompt tokens one request may hold, summed over its prompts, times n "
-        f"(default {limits.max_tokens_per_request})",
-    )
-    parser.add_argument(
-        "--max-template-chars",
-        type=int,
-        default=limits.max_template_chars,
-        metavar="N",
-        help="characters a chat template may render for one request "
-        f"(default {limits.max_template_chars})",
-    )
-    parser.add_argument(
-        "--template-timeout",
-        type=float,
-        default=limits.template_timeout_s,
-        metavar="SECONDS",
-        help=f"time a chat template may take to render (default {limits.template_timeout_s:g})",
-    )
+    for field, (flag, bounds) in LIMIT_FLAGS.items():
+        default = getattr(limits, field)
+        parser.add_argument(
+            flag,
+            dest=field,
+            type=type(default),
+            default=default,
+            metavar="SECONDS" if isinstance(default, float) else "N",
+            help=f"{bounds} (default {default})",
+        )
     parser.add_argument(
         "--grace-period",
         type=float,
@@ -253,13 +248,7 @@ def run(args: argparse.Namespace) -> int:
         raise DecoderLMError(f"--port={args.port} must be in [0, 65535]")
     if args.grace_period < 0:
         raise DecoderLMError(f"--grace-period={args.grace_period} must be ≥ 0")
-    limits = Limits(
-        max_request_bytes=args.max_request_bytes,
-        max_prompts_per_request=args.max_prompts_per_request,
-        max_tokens_per_request=args.max_tokens_per_request,
-        max_template_chars=args.max_template_chars,
-        template_timeout_s=args.template_timeout,
-    )
+    limits = Limits(**{field: getattr(args, field) for field in LIMIT_FLAGS})
     announce_dtype(args)
     failures: list[BaseException] = []
 

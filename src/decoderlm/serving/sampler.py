@@ -85,6 +85,13 @@ class Sampled:
     logprobs: Tensor | None  # (V,) raw: before the repetition penalty and the temperature
 
 
+def mask_undecodable(logits: Tensor, decodable: int | None) -> None:
+    """Set to -inf, in place, the logits (..., V) of the ids from `decodable` on: a vocabulary
+    padded past its tokenizer's (None: every id decodes)."""
+    if decodable is not None and decodable < logits.shape[-1]:
+        logits[..., decodable:] = float("-inf")
+
+
 def sample(
     logits: Tensor, states: list[SamplingState | None], decodable: int | None = None
 ) -> list[Sampled | None]:
@@ -98,8 +105,7 @@ def sample(
     one by one, each from its own generator. A row whose sampling raises gets None (logged), as
     does a row not sampled; the engine ends the first's sequence with "error", the others go on.
     """
-    if decodable is not None and decodable < logits.shape[-1]:
-        logits[:, decodable:] = float("-inf")
+    mask_undecodable(logits, decodable)
     mask_logits(logits, [None if state is None else state.grammar for state in states])
     greedy = [state is not None and state.greedy for state in states]
     wants_lp = [state is not None and state.logprobs for state in states]
@@ -136,8 +142,7 @@ def verify(
     `tokens` by prompt lookup, q one-hot) and the next token, from the logits (k + 1, V) float32 of
     the pass that ran its last token and the drafts, masked as in `sample`; each is accepted in
     `state` (`decoderlm.inference.speculative.verify`: the target's distribution is kept)."""
-    if decodable is not None and decodable < logits.shape[-1]:
-        logits[:, decodable:] = float("-inf")
+    mask_undecodable(logits, decodable)
     n, token = speculative.verify(tokens, drafts, logits, None, state.params, state.generator)
     lps = torch.log_softmax(logits[: n + 1], dim=-1) if state.logprobs else None  # (n + 1, V)
     chosen = []
