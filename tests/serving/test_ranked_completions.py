@@ -214,3 +214,6 @@ def test_the_openai_client_sends_best_of_and_beam_search(server):
     beams = api.completions.create(model=None, prompt="ab", max_tokens=4, n=2, temperature=0,
                                    extra_body={"use_beam_search": True})  # fmt: skip
     assert len(beams.choices) == 2 and beams.choices[0].text != beams.choices[1].text
+    echoed = api.completions.create(model=None, prompt="ab", max_tokens=4, n=2, echo=True,
+                                    extra_body={"use_beam_search": True})  # fmt: skip
+    assert [c.text for c in echoed.choices] == ["ab" + c.text for c in beams.choices]
