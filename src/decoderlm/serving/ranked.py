@@ -4,8 +4,8 @@
   n of a plain request do), of which the n with the highest mean log-probability per token are
   returned, best first, as OpenAI's completions API does; `usage` counts every candidate's tokens.
   The score is `decoderlm.search`'s `mean_logprob`, the scorer of its best-of-N.
-- `use_beam_search`: `decoderlm.search.strategies.beam_search` itself, of width best_of (default
-  n, as vLLM's `beam_width=n`), returning its n best beams by log-probability / tokens^length_penalty
+- `use_beam_search`: `decoderlm.search.strategies.beam_search` itself, of width best_of (as vLLM
+  ≤ 0.6's) or else n (as its later `beam_width=n`), returning its n best beams by log-probability / tokens^length_penalty
   (tokens: the beam's generated tokens, end-of-text included; vLLM also counts the prompt's). A
   beam ends at end-of-text or a stop string; `usage` counts one generated token per beam and step,
   what the search asked the engine for.
