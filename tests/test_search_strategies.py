@@ -2,12 +2,15 @@
 and on the serving engine: the vote picks the mode, best-of-N with an exact verifier finds a
 planted correct sample, beam search equals exhaustive search on a tiny vocabulary, step-level
 beam search and MCTS with a perfect process value find an unlikely solution, and no strategy
-spends a token more than its budget, whose count is exact."""
+spends a token more than its budget, whose count is exact; `ClientLM`, the same model through an
+engine client's submit API, waits out a full queue."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import threading
+import time
 
 import pytest
 import torch
@@ -15,7 +18,7 @@ from scripted_lm import EOT, ScriptedLM
 
 from decoderlm import DecoderLM, ModelConfig
 from decoderlm.errors import DecoderLMError
-from decoderlm.search.lm import EngineLM
+from decoderlm.search.lm import ClientLM, EngineLM
 from decoderlm.search.strategies import (
     beam_search,
     best_of_n,
@@ -26,6 +29,7 @@ from decoderlm.search.strategies import (
     step_beam_search,
 )
 from decoderlm.serving.engine import Engine
+from decoderlm.serving.types import QueueFullError, TokenEvent
 from decoderlm.tokenizer import Tokenizer
 
 PROMPT = "Q\n"
@@ -186,3 +190,53 @@ def test_on_the_engine_the_budget_counts_what_the_engine_generated(
     result = STRATEGIES[strategy](EngineLM(engine, seed=1), 300)
     assert result.tokens == engine.stats().generated_tokens - before <= 300
     assert result.candidates
+
+
+class TwoAtATime:
+    """An engine client whose queue holds two requests: a third is refused until one ends."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.open, self.refused, self.lock = engine, 0, 0, threading.Lock()
+
+    def submit(self, prompt, params, *, request_id=None, on_event):  # type: ignore[no-untyped-def]
+        with self.lock:
+            if self.open == 2:
+                self.refused += 1
+                raise QueueFullError("full")
+            self.open += 1
+
+        def sink(event: TokenEvent) -> None:
+            if event.finish_reason is not None:
+                with self.lock:
+                    self.open -= 1
+            on_event(event)
+
+        return self.engine.submit(prompt, params, request_id=request_id, on_event=sink)
+
+
+def test_client_lm_resubmits_what_a_full_queue_refused_and_equals_engine_lm(
+    engine: Engine, one_thread: None
+) -> None:
+    prefixes = [engine.tokenizer.encode(p) for p in ("Q", "Q\n", "answer", "answer: 1", "xyz")]
+    expected = EngineLM(engine).next_token_logprobs(prefixes, 3)
+    idle = Engine(engine.model, engine.tokenizer, kv_cache_memory="1MiB")  # steps once started
+    client = TwoAtATime(idle)
+    lm = ClientLM(client, idle.tokenizer, idle.model.config.vocab_size)  # type: ignore[arg-type]
+    got: list = []
+    worker = threading.Thread(target=lambda: got.extend(lm.next_token_logprobs(prefixes, 3)))
+    worker.start()
+    deadline = time.monotonic() + 10
+    while not client.refused:  # two queued, the third refused: it waits for one of them
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    idle.start()
+    worker.join(timeout=30)
+    assert client.refused > 0 and client.open == 0
+    assert [[t for t, _ in top] for top in got] == [[t for t, _ in top] for top in expected]
+    assert [lp for top in got for _, lp in top] == pytest.approx(
+        [lp for top in expected for _, lp in top], abs=1e-5
+    )
+    client.open = 2  # full of other requests: nothing of its own running to wait for
+    with pytest.raises(QueueFullError):
+        lm.sample(["Q"], 2, 4, (), 1.0)
+    idle.shutdown(1.0)

@@ -9,19 +9,30 @@ reports each token's log-probability and the top-k next tokens, which best-of-N'
 log-probability and token-level beam search need. `generate` has neither stop strings nor
 log-probabilities, and recomputes each sample's prompt.
 
+`ClientLM` is the same model through an `EngineClient`'s submit API (an `Engine` whose thread
+runs, or an `EngineProcess`): what the server's beam search runs on, between other requests.
+
 The budget counts generated tokens: every token a sample generated (its stop string and its
 end-of-text token included), and one token per prefix whose next-token distribution is asked for.
 """
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from decoderlm.inference.sampling import SamplingParams
 from decoderlm.serving.engine import Engine, decodable_ids
-from decoderlm.serving.types import Completion, RequestParams
+from decoderlm.serving.streams import Collector
+from decoderlm.serving.types import (
+    Completion,
+    EngineClient,
+    EngineStoppedError,
+    QueueFullError,
+    RequestParams,
+)
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,8 @@ class EngineLM:
 
     def __init__(self, engine: Engine, seed: int = 0) -> None:
         self.engine, self.tokenizer, self.seed = engine, engine.tokenizer, seed
+        self.max_queue = engine.max_queue
+        self.vocab = decodable_ids(self.tokenizer, engine.model.config.vocab_size)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -105,7 +118,7 @@ class EngineLM:
     ) -> list[list[Sample]]:
         out: list[list[Sample]] = [[] for _ in prompts]
         while len(out[0]) < n:  # at most max_queue sequences a request
-            batch = min(n - len(out[0]), self.engine.max_queue)
+            batch = min(n - len(out[0]), self.max_queue)
             params = RequestParams(
                 max_tokens=max_tokens,
                 sampling=SamplingParams(temperature=temperature),
@@ -114,7 +127,7 @@ class EngineLM:
                 logprobs=0,
                 n=batch,
             )
-            done = self.engine.generate(list(prompts), params)
+            done = self._generate(list(prompts), params)
             for i, samples in enumerate(out):
                 samples += [self._sample(c) for c in done[i * batch : (i + 1) * batch]]
         return out
@@ -125,11 +138,14 @@ class EngineLM:
         params = RequestParams(
             max_tokens=1,
             sampling=SamplingParams(temperature=0),
-            logprobs=min(k, decodable_ids(self.tokenizer, self.engine.model.config.vocab_size)),
+            logprobs=min(k, self.vocab),
             stop_at_eot=False,
         )
-        done = self.engine.generate([list(p) for p in prefixes], params)
+        done = self._generate([list(p) for p in prefixes], params)
         return [[(t.token_id, t.logprob) for t in c.top_logprobs[0]] for c in done]
+
+    def _generate(self, prompts: list[Any], params: RequestParams) -> list[Completion]:
+        return self.engine.generate(prompts, params)
 
     def _seeds(self, n: int) -> int:
         seed, self.seed = self.seed, self.seed + n
@@ -141,3 +157,46 @@ class EngineLM:
         if finish == "stop" and ids and ids[-1] == self.eot_id:
             finish = "eot"
         return Sample(completion.text, ids, tuple(completion.logprobs or ()), finish)
+
+
+class ClientLM(EngineLM):
+    """`EngineLM` over an `EngineClient`: each call submits one request per prompt and waits for
+    them on this thread, while the engine's own thread (or process) steps them together with
+    everyone else's requests. A request the engine refuses for a full queue is submitted again
+    once one of this call's requests has finished; QueueFullError if none is running."""
+
+    def __init__(
+        self,
+        client: EngineClient,
+        tokenizer: Any,
+        vocab_size: int,
+        *,
+        max_queue: int = 16,
+        seed: int = 0,
+    ) -> None:
+        """vocab_size: the model's; max_queue: the most sequences one request asks for."""
+        self.client, self.tokenizer, self.seed, self.max_queue = client, tokenizer, seed, max_queue
+        self.vocab = decodable_ids(tokenizer, vocab_size)
+
+    def _generate(self, prompts: list[Any], params: RequestParams) -> list[Completion]:
+        done: queue.SimpleQueue[None] = queue.SimpleQueue()
+        collectors = [Collector(params, done) for _ in prompts]
+        running = 0
+        for prompt, collector in zip(prompts, collectors, strict=True):
+            while True:
+                try:
+                    self.client.submit(prompt, params, on_event=collector.add)
+                    running += 1
+                    break
+                except QueueFullError:
+                    if running == 0:
+                        raise
+                    done.get()
+                    running -= 1
+        for _ in range(running):
+            done.get()
+        completions = [c for collector in collectors for c in collector.completions()]
+        ended = {c.finish_reason for c in completions} & {"cancelled", "error"}
+        if ended:
+            raise EngineStoppedError(f"the engine ended a request of the search: {ended.pop()}")
+        return completions

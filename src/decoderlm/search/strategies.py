@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -78,12 +78,14 @@ def process_oracle(task: Task, problem: Problem) -> Verifier:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A solution a strategy considered: its text, answer, score and the tokens generated for it."""
+    """A solution a strategy considered: its text, answer, score and the tokens generated for it;
+    beam search also says why it ended: "stop" (end-of-text or a stop string) or "length"."""
 
     text: str
     answer: str | None
     score: float
     tokens: int
+    finish: str | None = None
 
 
 @dataclass(frozen=True)
@@ -221,20 +223,23 @@ class _Beam:
 
 def beam_search(
     lm: SearchLM,
-    prompt: str,
+    prompt: str | Sequence[int],
     budget: int,
     *,
     width: int = 4,
     max_tokens: int = 256,
     alpha: float = 1.0,
+    stop: tuple[str, ...] = SOLUTION_END,
     extract: Extract = answer_line,
 ) -> SearchResult:
     """Token-level beam search: each step extends every live beam by its `width` likeliest next
     tokens (one generated token per beam) and keeps the `width` best by length-normalised
-    log-probability, logprob / length^alpha. A beam ends at end-of-text or the solution's end;
-    the result is the best ended or live beam."""
+    log-probability, logprob / length^alpha. A beam ends at end-of-text or a `stop` string (by
+    default the solution's end); the result is the best ended or live beam. `prompt`: text, or
+    its token ids."""
     _check_positive(width=width, max_tokens=max_tokens)
-    spend, prompt_ids = Budget(budget), lm.encode(prompt)
+    spend = Budget(budget)
+    prompt_ids = lm.encode(prompt) if isinstance(prompt, str) else list(prompt)
     beams, ended = [_Beam((), 0.0)], []
 
     def score(beam: _Beam) -> float:
@@ -253,26 +258,26 @@ def beam_search(
         grown.sort(key=score, reverse=True)
         beams = []
         for beam in grown[:width]:
-            (ended if _ends(lm, beam.ids) else beams).append(beam)
+            (ended if _ends(lm, beam.ids, stop) else beams).append(beam)
     candidates = []
-    for beam in ended + beams:
-        text = _solution_text(lm, beam.ids)
-        candidates.append(Candidate(text, extract(text), score(beam), len(beam.ids)))
+    for beam, finish in [(b, "stop") for b in ended] + [(b, "length") for b in beams]:
+        text = _solution_text(lm, beam.ids, stop)
+        candidates.append(Candidate(text, extract(text), score(beam), len(beam.ids), finish))
     return _best("beam", tuple(candidates), spend)
 
 
-def _ends(lm: SearchLM, ids: tuple[int, ...]) -> bool:
-    return ids[-1] == lm.eot_id or any(end in lm.decode(ids) for end in SOLUTION_END)
+def _ends(lm: SearchLM, ids: tuple[int, ...], stop: tuple[str, ...]) -> bool:
+    return ids[-1] == lm.eot_id or any(end in lm.decode(ids) for end in stop)
 
 
-def _solution_text(lm: SearchLM, ids: tuple[int, ...]) -> str:
-    """The text of generated ids, without end-of-text and cut before the solution's end."""
-    return _cut(lm.decode([t for t in ids if t != lm.eot_id]))
+def _solution_text(lm: SearchLM, ids: tuple[int, ...], stop: tuple[str, ...]) -> str:
+    """The text of generated ids, without end-of-text and cut before the first stop string."""
+    return _cut(lm.decode([t for t in ids if t != lm.eot_id]), stop)
 
 
-def _cut(text: str) -> str:
-    """`text` up to the solution's end (which a stop string misses when it straddles the prompt)."""
-    for end in SOLUTION_END:
+def _cut(text: str, stop: tuple[str, ...] = SOLUTION_END) -> str:
+    """`text` up to its first stop string (which a stop string misses when it straddles the prompt)."""
+    for end in stop:
         text = text.split(end)[0]
     return text
 

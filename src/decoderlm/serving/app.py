@@ -14,7 +14,8 @@ started ends with an event `data: {"error": {...}}`, then `data: [DONE]`. What a
 is bounded by the server's `limits.Limits`, checked before any work; tokenizing, chat templates
 and waiting on the engine run off the event loop. A request's sequences are queued (or refused)
 before its prompts are scored for `echo` with `logprobs`. `max_tokens` beyond the context is cut to
-fit (finish_reason "length"); the i-th of n choices uses seed + i. `create_app` mounts this
+fit (finish_reason "length"); the i-th of n choices uses seed + i. `best_of` and
+`use_beam_search` rank candidates (serving/ranked.py). `create_app` mounts this
 module's router and the playground's (serving/playground.py: /, /static, /v1/model_card,
 /v1/engine_stats, /v1/attention); what both use is in serving/http.py. Its OpenAPI document
 (/openapi.json, serving/openapi.py) declares these answers.
@@ -37,7 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.serving import openapi, playground, protocol
+from decoderlm.serving import openapi, playground, protocol, ranked
 from decoderlm.serving.http import (
     APIError,
     Served,
@@ -167,25 +168,32 @@ async def _completions(state: ServerState, body: CompletionRequest) -> Response:
     served = state.ready()
     check_model(served, body.model)
     include_usage = _check_stream_options(body)
+    ranked.check(body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     requested = body.max_tokens or DEFAULT_COMPLETION_TOKENS
     streams, echoes, prompt_events = [], [], None
     several = isinstance(body.prompt, list) and isinstance(body.prompt[0], str | list)
+    per_prompt = ranked.candidates(body)  # sequences a prompt: n, or best_of
     _check_counts(
-        state, len(body.prompt) if several else 1, 0, body.n, "prompt"
+        state, len(body.prompt) if several else 1, 0, per_prompt, "prompt"
     )  # before tokenizing
     prompts = await state.work(_prompts, served, body.prompt, body.echo, what="tokenizing")
-    _check_counts(state, len(prompts), sum(len(ids) for ids, _ in prompts), body.n, "prompt")
-    for p, (ids, echo) in enumerate(prompts):
-        max_tokens = _room(served, ids, requested, "prompt")
+    _check_counts(state, len(prompts), sum(len(ids) for ids, _ in prompts), per_prompt, "prompt")
+    rooms = [_room(served, ids, requested, "prompt") for ids, _ in prompts]
+    if body.use_beam_search:
+        return await ranked.beam(request_id, created, served, body, prompts, rooms)
+    for p, ((ids, echo), max_tokens) in enumerate(zip(prompts, rooms, strict=True)):
         params = protocol.to_params(body, max_tokens, body.logprobs)
-        streams.append(RequestStream(state, f"{request_id}-{p}", ids, params, p * body.n))
+        params = ranked.sampled(params, body) if ranked.selects(body) else params
+        streams.append(RequestStream(state, f"{request_id}-{p}", ids, params, p * per_prompt))
         echoes += [echo] * body.n
     await start_all(state, streams)
     if body.echo and body.logprobs is not None:  # the prompt's tokens get logprobs too
         scored = await _scored(state, [ids for ids, _ in prompts], body.logprobs, streams)
         prompt_events = [events for events in scored for _ in range(body.n)]
     fmt = CompletionFormat(served, echoes, body.logprobs is not None, prompt_events)
+    if ranked.selects(body):
+        return await ranked.best_of(request_id, created, served, streams, fmt, body.n)
     return await respond(request_id, created, served, streams, fmt, body.stream, include_usage)
 
 

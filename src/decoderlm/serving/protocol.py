@@ -1,9 +1,10 @@
 """OpenAI's request bodies as pydantic models, and the JSON of its responses and stream chunks.
 
 Field names, ranges and defaults follow OpenAI's API reference for /v1/completions and
-/v1/chat/completions (`response_format` included), plus vLLM's extensions `top_k`,
-`repetition_penalty`, `ignore_eos`, `structured_outputs` (and its older `guided_*` fields) and
-/tokenize, /detokenize. Unknown fields are ignored. `to_params` maps a body to the engine's `RequestParams`.
+/v1/chat/completions (`response_format` and the completions' `best_of` included), plus vLLM's
+extensions `top_k`, `repetition_penalty`, `ignore_eos`, `structured_outputs` (and its older
+`guided_*` fields), `use_beam_search` and `length_penalty` (serving/ranked.py runs those three),
+and /tokenize, /detokenize. Unknown fields are ignored. `to_params` maps a body to the engine's `RequestParams`.
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ class Generation(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    def stops(self) -> tuple[str, ...]:
+        """The stop strings asked for: `stop` as a tuple."""
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
     def structured(self) -> StructuredOutput | None:
         """The one structured output the body asks for, or None; DecoderLMError naming the
         fields if it asks for more than one, or for a bad one."""
@@ -143,6 +148,19 @@ class CompletionRequest(Generation):
     prompt: Prompt
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    best_of: StrictInt | None = Field(
+        None,
+        ge=1,
+        le=MAX_N,
+        description="sample best_of (≥ n), return the n of highest mean log-probability; "
+        "with use_beam_search, the beam width",
+    )
+    use_beam_search: bool = Field(
+        False, description="beam search of width best_of (default n), returning the n best beams"
+    )
+    length_penalty: float = Field(
+        1.0, description="beam search's score: log-probability / tokens^length_penalty"
+    )
 
 
 class TextPart(_Body):
@@ -195,11 +213,10 @@ def to_params(
         top_p=body.top_p,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
     )
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return RequestParams(
         max_tokens=max_tokens,
         sampling=sampling,
-        stop=tuple(stops) + stop,
+        stop=body.stops() + stop,
         seed=body.seed,
         logprobs=logprobs,
         n=body.n,

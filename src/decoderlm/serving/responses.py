@@ -223,6 +223,36 @@ def engine_error(served: Served) -> APIError:
     return APIError(500, message, "server_error")
 
 
+def envelope(
+    request_id: str, created: int, served: Served, obj: str, choices: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A response's (or a chunk's) JSON around its choices."""
+    return {
+        "id": request_id,
+        "object": obj,
+        "created": created,
+        "model": served.model_name,
+        "choices": choices,
+    }
+
+
+def streams_usage(streams: list[RequestStream]) -> dict[str, int]:
+    """Usage: each stream's prompt, and every token its sequences generated."""
+    prompt_tokens = sum(len(s.prompt_ids) for s in streams)
+    return protocol.usage(prompt_tokens, sum(s.n_tokens for s in streams))
+
+
+async def collect(served: Served, streams: list[RequestStream]) -> list[list[TokenEvent]]:
+    """Every choice's events, once all the streams have ended; the request's error if the engine
+    failed on one."""
+    events: list[list[TokenEvent]] = [[] for _ in range(sum(s.params.n for s in streams))]
+    async for i, batch in merged(streams):
+        if any(event.finish_reason == "error" for event in batch):
+            raise engine_error(served)
+        events[i] += batch
+    return events
+
+
 async def respond(
     request_id: str,
     created: int,
@@ -235,48 +265,35 @@ async def respond(
     """The response of a request whose streams have started."""
     n_choices = sum(s.params.n for s in streams)
 
-    def envelope(obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": request_id,
-            "object": obj,
-            "created": created,
-            "model": served.model_name,
-            "choices": choices,
-        }
-
-    def total_usage() -> dict[str, int]:
-        prompt_tokens = sum(len(s.prompt_ids) for s in streams)
-        return protocol.usage(prompt_tokens, sum(s.n_tokens for s in streams))
-
     if not stream:
-        events: list[list[TokenEvent]] = [[] for _ in range(n_choices)]
-        async for i, batch in merged(streams):
-            if any(event.finish_reason == "error" for event in batch):
-                raise engine_error(served)
-            events[i] += batch
+        events = await collect(served, streams)
         choices = [fmt.choice(i, e, whole=True) for i, e in enumerate(events)]
-        return JSONResponse(envelope(fmt.object, choices) | {"usage": total_usage()})
+        whole = envelope(request_id, created, served, fmt.object, choices)
+        return JSONResponse(whole | {"usage": streams_usage(streams)})
 
     def sse(obj: dict[str, Any]) -> str:
         if include_usage:
             obj.setdefault("usage", None)
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
+    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return envelope(request_id, created, served, fmt.chunk_object, choices)
+
     async def body() -> AsyncIterator[str]:
         try:
             for i in range(n_choices):
                 opening = fmt.opening(i)
                 if opening is not None:
-                    yield sse(envelope(fmt.chunk_object, [opening]))
+                    yield sse(chunk([opening]))
             async for i, batch in merged(streams):
                 if any(event.finish_reason == "error" for event in batch):
                     yield f"data: {json.dumps(engine_error(served).body())}\n\n"
                     break
                 if fmt.logprobs or any(event.text or event.finish_reason for event in batch):
-                    yield sse(envelope(fmt.chunk_object, [fmt.choice(i, batch, whole=False)]))
+                    yield sse(chunk([fmt.choice(i, batch, whole=False)]))
             else:  # every stream ended well
                 if include_usage:
-                    yield sse(envelope(fmt.chunk_object, []) | {"usage": total_usage()})
+                    yield sse(chunk([]) | {"usage": streams_usage(streams)})
             yield "data: [DONE]\n\n"
         finally:  # also when the client went away and the response was cancelled
             for s in streams:

@@ -1,0 +1,184 @@
+"""Completions that rank candidates: OpenAI's `best_of` and vLLM's `use_beam_search`.
+
+- `best_of`: the prompt's best_of sampled completions (candidate j draws from seed + j, as the
+  n of a plain request do), of which the n with the highest mean log-probability per token are
+  returned, best first, as OpenAI's completions API does; `usage` counts every candidate's tokens.
+  The score is `decoderlm.search`'s `mean_logprob`, the scorer of its best-of-N.
+- `use_beam_search`: `decoderlm.search.strategies.beam_search` itself, of width best_of (as vLLM
+  ≤ 0.6's) or else n (as its later `beam_width=n`), returning its n best beams by log-probability / tokens^length_penalty
+  (tokens: the beam's generated tokens, end-of-text included; vLLM also counts the prompt's). A
+  beam ends at end-of-text or a stop string; `usage` counts one generated token per beam and step,
+  what the search asked the engine for.
+
+Where the search runs: in the HTTP process, over the `EngineClient`'s submit API
+(`decoderlm.search.lm.ClientLM`), not as a request kind inside the engine. The same code then
+serves an `Engine` in this process and an `EngineProcess` alike (the search needs only requests'
+tokens and log-probabilities, never the model); the engine stays a scheduler of plain requests
+that other work leaves untouched; and the answer is the Python strategy's by construction. Each
+search step is one engine request per live beam (the prompt's KV blocks are shared by prefix
+caching), run on a worker thread that waits for it while the engine steps it among other requests.
+
+Exact under concurrency: a best_of candidate is a seeded sequence and a beam step a greedy
+request for the top-k next tokens, each of which the engine answers the same alone or in a crowd.
+Both need every candidate before they can answer, so neither streams (vLLM does not stream them
+either); beam search ranks the model's own log-probabilities, so it takes no sampling options.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from fastapi.responses import JSONResponse
+
+from decoderlm.search.lm import ClientLM, Sample
+from decoderlm.search.strategies import SearchResult, beam_search, mean_logprob
+from decoderlm.serving import protocol
+from decoderlm.serving.http import APIError, Served
+from decoderlm.serving.protocol import GREEDY_BELOW, CompletionRequest
+from decoderlm.serving.responses import (
+    CompletionFormat,
+    RequestStream,
+    collect,
+    envelope,
+    streams_usage,
+)
+from decoderlm.serving.types import RequestParams, TokenEvent
+
+STRUCTURED = (  # the fields that ask for a structured output
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+
+
+def candidates(body: CompletionRequest) -> int:
+    """Sequences per prompt: best_of (≥ n), else n; with use_beam_search, the beam width."""
+    return body.best_of or body.n
+
+
+def selects(body: CompletionRequest) -> bool:
+    """Whether the response keeps only some sampled candidates (best_of > n, no beam search)."""
+    return candidates(body) > body.n and not body.use_beam_search
+
+
+def check(body: CompletionRequest) -> None:
+    """400 naming the field for a best_of or a beam search the server cannot run."""
+    if body.best_of is not None and body.best_of < body.n:
+        raise APIError(400, f"best_of={body.best_of} must be ≥ n={body.n}", param="best_of")
+    if body.stream and (body.use_beam_search or selects(body)):
+        field = "use_beam_search" if body.use_beam_search else "best_of"
+        raise APIError(
+            400,
+            f"{field} cannot stream: its choices are known once every candidate has ended; "
+            "send stream=false",
+            param=field,
+        )
+    if not body.use_beam_search:
+        return
+    if body.temperature is not None and body.temperature >= GREEDY_BELOW:
+        raise APIError(
+            400,
+            f"use_beam_search needs temperature 0 or none (got {body.temperature}): "
+            "beam search keeps the likeliest tokens, it does not sample",
+            param="temperature",
+        )
+    options = {
+        "top_p": body.top_p not in (None, 1),
+        "top_k": body.top_k is not None,
+        "repetition_penalty": body.repetition_penalty not in (None, 1),
+        "logprobs": body.logprobs is not None,
+        "ignore_eos": body.ignore_eos,
+    }
+    options |= {name: getattr(body, name) is not None for name in STRUCTURED}
+    if body.response_format is not None and body.response_format.type == "text":
+        options["response_format"] = False
+    refused = [name for name, given in options.items() if given]
+    if refused:
+        raise APIError(
+            400,
+            f"use_beam_search takes no {refused[0]} (got {getattr(body, refused[0])!r}): "
+            "beam search ranks the model's own log-probabilities",
+            param=refused[0],
+        )
+
+
+def sampled(params: RequestParams, body: CompletionRequest) -> RequestParams:
+    """A best_of request's engine parameters: best_of sequences, with their log-probabilities."""
+    logprobs = 0 if params.logprobs is None else params.logprobs
+    return dataclasses.replace(params, n=candidates(body), logprobs=logprobs)
+
+
+def _mean_logprob(events: list[TokenEvent]) -> float:
+    tokens = [e for e in events if e.token_id is not None]
+    ids, logprobs = (e.token_id for e in tokens), (e.logprob for e in tokens)
+    return mean_logprob("", Sample("", tuple(ids), tuple(logprobs), ""))
+
+
+async def best_of(
+    request_id: str,
+    created: int,
+    served: Served,
+    streams: list[RequestStream],
+    fmt: CompletionFormat,
+    n: int,
+) -> JSONResponse:
+    """The response of a best_of request whose streams (best_of sequences each) have started:
+    each prompt's n candidates of the highest mean log-probability, best first (the first of
+    equals), formatted by `fmt` (n choices a prompt)."""
+    events = await collect(served, streams)
+    groups = (events[s.first_choice : s.first_choice + s.params.n] for s in streams)
+    best = [e for group in groups for e in sorted(group, key=_mean_logprob, reverse=True)[:n]]
+    choices = [fmt.choice(i, e, whole=True) for i, e in enumerate(best)]
+    whole = envelope(request_id, created, served, fmt.object, choices)
+    return JSONResponse(whole | {"usage": streams_usage(streams)})
+
+
+async def beam(
+    request_id: str,
+    created: int,
+    served: Served,
+    body: CompletionRequest,
+    prompts: list[tuple[list[int], str]],
+    max_tokens: list[int],
+) -> JSONResponse:
+    """The response of a beam search request: each prompt (its ids, and its text to echo) searched
+    to at most its max_tokens, on a thread of its own, its n best beams returned, best first
+    (fewer if the prompt has fewer sequences of at most max_tokens tokens)."""
+    width = candidates(body)
+    lm = ClientLM(served.engine, served.tokenizer, served.vocab_size)
+
+    def search(ids: list[int], tokens: int) -> SearchResult:
+        return beam_search(
+            lm,
+            ids,
+            width * tokens,  # a budget it never reaches: ≤ width beams a step
+            width=width,
+            max_tokens=tokens,
+            alpha=body.length_penalty,
+            stop=body.stops(),
+            extract=lambda text: None,
+        )
+
+    searches = (
+        asyncio.to_thread(search, ids, tokens)
+        for (ids, _), tokens in zip(prompts, max_tokens, strict=True)
+    )
+    results = await asyncio.gather(*searches)
+    best = [
+        (echo, c)
+        for (_, echo), result in zip(prompts, results, strict=True)
+        for c in sorted(result.candidates, key=lambda c: c.score, reverse=True)[: body.n]
+    ]
+    fmt = CompletionFormat(served, [echo for echo, _ in best], logprobs=False)
+    choices = [  # a beam's text as one event
+        fmt.choice(i, [TokenEvent(None, c.text, finish_reason=c.finish)], whole=True)
+        for i, (_, c) in enumerate(best)
+    ]
+    usage = protocol.usage(sum(len(ids) for ids, _ in prompts), sum(r.tokens for r in results))
+    return JSONResponse(
+        envelope(request_id, created, served, fmt.object, choices) | {"usage": usage}
+    )
