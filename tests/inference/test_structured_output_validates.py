@@ -238,6 +238,8 @@ def copied(tok: Tokenizer, folder) -> Tokenizer:
         (("json", [1]), "the JSON schema must be a JSON object"),
         (("regex", "(("), "cannot compile the regex: Regex parsing error at position 3"),
         (("grammar", "root ::= foo"), 'cannot compile the grammar: EBNF parser error at line 1, column 10: Rule "foo" is not defined'),
+        (("grammar", "root ::= é"), "EBNF lexer error at line 1, column 10: Unexpected character: \ufffd"),
+        (("regex", "[\ud800-\udfff]"), "cannot compile the regex: it holds '\\ud800' at index 1, which is not UTF-8"),
         (("choice", []), "must be a non-empty list of strings"),
         (("yaml", "x"), "kind='yaml' must be one of"),
     ],

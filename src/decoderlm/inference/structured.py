@@ -230,7 +230,7 @@ def _compiled(tokenizer: Any, spec: StructuredOutput) -> StructuredGrammar:
             compiled = compiler.compile_grammar(f"root ::= {choices}")
         else:
             compiled = compiler.compile_grammar(spec.spec)
-    except RuntimeError as exc:
+    except (RuntimeError, UnicodeError) as exc:
         raise DecoderLMError(f"cannot compile the {spec.kind}: {_reason(exc)}") from None
     json_kind = spec.kind in ("json", "json_object")
     grammar = StructuredGrammar(compiled, vocab, vocab.printable if json_kind else vocab.valid)
@@ -290,8 +290,17 @@ def _pack_bits(bits: list[bool]) -> Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def _reason(exc: RuntimeError) -> str:
-    """xgrammar's message without its C++ source location: '[10:05:08] /project/cpp/x.cc:94: '."""
-    line = next((s for s in str(exc).splitlines() if s.strip()), type(exc).__name__)
+def _reason(exc: RuntimeError | UnicodeError) -> str:
+    """xgrammar's message without its C++ source location: '[10:05:08] /project/cpp/x.cc:94: '.
+    A message that quotes half of a UTF-8 character reaches Python as a UnicodeDecodeError (its
+    bytes are kept, the half character replaced); a spec holding a lone surrogate cannot be
+    passed to xgrammar at all (UnicodeEncodeError)."""
+    if isinstance(exc, UnicodeEncodeError):
+        return f"it holds {exc.object[exc.start]!r} at index {exc.start}, which is not UTF-8"
+    if isinstance(exc, UnicodeDecodeError):
+        text = exc.object.decode("utf-8", "replace")
+    else:
+        text = str(exc)
+    line = next((s for s in text.splitlines() if s.strip()), type(exc).__name__)
     line = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", line)
     return re.sub(r"^Check failed: .*? is false: ", "", line)
