@@ -56,6 +56,7 @@ from decoderlm.serving.output import SequenceOutput, prompt_events
 from decoderlm.serving.runner import ModelRunner
 from decoderlm.serving.sampler import Sampled, SamplingState, sample, verify
 from decoderlm.serving.scheduler import Scheduler, Sequence
+from decoderlm.serving.state_pool import check_engine_options
 from decoderlm.serving.streams import Collector, one_by_one, stream_batches
 from decoderlm.serving.types import (
     Completion,
@@ -137,8 +138,9 @@ class EngineCore:
         self.lookup = PromptLookup()
         self.drafted: dict[Sequence, int] = {}  # this step's verifications: drafts per sequence
         self.decodable = decodable_ids(tokenizer, vocab_size)
-        self.pool = BlockPool(runner.num_blocks, block_size, prefix_caching)
-        self.scheduler = Scheduler(self.pool, prefill_chunk)
+        stateful = runner.states is not None  # no prefix sharing over recurrent state (state_pool)
+        self.pool = BlockPool(runner.num_blocks, block_size, prefix_caching and not stateful)
+        self.scheduler = Scheduler(self.pool, prefill_chunk, runner.states)
         self.requests: dict[str, _Request] = {}
         self.live: dict[Sequence, _Live] = {}  # the sequences that have not finished
         self.counters = _Counters()
@@ -300,6 +302,7 @@ class EngineCore:
             speculative_proposed=counters.proposed,
             speculative_accepted=counters.accepted,
             speculative_verifications=counters.verifications,
+            **_state_stats(self.runner),
         )
 
 
@@ -328,6 +331,7 @@ class Engine:
         `num_speculative_tokens` (default 4) tokens per step by prompt lookup, verified in one
         pass of its own (`decoderlm.inference.speculative`; the same tokens for greedy requests)."""
         check_kv_cache_dtype(kv_cache_dtype)
+        check_engine_options(model.config, draft)
         for name, value in (
             ("block_size", block_size),
             ("max_queue", max_queue),
@@ -605,6 +609,18 @@ def _isolated(fn: Callable[..., Any], *args: Any) -> Any:
     except Exception:
         log.exception("decoderlm engine: %s failed; its sequences end with 'error'", fn.__name__)
         return None
+
+
+def _state_stats(runner: ModelRunner) -> dict[str, int]:
+    """`EngineStats`' recurrent state fields: bytes per sequence, slots used and held."""
+    states = runner.states
+    if states is None:
+        return {}
+    return {
+        "state_bytes_per_sequence": runner.budget.state_bytes,
+        "state_slots_used": states.num_used,
+        "state_slots_total": states.num_slots,
+    }
 
 
 def _speculative_tokens(draft: str | None, num_speculative_tokens: int | None) -> int | None:

@@ -128,6 +128,9 @@ class EngineStats:
     speculative_proposed: int = 0  # prompt-lookup tokens proposed since start
     speculative_accepted: int = 0  # of them, accepted
     speculative_verifications: int = 0  # passes that verified proposed tokens
+    state_bytes_per_sequence: int = 0  # recurrent layers' state of one sequence (0: none)
+    state_slots_used: int = 0  # state slots held by running sequences (`state_pool`)
+    state_slots_total: int = 0  # state slots the budget holds (0: no recurrent layers)
 
     @property
     def speculative_acceptance_rate(self) -> float:
