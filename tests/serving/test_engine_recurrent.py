@@ -103,7 +103,7 @@ def test_concurrent_greedy_requests_each_equal_their_solo_generate(tok, preset, 
     for prompt, got in zip(requests, run(engine, requests), strict=True):
         assert got == solo(model, prompt, 12)
     stats = engine.stats()
-    assert stats.max_running_seen == 8 and stats.state_slots_used == 0
+    assert stats.max_running_seen == 8 and stats.state_pages_used == 0
     assert stats.state_bytes_per_sequence == recurrent_state_bytes(model.config, dtype)
 
 
@@ -118,13 +118,15 @@ def test_a_prompt_prefilled_in_chunks_of_three_gives_the_tokens_of_one_chunk(tok
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_the_state_carried_across_prefill_chunks_equals_the_whole_prompts_state(tok, preset):
-    """The engine's slot after a prompt run in chunks of 5, 1 and 7 tokens, against the state
-    `make_cache` holds after one forward pass over the whole prompt: float64, ≤ 1e-12."""
+    """The engine's state after a prompt run in chunks of 5, 1 and 7 tokens, and read back from
+    its pages, against the state `make_cache` holds after one forward pass over the whole prompt:
+    float64, ≤ 1e-12."""
     model = tiny(preset, tok.vocab_size)
     prompt = random_ids(13, tok.vocab_size, seed=7)
-    runner = Engine(model, tok, block_size=4).runner
-    seq = Sequence(list(prompt), len(prompt), 64, blocks=list(range(4)))
-    seq.slot = runner.states.take()
+    engine = Engine(model, tok, block_size=4)
+    runner, pages = engine.runner, engine.core.scheduler.states
+    seq = Sequence(list(prompt), len(prompt), 64, blocks=engine.core.pool.allocate((), 4)[0])
+    seq.state_pages = pages.pool.allocate((), pages.per_sequence)[0]
     with runner.running():
         for n in (5, 1, 7):
             runner.forward([seq], n)
@@ -132,15 +134,14 @@ def test_the_state_carried_across_prefill_chunks_equals_the_whole_prompts_state(
         cache = make_cache(model.config, 1, 64, torch.float64)
         cache.seek(CacheStep.span(0, len(prompt), "cpu"))
         model(torch.tensor([prompt]), kv_caches=cache)
-    for i, slots in runner.states.layers.items():
-        torch.testing.assert_close(
-            slots.state_pool[seq.slot], cache[i].state[0], rtol=0, atol=1e-12
-        )
-        torch.testing.assert_close(slots.conv_pool[seq.slot], cache[i].conv[0], rtol=0, atol=1e-12)
+    runner.states.seek([seq.state_pages], torch.tensor([13]))  # unpacked from the pages again
+    for i, state in runner.states.caches.items():
+        torch.testing.assert_close(state.state, cache[i].state, rtol=0, atol=1e-12)
+        torch.testing.assert_close(state.conv, cache[i].conv, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_a_preempted_sequence_frees_its_slot_and_recomputes_its_state_to_the_same_tokens(
+def test_a_preempted_sequence_frees_its_pages_and_recomputes_its_state_to_the_same_tokens(
     tok, preset
 ):
     model = tiny(preset, tok.vocab_size)
@@ -154,10 +155,11 @@ def test_a_preempted_sequence_frees_its_slot_and_recomputes_its_state_to_the_sam
         engine.step()
     scheduler = engine.core.scheduler
     victim = scheduler.running[-1]
-    slot, used = victim.slot, engine.stats().state_slots_used
+    free, used = scheduler.states.pool.num_free, engine.stats().state_pages_used
     scheduler._preempt(victim)  # as the scheduler does when the pool runs short
-    assert victim.slot is None and engine.stats().state_slots_used == used - 1
-    assert slot in scheduler.states._free
+    per_sequence = scheduler.states.per_sequence
+    assert victim.state_pages == [] and engine.stats().state_pages_used == used - per_sequence
+    assert scheduler.states.pool.num_free >= free + per_sequence
     while engine.step():
         pass
     assert engine.stats().preemptions == 1
@@ -165,10 +167,42 @@ def test_a_preempted_sequence_frees_its_slot_and_recomputes_its_state_to_the_sam
         assert [e.token_id for e in got if e.token_id is not None] == solo(model, prompt, 12)
 
 
+def test_a_hybrid_pool_short_of_blocks_preempts_and_each_request_still_equals_its_solo_run(tok):
+    # float64, block_size 4: b = 4 tokens · 2 · 2 heads · 8 · 8 bytes = 1024, s = 3 GDN layers ·
+    # (4 · 8 · 8 + 64 · 3) · 8 = 10752, so a state takes 11 blocks; up to 41 tokens take 11 more.
+    model = tiny("hybrid-tiny", tok.vocab_size)
+    engine = Engine(model, tok, kv_cache_memory=50 * 1024, block_size=4, prefill_chunk=8)
+    assert engine.runner.budget.state_pages == 11 and engine.runner.num_blocks == 50
+    requests = prompts(6, tok.vocab_size, seed=4)
+    for prompt, got in zip(requests, run(engine, requests), strict=True):
+        assert got == solo(model, prompt, 12)
+    assert engine.stats().preemptions > 0 and engine.stats().kv_blocks_used == 0
+
+
+def test_a_state_lives_in_its_kv_blocks_and_they_are_zeroed_when_it_leaves(tok):
+    """A hybrid's state pages are rows of the attention layer's K/V tensors: written while the
+    sequence runs, zero after it (so a block handed out for K/V never holds a state's bytes)."""
+    model = tiny("hybrid-tiny", tok.vocab_size, torch.bfloat16)
+    engine = Engine(model, tok, kv_cache_memory="1MiB")
+    layer = engine.runner.cache.layers[0]
+    engine.submit(
+        random_ids(20, tok.vocab_size, 2), RequestParams(6, GREEDY), on_event=lambda e: None
+    )
+    engine.step()
+    pages = engine.core.scheduler.running[0].state_pages
+    # bfloat16: 3 GDN layers · (a float32 state 4 · 8 · 8 · 4 + a conv 64 · 3 · 2) bytes in blocks
+    # of 16 · 2 · 2 · 8 · 2 = 1024 bytes: ⌈4224 / 1024⌉ = 5 blocks.
+    assert len(pages) == engine.runner.budget.state_pages == 5
+    assert bool(layer.k[pages].any()) and bool(layer.v[pages].any())
+    while engine.step():
+        pass
+    assert not layer.k[pages].any() and not layer.v[pages].any()
+
+
 def test_a_pure_recurrent_model_admits_budget_over_state_bytes_at_any_context(tok):
     # recurrent-tiny at d_model 32, float32: 4 GDN layers, each a state of 4 heads · 8 · 8 and a
     # conv state of (2·2·8 + 4·8) channels · 3 taps: 4 · 4 · (256 + 192) = 7168 bytes.
-    slots = []
+    admitted = []
     for context in (64, 4096):
         model = tiny("recurrent-tiny", tok.vocab_size, torch.float32, context_length=context)
         state = recurrent_state_bytes(model.config)
@@ -179,28 +213,33 @@ def test_a_pure_recurrent_model_admits_budget_over_state_bytes_at_any_context(to
             engine.submit(prompt, RequestParams(8, stop_at_eot=False), on_event=lambda e: None)
         engine.step()
         stats = engine.stats()
-        slots.append((stats.running, stats.waiting, stats.state_slots_total))
-    assert slots == [(5, 4, 5), (5, 4, 5)]  # ⌊5.5 · s / s⌋ = 5, whatever the context
+        admitted.append((stats.running, stats.waiting, stats.state_pages_total))
+        assert engine.runner.states.tensors[0].nbytes == 5 * state  # within the budget
+    assert admitted == [(5, 4, 5), (5, 4, 5)]  # ⌊5.5 · s / s⌋ = 5, whatever the context
 
 
-def test_a_hybrid_admits_budget_over_state_plus_full_context_blocks(tok):
+@pytest.mark.parametrize("prompt_tokens, admitted", [(20, 3), (5, 4)])
+def test_a_hybrid_admits_as_many_sequences_as_their_blocks_and_states_take(
+    tok, prompt_tokens, admitted
+):
     # hybrid-tiny at d_model 32, float32: s = 3 GDN layers · 1792 = 5376 bytes; one attention
-    # layer with 2 KV heads of 8: b = 16 tokens · 2 · 2 · 8 · 4 = 2048 bytes a block; at context
-    # 64, m = 4 blocks: a slot is 5376 + 4 · 2048 = 13568 bytes; at 256, 16 blocks: 38144.
-    for context, slot in ((64, 13568), (256, 38144)):
-        model = tiny("hybrid-tiny", tok.vocab_size, torch.float32, context_length=context)
-        state = recurrent_state_bytes(model.config)
-        block = 16 * kv_cache_bytes_per_token(model.config)
-        m = blocks_for(context, 16)
-        assert (state, block, state + m * block) == (5376, 2048, slot)
-        engine = Engine(model, tok, kv_cache_memory=3 * slot + slot - 1, max_queue=16)
-        for prompt in prompts(7, tok.vocab_size):
-            engine.submit(prompt, RequestParams(8, stop_at_eot=False), on_event=lambda e: None)
-        engine.step()
-        stats = engine.stats()
-        assert (stats.running, stats.waiting) == (3, 4)  # ⌊(4 · slot − 1) / slot⌋ = 3
-        assert (stats.state_slots_total, stats.kv_blocks_total) == (3, 3 * m)
-        assert engine.runner.budget.sequences_at(context, 16) == 3
+    # layer with 2 KV heads of 8: b = 16 tokens · 2 · 2 · 8 · 4 = 2048 bytes a block, so a state
+    # takes ⌈5376 / 2048⌉ = 3 blocks. Of 17 blocks, a 20-token prompt (and its first new token)
+    # takes 2 + 3: 3 sequences fit; a 5-token one 1 + 3: 4 fit.
+    model = tiny("hybrid-tiny", tok.vocab_size, torch.float32)
+    state, block = recurrent_state_bytes(model.config), 16 * kv_cache_bytes_per_token(model.config)
+    assert (state, block) == (5376, 2048)
+    engine = Engine(model, tok, kv_cache_memory=17 * block, max_queue=16)
+    assert engine.runner.cache.nbytes == 17 * block  # the states live in these bytes
+    for prompt in prompts(7, tok.vocab_size):
+        prompt = (prompt * prompt_tokens)[:prompt_tokens]
+        engine.submit(prompt, RequestParams(8, stop_at_eot=False), on_event=lambda e: None)
+    engine.step()
+    stats = engine.stats()
+    assert (stats.running, stats.waiting) == (admitted, 7 - admitted)
+    assert stats.kv_blocks_used == admitted * (blocks_for(prompt_tokens + 1, 16) + 3)
+    assert stats.state_pages_used == 3 * admitted
+    assert engine.runner.budget.sequences_at(prompt_tokens + 1, 16) == admitted
 
 
 def test_prefix_caching_is_off_with_recurrent_layers_and_shared_prefixes_stay_exact(tok):
@@ -215,11 +254,11 @@ def test_prefix_caching_is_off_with_recurrent_layers_and_shared_prefixes_stay_ex
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_speculation_and_a_budget_without_one_slot_are_refused_in_one_line(tok, preset):
+def test_speculation_and_a_budget_without_one_sequence_are_refused_in_one_line(tok, preset):
     model = tiny(preset, tok.vocab_size)
     with pytest.raises(DecoderLMError, match=r"^draft='prompt-lookup': speculative decoding is "):
         Engine(model, tok, draft="prompt-lookup")
-    with pytest.raises(DecoderLMError, match=r"^kv_cache_memory=1000 holds no sequence slot: "):
+    with pytest.raises(DecoderLMError, match=r"^kv_cache_memory=1000 holds no "):
         Engine(model, tok, kv_cache_memory=1000)
 
 
@@ -235,4 +274,17 @@ def test_the_http_server_serves_a_hybrid_completion_equal_to_generate(tok, tmp_p
     assert r.json()["choices"][0]["text"] == tok.decode(expected)
     stats = httpx.get(f"{base}/v1/engine_stats").json()
     assert stats["state_bytes_per_sequence"] == recurrent_state_bytes(model.config)
-    assert stats["state_slots_total"] == served.engine.runner.budget.num_slots > 0
+    assert stats["state_pages_per_sequence"] == served.engine.runner.budget.state_pages > 0
+
+
+def test_a_batch_reads_only_its_rows_own_blocks_so_a_state_page_never_reaches_attention(tok):
+    """Block 0 held as a state page and filled with NaN: the rows of a decode batch whose block
+    tables differ in length (gathered and masked, not attended in place) never read it."""
+    model = tiny("hybrid-tiny", tok.vocab_size, torch.float32)
+    engine = Engine(model, tok, block_size=4, cpu_kernels=False)
+    assert engine.core.pool.allocate((), 1)[0] == [0]  # the first block, now nobody's K/V
+    for buf in (engine.runner.cache.layers[0].k, engine.runner.cache.layers[0].v):
+        buf[0] = float("nan")
+    requests = [random_ids(3, tok.vocab_size, 11), random_ids(14, tok.vocab_size, 12)]
+    for prompt, got in zip(requests, run(engine, requests), strict=True):
+        assert got == solo(model, prompt, 12)

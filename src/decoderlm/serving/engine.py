@@ -140,7 +140,11 @@ class EngineCore:
         self.decodable = decodable_ids(tokenizer, vocab_size)
         stateful = runner.states is not None  # no prefix sharing over recurrent state (state_pool)
         self.pool = BlockPool(runner.num_blocks, block_size, prefix_caching and not stateful)
-        self.scheduler = Scheduler(self.pool, prefill_chunk, runner.states)
+        self.scheduler = Scheduler(
+            self.pool,
+            prefill_chunk,
+            None if runner.states is None else runner.states.pages(self.pool),
+        )
         self.requests: dict[str, _Request] = {}
         self.live: dict[Sequence, _Live] = {}  # the sequences that have not finished
         self.counters = _Counters()
@@ -302,7 +306,7 @@ class EngineCore:
             speculative_proposed=counters.proposed,
             speculative_accepted=counters.accepted,
             speculative_verifications=counters.verifications,
-            **_state_stats(self.runner),
+            **_state_stats(self.runner, self.scheduler),
         )
 
 
@@ -611,15 +615,16 @@ def _isolated(fn: Callable[..., Any], *args: Any) -> Any:
         return None
 
 
-def _state_stats(runner: ModelRunner) -> dict[str, int]:
-    """`EngineStats`' recurrent state fields: bytes per sequence, slots used and held."""
-    states = runner.states
-    if states is None:
+def _state_stats(runner: ModelRunner, scheduler: Scheduler) -> dict[str, int]:
+    """`EngineStats`' recurrent state fields (`state_pool`)."""
+    pages = scheduler.states
+    if pages is None:
         return {}
     return {
         "state_bytes_per_sequence": runner.budget.state_bytes,
-        "state_slots_used": states.num_used,
-        "state_slots_total": states.num_slots,
+        "state_pages_per_sequence": pages.per_sequence,
+        "state_pages_used": pages.per_sequence * len(scheduler.running),
+        "state_pages_total": pages.pool.num_blocks,
     }
 
 

@@ -28,7 +28,7 @@ from decoderlm.serving.state_pool import StatePool, split_budget
 
 class ModelRunner:
     """`model` over a paged KV cache of `num_blocks` blocks of `block_size` tokens, and a
-    `StatePool` of `budget.num_slots` recurrent state slots when the model has recurrent layers."""
+    `StatePool` for the recurrent layers' states, when it has some."""
 
     def __init__(
         self,
@@ -40,8 +40,8 @@ class ModelRunner:
         cpu_kernels: bool | SpeedPaths,
     ) -> None:
         """kv_cache_memory: the byte budget of the KV pool, which holds
-        ⌊budget / (block_size · bytes per token)⌋ blocks (with recurrent layers, the state
-        slots and blocks of `state_pool.split_budget`); kv_cache_dtype: None (K/V in the model's
+        ⌊budget / (block_size · bytes per token)⌋ blocks (with recurrent layers, the blocks and
+        state pages of `state_pool.split_budget`); kv_cache_dtype: None (K/V in the model's
         dtype) or "int8" (`decoderlm.model.cache.storage`, whose scales the bytes per token count);
         cpu_kernels: the CPU speed paths, True for `SpeedPaths.for_engine()` (False none, or a
         `SpeedPaths`): the linear weights packed for oneDNN, or for AMX tiles in bfloat16 where
@@ -74,10 +74,11 @@ class ModelRunner:
             kv_cache_dtype,
             in_place,
         )
-        slots = self.budget.num_slots
-        self.states = (
-            None if slots is None else StatePool(model.config, slots, weight.dtype, self.device)
-        )
+        self.states = None
+        if self.budget.state_pages:
+            self.states = StatePool(
+                model.config, self.budget, weight.dtype, self.device, self.cache
+            )
         self.layer_caches = self.cache if self.states is None else self.states.with_kv(self.cache)
 
     @contextlib.contextmanager
@@ -92,14 +93,18 @@ class ModelRunner:
         dev = self.device
         start = torch.tensor([s.n_computed for s in seqs], device=dev)  # (B,)
         width = max(len(s.blocks) for s in seqs)
-        table = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs], device=dev)
+        # Short rows repeat their last block (masked): every block read holds K/V, not a state.
+        pad = [s.blocks + s.blocks[-1:] * (width - len(s.blocks)) for s in seqs]
+        table = torch.tensor(pad, device=dev)
         idx = torch.tensor([s.tokens[s.n_computed : s.n_computed + n] for s in seqs], device=dev)
         self.cache.seek(table, start, n)  # each layer cache supplies its own key mask
         if self.states is not None:
-            self.states.seek([s.slot for s in seqs], start)
+            self.states.seek([s.state_pages for s in seqs], start)
         positions = start[:, None] + torch.arange(n, device=dev)  # (B, n)
         # (B, n|1, V)
         logits = self.model(idx, positions, None, self.layer_caches, last_only=last_only)
+        if self.states is not None:
+            self.states.store()
         return logits[:, -1].float() if last_only else logits.float()
 
     def prompt_logprobs(self, ids: list[int]) -> Tensor:

@@ -1,42 +1,43 @@
-"""Recurrent state in the serving engine: one state slot per running sequence, counted in the same
-byte budget as the KV blocks, after vLLM's hybrid KV-cache manager (one budget, two kinds of
-pages: the KV blocks of attention layers, the fixed-size state of Mamba / linear-attention layers;
-vllm/v1/core/single_type_kv_cache_manager.py, `MambaManager`).
+"""Recurrent state in the serving engine: each running sequence keeps its state in pages of the
+same byte budget as the KV blocks, after vLLM's hybrid KV-cache manager (one pool, two kinds of
+pages: the KV blocks of attention layers and the fixed-size state of Mamba / linear-attention
+layers, the same bytes viewed as either; vllm/v1/core/single_type_kv_cache_manager.py).
 
 A recurrent layer (linear attention, Gated DeltaNet, Mamba-2; `decoderlm.model.cache.recurrent`)
 keeps per sequence a conv state (C, K − 1) and a matrix state (H, d_k, d_v), s bytes over all its
-recurrent layers (`recurrent_state_bytes`), whatever the sequence's length. The pool holds them for
-`num_slots` sequences: per recurrent layer one conv tensor (N, C, K − 1) and one state tensor
-(N, H, d_k, d_v). A step's rows read their slots' rows (a gather), the mixer folds the new tokens
-in, and the states after are written back to the same rows (a scatter): `SlotLayerCache`.
+recurrent layers (`recurrent_state_bytes`) whatever the sequence's length. The budget rule
+(`split_budget`), with b the bytes of one KV block (block_size · the attention layers' KV bytes per
+token) and B the budget:
 
-The budget rule (`split_budget`), exact and fixed when the pool is built. With s the state bytes of
-one sequence, b the bytes of one KV block (block_size · the attention layers' KV bytes per token),
-m = ⌈context_length / block_size⌉ the blocks of one sequence at its full context and B the budget:
+- a hybrid (attention and recurrent layers): the pool is ⌊B / b⌋ blocks, and a sequence's state
+  takes p = ⌈s / b⌉ of them besides its K/V blocks: its bytes live in those blocks' rows of the
+  K/V tensors, read as raw bytes. A sequence of n tokens holds ⌈n / block_size⌉ + p blocks, so
+  the pool admits as many sequences as their bytes allow (at most b − 1 bytes lost to rounding per
+  sequence), short and long ones alike, and preempts when it runs out, as for attention;
+- a pure recurrent model (b = 0): ⌊B / s⌋ state slots of s bytes, one per sequence, so it admits a
+  number of sequences independent of the context (its blocks are bookkeeping without storage);
+- no recurrent layers (s = 0): ⌊B / b⌋ blocks, as before.
 
-    a sequence slot costs s + m·b bytes;   num_slots = ⌊B / (s + m·b)⌋;   num_blocks = num_slots · m
-
-so every admitted sequence can reach its full context without waiting for a block or preempting
-another. A pure recurrent model (b = 0) holds ⌊B / s⌋ sequences, whatever the context (its blocks
-are bookkeeping without storage); a hybrid as many as its bytes allow at full context. A model
-without recurrent layers (s = 0) keeps the attention engine's rule: num_blocks = ⌊B / b⌋, no slots,
-and sequences admitted while blocks last (preempted when they run out). vLLM instead shares one
-page pool between both kinds as sequences come and go; a fixed split is simpler to reason about,
-at the price of idle blocks when a hybrid's requests are short.
+A step gathers the state bytes of its rows' pages, unpacks each recurrent layer's conv and matrix
+state into a `RecurrentLayerCache` for the mixer (a row starting at position 0, new or recomputed,
+starts from zeros), and after the forward pass packs the new states back into the same pages
+(`seek`, `store`). Every row of an engine pass runs the same number of real tokens: no padding
+reaches a state. A page leaving a state is zeroed (`StatePages.release`), so that the K/V read from
+a block never reinterprets a state's bytes (which, seen as bfloat16 or an int8 scale, could be a
+NaN that a masked key would still multiply into attention's output).
 
 What recurrent layers rule out in the engine (`check_engine_options`):
 - prefix caching is off: a block of a shared prefix holds its K/V, but the recurrent state after
-  that prefix is not stored anywhere (vLLM's "align" mode would snapshot it at block boundaries),
-  so a sequence that reused the blocks could not restore its state;
+  that prefix is stored nowhere (vLLM's "align" mode would snapshot it at block boundaries), so a
+  sequence that reused the blocks could not restore its state;
 - speculative decoding (`draft=`) is refused: its rejected draft tokens would already be folded into
   the state, which cannot roll back (`LayerCache.rollback`).
-A sequence that is preempted frees its slot; its state is recomputed from its first token on
-resume (a step that starts a row at position 0 zeroes that row's slot first), as its K/V is.
+A preempted sequence frees its pages, and its state is recomputed from its first token on resume.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,28 +46,33 @@ from torch import Tensor
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.cache import (
     BaseLayerCache,
+    Int8Buffer,
     LayerCaches,
+    RecurrentLayerCache,
     kv_cache_bytes_per_token,
     recurrent_state_bytes,
     recurrent_state_shapes,
 )
 from decoderlm.model.config import ModelConfig
-from decoderlm.serving.kv_pool import blocks_for, parse_bytes
+from decoderlm.serving.kv_pool import BlockPool, PagedKVCache, blocks_for, parse_bytes
 
 
 @dataclass(frozen=True)
 class Budget:
     """How `kv_cache_memory` is spent (`split_budget`)."""
 
-    num_blocks: int
-    num_slots: int | None  # state slots; None without recurrent layers (no slot limit)
-    block_bytes: int  # b: one KV block of every attention layer
-    state_bytes: int  # s: one sequence's state in every recurrent layer
+    num_blocks: int  # KV blocks (a hybrid's states among them)
+    block_bytes: int  # b: one KV block of every attention layer (0: no attention layer)
+    state_bytes: int  # s: one sequence's state in every recurrent layer (0: no recurrent layer)
+    state_pages: int  # pages of one sequence's state: ⌈s / b⌉ blocks, 1 slot, or 0
+    num_slots: int | None = None  # a pure recurrent model's slots of s bytes; else None
 
     def sequences_at(self, n_tokens: int, block_size: int) -> int:
-        """Sequences of n_tokens tokens each that the pools hold at once: the admission limit."""
-        by_blocks = self.num_blocks // blocks_for(n_tokens, block_size)
-        return by_blocks if self.num_slots is None else min(by_blocks, self.num_slots)
+        """Sequences of n_tokens tokens each that the budget holds at once."""
+        blocks = blocks_for(n_tokens, block_size)
+        if self.num_slots is not None:
+            return min(self.num_slots, self.num_blocks // blocks)
+        return self.num_blocks // (blocks + self.state_pages)
 
 
 def split_budget(
@@ -76,28 +82,27 @@ def split_budget(
     dtype: torch.dtype,
     kv_cache_dtype: str | None = None,
 ) -> Budget:
-    """`kv_cache_memory` as KV blocks and state slots by the module's rule; DecoderLMError when it
-    holds no block (no recurrent layers) or no slot (recurrent layers)."""
+    """`kv_cache_memory` as KV blocks and state pages by the module's rule; DecoderLMError when it
+    cannot hold one sequence."""
     budget = parse_bytes(kv_cache_memory)
     block = block_size * kv_cache_bytes_per_token(config, kv_cache_dtype or dtype)
     state = recurrent_state_bytes(config, dtype) if config.has_recurrent_layers else 0
-    if state == 0:
-        if budget < block:
+    if block == 0:  # no attention layer: slots of s bytes
+        if budget < state:
             raise DecoderLMError(
-                f"kv_cache_memory={kv_cache_memory!r} holds no KV block: one block of "
-                f"{block_size} tokens takes {block} bytes"
+                f"kv_cache_memory={kv_cache_memory!r} holds no sequence: one sequence's "
+                f"recurrent state takes {state} bytes"
             )
-        return Budget(budget // block, None, block, 0)
-    per_seq = blocks_for(config.context_length, block_size)  # m
-    slot = state + per_seq * block  # s + m·b
-    if budget < slot:
+        slots = budget // state
+        return Budget(slots * blocks_for(config.context_length, block_size), 0, state, 1, slots)
+    pages = -(-state // block)  # p = ⌈s / b⌉
+    if budget < block * (1 + pages):
         raise DecoderLMError(
-            f"kv_cache_memory={kv_cache_memory!r} holds no sequence slot: one sequence takes "
-            f"{state} bytes of recurrent state + {per_seq} KV blocks of {block} bytes "
-            f"(context_length={config.context_length}) = {slot} bytes"
+            f"kv_cache_memory={kv_cache_memory!r} holds no KV block: one block of "
+            f"{block_size} tokens takes {block} bytes"
+            + (f", and one sequence's recurrent state {pages} more" if pages else "")
         )
-    slots = budget // slot
-    return Budget(slots * per_seq, slots, block, state)
+    return Budget(budget // block, block, state, pages)
 
 
 def check_engine_options(config: ModelConfig, draft: object) -> None:
@@ -110,100 +115,124 @@ def check_engine_options(config: ModelConfig, draft: object) -> None:
         )
 
 
-class SlotLayerCache(BaseLayerCache):
-    """One recurrent layer's states of every slot, as the `RecurrentLayerCache` its mixer reads:
-    `conv` and `state` are the rows of this step's slots (gathered), and assigning them writes
-    the new states back to those slots (scattered). No padding reaches them: every row of an
-    engine pass runs the same number of real tokens (`valid` stays None)."""
+@dataclass(frozen=True)
+class StatePages:
+    """Where the scheduler takes a sequence's `per_sequence` state pages: `pool` (a hybrid's KV
+    block pool, or a pure recurrent model's pool of slots); `release` frees them, zeroed."""
 
-    valid: Tensor | None = None
+    pool: BlockPool
+    per_sequence: int
+    zero: Callable[[list[int]], None]
 
-    def __init__(self, conv: Tensor | None, state: Tensor) -> None:
-        """conv (N, C, K − 1) or None (linear attention), state (N, H, d_k, d_v): the pools."""
-        self.conv_pool, self.state_pool = conv, state
-        self.rows = torch.zeros(0, dtype=torch.long, device=state.device)  # (B,) this step's slots
-
-    @property
-    def nbytes(self) -> int:
-        return self.state_pool.nbytes + (0 if self.conv_pool is None else self.conv_pool.nbytes)
-
-    @property
-    def conv(self) -> Tensor | None:
-        """(B, C, K − 1): the conv states of this step's slots."""
-        return None if self.conv_pool is None else self.conv_pool.index_select(0, self.rows)
-
-    @conv.setter
-    def conv(self, value: Tensor | None) -> None:
-        if self.conv_pool is not None:
-            self.conv_pool.index_copy_(0, self.rows, value.to(self.conv_pool.dtype))
-
-    @property
-    def state(self) -> Tensor:
-        """(B, H, d_k, d_v): the matrix states of this step's slots."""
-        return self.state_pool.index_select(0, self.rows)
-
-    @state.setter
-    def state(self, value: Tensor) -> None:
-        self.state_pool.index_copy_(0, self.rows, value.to(self.state_pool.dtype))
+    def release(self, pages: list[int]) -> None:
+        self.zero(pages)
+        self.pool.free(pages)
 
 
 class StatePool:
-    """`num_slots` state slots of every recurrent layer of `config`: the storage (conv states in
-    `dtype`, matrix states in float32 at least, as `HybridCache`) and which slots are free."""
+    """The recurrent layers' states of the running sequences, stored in pages: the rows of the K/V
+    tensors of `kv` (a hybrid) or slots of their own (a pure recurrent model), `budget`'s."""
 
     def __init__(
-        self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelConfig,
+        budget: Budget,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv: PagedKVCache,
     ) -> None:
-        state_dtype = torch.promote_types(dtype, torch.float32)
-        self.layers: dict[int, SlotLayerCache] = {}  # model layer index → its slots
+        state_dtype = torch.promote_types(dtype, torch.float32)  # as `HybridCache`
+        # Per recurrent layer: (its index, conv shape or None, matrix state shape), for one row.
+        self.shapes: list[tuple[int, tuple[int, ...] | None, tuple[int, ...]]] = []
         for i in range(config.n_layers):
             kind = config.layer_type(i)
-            if kind == "attention":
-                continue
-            conv, state = recurrent_state_shapes(config, kind, num_slots)
-            self.layers[i] = SlotLayerCache(
-                None if conv is None else torch.zeros(conv, dtype=dtype, device=device),
-                torch.zeros(state, dtype=state_dtype, device=device),
-            )
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))  # a stack: the lowest slot first
+            if kind != "attention":
+                self.shapes.append((i, *recurrent_state_shapes(config, kind, 1)))
+        self.dtype, self.state_dtype = dtype, state_dtype
+        self.budget = budget
+        if budget.num_slots is None:  # every K/V tensor's row j is a part of page j
+            self.tensors = [
+                t for layer in kv.layers for buf in (layer.k, layer.v) for t in _raw(buf)
+            ]
+        else:
+            self.tensors = [torch.zeros(budget.num_slots, budget.state_bytes, dtype=torch.uint8,
+                                        device=device)]  # fmt: skip
+        self.row_bytes = [t[0].numel() * t.element_size() for t in self.tensors]  # of each page
+        self.caches = {i: RecurrentLayerCache(None, torch.zeros(0)) for i, _, _ in self.shapes}
+        self.rows = torch.zeros(0, dtype=torch.long, device=device)  # (B·p,) this step's pages
 
-    @property
-    def num_used(self) -> int:
-        return self.num_slots - len(self._free)
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers.values())
-
-    def take(self) -> int | None:
-        """A free slot, or None when every slot is held."""
-        return self._free.pop() if self._free else None
-
-    def free(self, slot: int) -> None:
-        self._free.append(slot)
-
-    def seek(self, slots: Sequence[int], start: Tensor) -> None:
-        """Before a pass over rows holding `slots`, row b from position start_b (B,): a row that
-        starts at 0 (a new or a recomputed sequence) starts from the zero state."""
-        rows = torch.tensor(slots, device=start.device)  # (B,)
-        fresh = rows[start == 0]
-        for layer in self.layers.values():
-            layer.rows = rows
-            if len(fresh):
-                layer.state_pool.index_fill_(0, fresh, 0)
-                if layer.conv_pool is not None:
-                    layer.conv_pool.index_fill_(0, fresh, 0)
+    def pages(self, kv_pool: BlockPool) -> StatePages:
+        """The scheduler's side: a hybrid's pages come from `kv_pool`, slots from a pool of their own."""
+        budget = self.budget
+        pool = kv_pool if budget.num_slots is None else BlockPool(budget.num_slots, 1, False)
+        return StatePages(pool, budget.state_pages, self._zero)
 
     def with_kv(self, kv: LayerCaches) -> LayerCaches:
-        """Every layer's cache in model order: the slot views of the recurrent layers, the layers
-        of `kv` (built for the attention layers only, in order) for the others."""
+        """Every layer's cache in model order: this pool's `RecurrentLayerCache`s for the recurrent
+        layers, the layers of `kv` (built for the attention layers only, in order) for the others."""
         attention = iter(kv.layers)
         layers: list[BaseLayerCache] = []
-        for i in range(len(kv) + len(self.layers)):
-            layers.append(self.layers[i] if i in self.layers else next(attention))
+        for i in range(len(kv) + len(self.caches)):
+            layers.append(self.caches[i] if i in self.caches else next(attention))
         return LayerCaches(layers)
+
+    def seek(self, pages: Sequence[list[int]], start: Tensor) -> None:
+        """Before a pass over rows whose states lie in `pages` (B lists of p), row b from position
+        start_b (B,): each recurrent layer's cache gets the rows' states, zeros where start_b = 0."""
+        self.rows = torch.tensor([p for row in pages for p in row], device=start.device)
+        raw = self._read(len(pages)) * (start != 0)[:, None]  # (B, s) bytes; a new state: zeros
+        offset = 0
+        for i, conv_shape, state_shape in self.shapes:
+            cache = self.caches[i]
+            cache.state, offset = _unpack(raw, offset, state_shape, self.state_dtype)
+            cache.conv = None
+            if conv_shape is not None:
+                cache.conv, offset = _unpack(raw, offset, conv_shape, self.dtype)
+
+    def store(self) -> None:
+        """After the pass: the recurrent layers' new states back to the rows' pages."""
+        parts = []
+        for i, conv_shape, _ in self.shapes:
+            cache = self.caches[i]
+            parts.append(_bytes(cache.state.to(self.state_dtype)))
+            if conv_shape is not None:
+                parts.append(_bytes(cache.conv.to(self.dtype)))
+        self._write(torch.cat(parts, dim=1))
+
+    def _read(self, rows: int) -> Tensor:
+        """The bytes (rows, s) of the states in this step's pages."""
+        chunks = [_bytes(t.index_select(0, self.rows)) for t in self.tensors]  # (B·p, row bytes)
+        return torch.cat(chunks, dim=1).view(rows, -1)[:, : self.budget.state_bytes]
+
+    def _write(self, raw: Tensor) -> None:
+        """raw (B, s) bytes into this step's pages, the inverse of `_read`."""
+        p, page = self.budget.state_pages, sum(self.row_bytes)
+        padded = torch.nn.functional.pad(raw, (0, p * page - raw.shape[1]))  # (B, p · page bytes)
+        chunks = padded.view(raw.shape[0] * p, page)  # (B·p, page bytes)
+        for t, chunk in zip(self.tensors, chunks.split(self.row_bytes, dim=1), strict=True):
+            t.index_copy_(0, self.rows, chunk.contiguous().view(t.dtype).view(-1, *t.shape[1:]))
+
+    def _zero(self, pages: list[int]) -> None:
+        index = torch.tensor(pages, device=self.tensors[0].device)
+        for t in self.tensors:
+            t.index_fill_(0, index, 0)
+
+
+def _raw(buf: Tensor | Int8Buffer) -> list[Tensor]:
+    """The tensors that hold a K or V buffer: itself, or an int8 buffer's values and scales."""
+    return [buf.values, buf.scales] if isinstance(buf, Int8Buffer) else [buf]
+
+
+def _bytes(x: Tensor) -> Tensor:
+    """x (N, ...) as its raw bytes (N, nbytes / N), uint8."""
+    return x.contiguous().view(x.shape[0], -1).view(torch.uint8)
+
+
+def _unpack(
+    raw: Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[Tensor, int]:
+    """The tensor (B, *shape[1:]) of `dtype` at byte `offset` of every row of raw (B, s); the
+    offset after it."""
+    n = torch.Size(shape).numel() * dtype.itemsize
+    x = raw[:, offset : offset + n].contiguous().view(dtype)
+    return x.view(raw.shape[0], *shape[1:]), offset + n
