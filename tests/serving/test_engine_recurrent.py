@@ -107,6 +107,16 @@ def test_concurrent_greedy_requests_each_equal_their_solo_generate(tok, preset, 
     assert stats.state_bytes_per_sequence == recurrent_state_bytes(model.config, dtype)
 
 
+def test_a_hybrid_with_an_int8_kv_pool_equals_its_solo_int8_generate(tok):
+    """The states then live in the rows of int8 values and float32 scales; float64 model."""
+    model = tiny("hybrid-tiny", tok.vocab_size)
+    engine = Engine(model, tok, kv_cache_memory="1MiB", kv_cache_dtype="int8", prefill_chunk=8)
+    requests = prompts(4, tok.vocab_size, seed=6)
+    for prompt, got in zip(requests, run(engine, requests), strict=True):
+        solo_int8 = generate(model, [prompt], 12, temperature=0, kv_cache_dtype="int8")[0]
+        assert got == solo_int8[len(prompt) :]
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_a_prompt_prefilled_in_chunks_of_three_gives_the_tokens_of_one_chunk(tok, preset):
     model = tiny(preset, tok.vocab_size)

@@ -155,8 +155,8 @@ class StatePool:
                 t for layer in kv.layers for buf in (layer.k, layer.v) for t in _raw(buf)
             ]
         else:
-            self.tensors = [torch.zeros(budget.num_slots, budget.state_bytes, dtype=torch.uint8,
-                                        device=device)]  # fmt: skip
+            shape = (budget.num_slots, budget.state_bytes)
+            self.tensors = [torch.zeros(shape, dtype=torch.uint8, device=device)]
         self.row_bytes = [t[0].numel() * t.element_size() for t in self.tensors]  # of each page
         self.caches = {i: RecurrentLayerCache(None, torch.zeros(0)) for i, _, _ in self.shapes}
         self.rows = torch.zeros(0, dtype=torch.long, device=device)  # (B·p,) this step's pages
