@@ -14,8 +14,9 @@ token) and B the budget:
   K/V tensors, read as raw bytes. A sequence of n tokens holds ⌈n / block_size⌉ + p blocks, so
   the pool admits as many sequences as their bytes allow (at most b − 1 bytes lost to rounding per
   sequence), short and long ones alike, and preempts when it runs out, as for attention;
-- a pure recurrent model (b = 0): ⌊B / s⌋ state slots of s bytes, one per sequence, so it admits a
-  number of sequences independent of the context (its blocks are bookkeeping without storage);
+- a pure recurrent model (b = 0): ⌊B / s⌋ state slots of s bytes (rounded up to 8), one per
+  sequence, so it admits a number of sequences independent of the context (its blocks are
+  bookkeeping without storage);
 - no recurrent layers (s = 0): ⌊B / b⌋ blocks, as before.
 
 A step gathers the state bytes of its rows' pages, unpacks each recurrent layer's conv and matrix
@@ -87,13 +88,14 @@ def split_budget(
     budget = parse_bytes(kv_cache_memory)
     block = block_size * kv_cache_bytes_per_token(config, kv_cache_dtype or dtype)
     state = recurrent_state_bytes(config, dtype) if config.has_recurrent_layers else 0
-    if block == 0:  # no attention layer: slots of s bytes
-        if budget < state:
+    if block == 0:  # no attention layer: slots of s bytes, rounded up to 8 (float64 views)
+        slot = -(-state // 8) * 8
+        if budget < slot:
             raise DecoderLMError(
                 f"kv_cache_memory={kv_cache_memory!r} holds no sequence: one sequence's "
-                f"recurrent state takes {state} bytes"
+                f"recurrent state takes {slot} bytes"
             )
-        slots = budget // state
+        slots = budget // slot
         return Budget(slots * blocks_for(config.context_length, block_size), 0, state, 1, slots)
     pages = -(-state // block)  # p = ⌈s / b⌉
     if budget < block * (1 + pages):
@@ -142,23 +144,30 @@ class StatePool:
         kv: PagedKVCache,
     ) -> None:
         state_dtype = torch.promote_types(dtype, torch.float32)  # as `HybridCache`
-        # Per recurrent layer: (its index, conv shape or None, matrix state shape), for one row.
-        self.shapes: list[tuple[int, tuple[int, ...] | None, tuple[int, ...]]] = []
+        # Where each state lies in a row of s bytes: (layer, "conv" or "state", shape (1, ...),
+        # dtype, byte offset); the matrix states first, then the conv states, so that every
+        # part starts at a multiple of its element size and is viewed in place.
+        states: list[tuple[int, str, tuple[int, ...], torch.dtype]] = []
+        convs: list[tuple[int, str, tuple[int, ...], torch.dtype]] = []
         for i in range(config.n_layers):
             kind = config.layer_type(i)
             if kind != "attention":
-                self.shapes.append((i, *recurrent_state_shapes(config, kind, 1)))
-        self.dtype, self.state_dtype = dtype, state_dtype
+                conv, state = recurrent_state_shapes(config, kind, 1)
+                states.append((i, "state", state, state_dtype))
+                convs += [] if conv is None else [(i, "conv", conv, dtype)]
+        self.parts, offset = [], 0
+        for i, name, shape, part_dtype in states + convs:
+            self.parts.append((i, name, shape, part_dtype, offset))
+            offset += torch.Size(shape).numel() * part_dtype.itemsize
         self.budget = budget
         if budget.num_slots is None:  # every K/V tensor's row j is a part of page j
-            self.tensors = [
-                t for layer in kv.layers for buf in (layer.k, layer.v) for t in _raw(buf)
-            ]
+            raw = [t for layer in kv.layers for buf in (layer.k, layer.v) for t in _raw(buf)]
+            self.tensors = [t.view(t.shape[0], -1) for t in raw]  # (num_blocks, row elements)
         else:
-            shape = (budget.num_slots, budget.state_bytes)
+            shape = (budget.num_slots, -(-budget.state_bytes // 8) * 8)  # as `split_budget`
             self.tensors = [torch.zeros(shape, dtype=torch.uint8, device=device)]
-        self.row_bytes = [t[0].numel() * t.element_size() for t in self.tensors]  # of each page
-        self.caches = {i: RecurrentLayerCache(None, torch.zeros(0)) for i, _, _ in self.shapes}
+        self.row_bytes = [t.shape[1] * t.element_size() for t in self.tensors]  # of each page
+        self.caches = {i: RecurrentLayerCache(None, torch.zeros(0)) for i, *_ in states}
         self.rows = torch.zeros(0, dtype=torch.long, device=device)  # (B·p,) this step's pages
 
     def pages(self, kv_pool: BlockPool) -> StatePages:
@@ -180,37 +189,25 @@ class StatePool:
         """Before a pass over rows whose states lie in `pages` (B lists of p), row b from position
         start_b (B,): each recurrent layer's cache gets the rows' states, zeros where start_b = 0."""
         self.rows = torch.tensor([p for row in pages for p in row], device=start.device)
-        raw = self._read(len(pages)) * (start != 0)[:, None]  # (B, s) bytes; a new state: zeros
-        offset = 0
-        for i, conv_shape, state_shape in self.shapes:
-            cache = self.caches[i]
-            cache.state, offset = _unpack(raw, offset, state_shape, self.state_dtype)
-            cache.conv = None
-            if conv_shape is not None:
-                cache.conv, offset = _unpack(raw, offset, conv_shape, self.dtype)
+        chunks = [_bytes(t.index_select(0, self.rows)) for t in self.tensors]  # (B·p, row bytes)
+        raw = torch.cat(chunks, dim=1).view(len(pages), -1)  # (B, p · page bytes)
+        fresh = (start == 0).nonzero()[:, 0]
+        if len(fresh):  # a new or recomputed sequence starts from the zero state
+            raw.index_fill_(0, fresh, 0)
+        for i, name, shape, dtype, offset in self.parts:  # views where the alignment allows
+            setattr(self.caches[i], name, _part(raw, offset, shape, dtype))
 
     def store(self) -> None:
         """After the pass: the recurrent layers' new states back to the rows' pages."""
-        parts = []
-        for i, conv_shape, _ in self.shapes:
-            cache = self.caches[i]
-            parts.append(_bytes(cache.state.to(self.state_dtype)))
-            if conv_shape is not None:
-                parts.append(_bytes(cache.conv.to(self.dtype)))
-        self._write(torch.cat(parts, dim=1))
-
-    def _read(self, rows: int) -> Tensor:
-        """The bytes (rows, s) of the states in this step's pages."""
-        chunks = [_bytes(t.index_select(0, self.rows)) for t in self.tensors]  # (B·p, row bytes)
-        return torch.cat(chunks, dim=1).view(rows, -1)[:, : self.budget.state_bytes]
-
-    def _write(self, raw: Tensor) -> None:
-        """raw (B, s) bytes into this step's pages, the inverse of `_read`."""
-        p, page = self.budget.state_pages, sum(self.row_bytes)
-        padded = torch.nn.functional.pad(raw, (0, p * page - raw.shape[1]))  # (B, p · page bytes)
-        chunks = padded.view(raw.shape[0] * p, page)  # (B·p, page bytes)
-        for t, chunk in zip(self.tensors, chunks.split(self.row_bytes, dim=1), strict=True):
-            t.index_copy_(0, self.rows, chunk.contiguous().view(t.dtype).view(-1, *t.shape[1:]))
+        p, page, n_pages = self.budget.state_pages, sum(self.row_bytes), int(self.rows.shape[0])
+        raw = torch.empty(n_pages // p, p * page, dtype=torch.uint8, device=self.rows.device)
+        raw[:, self.budget.state_bytes :] = 0  # the last page's tail
+        for i, name, _, dtype, offset in self.parts:
+            part = _bytes(getattr(self.caches[i], name).to(dtype))
+            raw[:, offset : offset + part.shape[1]] = part
+        chunks = raw.view(n_pages, page).split(self.row_bytes, dim=1)  # (B·p, row bytes) each
+        for t, chunk in zip(self.tensors, chunks, strict=True):
+            t.index_copy_(0, self.rows, _as(chunk, t.dtype))
 
     def _zero(self, pages: list[int]) -> None:
         index = torch.tensor(pages, device=self.tensors[0].device)
@@ -228,11 +225,14 @@ def _bytes(x: Tensor) -> Tensor:
     return x.contiguous().view(x.shape[0], -1).view(torch.uint8)
 
 
-def _unpack(
-    raw: Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype
-) -> tuple[Tensor, int]:
-    """The tensor (B, *shape[1:]) of `dtype` at byte `offset` of every row of raw (B, s); the
-    offset after it."""
+def _as(raw: Tensor, dtype: torch.dtype) -> Tensor:
+    """The bytes raw (B, n) read as `dtype` (B, n / size): a view where the row stride allows."""
+    if raw.stride(0) % dtype.itemsize or raw.storage_offset() % dtype.itemsize:
+        raw = raw.contiguous()
+    return raw.view(dtype)
+
+
+def _part(raw: Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """The state (B, *shape[1:]) of `dtype` at byte `offset` of each row of raw (B, bytes)."""
     n = torch.Size(shape).numel() * dtype.itemsize
-    x = raw[:, offset : offset + n].contiguous().view(dtype)
-    return x.view(raw.shape[0], *shape[1:]), offset + n
+    return _as(raw[:, offset : offset + n], dtype).view(raw.shape[0], *shape[1:])
