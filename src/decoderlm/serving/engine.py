@@ -330,7 +330,8 @@ class Engine:
     ) -> None:
         """kv_cache_memory, kv_cache_dtype, cpu_kernels (its CPU speed paths): the KV pool and the model's kernels, as
         `ModelRunner` takes them; max_queue: the most sequences waiting; prefill_chunk: the most
-        prompt tokens one step runs; prefix_caching: reuse the KV blocks of a shared prefix;
+        prompt tokens one step runs; prefix_caching: reuse the KV blocks of a shared prefix (off
+        for a model with recurrent layers, and `draft` refused: `state_pool`);
         draft "prompt-lookup": speculative decoding, each decoding sequence proposing
         `num_speculative_tokens` (default 4) tokens per step by prompt lookup, verified in one
         pass of its own (`decoderlm.inference.speculative`; the same tokens for greedy requests)."""
