@@ -107,6 +107,28 @@ def test_concurrent_greedy_requests_each_equal_their_solo_generate(tok, preset, 
     assert stats.state_bytes_per_sequence == recurrent_state_bytes(model.config, dtype)
 
 
+def test_mamba2_and_linear_attention_layers_serve_their_solo_tokens_beside_attention(tok):
+    """A hybrid of all three recurrent kinds (linear attention keeps no conv state): float64."""
+    torch.manual_seed(0)
+    config = ModelConfig.from_preset(
+        "hybrid-tiny",
+        vocab_size=tok.vocab_size,
+        context_length=64,
+        d_model=32,
+        d_ff=64,
+        n_heads=4,
+        n_layers=3,
+        layer_types=("linear_attention", "attention", "mamba2"),
+        recurrent_chunk=8,
+        init_std=0.5,
+    )
+    model = DecoderLM(config).double().eval()
+    engine = Engine(model, tok, kv_cache_memory="1MiB", prefill_chunk=8)
+    requests = prompts(5, tok.vocab_size, seed=8)
+    for prompt, got in zip(requests, run(engine, requests), strict=True):
+        assert got == solo(model, prompt, 12)
+
+
 def test_a_hybrid_with_an_int8_kv_pool_equals_its_solo_int8_generate(tok):
     """The states then live in the rows of int8 values and float32 scales; float64 model."""
     model = tiny("hybrid-tiny", tok.vocab_size)
@@ -187,6 +209,17 @@ def test_a_hybrid_pool_short_of_blocks_preempts_and_each_request_still_equals_it
     for prompt, got in zip(requests, run(engine, requests), strict=True):
         assert got == solo(model, prompt, 12)
     assert engine.stats().preemptions > 0 and engine.stats().kv_blocks_used == 0
+
+
+def test_a_hybrid_request_whose_blocks_and_state_cannot_fit_the_pool_is_refused_at_submit(tok):
+    # float64, block_size 4: a state takes 11 blocks of 1024 bytes (as above), so of 20 blocks one
+    # sequence's K/V may take 9, 36 tokens: 30 + 20 = 50 tokens would preempt itself forever.
+    model = tiny("hybrid-tiny", tok.vocab_size)
+    engine = Engine(model, tok, kv_cache_memory=20 * 1024, block_size=4)
+    with pytest.raises(DecoderLMError, match=r"needs 13 KV blocks but kv_cache_memory holds 9"):
+        engine.submit(random_ids(30, tok.vocab_size, 1), RequestParams(20), on_event=lambda e: None)
+    prompt = random_ids(30, tok.vocab_size, 1)
+    assert run(engine, [prompt], max_tokens=6) == [solo(model, prompt, 6)]  # 36 tokens fit
 
 
 def test_a_state_lives_in_its_kv_blocks_and_they_are_zeroed_when_it_leaves(tok):

@@ -352,7 +352,7 @@ class Engine:
             kv_cache_dtype=kv_cache_dtype,
             cpu_kernels=cpu_kernels,
         )
-        vocab_size, num_blocks = model.config.vocab_size, self.runner.num_blocks
+        vocab_size, num_blocks = model.config.vocab_size, self.runner.budget.sequence_blocks
         self.inputs = InputProcessor(  # prompts hold only ids the tokenizer can decode
             tokenizer,
             decodable_ids(tokenizer, vocab_size),

@@ -68,6 +68,12 @@ class Budget:
     state_pages: int  # pages of one sequence's state: ⌈s / b⌉ blocks, 1 slot, or 0
     num_slots: int | None = None  # a pure recurrent model's slots of s bytes; else None
 
+    @property
+    def sequence_blocks(self) -> int:
+        """The most KV blocks one sequence can hold: the pool, less its state's pages when they
+        come from the same pool (a hybrid)."""
+        return self.num_blocks - (self.state_pages if self.num_slots is None else 0)
+
     def sequences_at(self, n_tokens: int, block_size: int) -> int:
         """Sequences of n_tokens tokens each that the budget holds at once."""
         blocks = blocks_for(n_tokens, block_size)
