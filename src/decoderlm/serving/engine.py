@@ -138,13 +138,10 @@ class EngineCore:
         self.lookup = PromptLookup()
         self.drafted: dict[Sequence, int] = {}  # this step's verifications: drafts per sequence
         self.decodable = decodable_ids(tokenizer, vocab_size)
-        stateful = runner.states is not None  # no prefix sharing over recurrent state (state_pool)
-        self.pool = BlockPool(runner.num_blocks, block_size, prefix_caching and not stateful)
-        self.scheduler = Scheduler(
-            self.pool,
-            prefill_chunk,
-            None if runner.states is None else runner.states.pages(self.pool),
-        )
+        states = runner.states  # recurrent layers' (`state_pool`): no prefix sharing over them
+        self.pool = BlockPool(runner.num_blocks, block_size, prefix_caching and states is None)
+        pages = None if states is None else states.pages(self.pool)
+        self.scheduler = Scheduler(self.pool, prefill_chunk, pages)
         self.requests: dict[str, _Request] = {}
         self.live: dict[Sequence, _Live] = {}  # the sequences that have not finished
         self.counters = _Counters()

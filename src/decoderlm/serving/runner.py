@@ -5,7 +5,8 @@ Each forward pass runs the same number of tokens of every sequence in it: the de
 each; rows of different lengths attend their own blocks, read in place by
 `decoderlm.cpu.paged_attention` on the CPU, else gathered and padded under a key mask; a layer
 with a sliding window gathers only the keys inside it) or one prefill chunk. A model with
-recurrent layers keeps their state in one slot per sequence (`state_pool`), in the same budget.
+recurrent layers keeps their states in pages of the same budget (`state_pool`), gathered for
+each pass and written back after it.
 """
 
 from __future__ import annotations
