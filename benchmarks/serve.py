@@ -27,6 +27,12 @@ aggregate at 16 clients over the engine's own single stream and over transformer
 
     HF_HUB_OFFLINE=1 python benchmarks/serve.py [--dtype bfloat16] [--concurrency 1 4 16 64]
         [--rounds 3] [--engine process|thread] [--quick]
+
+With --capacity [BUDGET] (default 1GiB) it serves nothing and prints how many sequences of 4k and
+32k tokens one KV budget holds for the same 55M shape as MHA, GQA-2, a 3:1 Gated DeltaNet hybrid
+(GDN, GDN, GDN, attention, twice) and pure Gated DeltaNet, in float32 and bfloat16: the engine's
+own admission arithmetic (`ModelRunner` built on the meta device, its `state_pool.split_budget`),
+no decoding.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from decoderlm.serving.engine import Engine
 from decoderlm.serving.engine_process import EngineProcess, EngineSpec
 from decoderlm.serving.http import Served
 from decoderlm.serving.kv_pool import blocks_for
+from decoderlm.serving.runner import ModelRunner
 from decoderlm.serving.types import RequestParams
 from decoderlm.tokenizer import Tokenizer
 
@@ -116,7 +123,12 @@ def main() -> None:
     parser.add_argument("--engine", choices=["process", "thread"], default="process")
     parser.add_argument("--rounds", type=int, default=1, help="repeat every measurement; best kept")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny loads, 8/1 heads")
+    parser.add_argument("--capacity", nargs="?", const="1GiB", default=None, metavar="BUDGET",
+                        help="print the sequences one KV budget holds per variant, and exit")  # fmt: skip
     args = parser.parse_args()
+    if args.capacity is not None:
+        capacity(args.capacity)
+        return
     if args.quick:
         args.concurrency, args.kv_heads = [1, 4], [8, 1]
         args.prompt_tokens, args.new_tokens, args.rounds = 16, 8, 1
@@ -177,6 +189,40 @@ def main() -> None:
     clients.shutdown()
     scratch.cleanup()
     print("\n".join(summary))
+
+
+CAPACITY_VARIANTS = {  # the llama-55m shape (8 layers, 8 heads of 64) as four kinds of model
+    "MHA": dict(n_kv_heads=8),
+    "GQA-2": dict(n_kv_heads=2),
+    "hybrid 3:1 (GDN + GQA-2)": dict(
+        n_kv_heads=2, layer_types=("gdn", "gdn", "gdn", "attention") * 2, recurrent_key_heads=4
+    ),
+    "Gated DeltaNet": dict(layer_types=("gdn",) * 8, recurrent_key_heads=4),
+}
+
+
+def capacity(budget: str, contexts: tuple[int, ...] = (4096, 32768), block_size: int = 16) -> None:
+    """The table of --capacity: per variant the KV bytes per token, the state bytes per sequence,
+    and the sequences of each context the engine admits at once under `budget`."""
+    dtypes = (torch.float32, torch.bfloat16)
+    cols = [f"{n // 1024}k {str(d).removeprefix('torch.')}" for d in dtypes for n in contexts]
+    print(f"KV budget {budget}, block_size {block_size}; sequences admitted at once")
+    print("| variant | KV bytes/token (fp32) | state bytes/seq (fp32) | " + " | ".join(cols) + " |")
+    print("|---|" + "---:|" * (2 + len(cols)))
+    for name, overrides in CAPACITY_VARIANTS.items():
+        fits, budgets = [], {}
+        for dtype in dtypes:
+            for n in contexts:
+                config = ModelConfig.from_preset("llama-55m", context_length=n, **overrides)
+                with torch.device("meta"):  # no memory: only the pools' arithmetic is wanted
+                    model = DecoderLM(config).to(dtype)
+                runner = ModelRunner(model, kv_cache_memory=budget, block_size=block_size,
+                                     kv_cache_dtype=None, cpu_kernels=False)  # fmt: skip
+                budgets[dtype] = runner.budget
+                fits.append(f"{runner.budget.sequences_at(n, block_size):,}")
+        fp32 = budgets[torch.float32]
+        print(f"| {name} | {fp32.block_bytes // block_size:,} | {fp32.state_bytes:,} | "
+              + " | ".join(fits) + " |")  # fmt: skip
 
 
 def serve_load(args, run, model, tokenizer, config, clients, prompts, concurrency) -> tuple:

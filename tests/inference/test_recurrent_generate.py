@@ -1,8 +1,8 @@
 """Generation over recurrent layers' state: `generate`, `stream` and `evaluate` on a hybrid (GDN +
 attention) and on pure recurrent models (GDN, Mamba-2, linear attention), through the one cache
 `make_cache` builds; padded batches equal each prompt alone; a pure recurrent model decodes past
-its context; what is not supported yet (compile, the serving engine) is refused in one line; and
-`decoderlm info` shows the state bytes."""
+its context; what is not supported yet (compile) is refused in one line; and `decoderlm info` shows
+the state bytes. The serving engine's side is tests/serving/test_engine_recurrent.py."""
 
 import json
 
@@ -14,7 +14,6 @@ from decoderlm.cli import main
 from decoderlm.inference.evaluate import evaluate_tokens
 from decoderlm.inference.stream import stream
 from decoderlm.model.cache import recurrent_state_bytes
-from decoderlm.serving.engine import Engine
 from decoderlm.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -110,14 +109,10 @@ def test_stream_and_evaluate_run_on_a_hybrid() -> None:
     assert plain.loss == pytest.approx(cached.loss, rel=1e-2)
 
 
-def test_compile_and_the_engine_refuse_recurrent_layers() -> None:
+def test_compile_refuses_recurrent_layers() -> None:
     model = tiny("hybrid")
     with pytest.raises(DecoderLMError, match="compile=True does not support recurrent layers"):
         generate(model, [PROMPTS[0]], 2, compile=True)
-    with pytest.raises(
-        DecoderLMError, match=r"^the serving engine does not serve recurrent layers yet$"
-    ):
-        Engine(model, Tokenizer.train_char(["abc"]))
 
 
 def test_info_shows_the_state_bytes_beside_the_kv_bytes(capsys) -> None:

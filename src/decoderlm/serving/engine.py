@@ -56,6 +56,7 @@ from decoderlm.serving.output import SequenceOutput, prompt_events
 from decoderlm.serving.runner import ModelRunner
 from decoderlm.serving.sampler import Sampled, SamplingState, sample, verify
 from decoderlm.serving.scheduler import Scheduler, Sequence
+from decoderlm.serving.state_pool import check_engine_options
 from decoderlm.serving.streams import Collector, one_by_one, stream_batches
 from decoderlm.serving.types import (
     Completion,
@@ -137,8 +138,10 @@ class EngineCore:
         self.lookup = PromptLookup()
         self.drafted: dict[Sequence, int] = {}  # this step's verifications: drafts per sequence
         self.decodable = decodable_ids(tokenizer, vocab_size)
-        self.pool = BlockPool(runner.num_blocks, block_size, prefix_caching)
-        self.scheduler = Scheduler(self.pool, prefill_chunk)
+        states = runner.states  # recurrent layers' (`state_pool`): no prefix sharing over them
+        self.pool = BlockPool(runner.num_blocks, block_size, prefix_caching and states is None)
+        pages = None if states is None else states.pages(self.pool)
+        self.scheduler = Scheduler(self.pool, prefill_chunk, pages)
         self.requests: dict[str, _Request] = {}
         self.live: dict[Sequence, _Live] = {}  # the sequences that have not finished
         self.counters = _Counters()
@@ -300,6 +303,7 @@ class EngineCore:
             speculative_proposed=counters.proposed,
             speculative_accepted=counters.accepted,
             speculative_verifications=counters.verifications,
+            **_state_stats(self.runner, self.scheduler),
         )
 
 
@@ -323,11 +327,13 @@ class Engine:
     ) -> None:
         """kv_cache_memory, kv_cache_dtype, cpu_kernels (its CPU speed paths): the KV pool and the model's kernels, as
         `ModelRunner` takes them; max_queue: the most sequences waiting; prefill_chunk: the most
-        prompt tokens one step runs; prefix_caching: reuse the KV blocks of a shared prefix;
+        prompt tokens one step runs; prefix_caching: reuse the KV blocks of a shared prefix (off
+        for a model with recurrent layers, and `draft` refused: `state_pool`);
         draft "prompt-lookup": speculative decoding, each decoding sequence proposing
         `num_speculative_tokens` (default 4) tokens per step by prompt lookup, verified in one
         pass of its own (`decoderlm.inference.speculative`; the same tokens for greedy requests)."""
         check_kv_cache_dtype(kv_cache_dtype)
+        check_engine_options(model.config, draft)
         for name, value in (
             ("block_size", block_size),
             ("max_queue", max_queue),
@@ -343,7 +349,7 @@ class Engine:
             kv_cache_dtype=kv_cache_dtype,
             cpu_kernels=cpu_kernels,
         )
-        vocab_size, num_blocks = model.config.vocab_size, self.runner.num_blocks
+        vocab_size, num_blocks = model.config.vocab_size, self.runner.budget.sequence_blocks
         self.inputs = InputProcessor(  # prompts hold only ids the tokenizer can decode
             tokenizer,
             decodable_ids(tokenizer, vocab_size),
@@ -605,6 +611,19 @@ def _isolated(fn: Callable[..., Any], *args: Any) -> Any:
     except Exception:
         log.exception("decoderlm engine: %s failed; its sequences end with 'error'", fn.__name__)
         return None
+
+
+def _state_stats(runner: ModelRunner, scheduler: Scheduler) -> dict[str, int]:
+    """`EngineStats`' recurrent state fields (`state_pool`)."""
+    pages = scheduler.states
+    if pages is None:
+        return {}
+    return {
+        "state_bytes_per_sequence": runner.budget.state_bytes,
+        "state_pages_per_sequence": pages.per_sequence,
+        "state_pages_used": pages.per_sequence * len(scheduler.running),
+        "state_pages_total": pages.pool.num_blocks,
+    }
 
 
 def _speculative_tokens(draft: str | None, num_speculative_tokens: int | None) -> int | None:

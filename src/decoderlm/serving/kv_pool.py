@@ -218,7 +218,8 @@ class PagedLayerCache(BaseLayerCache):
 
 
 class PagedKVCache(LayerCaches):
-    """The pools of all layers, indexed as `kv_caches[i]` by `DecoderLM.forward`.
+    """The pools of the attention layers, indexed as `kv_caches[i]` by `DecoderLM.forward` (a
+    model with recurrent layers reaches them through `decoderlm.serving.state_pool.StatePool`).
 
     dtype: the model's; kv_cache_dtype: None (pools in `dtype`) or "int8" (`Int8Buffer` pools,
     handing attention their K/V in `dtype`); in_place: `PagedLayerCache.attend_in_place` for the
@@ -238,14 +239,15 @@ class PagedKVCache(LayerCaches):
     ) -> None:
         self.block_size = block_size
         shape = (num_blocks, block_size, config.n_kv_heads, config.head_dim)
-        pools = (
-            [kv_buffer(shape, dtype, device, kv_cache_dtype) for _ in "kv"]
-            for _ in range(config.n_layers)
-        )
+        attention = [i for i in range(config.n_layers) if config.layer_type(i) == "attention"]
         super().__init__(
             [
-                PagedLayerCache(k, v, config.layer_window(i), in_place)
-                for i, (k, v) in enumerate(pools)
+                PagedLayerCache(
+                    *(kv_buffer(shape, dtype, device, kv_cache_dtype) for _ in "kv"),
+                    config.layer_window(i),
+                    in_place,
+                )
+                for i in attention
             ]
         )
 

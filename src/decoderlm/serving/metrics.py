@@ -41,6 +41,8 @@ class _EngineCollector(Collector):
             "requests_waiting": ("requests queued, not yet admitted", stats.waiting),
             "kv_blocks_used": ("KV-cache blocks in use", stats.kv_blocks_used),
             "kv_blocks_total": ("KV-cache blocks in the pool", stats.kv_blocks_total),
+            "state_pages_used": ("pages holding recurrent states", stats.state_pages_used),
+            "state_pages_total": ("pages recurrent states can take", stats.state_pages_total),
             "max_running_seen": ("most sequences decoding at once", stats.max_running_seen),
             "generation_tokens_per_second": ("recent generated tokens/s", stats.tokens_per_s),
             "speculative_acceptance_rate": (

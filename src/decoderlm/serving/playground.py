@@ -5,7 +5,8 @@ header on each of its requests.
 
 - GET /v1/model_card: the model's shape (MHA/GQA/MQA, head_dim, positions, context) and what its
   KV cache costs per token and at 4k/32k/128k tokens, beside its MHA and MQA twins
-  (`decoderlm.model.cache.kv_cache_table`, as `decoderlm info` prints it).
+  (`decoderlm.model.cache.kv_cache_table`, as `decoderlm info` prints it), and the bytes of one
+  sequence's recurrent state (0 without recurrent layers).
 - GET /v1/engine_stats: the engine's `EngineStats` (sequences running and waiting, KV blocks,
   tokens/s), as /metrics exports them.
 - POST /v1/attention: the attention weights of one layer (one head or all) for a text of at most
@@ -75,6 +76,7 @@ async def model_card(state: ServerState) -> dict[str, Any]:
     """The model card of the served model: shape, positions, parameters, KV-cache costs."""
     served = state.ready()
     config, dtype, parameters = await asyncio.wrap_future(served.engine.call(_model_facts))
+    stats = await state.stats()
     return {
         "model": served.model_name,
         "parameters": parameters,
@@ -89,7 +91,8 @@ async def model_card(state: ServerState) -> dict[str, Any]:
         "vocab_size": config.vocab_size,
         "sliding_window": config.sliding_window,
         "dtype": str(dtype).removeprefix("torch."),
-        "kv_cache_bytes_per_token": (await state.stats()).kv_bytes_per_token,
+        "kv_cache_bytes_per_token": stats.kv_bytes_per_token,
+        "state_bytes_per_sequence": stats.state_bytes_per_sequence,  # recurrent layers' state
         "kv_cache": kv_cache_table(config, CONTEXTS, dtype),
     }
 

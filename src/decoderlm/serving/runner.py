@@ -4,7 +4,9 @@ the only part of the serving engine that runs the model and holds the paged KV c
 Each forward pass runs the same number of tokens of every sequence in it: the decode rows (one
 each; rows of different lengths attend their own blocks, read in place by
 `decoderlm.cpu.paged_attention` on the CPU, else gathered and padded under a key mask; a layer
-with a sliding window gathers only the keys inside it) or one prefill chunk.
+with a sliding window gathers only the keys inside it) or one prefill chunk. A model with
+recurrent layers keeps their states in pages of the same budget (`state_pool`), gathered for
+each pass and written back after it.
 """
 
 from __future__ import annotations
@@ -17,16 +19,17 @@ from torch import Tensor
 
 from decoderlm.cpu import paged_attention
 from decoderlm.cpu.paths import SpeedPaths
-from decoderlm.errors import DecoderLMError
 from decoderlm.inference.generate import evaluating
 from decoderlm.model.cache import kv_cache_bytes_per_token
 from decoderlm.model.lm import DecoderLM
-from decoderlm.serving.kv_pool import PagedKVCache, parse_bytes
+from decoderlm.serving.kv_pool import PagedKVCache
 from decoderlm.serving.scheduler import Sequence
+from decoderlm.serving.state_pool import StatePool, split_budget
 
 
 class ModelRunner:
-    """`model` over a paged KV cache of `num_blocks` blocks of `block_size` tokens."""
+    """`model` over a paged KV cache of `num_blocks` blocks of `block_size` tokens, and a
+    `StatePool` for the recurrent layers' states, when it has some."""
 
     def __init__(
         self,
@@ -38,7 +41,8 @@ class ModelRunner:
         cpu_kernels: bool | SpeedPaths,
     ) -> None:
         """kv_cache_memory: the byte budget of the KV pool, which holds
-        ⌊budget / (block_size · bytes per token)⌋ blocks; kv_cache_dtype: None (K/V in the model's
+        ⌊budget / (block_size · bytes per token)⌋ blocks (with recurrent layers, the blocks and
+        state pages of `state_pool.split_budget`); kv_cache_dtype: None (K/V in the model's
         dtype) or "int8" (`decoderlm.model.cache.storage`, whose scales the bytes per token count);
         cpu_kernels: the CPU speed paths, True for `SpeedPaths.for_engine()` (False none, or a
         `SpeedPaths`): the linear weights packed for oneDNN, or for AMX tiles in bfloat16 where
@@ -48,8 +52,6 @@ class ModelRunner:
         reuse the last step's pages instead of faulting in new ones; and, for float32 and
         bfloat16 pools, the decode rows of layers without a window attended in place, without
         gathering their blocks (`decoderlm.cpu.paged_attention`, where a C compiler builds it)."""
-        if model.config.has_recurrent_layers:
-            raise DecoderLMError("the serving engine does not serve recurrent layers yet")
         self.model = model
         weight = model.tok_emb.weight
         self.device = weight.device
@@ -57,12 +59,10 @@ class ModelRunner:
         self.bytes_per_token = kv_cache_bytes_per_token(
             model.config, kv_cache_dtype or weight.dtype
         )
-        self.num_blocks = parse_bytes(kv_cache_memory) // (block_size * self.bytes_per_token)
-        if self.num_blocks == 0:
-            raise DecoderLMError(
-                f"kv_cache_memory={kv_cache_memory!r} holds no KV block: one block of "
-                f"{block_size} tokens takes {block_size * self.bytes_per_token} bytes"
-            )
+        self.budget = split_budget(
+            model.config, kv_cache_memory, block_size, weight.dtype, kv_cache_dtype
+        )
+        self.num_blocks = self.budget.num_blocks
         in_place = self.paths.paths.in_place_attention and paged_attention.available(
             weight.dtype, self.device
         )
@@ -75,6 +75,12 @@ class ModelRunner:
             kv_cache_dtype,
             in_place,
         )
+        self.states = None
+        if self.budget.state_pages:
+            self.states = StatePool(
+                model.config, self.budget, weight.dtype, self.device, self.cache
+            )
+        self.layer_caches = self.cache if self.states is None else self.states.with_kv(self.cache)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -88,11 +94,18 @@ class ModelRunner:
         dev = self.device
         start = torch.tensor([s.n_computed for s in seqs], device=dev)  # (B,)
         width = max(len(s.blocks) for s in seqs)
-        table = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs], device=dev)
+        # Short rows repeat their last block (masked): every block read holds K/V, not a state.
+        pad = [s.blocks + s.blocks[-1:] * (width - len(s.blocks)) for s in seqs]
+        table = torch.tensor(pad, device=dev)
         idx = torch.tensor([s.tokens[s.n_computed : s.n_computed + n] for s in seqs], device=dev)
         self.cache.seek(table, start, n)  # each layer cache supplies its own key mask
+        if self.states is not None:
+            self.states.seek([s.state_pages for s in seqs], start)
         positions = start[:, None] + torch.arange(n, device=dev)  # (B, n)
-        logits = self.model(idx, positions, None, self.cache, last_only=last_only)  # (B, n|1, V)
+        # (B, n|1, V)
+        logits = self.model(idx, positions, None, self.layer_caches, last_only=last_only)
+        if self.states is not None:
+            self.states.store()
         return logits[:, -1].float() if last_only else logits.float()
 
     def prompt_logprobs(self, ids: list[int]) -> Tensor:

@@ -10,7 +10,10 @@ Admission is FIFO: the head of the waiting queue is admitted when the pool has b
 tokens plus one more token (the K/V of its first generated token), so a new sequence reaches its
 first decode step without preempting anyone. A running sequence that needs a block when the pool
 is full preempts the newest running sequence: its blocks are freed and it goes back to the front
-of the queue, to be recomputed (prompt and tokens so far) when blocks free up.
+of the queue, to be recomputed (prompt and tokens so far) when blocks free up. A model with
+recurrent layers keeps each sequence's state in pages (`decoderlm.serving.state_pool.StatePages`:
+KV blocks of the same pool, or slots of their own): admission also takes them, and a sequence
+leaving the running batch frees them.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from decoderlm.serving.kv_pool import BlockPool, blocks_for, prefix_keys
+from decoderlm.serving.state_pool import StatePages
 
 
 @dataclass(eq=False)
@@ -31,6 +35,7 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)  # block table
     n_computed: int = 0  # tokens whose K/V is in the pool
     n_registered: int = 0  # leading blocks offered to the prefix cache
+    state_pages: list[int] = field(default_factory=list)  # its recurrent state's, while running
 
     @property
     def n_pending(self) -> int:
@@ -47,10 +52,13 @@ class Plan:
 
 
 class Scheduler:
-    """The waiting queue and the running batch over one `BlockPool`; `schedule()` plans a step."""
+    """The waiting queue and the running batch over one `BlockPool` (and the recurrent states'
+    pages, if any); `schedule()` plans a step."""
 
-    def __init__(self, pool: BlockPool, prefill_chunk: int) -> None:
-        self.pool, self.prefill_chunk = pool, prefill_chunk
+    def __init__(
+        self, pool: BlockPool, prefill_chunk: int, states: StatePages | None = None
+    ) -> None:
+        self.pool, self.prefill_chunk, self.states = pool, prefill_chunk, states
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.prefix_hit_tokens = 0
@@ -124,6 +132,12 @@ class Scheduler:
             got = self.pool.allocate(keys, blocks_for(len(seq.tokens) + 1, size))
             if got is None:
                 return
+            if self.states is not None:
+                pages = self.states.pool.allocate((), self.states.per_sequence)
+                if pages is None:
+                    self.pool.free(got[0])
+                    return
+                seq.state_pages = pages[0]
             seq.blocks, reused = got
             seq.n_registered, seq.n_computed = reused, reused * size
             self.prefix_hit_tokens += seq.n_computed
@@ -152,4 +166,6 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.pool.free(seq.blocks)
-        seq.blocks, seq.n_computed, seq.n_registered = [], 0, 0
+        if seq.state_pages:
+            self.states.release(seq.state_pages)
+        seq.blocks, seq.n_computed, seq.n_registered, seq.state_pages = [], 0, 0, []

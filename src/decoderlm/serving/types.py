@@ -128,6 +128,12 @@ class EngineStats:
     speculative_proposed: int = 0  # prompt-lookup tokens proposed since start
     speculative_accepted: int = 0  # of them, accepted
     speculative_verifications: int = 0  # passes that verified proposed tokens
+    state_bytes_per_sequence: int = 0  # recurrent layers' state of one sequence (0: none)
+    # The pages one sequence's state takes (`state_pool`): KV blocks, counted in kv_blocks_used
+    # (a hybrid), or slots of their own (a pure recurrent model); those held now; the pool's.
+    state_pages_per_sequence: int = 0
+    state_pages_used: int = 0
+    state_pages_total: int = 0
 
     @property
     def speculative_acceptance_rate(self) -> float:

@@ -1,0 +1,244 @@
+"""Recurrent state in the serving engine: each running sequence keeps its state in pages of the
+same byte budget as the KV blocks, after vLLM's hybrid KV-cache manager (one pool, two kinds of
+pages: the KV blocks of attention layers and the fixed-size state of Mamba / linear-attention
+layers, the same bytes viewed as either; vllm/v1/core/single_type_kv_cache_manager.py).
+
+A recurrent layer (linear attention, Gated DeltaNet, Mamba-2; `decoderlm.model.cache.recurrent`)
+keeps per sequence a conv state (C, K − 1) and a matrix state (H, d_k, d_v), s bytes over all its
+recurrent layers (`recurrent_state_bytes`) whatever the sequence's length. The budget rule
+(`split_budget`), with b the bytes of one KV block (block_size · the attention layers' KV bytes per
+token) and B the budget:
+
+- a hybrid (attention and recurrent layers): the pool is ⌊B / b⌋ blocks, and a sequence's state
+  takes p = ⌈s / b⌉ of them besides its K/V blocks: its bytes live in those blocks' rows of the
+  K/V tensors, read as raw bytes. A sequence of n tokens holds ⌈n / block_size⌉ + p blocks, so
+  the pool admits as many sequences as their bytes allow (at most b − 1 bytes lost to rounding per
+  sequence), short and long ones alike, and preempts when it runs out, as for attention;
+- a pure recurrent model (b = 0): ⌊B / s⌋ state slots of s bytes (rounded up to 8), one per
+  sequence, so it admits a number of sequences independent of the context (its blocks are
+  bookkeeping without storage);
+- no recurrent layers (s = 0): ⌊B / b⌋ blocks, as before.
+
+A step gathers the state bytes of its rows' pages, unpacks each recurrent layer's conv and matrix
+state into a `RecurrentLayerCache` for the mixer (a row starting at position 0, new or recomputed,
+starts from zeros), and after the forward pass packs the new states back into the same pages
+(`seek`, `store`). Every row of an engine pass runs the same number of real tokens: no padding
+reaches a state. A page leaving a state is zeroed (`StatePages.release`), so that the K/V read from
+a block never reinterprets a state's bytes (which, seen as bfloat16 or an int8 scale, could be a
+NaN that a masked key would still multiply into attention's output).
+
+What recurrent layers rule out in the engine (`check_engine_options`):
+- prefix caching is off: a block of a shared prefix holds its K/V, but the recurrent state after
+  that prefix is stored nowhere (vLLM's "align" mode would snapshot it at block boundaries), so a
+  sequence that reused the blocks could not restore its state;
+- speculative decoding (`draft=`) is refused: its rejected draft tokens would already be folded into
+  the state, which cannot roll back (`LayerCache.rollback`).
+A preempted sequence frees its pages, and its state is recomputed from its first token on resume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from decoderlm.errors import DecoderLMError
+from decoderlm.model.cache import (
+    BaseLayerCache,
+    Int8Buffer,
+    LayerCaches,
+    RecurrentLayerCache,
+    kv_cache_bytes_per_token,
+    recurrent_state_bytes,
+    recurrent_state_shapes,
+)
+from decoderlm.model.config import ModelConfig
+from decoderlm.serving.kv_pool import BlockPool, PagedKVCache, blocks_for, parse_bytes
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How `kv_cache_memory` is spent (`split_budget`)."""
+
+    num_blocks: int  # KV blocks (a hybrid's states among them)
+    block_bytes: int  # b: one KV block of every attention layer (0: no attention layer)
+    state_bytes: int  # s: one sequence's state in every recurrent layer (0: no recurrent layer)
+    state_pages: int  # pages of one sequence's state: ⌈s / b⌉ blocks, 1 slot, or 0
+    num_slots: int | None = None  # a pure recurrent model's slots of s bytes; else None
+
+    @property
+    def sequence_blocks(self) -> int:
+        """The most KV blocks one sequence can hold: the pool, less its state's pages when they
+        come from the same pool (a hybrid)."""
+        return self.num_blocks - (self.state_pages if self.num_slots is None else 0)
+
+    def sequences_at(self, n_tokens: int, block_size: int) -> int:
+        """Sequences of n_tokens tokens each that the budget holds at once."""
+        blocks = blocks_for(n_tokens, block_size)
+        if self.num_slots is not None:
+            return min(self.num_slots, self.num_blocks // blocks)
+        return self.num_blocks // (blocks + self.state_pages)
+
+
+def split_budget(
+    config: ModelConfig,
+    kv_cache_memory: int | str,
+    block_size: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str | None = None,
+) -> Budget:
+    """`kv_cache_memory` as KV blocks and state pages by the module's rule; DecoderLMError when it
+    cannot hold one sequence."""
+    budget = parse_bytes(kv_cache_memory)
+    block = block_size * kv_cache_bytes_per_token(config, kv_cache_dtype or dtype)
+    state = recurrent_state_bytes(config, dtype) if config.has_recurrent_layers else 0
+    if block == 0:  # no attention layer: slots of s bytes, rounded up to 8 (float64 views)
+        slot = -(-state // 8) * 8
+        if budget < slot:
+            raise DecoderLMError(
+                f"kv_cache_memory={kv_cache_memory!r} holds no sequence: one sequence's "
+                f"recurrent state takes {slot} bytes"
+            )
+        slots = budget // slot
+        return Budget(slots * blocks_for(config.context_length, block_size), 0, state, 1, slots)
+    pages = -(-state // block)  # p = ⌈s / b⌉
+    if budget < block * (1 + pages):
+        raise DecoderLMError(
+            f"kv_cache_memory={kv_cache_memory!r} holds no KV block: one block of "
+            f"{block_size} tokens takes {block} bytes"
+            + (f", and one sequence's recurrent state {pages} more" if pages else "")
+        )
+    return Budget(budget // block, block, state, pages)
+
+
+def check_engine_options(config: ModelConfig, draft: object) -> None:
+    """DecoderLMError for speculative decoding over recurrent layers (see the module docstring)."""
+    if draft is not None and config.has_recurrent_layers:
+        raise DecoderLMError(
+            f"draft={draft!r}: speculative decoding is not supported for models with recurrent "
+            f"layers (layer_types {config.layer_types}): a rejected draft token cannot be taken "
+            "back out of a recurrent state; serve without draft="
+        )
+
+
+@dataclass(frozen=True)
+class StatePages:
+    """Where the scheduler takes a sequence's `per_sequence` state pages: `pool` (a hybrid's KV
+    block pool, or a pure recurrent model's pool of slots); `release` frees them, zeroed."""
+
+    pool: BlockPool
+    per_sequence: int
+    zero: Callable[[list[int]], None]
+
+    def release(self, pages: list[int]) -> None:
+        self.zero(pages)
+        self.pool.free(pages)
+
+
+class StatePool:
+    """The recurrent layers' states of the running sequences, stored in pages: the rows of the K/V
+    tensors of `kv` (a hybrid) or slots of their own (a pure recurrent model), `budget`'s."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        budget: Budget,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv: PagedKVCache,
+    ) -> None:
+        state_dtype = torch.promote_types(dtype, torch.float32)  # as `HybridCache`
+        # Where each state lies in a row of s bytes: (layer, "conv" or "state", shape (1, ...),
+        # dtype, byte offset); the matrix states first, then the conv states, so that every
+        # part starts at a multiple of its element size and is viewed in place.
+        states: list[tuple[int, str, tuple[int, ...], torch.dtype]] = []
+        convs: list[tuple[int, str, tuple[int, ...], torch.dtype]] = []
+        for i in range(config.n_layers):
+            kind = config.layer_type(i)
+            if kind != "attention":
+                conv, state = recurrent_state_shapes(config, kind, 1)
+                states.append((i, "state", state, state_dtype))
+                convs += [] if conv is None else [(i, "conv", conv, dtype)]
+        self.parts, offset = [], 0
+        for i, name, shape, part_dtype in states + convs:
+            self.parts.append((i, name, shape, part_dtype, offset))
+            offset += torch.Size(shape).numel() * part_dtype.itemsize
+        self.budget = budget
+        if budget.num_slots is None:  # every K/V tensor's row j is a part of page j
+            raw = [t for layer in kv.layers for buf in (layer.k, layer.v) for t in _raw(buf)]
+            self.tensors = [t.view(t.shape[0], -1) for t in raw]  # (num_blocks, row elements)
+        else:
+            shape = (budget.num_slots, -(-budget.state_bytes // 8) * 8)  # as `split_budget`
+            self.tensors = [torch.zeros(shape, dtype=torch.uint8, device=device)]
+        self.row_bytes = [t.shape[1] * t.element_size() for t in self.tensors]  # of each page
+        self.caches = {i: RecurrentLayerCache(None, torch.zeros(0)) for i, *_ in states}
+        self.rows = torch.zeros(0, dtype=torch.long, device=device)  # (B·p,) this step's pages
+
+    def pages(self, kv_pool: BlockPool) -> StatePages:
+        """The scheduler's side: a hybrid's pages come from `kv_pool`, slots from a pool of their own."""
+        budget = self.budget
+        pool = kv_pool if budget.num_slots is None else BlockPool(budget.num_slots, 1, False)
+        return StatePages(pool, budget.state_pages, self._zero)
+
+    def with_kv(self, kv: LayerCaches) -> LayerCaches:
+        """Every layer's cache in model order: this pool's `RecurrentLayerCache`s for the recurrent
+        layers, the layers of `kv` (built for the attention layers only, in order) for the others."""
+        attention = iter(kv.layers)
+        layers: list[BaseLayerCache] = []
+        for i in range(len(kv) + len(self.caches)):
+            layers.append(self.caches[i] if i in self.caches else next(attention))
+        return LayerCaches(layers)
+
+    def seek(self, pages: Sequence[list[int]], start: Tensor) -> None:
+        """Before a pass over rows whose states lie in `pages` (B lists of p), row b from position
+        start_b (B,): each recurrent layer's cache gets the rows' states, zeros where start_b = 0."""
+        self.rows = torch.tensor([p for row in pages for p in row], device=start.device)
+        chunks = [_bytes(t.index_select(0, self.rows)) for t in self.tensors]  # (B·p, row bytes)
+        raw = torch.cat(chunks, dim=1).view(len(pages), -1)  # (B, p · page bytes)
+        fresh = (start == 0).nonzero()[:, 0]
+        if len(fresh):  # a new or recomputed sequence starts from the zero state
+            raw.index_fill_(0, fresh, 0)
+        for i, name, shape, dtype, offset in self.parts:  # views where the alignment allows
+            setattr(self.caches[i], name, _part(raw, offset, shape, dtype))
+
+    def store(self) -> None:
+        """After the pass: the recurrent layers' new states back to the rows' pages."""
+        p, page, n_pages = self.budget.state_pages, sum(self.row_bytes), int(self.rows.shape[0])
+        raw = torch.empty(n_pages // p, p * page, dtype=torch.uint8, device=self.rows.device)
+        raw[:, self.budget.state_bytes :] = 0  # the last page's tail
+        for i, name, _, dtype, offset in self.parts:
+            part = _bytes(getattr(self.caches[i], name).to(dtype))
+            raw[:, offset : offset + part.shape[1]] = part
+        chunks = raw.view(n_pages, page).split(self.row_bytes, dim=1)  # (B·p, row bytes) each
+        for t, chunk in zip(self.tensors, chunks, strict=True):
+            t.index_copy_(0, self.rows, _as(chunk, t.dtype))
+
+    def _zero(self, pages: list[int]) -> None:
+        index = torch.tensor(pages, device=self.tensors[0].device)
+        for t in self.tensors:
+            t.index_fill_(0, index, 0)
+
+
+def _raw(buf: Tensor | Int8Buffer) -> list[Tensor]:
+    """The tensors that hold a K or V buffer: itself, or an int8 buffer's values and scales."""
+    return [buf.values, buf.scales] if isinstance(buf, Int8Buffer) else [buf]
+
+
+def _bytes(x: Tensor) -> Tensor:
+    """x (N, ...) as its raw bytes (N, nbytes / N), uint8."""
+    return x.contiguous().view(x.shape[0], -1).view(torch.uint8)
+
+
+def _as(raw: Tensor, dtype: torch.dtype) -> Tensor:
+    """The bytes raw (B, n) read as `dtype` (B, n / size): a view where the row stride allows."""
+    if raw.stride(0) % dtype.itemsize or raw.storage_offset() % dtype.itemsize:
+        raw = raw.contiguous()
+    return raw.view(dtype)
+
+
+def _part(raw: Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """The state (B, *shape[1:]) of `dtype` at byte `offset` of each row of raw (B, bytes)."""
+    n = torch.Size(shape).numel() * dtype.itemsize
+    return _as(raw[:, offset : offset + n], dtype).view(raw.shape[0], *shape[1:])
