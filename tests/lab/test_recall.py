@@ -2,6 +2,7 @@
 
 import random
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -203,6 +204,15 @@ def test_a_finished_hybrid_study_resumes_without_retraining(hybrid_study, monkey
     assert [r["recall_accuracy"] for r in again["runs"]] == [
         r["recall_accuracy"] for r in results["runs"]
     ]
+
+
+def test_a_run_with_another_recall_task_is_refused_not_reused(hybrid_study, tmp_path):
+    out, _ = hybrid_study
+    shutil.copytree(out / "runs", tmp_path / "runs")
+    changed = micro_hybrid()
+    changed.recall["steps"] = 3
+    with pytest.raises(DecoderLMError, match="other settings than variant 'attention'"):
+        runner.run_study(changed, tmp_path, data_dir=out / "data", progress=False)
 
 
 def test_the_builtin_hybrid_study_concludes_from_its_numbers(hybrid_study):

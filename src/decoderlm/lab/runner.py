@@ -196,6 +196,9 @@ def _finished(
     want = _json_safe(_configs(spec, variant, seed, meta["vocab_size"]))  # tuples as JSON lists
     have = {"model": dict(result["model"]), "train": result["train"]}
     have["model"]["extra"] = want["model"]["extra"]  # notes (gqa_from_n_kv_heads) aside
+    if "recall" in spec.measures:  # the recall model is trained beside the run: its task too
+        want["recall_task"] = dataclasses.asdict(spec.recall_task())
+        have["recall_task"] = result.get("recall_task")
     if have != want:
         raise DecoderLMError(
             f"{run_dir} was trained with other settings than variant {variant.name!r} asks for "
@@ -297,7 +300,9 @@ def _measure(
     }
     if "recall" in spec.measures:  # a fresh model of this shape: independent of the run's weights
         threads = spec.train_config(spec.variants[0], 0).threads  # the runs' own setting
-        result.update(recall.train_and_score(model_config, spec.recall_task(), seed, threads))
+        task = spec.recall_task()
+        result.update(recall.train_and_score(model_config, task, seed, threads))
+        result["recall_task"] = dataclasses.asdict(task)
     if nonfinite_step is not None:
         return result  # no final weights to measure
     model = checkpoint.load_model(run_dir)
