@@ -49,7 +49,8 @@ in its own fresh process: the model's eager forward (`last_only`, then the argma
 step of generate) over the cache `make_cache` builds, seeked to that many tokens already held —
 no prefill of them: their K/V values (zeros) and the recurrent state do not change a step's work,
 and prefilling 32k tokens of attention would take minutes; median of --decode-steps steps after 2
-warm-up steps, "÷ 1k" the ratio to the same mix at the first context. Prefill: as part "long"
+warm-up steps, the contexts interleaved step by step (one step at each in turn), "÷ 1k" the ratio
+to the same mix at the first context. Prefill: as part "long"
 (generate with a T-token prompt and --new-tokens tokens, fresh process per row, peak RSS) at
 --seq-lens; the cache column is the bytes of the model's cache (KV buffers of T + n slots in the
 attention layers, the fixed conv and matrix states in the recurrent ones). A row is skipped when
@@ -245,26 +246,25 @@ def measure_one(spec: dict[str, Any]) -> dict[str, Any]:
 
 @torch.no_grad()
 def measure_decode(spec: dict[str, Any]) -> dict[str, Any]:
-    """ms per greedy one-token step of the mix at each context of spec["contexts"] (this process)."""
+    """ms per greedy one-token step of the mix at each context of spec["contexts"] (this process),
+    the contexts interleaved step by step, so that a change in the machine's load reaches all."""
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
-    steps, longest = spec["decode_steps"], max(spec["contexts"])
-    cfg = long_config(spec["preset"], longest, steps + 2, "full", 0, spec["mix"])
+    steps, contexts = spec["decode_steps"], spec["contexts"]
+    cfg = long_config(spec["preset"], max(contexts), steps + 2, "full", 0, spec["mix"])
     torch.manual_seed(0)
     model = DecoderLM(cfg).eval()
-    token = torch.zeros(1, 1, dtype=torch.long)  # (B, 1)
-    ms = {}
-    for context in spec["contexts"]:
-        cache = make_cache(cfg, 1, context + steps + 2)
-        times = []
-        for i in range(steps + 2):  # the first 2: warm-up
-            cache.seek(CacheStep.span(context + i, 1, "cpu"))  # `context` tokens held before
+    caches = {c: make_cache(cfg, 1, c + steps + 2) for c in contexts}
+    tokens = {c: torch.zeros(1, 1, dtype=torch.long) for c in contexts}  # (B, 1) each
+    times: dict[int, list[float]] = {c: [] for c in contexts}
+    for i in range(steps + 2):  # the first 2 rounds: warm-up
+        for c in contexts:
+            caches[c].seek(CacheStep.span(c + i, 1, "cpu"))  # c tokens held before the first step
             start = time.perf_counter()
-            logits = model(token, torch.tensor([context + i]), None, cache, last_only=True)
-            token = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
-            times.append(time.perf_counter() - start)
-        ms[context] = 1000 * statistics.median(times[2:])
-        del cache
+            logits = model(tokens[c], torch.tensor([c + i]), None, caches[c], last_only=True)
+            tokens[c] = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+            times[c].append(time.perf_counter() - start)
+    ms = {c: 1000 * statistics.median(times[c][2:]) for c in contexts}
     return {"ms": ms, "params": model.num_params()}
 
 
@@ -645,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--contexts", type=int, nargs="+", help=f"part hybrid: decode contexts, default {CONTEXTS}"
     )
-    parser.add_argument("--decode-steps", type=int, default=16, help="part hybrid: timed steps")
+    parser.add_argument("--decode-steps", type=int, default=24, help="part hybrid: timed steps")
     parser.add_argument(
         "--max-prefill-s", type=float, default=480.0, help="skip longer prefills (0: none)"
     )
