@@ -4,7 +4,8 @@ hybrid and a pure Gated DeltaNet model; quality and speed of one trained model w
 int8 and int4 weights.
 
     python benchmarks/long_context.py [--quick] [--json PATH] [--threads N]
-        [--parts long quant hybrid] [--contexts 1024 4096 16384 32768]
+        [--parts long quant hybrid] [--contexts 1024 4096 16384 32768] [--decode-steps 24]
+        [--mixes attention "hybrid 3:1" "Gated DeltaNet"] [--hybrid-parts decode prefill]
         [--seq-lens 4096 16384 65536] [--window 1024] [--new-tokens 32] [--max-prefill-s 480]
         [--caches fp32 bf16 int8] [--checkpoint RUN [--eval-data DIR]] [--train-s 90] [--runs 3]
 
@@ -417,12 +418,13 @@ def hybrid_part(args: argparse.Namespace) -> dict:
     )
     base = {"preset": args.preset, "threads": args.threads, "attention": "full", "window": 0}
     decode = {}
-    for mix in MIXES:
+    for mix in args.mixes if "decode" in args.hybrid_parts else ():
         spec = {**base, "mix": mix, "contexts": args.contexts, "decode_steps": args.decode_steps}
         decode[mix] = run_one(spec)
         print(f"  decode {mix}: " + json.dumps(decode[mix]), flush=True)
     prefill: list[dict] = []
-    for t, mix in itertools.product(args.seq_lens, MIXES):
+    lengths = args.seq_lens if "prefill" in args.hybrid_parts else ()
+    for t, mix in itertools.product(lengths, args.mixes):
         row = {"T": t, "mix": mix, "model_dtype": "fp32", "cache": "fp32"}
         estimate = estimate_mix_prefill_s(prefill, mix, t)
         if args.max_prefill_s and estimate is not None and estimate > args.max_prefill_s:
@@ -461,7 +463,10 @@ def print_prefill_table(rows: list[dict]) -> None:
         if "error" in r:
             table.append([f"{r['T']:,}", r["mix"], f"n/a ({r['error']})", *[""] * 5])
             continue
-        full = next((p for p in rows if p["T"] == r["T"] and p["mix"] == "attention"), {})
+        full = next(
+            (p for p in rows if (p["T"], p["mix"]) == (r["T"], "attention") and "error" not in p),
+            {},
+        )
         table.append(
             [
                 f"{r['T']:,}",
@@ -646,6 +651,10 @@ def main(argv: list[str] | None = None) -> int:
         "--contexts", type=int, nargs="+", help=f"part hybrid: decode contexts, default {CONTEXTS}"
     )
     parser.add_argument("--decode-steps", type=int, default=24, help="part hybrid: timed steps")
+    parser.add_argument("--mixes", nargs="+", choices=MIXES, default=list(MIXES))
+    parser.add_argument(
+        "--hybrid-parts", nargs="+", choices=("decode", "prefill"), default=["decode", "prefill"]
+    )
     parser.add_argument(
         "--max-prefill-s", type=float, default=480.0, help="skip longer prefills (0: none)"
     )
