@@ -233,6 +233,9 @@ def test_the_builtin_hybrid_study_concludes_from_its_numbers(hybrid_study):
     assert "The data are consistent with this" in text
     fake["summary"]["hybrid 3:1"]["recall_accuracy"] = dict(mean=0.2, spread=0.01, n=2, n_total=2)
     assert "The data do not support this" in conclusions_hybrid(fake)
+    # attention at the copying level (1 / n_pairs = 1/3): the recall numbers test nothing
+    fake["summary"]["attention"]["recall_accuracy"] = dict(mean=0.3, spread=0.01, n=2, n_total=2)
+    assert "Attention did not learn the lookup" in conclusions_hybrid(fake)
 
 
 def conclusions_hybrid(results: dict) -> str:

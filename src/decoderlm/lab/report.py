@@ -200,7 +200,7 @@ def _memory_table(results: dict[str, Any]) -> list[str]:
         if reference is not None:
             at = MEMORY_CONTEXTS[-1]
             share = sequence_bytes(row, at) / sequence_bytes(results["summary"][reference], at)
-            cells.append(f"{share:.4f}")
+            cells.append(f"{share:.3g}")
         rows.append(cells)
     header = ["variant", "recurrent state bytes", "KV bytes/token"]
     header += [f"bytes/sequence at {n // 1024}k" for n in MEMORY_CONTEXTS]
@@ -229,8 +229,10 @@ def _recall_section(results: dict[str, Any]) -> list[str]:
         f"from {task.n_values} others), then the same keys in a random order, each to be "
         "answered with its value. A fresh model of each variant's shape (vocabulary and context "
         f"the task's) is trained {task.steps} steps of {task.batch_size} sequences on fresh examples from the run's "
-        "seed; accuracy = share of a fixed test set's answers whose argmax is the value "
-        f"(chance among the values: {1 / task.n_values:.3f}).",
+        "seed; accuracy = share of a fixed test set's answers whose argmax is the value. "
+        f"Chance among the values: {1 / task.n_values:.3f}; copying one of the {task.n_pairs} "
+        f"values shown, without the lookup: about {1 / task.n_pairs:.3f} — above that, the model "
+        "looks keys up.",
         "",
         *(f"- {line}" for line in lines),
         "",
@@ -379,7 +381,8 @@ def _memory_vs_context(results: dict[str, Any], out: Path) -> Path | None:
     ax = fig.add_subplot()
     for i, (name, row) in enumerate(results["summary"].items()):
         ys = [sequence_bytes(row, n) for n in contexts]
-        ax.plot(contexts, ys, "o-", color=f"C{i % 10}", label=name, ms=3)
+        style = ("-", "--", ":", "-.")[i % 4]  # equal states draw one line: tell them apart
+        ax.plot(contexts, ys, marker="o", ls=style, color=f"C{i % 10}", label=name, ms=3)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set(xlabel="context (tokens, log₂)", ylabel="bytes per sequence (KV + state, fp32, log₂)")
@@ -401,8 +404,9 @@ def _recall(results: dict[str, Any], out: Path) -> Path | None:
     means = [rows[n].mean for n in names]
     ax.bar(names, means, yerr=[rows[n].spread for n in names], capsize=3,
            color=[f"C{i % 10}" for i in range(len(names))])  # fmt: skip
-    chance = 1 / RecallTask(**results["spec"]["recall"]).n_values
-    ax.axhline(chance, color="k", ls="--", lw=1, label="chance")
+    task = RecallTask(**results["spec"]["recall"])
+    ax.axhline(1 / task.n_values, color="k", ls="--", lw=1, label="chance")
+    ax.axhline(1 / task.n_pairs, color="k", ls=":", lw=1, label="a shown value, no lookup")
     ax.set(ylabel="recall accuracy", ylim=(0, 1))
     ax.set_title("associative recall: mean over seeds, error bar = spread")
     ax.tick_params(axis="x", labelsize=7)
