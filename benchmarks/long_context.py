@@ -1,8 +1,11 @@
 """Long context and quantization on the CPU: prefill, decode and peak memory at T = 4k-64k for full
-and windowed attention over fp32 / bf16 / int8 KV caches; quality and speed of one trained model
-with fp32, bf16, int8 and int4 weights.
+and windowed attention over fp32 / bf16 / int8 KV caches; the same for attention, a Gated DeltaNet
+hybrid and a pure Gated DeltaNet model; quality and speed of one trained model with fp32, bf16,
+int8 and int4 weights.
 
-    python benchmarks/long_context.py [--quick] [--json PATH] [--threads N] [--parts long quant]
+    python benchmarks/long_context.py [--quick] [--json PATH] [--threads N]
+        [--parts long quant hybrid] [--contexts 1024 4096 16384 32768] [--decode-steps 24]
+        [--mixes attention "hybrid 3:1" "Gated DeltaNet"] [--hybrid-parts decode prefill]
         [--seq-lens 4096 16384 65536] [--window 1024] [--new-tokens 32] [--max-prefill-s 480]
         [--caches fp32 bf16 int8] [--checkpoint RUN [--eval-data DIR]] [--train-s 90] [--runs 3]
 
@@ -38,6 +41,22 @@ Time limit: a full-attention prefill grows as T², a windowed one as T. A config
 when its prefill, extrapolated so from the same configuration at the previous T of this run, would
 exceed --max-prefill-s (0: run all). With the default the 64k fp32 full prefill (about a quarter
 of an hour on 2 shared cores) is skipped, so that the run fits in about 20 minutes.
+
+Part "hybrid": the same shape (random init, fp32) with three mixes of layers (`layer_types`):
+"attention" (every layer), "hybrid 3:1" (Gated DeltaNet in three of every four layers, attention in
+the fourth, Qwen3-Next's ratio) and "Gated DeltaNet" (every layer; GDN heads = the 8 query heads,
+d_k = d_v = head_dim 64). Decode: ms per one-token step at --contexts tokens of context, each mix
+in its own fresh process: the model's eager forward (`last_only`, then the argmax, as a greedy
+step of generate) over the cache `make_cache` builds, seeked to that many tokens already held —
+no prefill of them: their K/V values (zeros) and the recurrent state do not change a step's work,
+and prefilling 32k tokens of attention would take minutes; median of --decode-steps steps after 2
+warm-up steps, the contexts interleaved step by step (one step at each in turn), "÷ 1k" the ratio
+to the same mix at the first context. Prefill: as part "long"
+(generate with a T-token prompt and --new-tokens tokens, fresh process per row, peak RSS) at
+--seq-lens; the cache column is the bytes of the model's cache (KV buffers of T + n slots in the
+attention layers, the fixed conv and matrix states in the recurrent ones). A row is skipped when
+its prefill, extrapolated from the same mix at the smaller T of this run (t = aT + bT² through two
+points, t ∝ T² from one with attention, t ∝ T without), would exceed --max-prefill-s.
 
 Part "quant": one trained model, by default a char-level Llama on Tiny Shakespeare
 (../shared/data/tinyshakespeare.txt; last 10% = val split) trained --train-s seconds by
@@ -90,6 +109,7 @@ from decoderlm import (
 )
 from decoderlm.cpu.features import cpu_name, has_native_bf16
 from decoderlm.inference.evaluate import evaluate_tokens
+from decoderlm.model.cache import CacheStep, make_cache
 from decoderlm.quant import quantize
 from decoderlm.training.train_config import TrainConfig
 from decoderlm.training.trainer import train
@@ -99,6 +119,9 @@ CACHES = ("fp32", "bf16", "int8")
 ATTENTIONS = ("full", "window")
 SEQ_LENS = (4096, 16384, 65536)
 QUICK_SEQ_LENS = (1024,)
+CONTEXTS = (1024, 4096, 16384, 32768)  # part "hybrid": decode at these contexts
+QUICK_CONTEXTS = (256, 1024)
+MIXES = ("attention", "hybrid 3:1", "Gated DeltaNet")  # part "hybrid": the layers' mixers
 WARMUP_TOKENS = 64  # prompt of the warm-up generate before each measured one
 RESULT = "RESULT "  # prefix of the line a --one child prints its measurement on
 MiB = 2**20
@@ -164,13 +187,26 @@ class ForwardLog:
         self.ends.append(time.perf_counter())
 
 
-def long_config(preset: str, t: int, new_tokens: int, attention: str, window: int) -> ModelConfig:
+def layer_types(mix: str, n_layers: int) -> tuple[str, ...] | None:
+    """A mix of MIXES as `ModelConfig.layer_types` for n_layers layers (None: attention only)."""
+    if mix == "attention":
+        return None
+    if mix == "Gated DeltaNet":
+        return ("gdn",) * n_layers
+    return tuple("attention" if i % 4 == 3 else "gdn" for i in range(n_layers))  # 3:1
+
+
+def long_config(
+    preset: str, t: int, new_tokens: int, attention: str, window: int, mix: str = "attention"
+) -> ModelConfig:
     windowed = attention == "window"
+    n_layers = ModelConfig.from_preset(preset).n_layers
     return ModelConfig.from_preset(
         preset,
         context_length=t + new_tokens,
         sliding_window=window if windowed else None,
         attn_backend="flash" if windowed else "sdpa",
+        layer_types=layer_types(mix, n_layers),
     )
 
 
@@ -178,8 +214,11 @@ def measure_one(spec: dict[str, Any]) -> dict[str, Any]:
     """Prefill and decode one configuration in this process: times, cache, peak RSS."""
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
+    if "contexts" in spec:
+        return measure_decode(spec)
     t, n = spec["T"], spec["new_tokens"]
-    cfg = long_config(spec["preset"], t, n, spec["attention"], spec["window"])
+    mix = spec.get("mix", "attention")
+    cfg = long_config(spec["preset"], t, n, spec["attention"], spec["window"], mix)
     torch.manual_seed(0)
     model = DecoderLM(cfg).to(DTYPES[spec["model_dtype"]]).eval()
     g = torch.Generator().manual_seed(0)
@@ -204,6 +243,30 @@ def measure_one(spec: dict[str, Any]) -> dict[str, Any]:
         "peak_rss": peak,
         "added_rss": None if peak is None or before is None else peak - before,
     }
+
+
+@torch.no_grad()
+def measure_decode(spec: dict[str, Any]) -> dict[str, Any]:
+    """ms per greedy one-token step of the mix at each context of spec["contexts"] (this process),
+    the contexts interleaved step by step, so that a change in the machine's load reaches all."""
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    steps, contexts = spec["decode_steps"], spec["contexts"]
+    cfg = long_config(spec["preset"], max(contexts), steps + 2, "full", 0, spec["mix"])
+    torch.manual_seed(0)
+    model = DecoderLM(cfg).eval()
+    caches = {c: make_cache(cfg, 1, c + steps + 2) for c in contexts}
+    tokens = {c: torch.zeros(1, 1, dtype=torch.long) for c in contexts}  # (B, 1) each
+    times: dict[int, list[float]] = {c: [] for c in contexts}
+    for i in range(steps + 2):  # the first 2 rounds: warm-up
+        for c in contexts:
+            caches[c].seek(CacheStep.span(c + i, 1, "cpu"))  # c tokens held before the first step
+            start = time.perf_counter()
+            logits = model(tokens[c], torch.tensor([c + i]), None, caches[c], last_only=True)
+            tokens[c] = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+            times[c].append(time.perf_counter() - start)
+    ms = {c: 1000 * statistics.median(times[c][2:]) for c in contexts}
+    return {"ms": ms, "params": model.num_params()}
 
 
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
@@ -327,6 +390,97 @@ def print_long_table(rows: list[dict]) -> None:
         ],
         table,
     )
+
+
+# --- part "hybrid": attention, a Gated DeltaNet hybrid and pure Gated DeltaNet ---------------
+
+
+def estimate_mix_prefill_s(done: list[dict], mix: str, t: int) -> float | None:
+    """The mix's prefill time at T from its rows measured so far: t = aT + bT² (b ≥ 0) through the
+    last two, else ∝ T² (with attention layers) or ∝ T (without) from one."""
+    points = [(r["T"], r["prefill_s"]) for r in done if r["mix"] == mix and "prefill_s" in r]
+    if not points:
+        return None
+    if len(points) == 1:
+        (t0, s0), power = points[0], 1 if mix == "Gated DeltaNet" else 2
+        return s0 * (t / t0) ** power
+    (t1, s1), (t2, s2) = points[-2:]
+    # s = a·T + b·T² through (t1, s1), (t2, s2): s/T = a + b·T is a line in T
+    b = max(0.0, (s2 / t2 - s1 / t1) / (t2 - t1))
+    a = s2 / t2 - b * t2
+    return max(a * t + b * t * t, s2 * t / t2)
+
+
+def hybrid_part(args: argparse.Namespace) -> dict:
+    header(
+        f"Recurrent and hybrid layers: {args.preset} shape, fp32, batch 1, random init, "
+        "one fresh process per row"
+    )
+    base = {"preset": args.preset, "threads": args.threads, "attention": "full", "window": 0}
+    decode = {}
+    for mix in args.mixes if "decode" in args.hybrid_parts else ():
+        spec = {**base, "mix": mix, "contexts": args.contexts, "decode_steps": args.decode_steps}
+        decode[mix] = run_one(spec)
+        print(f"  decode {mix}: " + json.dumps(decode[mix]), flush=True)
+    prefill: list[dict] = []
+    lengths = args.seq_lens if "prefill" in args.hybrid_parts else ()
+    for t, mix in itertools.product(lengths, args.mixes):
+        row = {"T": t, "mix": mix, "model_dtype": "fp32", "cache": "fp32"}
+        estimate = estimate_mix_prefill_s(prefill, mix, t)
+        if args.max_prefill_s and estimate is not None and estimate > args.max_prefill_s:
+            row["error"] = f"skipped: prefill est. {estimate:.0f} s > --max-prefill-s"
+        else:
+            row.update(run_one({**base, **row, "new_tokens": args.new_tokens}))
+        prefill.append(row)
+        print(f"  prefill {t:6d} {mix}: " + json.dumps(row), flush=True)
+    print(f"  load average at the end {os.getloadavg()[0]:.1f}\n")
+    print_decode_table(decode, args.contexts)
+    print()
+    print_prefill_table(prefill)
+    return {"decode": decode, "prefill": prefill}
+
+
+def print_decode_table(decode: dict[str, dict], contexts: list[int]) -> None:
+    columns = ["mix", "params"] + [f"ms/token at {c:,}" for c in contexts]
+    columns += [f"{contexts[-1]:,} ÷ {contexts[0]:,}"]
+    rows = []
+    for mix, r in decode.items():
+        if "error" in r:
+            rows.append([mix, f"n/a ({r['error']})", *[""] * len(contexts)])
+            continue
+        ms = {int(c): v for c, v in r["ms"].items()}  # JSON keys are strings
+        cells = [mix, f"{r['params'] / 1e6:.1f}M", *(f"{ms[c]:.1f}" for c in contexts)]
+        rows.append([*cells, f"{ms[contexts[-1]] / ms[contexts[0]]:.2f}"])
+    print_table(columns, rows)
+
+
+def print_prefill_table(rows: list[dict]) -> None:
+    def mib(x: int | None) -> str:
+        return "?" if x is None else f"{x / MiB:,.0f}"
+
+    table = []
+    for r in rows:
+        if "error" in r:
+            table.append([f"{r['T']:,}", r["mix"], f"n/a ({r['error']})", *[""] * 5])
+            continue
+        full = next(
+            (p for p in rows if (p["T"], p["mix"]) == (r["T"], "attention") and "error" not in p),
+            {},
+        )
+        table.append(
+            [
+                f"{r['T']:,}",
+                r["mix"],
+                f"{r['prefill_s']:.1f}",
+                f"{r['T'] / r['prefill_s']:,.0f}",
+                "—" if r["mix"] == "attention" else ratio(full.get("prefill_s"), r["prefill_s"]),
+                f"{r['cache_class']} {r['cache_bytes'] / MiB:,.1f}",
+                mib(r["peak_rss"]),
+                mib(r["added_rss"]),
+            ]
+        )
+    columns = ["T", "mix", "prefill s", "prefill tok/s", "× attention (speed)", "cache MiB"]
+    print_table([*columns, "peak RSS MiB", "added MiB"], table)
 
 
 # --- part "quant": one trained model, float and quantized -----------------------------------
@@ -483,7 +637,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke run (≤ 2 minutes)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    parser.add_argument("--parts", nargs="+", choices=("long", "quant"), default=["long", "quant"])
+    parser.add_argument(
+        "--parts", nargs="+", choices=("long", "quant", "hybrid"), default=["long", "quant"]
+    )
     parser.add_argument("--preset", default="llama-55m", help="part long: the model shape")
     parser.add_argument(
         "--seq-lens", type=int, nargs="+", help=f"prompt lengths, default {SEQ_LENS}"
@@ -491,6 +647,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, help="sliding window (default 1024; quick 512)")
     parser.add_argument("--new-tokens", type=int, help="part long: decoded tokens (32; quick 8)")
     parser.add_argument("--caches", nargs="+", choices=CACHES, default=list(CACHES))
+    parser.add_argument(
+        "--contexts", type=int, nargs="+", help=f"part hybrid: decode contexts, default {CONTEXTS}"
+    )
+    parser.add_argument("--decode-steps", type=int, default=24, help="part hybrid: timed steps")
+    parser.add_argument("--mixes", nargs="+", choices=MIXES, default=list(MIXES))
+    parser.add_argument(
+        "--hybrid-parts", nargs="+", choices=("decode", "prefill"), default=["decode", "prefill"]
+    )
     parser.add_argument(
         "--max-prefill-s", type=float, default=480.0, help="skip longer prefills (0: none)"
     )
@@ -511,6 +675,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     quick = args.quick
     args.seq_lens = args.seq_lens or list(QUICK_SEQ_LENS if quick else SEQ_LENS)
+    args.contexts = args.contexts or list(QUICK_CONTEXTS if quick else CONTEXTS)
     args.window = args.window or (512 if quick else 1024)
     args.new_tokens = args.new_tokens or (8 if quick else 32)
     args.train_s = args.train_s or (15.0 if quick else 90.0)
@@ -527,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
             results["long_context"] = long_part(args)
         if "quant" in args.parts:
             results["quantization"] = quant_part(args)
+        if "hybrid" in args.parts:
+            results["hybrid"] = hybrid_part(args)
     except DecoderLMError as exc:
         parser.error(str(exc))
     if args.json:

@@ -19,8 +19,12 @@ from pathlib import Path
 
 from decoderlm.files import add_overwrite_argument, refuse_overwrite
 
-HELP = "ablation studies (attention variants, positions, scaling, norm placement, GQA up-training)"
+HELP = (
+    "ablation studies (attention variants, positions, scaling, norm placement, GQA up-training, "
+    "recurrent and hybrid layers)"
+)
 STUDY_NAMES = ("attention-variants", "positions", "scaling", "norm-placement", "uptrain-gqa")
+STUDY_NAMES += ("hybrid",)
 DEFAULT_CORPUS = (
     Path(__file__).resolve().parents[3].parent / "shared" / "data" / "tinyshakespeare.txt"
 )

@@ -13,6 +13,8 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from decoderlm.lab import conclusions
+from decoderlm.lab.conclusions import MEMORY_CONTEXTS, sequence_bytes
+from decoderlm.lab.recall import RecallTask
 from decoderlm.lab.stats import Summary
 
 REPORT_FILE = "report.md"
@@ -31,13 +33,16 @@ OPTIONAL_COLUMNS = (  # (header, summary key, digits): shown when some variant h
     ("loss @2× ctx", "loss_2x", 4),
     ("loss @4× ctx", "loss_4x", 4),
     ("val loss before up-training", "val_loss_pooled", 4),
+    ("recall accuracy", "recall_accuracy", 3),
 )
+MEMORY_PLOT_CONTEXT = 32768  # the memory axis of loss_vs_memory.png
 
 
 def write_report(results: dict[str, Any], out: str | Path) -> Path:
     """Write OUT/report.md and the plots it embeds; returns the report's path."""
     out = Path(out)
     plots = [p for p in (_val_curves(results, out), _loss_vs_kv(results, out)) if p]
+    plots += [p for p in (_memory_vs_context(results, out), _recall(results, out)) if p]
     plots += [p for p in (_positions(results, out), _grad_norms(results, out)) if p]
     plots += [p for p in (_init_stats(results, out),) if p]
     spec, env = results["spec"], results["environment"]
@@ -66,6 +71,8 @@ def write_report(results: dict[str, Any], out: str | Path) -> Path:
         *_variants_table(results),
         *_summary_table(results),
         *_comparisons(results),
+        *_memory_table(results),
+        *_recall_section(results),
         *_init_table(results),
         *_runs_table(results),
         "## Plots",
@@ -126,7 +133,7 @@ def _variants_table(results: dict[str, Any]) -> list[str]:
                 f"{row['params']:,}",
                 delta,
                 f"{row['kv_bytes_per_token']:,}",
-                f"{row['kv_max_context']:,}",
+                fmt(row["kv_max_context"], "{:,}") if row["kv_max_context"] is not None else "∞",
                 changes or "(base)",
             ]
         )
@@ -167,6 +174,69 @@ def _mean_spread(s: Summary | None, digits: int) -> str:
 def _comparisons(results: dict[str, Any]) -> list[str]:
     lines = conclusions.ranking(results)
     return ["## Comparisons (val loss)", "", *(f"- {line}" for line in lines), ""] if lines else []
+
+
+def has_state(results: dict[str, Any]) -> bool:
+    """Whether some variant keeps a recurrent state (its memory grows slower than its context)."""
+    return any(row.get("state_bytes", 0) for row in results["summary"].values())
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def _memory_table(results: dict[str, Any]) -> list[str]:
+    if not has_state(results):
+        return []
+    reference = results["spec"]["reference"]
+    rows = []
+    for name, row in results["summary"].items():
+        cells = [name, f"{row['state_bytes']:,}", f"{row['kv_bytes_per_token']:,}"]
+        for n in MEMORY_CONTEXTS:
+            cells.append(_bytes(sequence_bytes(row, n)))
+        if reference is not None:
+            at = MEMORY_CONTEXTS[-1]
+            share = sequence_bytes(row, at) / sequence_bytes(results["summary"][reference], at)
+            cells.append(f"{share:.3g}")
+        rows.append(cells)
+    header = ["variant", "recurrent state bytes", "KV bytes/token"]
+    header += [f"bytes/sequence at {n // 1024}k" for n in MEMORY_CONTEXTS]
+    header += [f"÷ {reference} at {MEMORY_CONTEXTS[-1] // 1024}k"] if reference is not None else []
+    return [
+        "## Inference memory per sequence",
+        "",
+        "KV cache (fp32 K and V of the attention layers, growing with the context) plus the "
+        "recurrent layers' conv and matrix states (fixed): `decoderlm.model.cache.sizes` and "
+        "`recurrent_state_bytes`, the numbers `decoderlm info` prints; batch 1.",
+        "",
+        *_table(header, rows),
+    ]
+
+
+def _recall_section(results: dict[str, Any]) -> list[str]:
+    if "recall" not in results["spec"]["measures"]:
+        return []
+    task = RecallTask(**results["spec"]["recall"])
+    lines = conclusions.recall_ranking(results)
+    return [
+        "## Associative recall",
+        "",
+        "Multi-query associative recall (Arora et al., 2023, `decoderlm.lab.recall`): "
+        f"{task.n_pairs} key-value pairs (keys from {task.n_keys} tokens, values "
+        f"from {task.n_values} others), then the same keys in a random order, each to be "
+        "answered with its value. A fresh model of each variant's shape (vocabulary and context "
+        f"the task's) is trained {task.steps} steps of {task.batch_size} sequences on fresh examples from the run's "
+        "seed; accuracy = share of a fixed test set's answers whose argmax is the value. "
+        f"Chance among the values: {1 / task.n_values:.3f}; copying one of the {task.n_pairs} "
+        f"values shown, without the lookup: about {1 / task.n_pairs:.3f} — above that, the model "
+        "looks keys up.",
+        "",
+        *(f"- {line}" for line in lines),
+        "",
+    ]
 
 
 def _init_table(results: dict[str, Any]) -> list[str]:
@@ -279,20 +349,69 @@ def _val_curves(results: dict[str, Any], out: Path) -> Path | None:
 
 
 def _loss_vs_kv(results: dict[str, Any], out: Path) -> Path | None:
+    """Val loss against KV bytes per token; with recurrent states (no KV in a pure recurrent
+    model) against the bytes of one sequence at MEMORY_PLOT_CONTEXT instead."""
+    state = has_state(results)
     fig = Figure(figsize=(7, 5), layout="constrained")
     ax = fig.add_subplot()
     for i, (name, row) in enumerate(results["summary"].items()):
         s = summary_of(row, "val_loss")
         if s is None or not s.n:
             continue
-        x = row["kv_bytes_per_token"]
+        x = sequence_bytes(row, MEMORY_PLOT_CONTEXT) if state else row["kv_bytes_per_token"]
         ax.errorbar([x], [s.mean], yerr=[s.spread], fmt="o", color=f"C{i % 10}", capsize=3)
         ax.annotate(name, (x, s.mean), fontsize=7, xytext=(4, 4), textcoords="offset points")
     ax.set_xscale("log", base=2)
-    ax.set(xlabel="KV cache bytes per token (fp32, log₂)", ylabel="final val loss (nats/token)")
+    xlabel = (
+        f"bytes per sequence at {MEMORY_PLOT_CONTEXT // 1024}k tokens (KV + state, fp32, log₂)"
+        if state
+        else "KV cache bytes per token (fp32, log₂)"
+    )
+    ax.set(xlabel=xlabel, ylabel="final val loss (nats/token)")
     ax.set_title("quality vs memory (error bar = spread over seeds)")
     ax.grid(alpha=0.3)
-    return _save(fig, out / "loss_vs_kv.png")
+    return _save(fig, out / ("loss_vs_memory.png" if state else "loss_vs_kv.png"))
+
+
+def _memory_vs_context(results: dict[str, Any], out: Path) -> Path | None:
+    if not has_state(results):
+        return None
+    contexts = [2**k for k in range(10, 18)]  # 1k … 128k
+    fig = Figure(figsize=(7, 5), layout="constrained")
+    ax = fig.add_subplot()
+    for i, (name, row) in enumerate(results["summary"].items()):
+        ys = [sequence_bytes(row, n) for n in contexts]
+        style = ("-", "--", ":", "-.")[i % 4]  # equal states draw one line: tell them apart
+        ax.plot(contexts, ys, marker="o", ls=style, color=f"C{i % 10}", label=name, ms=3)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set(xlabel="context (tokens, log₂)", ylabel="bytes per sequence (KV + state, fp32, log₂)")
+    ax.set_title("inference memory of one sequence")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return _save(fig, out / "memory.png")
+
+
+def _recall(results: dict[str, Any], out: Path) -> Path | None:
+    rows = {
+        n: s for n, row in results["summary"].items() if (s := summary_of(row, "recall_accuracy"))
+    }
+    if not rows:
+        return None
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    names = list(rows)
+    means = [rows[n].mean for n in names]
+    ax.bar(names, means, yerr=[rows[n].spread for n in names], capsize=3,
+           color=[f"C{i % 10}" for i in range(len(names))])  # fmt: skip
+    task = RecallTask(**results["spec"]["recall"])
+    ax.axhline(1 / task.n_values, color="k", ls="--", lw=1, label="chance")
+    ax.axhline(1 / task.n_pairs, color="k", ls=":", lw=1, label="a shown value, no lookup")
+    ax.set(ylabel="recall accuracy", ylim=(0, 1))
+    ax.set_title("associative recall: mean over seeds, error bar = spread")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend(fontsize=7)
+    return _save(fig, out / "recall.png")
 
 
 def _positions(results: dict[str, Any], out: Path) -> Path | None:

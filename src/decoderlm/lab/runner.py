@@ -33,10 +33,10 @@ from decoderlm.cpu.features import cpu_name
 from decoderlm.errors import DecoderLMError, NonFiniteLossError
 from decoderlm.files import write_json
 from decoderlm.inference.evaluate import bits_per_byte, evaluate_tokens
-from decoderlm.lab import measure
+from decoderlm.lab import measure, recall
 from decoderlm.lab.spec import StudySpec, Variant, count_params
 from decoderlm.lab.stats import summarise
-from decoderlm.model.cache import kv_cache_bytes_per_token
+from decoderlm.model.cache import kv_cache_bytes_per_token, recurrent_state_bytes
 from decoderlm.training.trainer import train
 
 RESULTS_FILE = "results.json"
@@ -48,6 +48,7 @@ EXTRAPOLATION_WINDOWS = 16
 INIT_D_KS = (16, 32, 64, 128, 256)
 SUMMARISED = ("val_loss", "val_bpb", "train_tokens_per_s", "decode_tps_b1", "decode_tps_b16")
 SUMMARISED += ("val_loss_pooled", "loss_1x", "loss_2x", "loss_4x", "final_train_loss")
+SUMMARISED += ("recall_accuracy",)
 
 
 def run_study(
@@ -115,12 +116,14 @@ def run_study(
 
 
 def summary(spec: StudySpec, runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per variant: params, KV bytes/token, and mean/spread/n of each summarised metric."""
+    """Per variant: params, KV bytes/token, recurrent state bytes, and mean/spread/n of each
+    summarised metric."""
     table = {}
     for variant in spec.variants:
         mine = [r for r in runs if r["variant"] == variant.name]
         row: dict[str, Any] = {k: mine[0][k] for k in ("params", "kv_bytes_per_token")}
         row["kv_max_context"] = mine[0]["kv_max_context"]
+        row["state_bytes"] = mine[0].get("state_bytes", 0)  # results from before the field: 0
         row["diverged"] = sum(r["diverged_step"] is not None for r in mine)
         for key in SUMMARISED:
             values = [r.get(key) for r in mine]
@@ -190,9 +193,12 @@ def _finished(
     if not path.is_file():
         return None
     result = json.loads(path.read_text())
-    want = _configs(spec, variant, seed, meta["vocab_size"])
+    want = _json_safe(_configs(spec, variant, seed, meta["vocab_size"]))  # tuples as JSON lists
     have = {"model": dict(result["model"]), "train": result["train"]}
     have["model"]["extra"] = want["model"]["extra"]  # notes (gqa_from_n_kv_heads) aside
+    if "recall" in spec.measures:  # the recall model is trained beside the run: its task too
+        want["recall_task"] = dataclasses.asdict(spec.recall_task())
+        have["recall_task"] = result.get("recall_task")
     if have != want:
         raise DecoderLMError(
             f"{run_dir} was trained with other settings than variant {variant.name!r} asks for "
@@ -247,7 +253,7 @@ def _run(
     if summary["stopped"] == "interrupted":
         raise KeyboardInterrupt
     config = checkpoint.read_run_config(run_dir)
-    result = _measure(spec, run_dir, config, val, meta, nonfinite_step)
+    result = _measure(spec, run_dir, config, val, meta, nonfinite_step, train_config.seed)
     return {
         "variant": variant.name,
         "seed": seed,
@@ -270,18 +276,21 @@ def _measure(
     val: Any,
     meta: dict[str, Any],
     nonfinite_step: int | None,
+    seed: int,
 ) -> dict[str, Any]:
     from decoderlm.model.config import ModelConfig
 
     model_config = ModelConfig.from_dict(config["model"])
     rows = measure.read_rows(run_dir)
     kv = kv_cache_bytes_per_token(model_config)
+    state = recurrent_state_bytes(model_config)
     speeds = sorted(r["tokens_per_s"] for r in rows if "tokens_per_s" in r)
     losses = [r["train_loss"] for r in rows if "train_loss" in r]
     result: dict[str, Any] = {
         "params": count_params(model_config),
         "kv_bytes_per_token": kv,
-        "kv_max_context": spec.kv_budget_bytes // kv,  # one sequence's cache within the budget
+        "state_bytes": state,
+        "kv_max_context": max_context(spec.kv_budget_bytes, kv, state),
         "train_tokens_per_s": speeds[len(speeds) // 2] if speeds else None,  # the median row
         "final_train_loss": losses[-1] if losses and nonfinite_step is None else math.nan,
         "diverged_step": measure.first_divergent_step(rows, nonfinite_step),
@@ -289,6 +298,11 @@ def _measure(
         "val_loss": math.nan,
         "val_bpb": math.nan,
     }
+    if "recall" in spec.measures:  # a fresh model of this shape: independent of the run's weights
+        threads = spec.train_config(spec.variants[0], 0).threads  # the runs' own setting
+        task = spec.recall_task()
+        result.update(recall.train_and_score(model_config, task, seed, threads))
+        result["recall_task"] = dataclasses.asdict(task)
     if nonfinite_step is not None:
         return result  # no final weights to measure
     model = checkpoint.load_model(run_dir)
@@ -308,6 +322,14 @@ def _measure(
         for factor in measure.EXTRAPOLATION_FACTORS:
             result[f"loss_{factor}x"] = positions[f"{factor}x_mean"]
     return result
+
+
+def max_context(budget: int, kv_per_token: int, state: int) -> int | None:
+    """The longest context whose cache fits one sequence in `budget` bytes: ⌊(budget − state) /
+    KV bytes per token⌋ (0 if the state alone exceeds it); None (unbounded) without attention."""
+    if kv_per_token == 0:
+        return None if state <= budget else 0
+    return max(0, budget - state) // kv_per_token
 
 
 def _run_dir(out: Path, variant: str, seed: int) -> Path:

@@ -8,7 +8,8 @@ start from another variant's finished run (`init_from`), optionally mean-pooled 
 
 Equal size: `match_d_ff` widens (or narrows) the MLP so that a variant's parameter count is within
 `PARAM_TOLERANCE` of a target: with fewer K/V heads the attention loses 2·(H − G)·hd·d_model
-weights per layer, which d_ff, linear in the count, gives back.
+weights per layer, which d_ff, linear in the count, gives back; so it does the difference between a
+recurrent layer's projections (gates, conv, state heads) and attention's.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from decoderlm.errors import ConfigError, DecoderLMError
+from decoderlm.lab.recall import RecallTask
 from decoderlm.model.config import ModelConfig
 from decoderlm.model.lm import DecoderLM
 from decoderlm.training.train_config import TrainConfig
@@ -31,7 +33,8 @@ PARAM_TOLERANCE = 0.02  # |Δparams| / target allowed for "matched size"
 VOCAB_PLACEHOLDER = 256  # the vocabulary used to size models before the data fixes it
 EVAL_POINTS = 10  # evaluations per run (the val-loss curve), when the budget is in tokens
 LOG_POINTS = 50  # logged rows per run (train loss, gradient norm)
-MEASURES = ("decode", "extrapolation", "divergence", "attention")  # extra per-run measurements
+# extra per-run measurements
+MEASURES = ("decode", "extrapolation", "divergence", "attention", "recall")
 
 
 @dataclass
@@ -62,6 +65,7 @@ class StudySpec:
     measures: tuple[str, ...] = ()  # names from MEASURES
     kv_budget_bytes: int = 1 << 30  # "longest context that fits": KV cache of one sequence
     notes: list[str] = field(default_factory=list)  # lines for the report (e.g. skipped parts)
+    recall: dict[str, Any] = field(default_factory=dict)  # measure "recall": RecallTask fields
     init_stats: dict[str, Any] | None = None  # scaling study: attention statistics at init
     builtin: bool = False  # one of decoderlm.lab.studies (its conclusion is templated)
     warmup_fraction: float = 0.1  # warmup steps / steps, where no warmup_steps is given
@@ -85,6 +89,8 @@ class StudySpec:
             )
         if self.seeds < 1:
             raise DecoderLMError(f"seeds={self.seeds} must be ≥ 1")
+        if "recall" in self.measures:
+            self.recall_task()  # a bad field is an error now, not after the first run
         if (self.budget_tokens is None) == (self.budget_seconds is None):
             raise DecoderLMError("give exactly one budget: tokens or seconds")
         if self.budget_tokens is not None and self.budget_tokens < 1:
@@ -100,6 +106,14 @@ class StudySpec:
         if tokens is not None or seconds is not None:
             spec = dataclasses.replace(spec, budget_tokens=tokens, budget_seconds=seconds)
         return spec
+
+    def recall_task(self) -> RecallTask:
+        """The associative-recall task of measure "recall", from the `recall` fields."""
+        unknown = sorted(set(self.recall) - {f.name for f in dataclasses.fields(RecallTask)})
+        if unknown:
+            allowed = ", ".join(f.name for f in dataclasses.fields(RecallTask))
+            raise DecoderLMError(f"recall: unknown field {unknown[0]!r}; allowed: {allowed}")
+        return RecallTask(**self.recall)
 
     def variant(self, name: str) -> Variant:
         return next(v for v in self.variants if v.name == name)
@@ -160,6 +174,7 @@ def match_d_ff(config: ModelConfig, target: int, tolerance: float = PARAM_TOLERA
 
 SPEC_KEYS = ("name", "description", "seeds", "budget_tokens", "budget_seconds", "reference")
 SPEC_KEYS += ("measures", "kv_budget_bytes", "warmup_fraction", "model", "train", "variants")
+SPEC_KEYS += ("recall",)
 VARIANT_KEYS = tuple(f.name for f in dataclasses.fields(Variant))
 
 

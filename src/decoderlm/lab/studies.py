@@ -1,4 +1,4 @@
-"""The five built-in studies: each a `StudySpec` over small char-level models.
+"""The six built-in studies: each a `StudySpec` over small char-level models.
 
 Default budgets are sized for ≤ 30 minutes per study on 2 CPU cores, `quick` for ≤ 3 (smaller
 models, fewer tokens); both are token budgets, so the numbers do not depend on the machine's load.
@@ -202,12 +202,59 @@ def uptrain_gqa(quick: bool) -> StudySpec:
     )
 
 
+# The token mixer of each of 4 layers (`ModelConfig.layer_types`): attention, the three recurrent
+# layers alone, and Gated DeltaNet hybrids with attention in every 4th (Qwen3-Next's 3:1) or every
+# 2nd layer.
+LAYER_MIXES = (
+    ("attention", ("attention",) * 4),
+    ("linear attention", ("linear_attention",) * 4),
+    ("Gated DeltaNet", ("gdn",) * 4),
+    ("Mamba-2", ("mamba2",) * 4),
+    ("hybrid 3:1", ("gdn", "gdn", "gdn", "attention")),
+    ("hybrid 1:1", ("gdn", "attention", "gdn", "attention")),
+)
+
+
+def hybrid(quick: bool) -> StudySpec:
+    recall: dict[str, Any] = dict(lr=1e-2)  # the task's loss is sparse: a high rate helps
+    recall.update(
+        dict(n_pairs=4, n_keys=16, n_values=16, steps=100, batch_size=32)
+        if quick
+        else dict(n_pairs=8, n_keys=32, n_values=32, steps=600, batch_size=16)
+    )
+    return StudySpec(
+        name="hybrid",
+        description=(
+            "Softmax attention vs causal linear attention (Katharopoulos et al., 2020), Gated "
+            "DeltaNet (Yang et al., 2024) and Mamba-2 (Dao & Gu, 2024), and Gated DeltaNet hybrids "
+            "with attention in 1 of 4 and 2 of 4 layers, at matched size: language-model quality, "
+            "associative recall (Arora et al., 2023), memory per sequence and training speed."
+        ),
+        model={**base_model(quick), "n_layers": 4},  # four layers: room for a 3:1 mix
+        train=base_train(),
+        variants=[
+            Variant(name, model={"layer_types": list(mix)}, match_params=name != "attention")
+            for name, mix in LAYER_MIXES
+        ],
+        budget_tokens=budget(quick, 600_000, 48_000),
+        reference="attention",
+        measures=("recall",),
+        recall=recall,
+        notes=[
+            "recurrent layers: H = n_heads heads (keys not shared), d_k = d_v = head_dim, conv "
+            "kernel 4, chunks of 64 tokens; no decode measure (benchmarks/long_context.py "
+            "times decoding at long context)"
+        ],
+    )
+
+
 STUDIES: dict[str, Callable[[bool], StudySpec]] = {
     "attention-variants": attention_variants,
     "positions": positions,
     "scaling": scaling,
     "norm-placement": norm_placement,
     "uptrain-gqa": uptrain_gqa,
+    "hybrid": hybrid,
 }
 
 
