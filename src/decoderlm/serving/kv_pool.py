@@ -175,7 +175,8 @@ class PagedLayerCache(BaseLayerCache):
         slots = (num_blocks * block_size, n_kv_heads, head_dim)
         self.k_slots, self.v_slots = k.view(*slots), v.view(*slots)  # the same storage, per slot
         self.write: Tensor | None = None  # (B·T,) slots of the new tokens
-        self.read: Tensor | None = None  # (B, n_blocks) block tables, or (B, Tk) slots (windowed)
+        self.read: Tensor | None = None  # (B, n_blocks) block tables, or (B, Tk) slots
+        self.by_slot = window is not None  # `read` holds slots (left-padded), not block tables
         self.n_keys = 0  # keys each row attends (full layers: the longest row's length)
         self.lengths: Tensor | None = None  # (B,) keys of each row, this step's included
         self.key_padding_mask: Tensor | None = None  # (B, Tk) True at real keys; None: all real
@@ -183,7 +184,7 @@ class PagedLayerCache(BaseLayerCache):
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """k, v (B, Hkv, T, hd) go to their slots; returns the rows' keys/values (B, Hkv, Tk, hd)."""
         self._store(k, v)
-        if self.window is not None:
+        if self.by_slot:
             return self._slots(self.k_slots), self._slots(self.v_slots)
         return self._blocks(self.k), self._blocks(self.v)
 
@@ -259,7 +260,12 @@ class PagedKVCache(LayerCaches):
     def seek(self, table: Tensor, start: Tensor, n_new: int) -> None:
         """Before a forward pass over tokens [start_b, start_b + n_new) of each row b: table (B,
         n_blocks) the rows' block tables, start (B,) on the same device. The new tokens' K/V go to
-        their slots; row b attends its keys up to start_b + n_new (within its window)."""
+        their slots; row b attends its keys up to start_b + n_new (within its window).
+
+        Attention aligns its causal mask bottom-right, so when rows of different lengths run
+        several tokens each (a batched speculative verification), every layer reads its keys
+        left-padded, slot by slot, each row's last key in the last column; otherwise a layer
+        without a window reads its rows' blocks whole, right-padded."""
         device = table.device
         new = torch.arange(n_new, device=device)
         write = self.slots(table, start[:, None] + new).flatten()  # (B·T,)
@@ -267,19 +273,21 @@ class PagedKVCache(LayerCaches):
         longest = int(lengths.max())
         keys = torch.arange(longest, device=device)[None, :]  # (1, Tk)
         full_mask = keys < lengths[:, None]  # (B, Tk): right padding
+        ragged = n_new > 1 and not bool(full_mask.all())
         if any(layer.in_place for layer in self.layers):
             check_block_tables(table, lengths, self.layers[0].k.shape[0], self.block_size)
-        reads: dict[int | None, tuple[Tensor, int, Tensor | None]] = {
-            None: (table, longest, None if bool(full_mask.all()) else full_mask)
-        }
+        reads: dict[int | None, tuple[Tensor, int, Tensor | None]] = {}
+        if not ragged:
+            reads[None] = (table, longest, None if bool(full_mask.all()) else full_mask)
         for layer in self.layers:
             w = layer.window
-            if w not in reads:  # the last w − 1 keys before each row's first new one, and its own
-                first = (start - (w - 1)).clamp(min=0)  # (B,)
+            if w not in reads:  # the last w − 1 keys before each row's first new one (all
+                # without a window), and its own
+                first = torch.zeros_like(start) if w is None else (start - w + 1).clamp(min=0)
                 n_keys = int((lengths - first).max())
                 positions = lengths[:, None] - n_keys + torch.arange(n_keys, device=device)
                 mask = positions >= first[:, None]  # (B, Tk): left padding
                 slots = self.slots(table, positions.clamp(min=0))  # (B, Tk)
                 reads[w] = (slots, n_keys, None if bool(mask.all()) else mask)
-            layer.write, layer.lengths = write, lengths
+            layer.write, layer.lengths, layer.by_slot = write, lengths, w is not None or ragged
             layer.read, layer.n_keys, layer.key_padding_mask = reads[w]

@@ -125,9 +125,9 @@ class EngineStats:
     max_running_seen: int  # the most sequences that ran at once since start
     tokens_per_s: float  # generated tokens per second over the last few seconds
     preemptions: int = 0  # running sequences sent back to the queue (KV pool full) since start
-    speculative_proposed: int = 0  # prompt-lookup tokens proposed since start
+    speculative_proposed: int = 0  # draft tokens proposed since start (either proposer)
     speculative_accepted: int = 0  # of them, accepted
-    speculative_verifications: int = 0  # passes that verified proposed tokens
+    speculative_verifications: int = 0  # sequences × steps that verified proposed tokens
 
     @property
     def speculative_acceptance_rate(self) -> float:
