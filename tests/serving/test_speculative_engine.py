@@ -241,19 +241,28 @@ def test_a_draft_with_another_vocabulary_is_a_one_line_error(tok, model):
         Engine(model, tok, draft=other)
 
 
-def test_batched_verification_equals_each_sequences_own_pass(tok):
+@pytest.mark.parametrize(
+    ("dtype", "window", "atol"),
+    [
+        (torch.float64, 5, 1e-10),  # padded: a windowed layer and a full one, SDPA
+        (torch.float64, None, 1e-10),  # padded
+        (torch.float32, None, 1e-4),  # packed: attention in place, other linear shapes
+    ],
+)
+def test_batched_verification_equals_each_sequences_own_pass(tok, dtype, window, atol):
     """`ragged.forward_rows` over rows of different starts and lengths gives each row the logits
-    of its own pass (float64, to 1e-10), windowed layers included; padding writes go nowhere a
-    row reads."""
+    of its own pass, packed or padded; padding writes go nowhere a row reads."""
     from decoderlm.serving.kv_pool import BlockPool
     from decoderlm.serving.ragged import Row, forward_rows
     from decoderlm.serving.runner import ModelRunner
     from decoderlm.serving.scheduler import Sequence
 
-    model = tiny_model(tok, sliding_window=5, sliding_window_layers=(0,))
+    layers = None if window is None else (0,)
+    model = tiny_model(tok, sliding_window=window, sliding_window_layers=layers).to(dtype)
     runner = ModelRunner(
-        model, kv_cache_memory=2**20, block_size=4, kv_cache_dtype=None, cpu_kernels=False
+        model, kv_cache_memory=2**20, block_size=4, kv_cache_dtype=None, cpu_kernels=True
     )
+    assert runner.cache.packable == (dtype == torch.float32)
     pool = BlockPool(runner.num_blocks - 1, 4)
     lengths, drafts = [3, 9, 6], [[1, 2], [5, 6, 7, 8], []]  # rows of 3, 5 and 1 tokens
     seqs = []
@@ -266,11 +275,12 @@ def test_batched_verification_equals_each_sequences_own_pass(tok):
             seq.tokens += d
             seqs.append(seq)
         rows = [Row(s.blocks, s.n_computed, s.tokens[s.n_computed :]) for s in seqs]
-        batched = forward_rows(runner, rows)  # (3, 5, V)
-        for i, seq in enumerate(seqs):
+        batched = forward_rows(runner, rows)  # (n_b, V) each
+        for seq, got in zip(seqs, batched, strict=True):
             n = len(seq.tokens) - seq.n_computed
             alone = runner.forward([seq], n, last_only=False)[0]  # (n, V)
-            assert torch.allclose(batched[i, :n], alone, rtol=0, atol=1e-10)
+            assert got.shape == alone.shape
+            assert torch.allclose(got, alone, rtol=0, atol=atol)
 
 
 def test_serve_refuses_a_missing_draft_directory_before_loading(tmp_path, capsys):
@@ -295,3 +305,18 @@ def test_a_draft_directory_with_another_tokenizer_is_a_one_line_error(tok, model
     with pytest.raises(DecoderLMError, match="its tokenizer differs from the target's") as err:
         load_draft(tmp_path / "other", model, tok)
     assert "\n" not in str(err.value)
+
+
+def test_float32_greedy_requests_with_speculation_give_the_plain_engines_tokens(tok):
+    """float32 with the CPU kernels: speculating rows and plain ones packed in one pass, attended
+    in place (`PagedKVCache.seek_packed`); the tokens equal the plain engine's."""
+    model = tiny_model(tok).float()
+    params = RequestParams(max_tokens=24, sampling=GREEDY, stop_at_eot=False)
+    requests = prompts(model)
+    plain = run(Engine(model, tok, block_size=4), requests, params)
+    for draft in ("prompt-lookup", other_shape_draft(tok).float()):
+        engine = Engine(model, tok, block_size=4, draft=draft, num_speculative_tokens=3)
+        assert engine.runner.cache.packable
+        fast = run(engine, requests, params)
+        assert [token_ids(e) for e in fast] == [token_ids(e) for e in plain]
+        assert engine.stats().speculative_verifications > 0

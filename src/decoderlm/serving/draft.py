@@ -121,9 +121,9 @@ class DraftProposer:
         short = [i for i, seq in enumerate(seqs) if len(seq.tokens) - starts[i] <= SHORT_CATCH_UP]
         if short:
             rows = [Row(seqs[i].blocks, starts[i], seqs[i].tokens[starts[i] :]) for i in short]
-            out = forward_rows(self.runner, rows)  # (B', n, V)
+            out = forward_rows(self.runner, rows)  # (n_b, V) each
             for j, i in enumerate(short):
-                logits[i] = out[j, len(rows[j].tokens) - 1]
+                logits[i] = out[j][-1]
         for i, seq in enumerate(seqs):
             if logits[i] is None:  # a long catch-up: alone, its last token's logits only
                 view = self._view(seq, seq.tokens, starts[i])

@@ -39,6 +39,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from decoderlm.cpu.paths import SpeedPaths
@@ -189,9 +190,10 @@ class EngineCore:
         counters.max_running = max(counters.max_running, len(self.scheduler.running))
         self.drafted = {seq: k for seq in plan.decode if (k := self._speculate(seq))}
         decode = [seq for seq in plan.decode if seq not in self.drafted]
-        batches = [(decode, 1)] if decode else []
-        if self.drafted:  # one verification pass for all of them
-            batches.append((list(self.drafted), max(self.drafted.values()) + 1))
+        if self.drafted:  # one pass: the plain rows, then the verifications (`ragged`)
+            batches = [(decode + list(self.drafted), max(self.drafted.values()) + 1)]
+        else:
+            batches = [(decode, 1)] if decode else []
         return batches + [([seq], n) for seq, n in plan.prefill]
 
     def _speculate(self, seq: Sequence) -> int:
@@ -206,31 +208,34 @@ class EngineCore:
         drafts = self.lookup.propose(seq.tokens, k)[0]
         return self.scheduler.speculate(seq, drafts) if drafts else 0
 
-    def run(self, batches: list[tuple[list[Sequence], int]]) -> list[Tensor | None]:
-        """Each pass's logits, (B, V) or (B, n, V) for the verification pass, or None for a pass
-        that raised (logged)."""
+    def run(self, batches: list[tuple[list[Sequence], int]]) -> list[Tensor | list[Tensor] | None]:
+        """Each pass's logits, (B, V), or for the pass with verifications each row's (n_b, V);
+        None for a pass that raised (logged)."""
         return [
             self._verification(seqs)
-            if seqs[0] in self.drafted
+            if seqs[-1] in self.drafted
             else _isolated(self.runner.forward, seqs, n)
             for seqs, n in batches
         ]
 
-    def _verification(self, seqs: list[Sequence]) -> Tensor | None:
-        """The draft model's proposals, if it proposes, then the pass over each sequence's last
-        token and drafts: logits (B, max k + 1, V), row b's first k_b + 1 its own."""
+    def _verification(self, seqs: list[Sequence]) -> list[Tensor] | None:
+        """The draft model's proposals, if it proposes, then the pass over each sequence's tokens
+        not computed: a plain row's last token, a speculating one's last token and drafts."""
+        drafting = [seq for seq in seqs if seq in self.drafted]
         if self.draft is not None:
-            ks = [self.drafted[seq] for seq in seqs]
-            states = [self.live[seq].sampling for seq in seqs]
-            qs = _isolated(self.draft.propose, seqs, ks, states, self.decodable)
+            ks = [self.drafted[seq] for seq in drafting]
+            states = [self.live[seq].sampling for seq in drafting]
+            qs = _isolated(self.draft.propose, drafting, ks, states, self.decodable)
             if qs is None:
                 return None
-            self.q = dict(zip(seqs, qs, strict=True))
+            self.q = dict(zip(drafting, qs, strict=True))
         rows = [Row(seq.blocks, seq.n_computed, seq.tokens[seq.n_computed :]) for seq in seqs]
         return _isolated(forward_rows, self.runner, rows)
 
     def outputs(
-        self, batches: list[tuple[list[Sequence], int]], logits: list[Tensor | None]
+        self,
+        batches: list[tuple[list[Sequence], int]],
+        logits: list[Tensor | list[Tensor] | None],
     ) -> list[tuple[_Request, TokenEvent]]:
         """The events of the passes `run` ran."""
         events = []
@@ -240,17 +245,20 @@ class EngineCore:
         return events
 
     def _pass_events(
-        self, seqs: list[Sequence], n: int, logits: Tensor | None
+        self, seqs: list[Sequence], n: int, logits: Tensor | list[Tensor] | None
     ) -> list[tuple[_Request, TokenEvent]]:
-        """The events of a forward pass that ran n tokens of `seqs`, whose logits (B, V) are
-        None if it failed: then its sequences end, and the other passes go on."""
+        """The events of a forward pass that ran n tokens of `seqs`, whose logits (B, V) (for
+        the pass with verifications: each row's (n_b, V)) are None if it failed: then its
+        sequences end, and the other passes go on."""
         if logits is None:
             return [self.end(seq, "error") for seq in seqs if seq in self.live]
-        if seqs[0] in self.drafted:
+        if isinstance(logits, list):
+            plain = len(seqs) - len(self.drafted)  # the plain rows come first
             events = []
-            for seq, rows in zip(seqs, logits, strict=True):
-                k = self.drafted[seq]
-                events += self._verified(seq, k, rows[: k + 1])
+            if plain:  # their last (only) token's logits: (B', V)
+                events += self._pass_events(seqs[:plain], 1, torch.stack(logits[:plain])[:, -1])
+            for seq, rows in zip(seqs[plain:], logits[plain:], strict=True):
+                events += self._verified(seq, self.drafted[seq], rows)
             return events
         ready = [seq in self.live and seq.n_pending == n for seq in seqs]  # at its last token
         states = [self.live[s].sampling if r else None for s, r in zip(seqs, ready, strict=True)]
