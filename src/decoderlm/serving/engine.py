@@ -206,7 +206,10 @@ class EngineCore:
         if self.draft is not None:
             return self.scheduler.room(seq, self.draft.limit(seq, k))
         drafts = self.lookup.propose(seq.tokens, k)[0]
-        return self.scheduler.speculate(seq, drafts) if drafts else 0
+        if not drafts:  # nothing to propose counts as a proposal rejected: the lookup backs off
+            schedule.update(k, 0)
+            return 0
+        return self.scheduler.speculate(seq, drafts)
 
     def run(self, batches: list[tuple[list[Sequence], int]]) -> list[Tensor | list[Tensor] | None]:
         """Each pass's logits, (B, V), or for the pass with verifications each row's (n_b, V);
