@@ -320,3 +320,29 @@ def test_float32_greedy_requests_with_speculation_give_the_plain_engines_tokens(
         fast = run(engine, requests, params)
         assert [token_ids(e) for e in fast] == [token_ids(e) for e in plain]
         assert engine.stats().speculative_verifications > 0
+
+
+def test_a_served_checkpoint_with_a_draft_directory_gives_its_plain_tokens(run_dir):
+    """What `serve --draft RUN` builds (`engine_process.build_engine`): the draft loaded from its
+    directory (here the target's own run), greedy tokens the plain engine's."""
+    from decoderlm.serving.engine_process import EngineSpec, build_engine
+
+    params = RequestParams(max_tokens=12, sampling=GREEDY, stop_at_eot=False)
+    plain = build_engine(EngineSpec(str(run_dir), "float32"))
+    fast = build_engine(EngineSpec(str(run_dir), "float32", {"draft": str(run_dir)}))
+    assert isinstance(fast.core.draft.runner.model, DecoderLM)
+    prompts = ["Hello there", "abc"]
+    assert [c.token_ids for c in fast.generate(prompts, params)] == [
+        c.token_ids for c in plain.generate(prompts, params)
+    ]
+    assert fast.stats().speculative_acceptance_rate == 1.0
+
+
+def test_int8_kv_with_a_draft_model_gives_the_plain_int8_engines_tokens(tok, model):
+    params = RequestParams(max_tokens=20, sampling=GREEDY, stop_at_eot=False)
+    requests = prompts(model)
+    plain = run(Engine(model, tok, block_size=4, kv_cache_dtype="int8"), requests, params)
+    engine = Engine(model, tok, block_size=4, kv_cache_dtype="int8", draft=other_shape_draft(tok))
+    fast = run(engine, requests, params)
+    assert [token_ids(e) for e in fast] == [token_ids(e) for e in plain]
+    assert engine.stats().speculative_proposed > 0
