@@ -307,16 +307,19 @@ def test_a_draft_directory_with_another_tokenizer_is_a_one_line_error(tok, model
     assert "\n" not in str(err.value)
 
 
-def test_float32_greedy_requests_with_speculation_give_the_plain_engines_tokens(tok):
+@pytest.mark.parametrize("window", [None, 6])
+def test_float32_greedy_requests_with_speculation_give_the_plain_engines_tokens(tok, window):
     """float32 with the CPU kernels: speculating rows and plain ones packed in one pass, attended
-    in place (`PagedKVCache.seek_packed`); the tokens equal the plain engine's."""
-    model = tiny_model(tok).float()
+    in place (`PagedKVCache.seek_packed`), or with a windowed layer padded, the full layer still
+    attending in place; the tokens equal the plain engine's."""
+    layers = None if window is None else (0,)
+    model = tiny_model(tok, sliding_window=window, sliding_window_layers=layers).float()
     params = RequestParams(max_tokens=24, sampling=GREEDY, stop_at_eot=False)
     requests = prompts(model)
     plain = run(Engine(model, tok, block_size=4), requests, params)
     for draft in ("prompt-lookup", other_shape_draft(tok).float()):
         engine = Engine(model, tok, block_size=4, draft=draft, num_speculative_tokens=3)
-        assert engine.runner.cache.packable
+        assert engine.runner.cache.packable == (window is None)
         fast = run(engine, requests, params)
         assert [token_ids(e) for e in fast] == [token_ids(e) for e in plain]
         assert engine.stats().speculative_verifications > 0

@@ -14,8 +14,9 @@ draft up on the tokens the sequence took since its last proposal (1 or 2 after a
 the prompt after a prefill: those long ones in a pass of their own) and gives d_1; then k − 1
 one-token passes over the rows still drafting give d_2 … d_k. Each d_i is drawn from
 q_i = `token_probs` of the draft's logits with the sequence's own sampling parameters and
-generator, and q goes to the target's verification (`sampler.verify`), which keeps the target's
-distribution whatever the draft proposes: the draft affects the speed only, never the tokens.
+generator (the argmax for a greedy one), and q goes to the target's verification
+(`sampler.verify`), which keeps the target's distribution whatever the draft proposes: the draft
+affects the speed only, never the tokens.
 After verification the draft keeps its K/V of the accepted drafts (`accepted`); the rest is
 written over at the next proposal, as the target's is.
 """
@@ -28,7 +29,7 @@ import torch
 from torch import Tensor
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.inference.sampling import draw, token_probs
+from decoderlm.inference.sampling import draw, greedy_tokens, token_probs
 from decoderlm.inference.speculative import seen
 from decoderlm.model.cache import kv_cache_bytes_per_token
 from decoderlm.model.lm import DecoderLM
@@ -61,9 +62,10 @@ class DraftProposer:
 
     def propose(
         self, seqs: list[Sequence], ks: list[int], states: list[SamplingState], decodable: int
-    ) -> list[Tensor]:
+    ) -> list[Tensor | None]:
         """Append to each sequence its k drafts (its tokens end with them); returns their
-        distributions q (k, V) float64. Ids from `decodable` on are never proposed."""
+        distributions q (k, V) float64, None for a greedy sequence (its drafts are the draft's
+        argmax: q one-hot). Ids from `decodable` on are never proposed."""
         with self.runner.running():
             return self._propose(seqs, ks, states, decodable)
 
@@ -74,18 +76,23 @@ class DraftProposer:
 
     def _propose(
         self, seqs: list[Sequence], ks: list[int], states: list[SamplingState], decodable: int
-    ) -> list[Tensor]:
+    ) -> list[Tensor | None]:
         rows = [seq.tokens.copy() for seq in seqs]  # each grows by its drafts
         logits = self._catch_up(seqs)  # (B, V): the next token's, after each row
         qs: list[list[Tensor]] = [[] for _ in seqs]
         for step in range(max(ks)):
             drafting = [i for i, k in enumerate(ks) if k > step]
+            mask_undecodable(logits, decodable)
+            greedy = [i for i in drafting if states[i].greedy]
+            best = greedy_tokens(logits[greedy]).tolist() if greedy else []  # (B',)
+            for i, token in zip(greedy, best, strict=True):
+                rows[i].append(token)
             for i in drafting:
-                row, params = rows[i], states[i].params
-                mask_undecodable(logits[i], decodable)
-                q = token_probs(logits[i][None], params, seen(row, params, logits))  # (1, V)
-                rows[i].append(int(draw(q, states[i].generator)))
-                qs[i].append(q[0])
+                if not states[i].greedy:
+                    row, params = rows[i], states[i].params
+                    q = token_probs(logits[i][None], params, seen(row, params, logits))  # (1, V)
+                    rows[i].append(int(draw(q, states[i].generator)))
+                    qs[i].append(q[0])
             more = [i for i in drafting if ks[i] > step + 1]
             if more:  # d_{step+1} of the rows that draft more: (B', V)
                 views = [self._view(seqs[i], rows[i]) for i in more]
@@ -96,7 +103,7 @@ class DraftProposer:
             held = self.held[seq]
             held.base, held.n = len(seq.tokens), len(row) - 1  # d_k's K/V is not written
             seq.tokens += row[len(seq.tokens) :]
-        return [torch.stack(q) for q in qs]  # (k, V) each
+        return [torch.stack(q) if q else None for q in qs]  # (k, V) each
 
     def accepted(self, seq: Sequence, n: int) -> None:
         """The target accepted the first n drafts of `seq`'s last proposal: the draft keeps their

@@ -143,7 +143,7 @@ class EngineCore:
         self.num_speculative_tokens = num_speculative_tokens
         self.lookup, self.draft = PromptLookup(), draft
         self.drafted: dict[Sequence, int] = {}  # this step's verifications: drafts per sequence
-        self.q: dict[Sequence, Tensor] = {}  # the draft model's distributions (k, V) of them
+        self.q: dict[Sequence, Tensor | None] = {}  # the draft model's q (k, V) of them
         self.decodable = decodable_ids(tokenizer, vocab_size)
         reserved = 0 if num_speculative_tokens is None else SCRATCH_BLOCKS
         self.pool = BlockPool(runner.num_blocks - reserved, block_size, prefix_caching)
