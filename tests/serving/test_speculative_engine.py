@@ -33,11 +33,18 @@ def model(tok) -> DecoderLM:
 
 def tiny_model(tok: Tokenizer, seed: int = 0, **overrides) -> DecoderLM:
     torch.manual_seed(seed)
-    shape = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, position="rope", init_std=0.5)
+    shape = dict(
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        position="rope",
+        init_std=0.5,
+        context_length=128,
+    )
     config = ModelConfig(
         **{**shape, **overrides},
         vocab_size=tok.vocab_size,
-        context_length=128,
         mlp="swiglu",
         norm="rmsnorm",
         bias=False,
@@ -179,6 +186,23 @@ def test_greedy_requests_with_a_draft_model_give_their_plain_tokens(tok, model, 
     assert stats.speculative_proposed > 0 and stats.speculative_verifications > 0
     assert stats.generated_tokens == 24 * len(requests) and stats.kv_blocks_used == 0
     assert not engine.core.draft.held  # finished sequences are forgotten
+
+
+def test_a_draft_with_a_shorter_context_stops_proposing_at_its_end(tok, model):
+    """Learned positions of 32: the draft proposes only while its drafts' positions fit."""
+    draft = tiny_model(tok, 1, d_model=16, n_layers=1, position="learned", context_length=32)
+    params = RequestParams(max_tokens=24, sampling=GREEDY, stop_at_eot=False)
+    engine = Engine(model, tok, block_size=4, draft=draft, num_speculative_tokens=4)
+    requests = prompts(model)  # two of 36 and 34 tokens: past the draft's context at once
+    events = run(engine, requests, params)
+    for prompt, got in zip(requests, events, strict=True):
+        assert token_ids(got) == generate(model, [prompt], 24, temperature=0)[0][len(prompt) :]
+    assert engine.stats().speculative_proposed > 0
+
+
+def test_the_target_as_its_own_draft_is_a_one_line_error(tok, model):
+    with pytest.raises(DecoderLMError, match="the draft model is the target itself"):
+        Engine(model, tok, draft=model)
 
 
 def test_a_draft_equal_to_the_target_is_always_accepted(tok, model):

@@ -169,7 +169,12 @@ def split_kv_budget(
 
 
 def check_draft(model: DecoderLM, draft: DecoderLM) -> None:
-    """DecoderLMError unless `draft` can propose for `model`: the same vocabulary and device."""
+    """DecoderLMError unless `draft` can propose for `model`: another model, with the same
+    vocabulary, on the same device."""
+    if draft is model:
+        raise DecoderLMError(
+            "the draft model is the target itself: give a smaller model (or 'prompt-lookup')"
+        )
     if draft.config.vocab_size != model.config.vocab_size:
         raise DecoderLMError(
             f"the draft model's vocab_size={draft.config.vocab_size} differs from the target's "
