@@ -186,6 +186,10 @@ def test_greedy_requests_with_a_draft_model_give_their_plain_tokens(tok, model, 
     assert stats.speculative_proposed > 0 and stats.speculative_verifications > 0
     assert stats.generated_tokens == 24 * len(requests) and stats.kv_blocks_used == 0
     assert not engine.core.draft.held  # finished sequences are forgotten
+    # Both pools in the default 256MiB: N blocks each, one kept for the padding, float64 K/V.
+    per_token = 2 * 8 * (2 * 2 * 8 + 1 * 1 * 8)  # target: 2 layers, 2 K/V heads of 8; draft: 1, 1
+    assert stats.kv_bytes_per_token == per_token
+    assert stats.kv_blocks_total == 256 * 2**20 // (block_size * per_token) - 1
 
 
 def test_a_draft_with_a_shorter_context_stops_proposing_at_its_end(tok, model):

@@ -338,7 +338,8 @@ class EngineCore:
             kv_blocks_used=self.pool.num_used,
             kv_blocks_total=self.pool.num_blocks,
             kv_block_size=self.pool.block_size,
-            kv_bytes_per_token=self.runner.bytes_per_token,
+            kv_bytes_per_token=self.runner.bytes_per_token  # the draft's pool's too, if any
+            + (0 if self.draft is None else self.draft.runner.bytes_per_token),
             prompt_tokens=counters.prompt_tokens,
             generated_tokens=counters.generated,
             prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,

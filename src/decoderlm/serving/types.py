@@ -118,7 +118,7 @@ class EngineStats:
     kv_blocks_used: int
     kv_blocks_total: int
     kv_block_size: int  # tokens per block
-    kv_bytes_per_token: int  # 2 · n_layers · n_kv_heads · head_dim · dtype size
+    kv_bytes_per_token: int  # 2 · n_layers · n_kv_heads · head_dim · dtype size (+ the draft's)
     prompt_tokens: int  # totals since start
     generated_tokens: int
     prefix_cache_hit_tokens: int  # prompt tokens whose KV blocks were reused
