@@ -255,7 +255,7 @@ class EngineCore:
         sequences end, and the other passes go on."""
         if logits is None:
             return [self.end(seq, "error") for seq in seqs if seq in self.live]
-        if isinstance(logits, list):
+        if seqs[-1] in self.drafted:  # logits: a list, each row's (n_b, V)
             plain = len(seqs) - len(self.drafted)  # the plain rows come first
             events = []
             if plain:  # their last (only) token's logits: (B', V)
