@@ -204,6 +204,52 @@ def test_a_draft_with_a_shorter_context_stops_proposing_at_its_end(tok, model):
     assert engine.stats().speculative_proposed > 0
 
 
+def test_preempted_sequences_with_a_draft_give_their_plain_tokens(tok, model):
+    """A pool of 20 blocks for 4 sequences of up to 15: the newest are preempted and recomputed,
+    and their draft K/V with them (a new block table starts the draft over). The draft is a copy
+    of the target, so stale draft K/V would show as a rejected draft."""
+    per_block = 4 * 2 * (2 * 2 * 2 * 8 * 8)  # 4 tokens of target and draft K/V, float64
+    params = RequestParams(max_tokens=24, sampling=GREEDY, stop_at_eot=False)
+    engine = Engine(model, tok, block_size=4, kv_cache_memory=21 * per_block, draft=tiny_model(tok))
+    requests = prompts(model)
+    events = run(engine, requests, params)
+    for prompt, got in zip(requests, events, strict=True):
+        assert token_ids(got) == generate(model, [prompt], 24, temperature=0)[0][len(prompt) :]
+    stats = engine.stats()
+    assert stats.kv_blocks_total == 20 and stats.preemptions > 0
+    assert stats.speculative_proposed > 0 and stats.speculative_acceptance_rate == 1.0
+
+
+def test_the_drafts_kv_is_exact_after_rejections_and_preemptions(tok, model, monkeypatch):
+    """At every proposal, the draft's logits after its catch-up on its own paged K/V (kept over
+    accepted drafts, rolled back over rejected ones, started over after a preemption) equal a
+    forward pass of the draft over the whole sequence: float64 models, whose logits the runner
+    hands on in float32, so to float32's rounding (1e-6; stale K/V differs by ~0.1)."""
+    from decoderlm.serving.draft import DraftProposer
+
+    draft = tiny_model(tok)  # the target with noise on its head: accepted in part
+    with torch.no_grad():
+        draft.head.weight.add_(0.1 * torch.randn(draft.head.weight.shape, dtype=torch.float64))
+    checked = []
+    catch_up = DraftProposer._catch_up
+
+    def checked_catch_up(self, seqs):
+        logits = catch_up(self, seqs)  # (B, V)
+        for seq, row in zip(seqs, logits, strict=True):
+            whole = draft(torch.tensor([seq.tokens]))[0, -1].float()  # (V,)
+            checked.append(float((row - whole).abs().max()))
+        return logits
+
+    monkeypatch.setattr(DraftProposer, "_catch_up", checked_catch_up)
+    per_block = 4 * 2 * (2 * 2 * 2 * 8 * 8)  # 4 tokens of target and draft K/V, float64
+    params = RequestParams(max_tokens=24, sampling=GREEDY, stop_at_eot=False)
+    engine = Engine(model, tok, block_size=4, kv_cache_memory=21 * per_block, draft=draft)
+    run(engine, prompts(model), params)
+    stats = engine.stats()
+    assert stats.preemptions > 0 and 0 < stats.speculative_acceptance_rate < 1
+    assert len(checked) > 20 and max(checked) < 1e-6
+
+
 def test_the_target_as_its_own_draft_is_a_one_line_error(tok, model):
     with pytest.raises(DecoderLMError, match="the draft model is the target itself"):
         Engine(model, tok, draft=model)
