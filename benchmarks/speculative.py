@@ -1,4 +1,5 @@
-"""Speculative decoding at batch 1: decode tokens/s with and without it, greedy, on the CPU.
+"""Speculative decoding: decode tokens/s with and without it, greedy, on the CPU: at batch 1 in
+`generate`, and with `--engine` through the serving engine at 1 and 16 streams.
 
 Models (LLaMA-shaped, float32): a target of d_model 256, 4 layers, 4 heads sharing 2 K/V heads,
 vocab 512, context 1024.
@@ -22,12 +23,21 @@ speculative / plain. Times are the process's CPU time (`time.process_time`) on o
 shared CPU, other jobs double the wall time of a run at random, not its CPU time (the same on an
 idle machine). The outputs are checked to be equal first.
 
+With `--engine`: the same cases through `Engine.generate` (continuous batching, one engine per
+side, kept across runs), at 1 stream and at --streams streams; each stream's prompt has its own
+random instruction and ends at its own place in the file (the worst case: its own random prompt),
+and decode tok/s = streams · (N − 1) / (t(N) − t(1)); the speedup is the median over runs of each
+run's ratio (both sides of a run see about the same load: steadier than the ratio of the fastest
+on a CPU shared with other jobs).
+
     HF_HUB_OFFLINE=1 python benchmarks/speculative.py [--new-tokens 256] [--k 4] [--runs 9]
+    HF_HUB_OFFLINE=1 python benchmarks/speculative.py --engine [--streams 16] [--new-tokens 64]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Any
 
@@ -35,7 +45,11 @@ import torch
 
 from decoderlm import DecoderLM, ModelConfig
 from decoderlm.inference.generate import generate
+from decoderlm.inference.sampling import SamplingParams
 from decoderlm.inference.speculative import SpeculativeStats
+from decoderlm.serving.engine import Engine
+from decoderlm.serving.types import RequestParams
+from decoderlm.tokenizer import Tokenizer
 
 VOCAB = 512
 FILE_TOKENS = 200  # the "source file": distinct random tokens
@@ -116,21 +130,126 @@ def compare(
     }
 
 
+def grounded_prompt(file: torch.Tensor, at: int, g: torch.Generator) -> list[int]:
+    """40 random "instruction" tokens, the whole file, then its 8 tokens from `at` again."""
+    instruction = torch.randint(0, VOCAB, (40,), generator=g).tolist()
+    return instruction + file.tolist() + torch.roll(file, -at)[:8].tolist()
+
+
+def engine_seconds(engine: Engine, prompts: list[list[int]], n: int) -> float:
+    """CPU time of this process for `engine` to generate n greedy tokens after each prompt."""
+    params = RequestParams(n, SamplingParams(temperature=0), stop_at_eot=False)
+    start = time.process_time()
+    engine.generate(prompts, params)
+    return time.process_time() - start
+
+
+def compare_engine(
+    name: str,
+    model: DecoderLM,
+    prompts: list[list[int]],
+    draft: Any,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """Decode tok/s of `prompts` as concurrent streams, plain and speculative, as `compare`."""
+    tokenizer = Tokenizer.train_char(["".join(chr(0x4E00 + i) for i in range(VOCAB - 1))])
+    engines = {
+        "plain": Engine(model, tokenizer, kv_cache_memory="64MiB"),
+        "spec": Engine(
+            model,
+            tokenizer,
+            kv_cache_memory="64MiB",
+            draft=draft,
+            num_speculative_tokens=args.k,
+        ),
+    }
+    params = RequestParams(args.new_tokens, SamplingParams(temperature=0), stop_at_eot=False)
+    outputs = {side: engine.generate(prompts, params) for side, engine in engines.items()}
+    plain, fast = ([c.token_ids for c in outputs[side]] for side in ("plain", "spec"))
+    assert fast == plain, f"{name}: speculative output differs from plain greedy"
+    before = engines["spec"].stats()
+    times: dict[str, list[float]] = {"plain 1": [], "plain N": [], "spec 1": [], "spec N": []}
+    for _ in range(args.runs):  # interleaved: both sides see the same load
+        for side, engine in engines.items():
+            times[f"{side} 1"].append(engine_seconds(engine, prompts, 1))
+            times[f"{side} N"].append(engine_seconds(engine, prompts, args.new_tokens))
+    best = {key: min(values) for key, values in times.items()}
+    rate = {
+        side: len(prompts) * (args.new_tokens - 1) / (best[f"{side} N"] - best[f"{side} 1"])
+        for side in engines
+    }
+    ratios = [  # each run's plain decode time / speculative decode time
+        (pn - p1) / (sn - s1)
+        for pn, p1, sn, s1 in zip(
+            times["plain N"], times["plain 1"], times["spec N"], times["spec 1"], strict=True
+        )
+    ]
+    stats = engines["spec"].stats()
+    proposed = stats.speculative_proposed - before.speculative_proposed
+    accepted = stats.speculative_accepted - before.speculative_accepted
+    verifications = stats.speculative_verifications - before.speculative_verifications
+    return {
+        "case": f"{name}, {len(prompts)} stream{'s' if len(prompts) > 1 else ''}",
+        "plain": rate["plain"],
+        "spec": rate["spec"],
+        "speedup": statistics.median(ratios),
+        "acceptance": accepted / proposed if proposed else 0.0,
+        "mean_len": accepted / verifications if verifications else 0.0,
+    }
+
+
+def engine_table(
+    target: DecoderLM, file: torch.Tensor, g: torch.Generator, args: argparse.Namespace
+) -> None:
+    n = args.streams
+    grounded = [grounded_prompt(file, 13 * i, g) for i in range(n)]
+    length = len(grounded[0])
+    random_prompts = [torch.randint(0, VOCAB, (length,), generator=g).tolist() for _ in range(n)]
+    draft = shallow_draft(target, 1)
+    print(
+        f"target: {target.num_params() / 1e6:.1f}M parameters; prompts of {length} tokens, "
+        f"{args.new_tokens} new tokens per stream, K = {args.k}, 1 thread, the engine"
+    )
+    cases = [
+        ("prompt lookup, input-grounded", grounded, "prompt-lookup"),
+        ("draft model (1 of 4 layers)", grounded, draft),
+        ("worst case: prompt lookup", random_prompts, "prompt-lookup"),
+    ]
+    rows = [
+        compare_engine(name, target, streams, proposer, args)
+        for name, prompts, proposer in cases
+        for streams in (prompts[:1], prompts)
+    ]
+    print("| case | plain tok/s | speculative tok/s | speedup | acceptance | mean accepted |")
+    print("|" + "---|" * 6)
+    for r in rows:
+        print(
+            f"| {r['case']} | {r['plain']:.0f} | {r['spec']:.0f} | {r['speedup']:.2f}× | "
+            f"{r['acceptance']:.2f} | {r['mean_len']:.2f} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=None, help="default 256; 64 --engine")
     parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--runs", type=int, default=9)
+    parser.add_argument("--runs", type=int, default=None, help="default 9; 3 with --engine")
+    parser.add_argument("--engine", action="store_true", help="through the serving engine")
+    parser.add_argument("--streams", type=int, default=16, help="with --engine (default 16)")
     args = parser.parse_args()
+    args.new_tokens = args.new_tokens or (64 if args.engine else 256)
+    args.runs = args.runs or (3 if args.engine else 9)
     torch.set_num_threads(1)  # CPU time is the run's time only on one thread
     g = torch.Generator().manual_seed(0)
     file = torch.randperm(VOCAB, generator=g)[:FILE_TOKENS]
-    instruction = torch.randint(0, VOCAB, (40,), generator=g).tolist()
-    grounded = instruction + file.tolist() + file[:8].tolist()
+    grounded = grounded_prompt(file, 0, g)
     random_prompt = torch.randint(0, VOCAB, (len(grounded),), generator=g).tolist()
 
     torch.manual_seed(0)
     target = ground(DecoderLM(config()).eval(), file)
+    if args.engine:
+        engine_table(target, file, g, args)
+        return
     print(
         f"target: {target.num_params() / 1e6:.1f}M parameters; prompts of {len(grounded)} tokens, {args.new_tokens} new tokens, K = {args.k}, "
         "1 thread"

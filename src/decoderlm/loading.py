@@ -64,3 +64,29 @@ def load(
     from decoderlm.tokenizer import Tokenizer
 
     return model, Tokenizer.from_file(tokenizer_file)
+
+
+def load_draft(
+    path: str | Path,
+    target: DecoderLM,
+    tokenizer: Tokenizer | None,
+    dtype: torch.dtype | str | None = None,
+) -> DecoderLM:
+    """A draft model for speculative decoding with `target` (whose tokenizer is `tokenizer`) from
+    a run or Hugging Face directory, on the target's device. DecoderLMError unless it has the
+    target's vocabulary: the same vocab_size and, where both directories have one, the same
+    tokenizer (token ↔ id map)."""
+    model, draft_tokenizer = load(path, target.tok_emb.weight.device, dtype)
+    if model.config.vocab_size != target.config.vocab_size:
+        raise DecoderLMError(
+            f"the draft {path}: its vocab_size={model.config.vocab_size} differs from the target's "
+            f"{target.config.vocab_size}; a draft must share the target's tokenizer"
+        )
+    if tokenizer is not None and draft_tokenizer is not None:
+        vocab = draft_tokenizer.backend.get_vocab(with_added_tokens=True)
+        if vocab != tokenizer.backend.get_vocab(with_added_tokens=True):
+            raise DecoderLMError(
+                f"the draft {path}: its tokenizer differs from the target's (another token ↔ id "
+                "map); a draft must share the target's tokenizer"
+            )
+    return model

@@ -301,6 +301,9 @@ def test_speculation_and_a_budget_without_one_sequence_are_refused_in_one_line(t
     model = tiny(preset, tok.vocab_size)
     with pytest.raises(DecoderLMError, match=r"^draft='prompt-lookup': speculative decoding is "):
         Engine(model, tok, draft="prompt-lookup")
+    draft = tiny(PRESETS[0], tok.vocab_size)
+    with pytest.raises(DecoderLMError, match=r"^draft=a draft model: speculative decoding is "):
+        Engine(model, tok, draft=draft)
     with pytest.raises(DecoderLMError, match=r"^kv_cache_memory=1000 holds no "):
         Engine(model, tok, kv_cache_memory=1000)
 

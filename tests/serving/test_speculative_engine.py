@@ -1,6 +1,6 @@
-"""Speculative decoding in the engine: prompt lookup per running sequence, verified in a pass of its
-own; greedy requests give the tokens they give alone without it, and the counts reach the stats and
-/metrics."""
+"""Speculative decoding in the engine: prompt lookup or a draft model per running sequence, all
+speculating sequences verified in one target pass; greedy requests give the tokens they give alone
+without it, and the counts reach the stats and /metrics."""
 
 from __future__ import annotations
 
@@ -31,21 +31,23 @@ def model(tok) -> DecoderLM:
     return tiny_model(tok)
 
 
-def tiny_model(tok: Tokenizer, **overrides) -> DecoderLM:
-    torch.manual_seed(0)
-    config = ModelConfig(
-        **overrides,
-        vocab_size=tok.vocab_size,
-        context_length=128,
+def tiny_model(tok: Tokenizer, seed: int = 0, **overrides) -> DecoderLM:
+    torch.manual_seed(seed)
+    shape = dict(
         d_model=32,
         n_layers=2,
         n_heads=4,
         n_kv_heads=2,
+        position="rope",
+        init_std=0.5,
+        context_length=128,
+    )
+    config = ModelConfig(
+        **{**shape, **overrides},
+        vocab_size=tok.vocab_size,
         mlp="swiglu",
         norm="rmsnorm",
-        position="rope",
         bias=False,
-        init_std=0.5,
     )
     return DecoderLM(config).double().eval()
 
@@ -139,8 +141,8 @@ def test_sampled_requests_with_speculation_are_seeded(tok, model):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(draft="runs/small"), "'prompt-lookup' only"),
-        (dict(num_speculative_tokens=3), "needs draft='prompt-lookup'"),
+        (dict(draft="runs/small"), "must be 'prompt-lookup' or a DecoderLM"),
+        (dict(num_speculative_tokens=3), "needs a draft"),
         (dict(draft="prompt-lookup", num_speculative_tokens=0), "must be an integer ≥ 1"),
     ],
 )
@@ -160,3 +162,272 @@ def test_serve_refuses_bad_speculation_flags_before_loading(tmp_path, capsys, fl
     assert main(["serve", "--checkpoint", str(tmp_path), *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("decoderlm: error: --num-speculative-tokens=") and err.count("\n") == 1
+
+
+# A draft model in the batch (`serving.draft`).
+
+
+def other_shape_draft(tok: Tokenizer) -> DecoderLM:
+    """A draft of another shape: 1 layer, d_model 16, MQA, learned positions."""
+    return tiny_model(tok, 1, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, position="learned")
+
+
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_greedy_requests_with_a_draft_model_give_their_plain_tokens(tok, model, block_size):
+    params = RequestParams(max_tokens=24, sampling=GREEDY, stop_at_eot=False)
+    draft = other_shape_draft(tok)
+    engine = Engine(model, tok, block_size=block_size, draft=draft, num_speculative_tokens=3)
+    requests = prompts(model)
+    events = run(engine, requests, params)
+    for prompt, got in zip(requests, events, strict=True):
+        # float64: the verification differs from one-token steps by rounding only.
+        assert token_ids(got) == generate(model, [prompt], 24, temperature=0)[0][len(prompt) :]
+    stats = engine.stats()
+    assert stats.speculative_proposed > 0 and stats.speculative_verifications > 0
+    assert stats.generated_tokens == 24 * len(requests) and stats.kv_blocks_used == 0
+    assert not engine.core.draft.held  # finished sequences are forgotten
+    # Both pools in the default 256MiB: N blocks each, one kept for the padding, float64 K/V.
+    per_token = 2 * 8 * (2 * 2 * 8 + 1 * 1 * 8)  # target: 2 layers, 2 K/V heads of 8; draft: 1, 1
+    assert stats.kv_bytes_per_token == per_token
+    assert stats.kv_blocks_total == 256 * 2**20 // (block_size * per_token) - 1
+
+
+def test_a_draft_with_a_shorter_context_stops_proposing_at_its_end(tok, model):
+    """Learned positions of 32: the draft proposes only while its drafts' positions fit."""
+    draft = tiny_model(tok, 1, d_model=16, n_layers=1, position="learned", context_length=32)
+    params = RequestParams(max_tokens=24, sampling=GREEDY, stop_at_eot=False)
+    engine = Engine(model, tok, block_size=4, draft=draft, num_speculative_tokens=4)
+    requests = prompts(model)  # two of 36 and 34 tokens: past the draft's context at once
+    events = run(engine, requests, params)
+    for prompt, got in zip(requests, events, strict=True):
+        assert token_ids(got) == generate(model, [prompt], 24, temperature=0)[0][len(prompt) :]
+    assert engine.stats().speculative_proposed > 0
+
+
+def test_preempted_sequences_with_a_draft_give_their_plain_tokens(tok, model):
+    """A pool of 20 blocks for 4 sequences of up to 15: the newest are preempted and recomputed,
+    and their draft K/V with them (a new block table starts the draft over). The draft is a copy
+    of the target, so stale draft K/V would show as a rejected draft."""
+    per_block = 4 * 2 * (2 * 2 * 2 * 8 * 8)  # 4 tokens of target and draft K/V, float64
+    params = RequestParams(max_tokens=24, sampling=GREEDY, stop_at_eot=False)
+    engine = Engine(model, tok, block_size=4, kv_cache_memory=21 * per_block, draft=tiny_model(tok))
+    requests = prompts(model)
+    events = run(engine, requests, params)
+    for prompt, got in zip(requests, events, strict=True):
+        assert token_ids(got) == generate(model, [prompt], 24, temperature=0)[0][len(prompt) :]
+    stats = engine.stats()
+    assert stats.kv_blocks_total == 20 and stats.preemptions > 0
+    assert stats.speculative_proposed > 0 and stats.speculative_acceptance_rate == 1.0
+
+
+def test_the_drafts_kv_is_exact_after_rejections_and_preemptions(tok, model, monkeypatch):
+    """At every proposal, the draft's logits after its catch-up on its own paged K/V (kept over
+    accepted drafts, rolled back over rejected ones, started over after a preemption) equal a
+    forward pass of the draft over the whole sequence: float64 models, whose logits the runner
+    hands on in float32, so to float32's rounding (1e-6; stale K/V differs by ~0.1)."""
+    from decoderlm.serving.draft import DraftProposer
+
+    draft = tiny_model(tok)  # the target with noise on its head: accepted in part
+    with torch.no_grad():
+        draft.head.weight.add_(0.1 * torch.randn(draft.head.weight.shape, dtype=torch.float64))
+    checked = []
+    catch_up = DraftProposer._catch_up
+
+    def checked_catch_up(self, seqs):
+        logits = catch_up(self, seqs)  # (B, V)
+        for seq, row in zip(seqs, logits, strict=True):
+            whole = draft(torch.tensor([seq.tokens]))[0, -1].float()  # (V,)
+            checked.append(float((row - whole).abs().max()))
+        return logits
+
+    monkeypatch.setattr(DraftProposer, "_catch_up", checked_catch_up)
+    per_block = 4 * 2 * (2 * 2 * 2 * 8 * 8)  # 4 tokens of target and draft K/V, float64
+    params = RequestParams(max_tokens=24, sampling=GREEDY, stop_at_eot=False)
+    engine = Engine(model, tok, block_size=4, kv_cache_memory=21 * per_block, draft=draft)
+    run(engine, prompts(model), params)
+    stats = engine.stats()
+    assert stats.preemptions > 0 and 0 < stats.speculative_acceptance_rate < 1
+    assert len(checked) > 20 and max(checked) < 1e-6
+
+
+def test_the_target_as_its_own_draft_is_a_one_line_error(tok, model):
+    with pytest.raises(DecoderLMError, match="the draft model is the target itself"):
+        Engine(model, tok, draft=model)
+
+
+def test_a_draft_with_recurrent_layers_is_a_one_line_error(tok, model):
+    draft = tiny_model(tok, seed=1, layer_types=("gdn", "attention"))
+    with pytest.raises(
+        DecoderLMError, match=r"^the draft model has recurrent layers \(layer_types"
+    ):
+        Engine(model, tok, draft=draft)
+
+
+def test_a_draft_equal_to_the_target_is_always_accepted(tok, model):
+    """The draft's own KV (caught up, rolled back after rejections, or none: always accepted here)
+    is exact: a copy of the target proposes the target's greedy tokens, every one accepted."""
+    twin = tiny_model(tok)
+    params = RequestParams(max_tokens=20, sampling=GREEDY, stop_at_eot=False)
+    engine = Engine(model, tok, block_size=4, draft=twin, num_speculative_tokens=4)
+    requests = prompts(model)
+    events = run(engine, requests, params)
+    for prompt, got in zip(requests, events, strict=True):
+        assert token_ids(got) == generate(model, [prompt], 20, temperature=0)[0][len(prompt) :]
+    stats = engine.stats()
+    assert stats.speculative_proposed >= 20 and stats.speculative_acceptance_rate == 1.0
+
+
+def test_under_concurrency_a_greedy_request_with_a_draft_equals_its_output_alone(tok, model):
+    draft = other_shape_draft(tok)
+    greedy = RequestParams(max_tokens=20, sampling=GREEDY, stop_at_eot=False)
+    sampled = RequestParams(
+        max_tokens=20, sampling=SamplingParams(temperature=1.0), seed=3, stop_at_eot=False
+    )
+    requests = prompts(model)
+    engine = Engine(model, tok, block_size=4, draft=draft, num_speculative_tokens=3)
+    alone = token_ids(run(Engine(model, tok, block_size=4), requests[2:3], greedy)[0])
+    events: list[list[TokenEvent]] = [[] for _ in requests]
+    for i, prompt in enumerate(requests):
+        engine.submit(prompt, greedy if i == 2 else sampled, on_event=events[i].append)
+    while engine.step():
+        pass
+    assert token_ids(events[2]) == alone
+    assert all(len(token_ids(e)) == 20 for e in events)
+
+
+def test_sampled_requests_with_a_draft_model_are_seeded(tok, model):
+    params = RequestParams(max_tokens=16, sampling=SamplingParams(temperature=0.8), seed=4)
+    requests = prompts(model)
+    runs = [
+        run(Engine(model, tok, draft=other_shape_draft(tok)), requests, params) for _ in range(2)
+    ]
+    assert [token_ids(e) for e in runs[0]] == [token_ids(e) for e in runs[1]]
+
+
+def test_sampling_with_a_draft_equal_to_the_target_accepts_every_draft(tok, model):
+    """Rejection sampling accepts d with probability min(1, p(d)/q(d)): with q the draft's
+    distribution at d's position and the draft a copy of the target, q = p (to float64 rounding),
+    so every draft is accepted; a q at the wrong position, or one-hot q, would reject some."""
+    params = RequestParams(
+        max_tokens=20, sampling=SamplingParams(temperature=0.8), seed=7, stop_at_eot=False
+    )
+    engine = Engine(model, tok, block_size=4, draft=tiny_model(tok), num_speculative_tokens=3)
+    run(engine, prompts(model), params)
+    stats = engine.stats()
+    assert stats.speculative_proposed >= 20 and stats.speculative_acceptance_rate == 1.0
+
+
+def test_a_draft_with_another_vocabulary_is_a_one_line_error(tok, model):
+    other = tiny_model(Tokenizer.train_char(["abc"]))
+    with pytest.raises(DecoderLMError, match=r"vocab_size=\d+ differs from the target's"):
+        Engine(model, tok, draft=other)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "window", "atol"),
+    [
+        (torch.float64, 5, 1e-10),  # padded: a windowed layer and a full one, SDPA
+        (torch.float64, None, 1e-10),  # padded
+        (torch.float32, None, 1e-4),  # packed: attention in place, other linear shapes
+    ],
+)
+def test_batched_verification_equals_each_sequences_own_pass(tok, dtype, window, atol):
+    """`ragged.forward_rows` over rows of different starts and lengths gives each row the logits
+    of its own pass, packed or padded; padding writes go nowhere a row reads."""
+    from decoderlm.serving.kv_pool import BlockPool
+    from decoderlm.serving.ragged import Row, forward_rows
+    from decoderlm.serving.runner import ModelRunner
+    from decoderlm.serving.scheduler import Sequence
+
+    layers = None if window is None else (0,)
+    model = tiny_model(tok, sliding_window=window, sliding_window_layers=layers).to(dtype)
+    runner = ModelRunner(
+        model, kv_cache_memory=2**20, block_size=4, kv_cache_dtype=None, cpu_kernels=True
+    )
+    assert runner.cache.packable == (dtype == torch.float32)
+    pool = BlockPool(runner.num_blocks - 1, 4)
+    lengths, drafts = [3, 9, 6], [[1, 2], [5, 6, 7, 8], []]  # rows of 3, 5 and 1 tokens
+    seqs = []
+    with runner.running():
+        for i, (n, d) in enumerate(zip(lengths, drafts, strict=True)):
+            tokens = [(7 * i + j) % tok.vocab_size for j in range(n)]
+            seq = Sequence(tokens, n, 64, pool.allocate([], 4)[0])
+            runner.forward([seq], n - 1)  # all but the last token computed
+            seq.n_computed = n - 1
+            seq.tokens += d
+            seqs.append(seq)
+        rows = [Row(s.blocks, s.n_computed, s.tokens[s.n_computed :]) for s in seqs]
+        batched = forward_rows(runner, rows)  # (n_b, V) each
+        for seq, got in zip(seqs, batched, strict=True):
+            n = len(seq.tokens) - seq.n_computed
+            alone = runner.forward([seq], n, last_only=False)[0]  # (n, V)
+            assert got.shape == alone.shape
+            assert torch.allclose(got, alone, rtol=0, atol=atol)
+
+
+def test_serve_refuses_a_missing_draft_directory_before_loading(tmp_path, capsys):
+    missing = tmp_path / "no-draft"
+    assert main(["serve", "--checkpoint", str(tmp_path), "--draft", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"decoderlm: error: --draft {missing}: no such directory")
+    assert err.count("\n") == 1
+
+
+def test_a_draft_directory_with_another_tokenizer_is_a_one_line_error(tok, model, tmp_path):
+    """Same vocab_size, another token ↔ id map: `load_draft` (what `serve --draft RUN` calls)
+    refuses it; the same tokenizer loads."""
+    from decoderlm.checkpoint import save_model
+    from decoderlm.loading import load_draft
+
+    shuffled = Tokenizer.train_char([ALPHABET.replace("z", "Z")])
+    assert shuffled.vocab_size == tok.vocab_size
+    for name, tokenizer in (("same", tok), ("other", shuffled)):
+        save_model(tmp_path / name, other_shape_draft(tok).float(), tokenizer)
+    assert load_draft(tmp_path / "same", model, tok).config.d_model == 16
+    with pytest.raises(DecoderLMError, match="its tokenizer differs from the target's") as err:
+        load_draft(tmp_path / "other", model, tok)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_float32_greedy_requests_with_speculation_give_the_plain_engines_tokens(tok, window):
+    """float32 with the CPU kernels: speculating rows and plain ones packed in one pass, attended
+    in place (`PagedKVCache.seek_packed`), or with a windowed layer padded, the full layer still
+    attending in place; the tokens equal the plain engine's."""
+    layers = None if window is None else (0,)
+    model = tiny_model(tok, sliding_window=window, sliding_window_layers=layers).float()
+    params = RequestParams(max_tokens=24, sampling=GREEDY, stop_at_eot=False)
+    requests = prompts(model)
+    plain = run(Engine(model, tok, block_size=4), requests, params)
+    for draft in ("prompt-lookup", other_shape_draft(tok).float()):
+        engine = Engine(model, tok, block_size=4, draft=draft, num_speculative_tokens=3)
+        assert engine.runner.cache.packable == (window is None)
+        fast = run(engine, requests, params)
+        assert [token_ids(e) for e in fast] == [token_ids(e) for e in plain]
+        assert engine.stats().speculative_verifications > 0
+
+
+def test_a_served_checkpoint_with_a_draft_directory_gives_its_plain_tokens(run_dir):
+    """What `serve --draft RUN` builds (`engine_process.build_engine`): the draft loaded from its
+    directory (here the target's own run), greedy tokens the plain engine's."""
+    from decoderlm.serving.engine_process import EngineSpec, build_engine
+
+    params = RequestParams(max_tokens=12, sampling=GREEDY, stop_at_eot=False)
+    plain = build_engine(EngineSpec(str(run_dir), "float32"))
+    fast = build_engine(EngineSpec(str(run_dir), "float32", {"draft": str(run_dir)}))
+    assert isinstance(fast.core.draft.runner.model, DecoderLM)
+    prompts = ["Hello there", "abc"]
+    assert [c.token_ids for c in fast.generate(prompts, params)] == [
+        c.token_ids for c in plain.generate(prompts, params)
+    ]
+    assert fast.stats().speculative_acceptance_rate == 1.0
+
+
+def test_int8_kv_with_a_draft_model_gives_the_plain_int8_engines_tokens(tok, model):
+    params = RequestParams(max_tokens=20, sampling=GREEDY, stop_at_eot=False)
+    requests = prompts(model)
+    plain = run(Engine(model, tok, block_size=4, kv_cache_dtype="int8"), requests, params)
+    engine = Engine(model, tok, block_size=4, kv_cache_dtype="int8", draft=other_shape_draft(tok))
+    fast = run(engine, requests, params)
+    assert [token_ids(e) for e in fast] == [token_ids(e) for e in plain]
+    assert engine.stats().speculative_proposed > 0

@@ -156,11 +156,11 @@ def _speculate(
     the acceptance counts of all samples to stderr."""
     from decoderlm.inference.generate import generate
     from decoderlm.inference.speculative import PROMPT_LOOKUP, SpeculativeStats
-    from decoderlm.loading import load
+    from decoderlm.loading import load_draft
 
     draft = args.draft
     if draft != PROMPT_LOOKUP:
-        draft = load(args.draft, device=args.device, dtype=args.dtype)[0]
+        draft = load_draft(args.draft, model, tokenizer, args.dtype)
     ids = tokenizer.encode(prompt)
     eot = getattr(tokenizer, "eot_id", None)
     stats = SpeculativeStats()

@@ -86,9 +86,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_kv_cache_dtype_argument(parser)
     parser.add_argument(
         "--draft",
-        choices=("prompt-lookup",),
         default=None,
-        help="speculative decoding: each sequence proposes tokens by prompt lookup",
+        metavar="RUN|prompt-lookup",
+        help="speculative decoding: each sequence proposes tokens with a draft model (a run or "
+        "Hugging Face directory with the same tokenizer, its KV cache inside --kv-cache-memory) "
+        "or by prompt lookup",
     )
     parser.add_argument(
         "--num-speculative-tokens",
@@ -196,6 +198,11 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
     parse_bytes(args.kv_cache_memory)
     if args.max_queue < 1:
         raise DecoderLMError(f"--max-queue={args.max_queue} must be ≥ 1")
+    if args.draft not in (None, "prompt-lookup") and not Path(args.draft).is_dir():
+        raise DecoderLMError(
+            f"--draft {args.draft}: no such directory (give a run or Hugging Face directory, "
+            "or prompt-lookup)"
+        )
     k = args.num_speculative_tokens
     if k is not None and (args.draft is None or k < 1):
         raise DecoderLMError(f"--num-speculative-tokens={k} needs --draft and must be ≥ 1")

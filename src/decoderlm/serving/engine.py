@@ -11,11 +11,13 @@ the logits become tokens in `sampler.sample` and tokens become `TokenEvent`s in
 request's tokens do not depend on what else runs: greedy requests equal `decoderlm.generate` on
 their prompt alone, up to floating-point rounding of the batched kernels.
 
-With `draft="prompt-lookup"` each decoding sequence proposes up to K tokens by prompt lookup
-(`decoderlm.inference.speculative`, K adapted per sequence); the scheduler appends them to its
-tokens, its pass runs its last token and them (a small prefill chunk of its own), `sampler.verify`
-accepts a prefix and chooses the next token, and the rejected ones are taken off again (their K/V
-is not counted in n_computed, so the next pass writes over it).
+With `draft="prompt-lookup"` or a draft model each decoding sequence proposes up to K tokens, by
+prompt lookup (`decoderlm.inference.speculative`) or with the draft in a KV pool of its own
+(`draft.DraftProposer`, every speculating sequence's draft passes batched), K adapted per
+sequence; the scheduler appends them to its tokens, and one target pass runs every speculating
+sequence's last token and drafts (`ragged.forward_rows`: rows of different lengths);
+`sampler.verify` accepts a prefix and chooses the next token, and the rejected ones are taken off
+again (their K/V is not counted in n_computed, so the next pass writes over it).
 
 Use it offline with `generate`, or `start()` a background thread that steps while there is work
 and consume `stream(...)` from asyncio (`streams`). Submitting, cancelling and stats are
@@ -37,6 +39,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from decoderlm.cpu.paths import SpeedPaths
@@ -50,9 +53,11 @@ from decoderlm.inference.speculative import (
 from decoderlm.inference.structured import StructuredGrammar
 from decoderlm.model.cache import check_kv_cache_dtype
 from decoderlm.model.lm import DecoderLM
+from decoderlm.serving.draft import DraftProposer, check_draft, split_kv_budget
 from decoderlm.serving.inputs import InputProcessor
 from decoderlm.serving.kv_pool import BlockPool
 from decoderlm.serving.output import SequenceOutput, prompt_events
+from decoderlm.serving.ragged import SCRATCH_BLOCKS, Row, forward_rows
 from decoderlm.serving.runner import ModelRunner
 from decoderlm.serving.sampler import Sampled, SamplingState, sample, verify
 from decoderlm.serving.scheduler import Scheduler, Sequence
@@ -130,16 +135,22 @@ class EngineCore:
         prefill_chunk: int,
         prefix_caching: bool,
         num_speculative_tokens: int | None = None,
+        draft: DraftProposer | None = None,
     ) -> None:
-        """num_speculative_tokens: K, each decoding sequence's prompt-lookup proposals per step
-        (`decoderlm.inference.speculative`); None: no speculation."""
+        """num_speculative_tokens: K, each decoding sequence's proposals per step, by `draft`, or
+        by prompt lookup without one (`decoderlm.inference.speculative`); None: no speculation.
+        Speculation keeps the runner's last block out of the pool (`ragged.SCRATCH_BLOCKS`)."""
         self.tokenizer, self.vocab_size, self.runner = tokenizer, vocab_size, runner
         self.num_speculative_tokens = num_speculative_tokens
-        self.lookup = PromptLookup()
+        self.lookup, self.draft = PromptLookup(), draft
         self.drafted: dict[Sequence, int] = {}  # this step's verifications: drafts per sequence
+        self.q: dict[Sequence, Tensor | None] = {}  # the draft model's q (k, V) of them
         self.decodable = decodable_ids(tokenizer, vocab_size)
+        reserved = 0 if num_speculative_tokens is None else SCRATCH_BLOCKS
         states = runner.states  # recurrent layers' (`state_pool`): no prefix sharing over them
-        self.pool = BlockPool(runner.num_blocks, block_size, prefix_caching and states is None)
+        self.pool = BlockPool(
+            runner.num_blocks - reserved, block_size, prefix_caching and states is None
+        )
         pages = None if states is None else states.pages(self.pool)
         self.scheduler = Scheduler(self.pool, prefill_chunk, pages)
         self.requests: dict[str, _Request] = {}
@@ -184,28 +195,55 @@ class EngineCore:
         counters.max_running = max(counters.max_running, len(self.scheduler.running))
         self.drafted = {seq: k for seq in plan.decode if (k := self._speculate(seq))}
         decode = [seq for seq in plan.decode if seq not in self.drafted]
-        batches = [(decode, 1)] if decode else []
-        verifications = [([seq], k + 1) for seq, k in self.drafted.items()]
-        return batches + verifications + [([seq], n) for seq, n in plan.prefill]
+        if self.drafted:  # one pass: the plain rows, then the verifications (`ragged`)
+            batches = [(decode + list(self.drafted), max(self.drafted.values()) + 1)]
+        else:
+            batches = [(decode, 1)] if decode else []
+        return batches + [([seq], n) for seq, n in plan.prefill]
 
     def _speculate(self, seq: Sequence) -> int:
-        """Prompt lookup's drafts for decoding `seq`, appended to its tokens; how many."""
+        """How many drafts decoding `seq` verifies this step: prompt lookup's, appended to its
+        tokens now, or the draft model's, for which room is made now (`run` proposes them)."""
         schedule = self.live[seq].speculation
         k = 0 if schedule is None else schedule.next()
-        drafts = self.lookup.propose(seq.tokens, k)[0] if k else []
-        return self.scheduler.speculate(seq, drafts) if drafts else 0
+        if not k:
+            return 0
+        if self.draft is not None:
+            return self.scheduler.room(seq, self.draft.limit(seq, k))
+        drafts = self.lookup.propose(seq.tokens, k)[0]
+        if not drafts:  # nothing to propose counts as a proposal rejected: the lookup backs off
+            schedule.update(k, 0)
+            return 0
+        return self.scheduler.speculate(seq, drafts)
 
-    def run(self, batches: list[tuple[list[Sequence], int]]) -> list[Tensor | None]:
-        """Each pass's logits (B, V), or None for a pass that raised (logged)."""
+    def run(self, batches: list[tuple[list[Sequence], int]]) -> list[Tensor | list[Tensor] | None]:
+        """Each pass's logits, (B, V), or for the pass with verifications each row's (n_b, V);
+        None for a pass that raised (logged)."""
         return [
-            _isolated(self.runner.forward, seqs, n, False)  # every position's logits
-            if seqs[0] in self.drafted
+            self._verification(seqs)
+            if seqs[-1] in self.drafted
             else _isolated(self.runner.forward, seqs, n)
             for seqs, n in batches
         ]
 
+    def _verification(self, seqs: list[Sequence]) -> list[Tensor] | None:
+        """The draft model's proposals, if it proposes, then the pass over each sequence's tokens
+        not computed: a plain row's last token, a speculating one's last token and drafts."""
+        drafting = [seq for seq in seqs if seq in self.drafted]
+        if self.draft is not None:
+            ks = [self.drafted[seq] for seq in drafting]
+            states = [self.live[seq].sampling for seq in drafting]
+            qs = _isolated(self.draft.propose, drafting, ks, states, self.decodable)
+            if qs is None:
+                return None
+            self.q = dict(zip(drafting, qs, strict=True))
+        rows = [Row(seq.blocks, seq.n_computed, seq.tokens[seq.n_computed :]) for seq in seqs]
+        return _isolated(forward_rows, self.runner, rows)
+
     def outputs(
-        self, batches: list[tuple[list[Sequence], int]], logits: list[Tensor | None]
+        self,
+        batches: list[tuple[list[Sequence], int]],
+        logits: list[Tensor | list[Tensor] | None],
     ) -> list[tuple[_Request, TokenEvent]]:
         """The events of the passes `run` ran."""
         events = []
@@ -215,14 +253,21 @@ class EngineCore:
         return events
 
     def _pass_events(
-        self, seqs: list[Sequence], n: int, logits: Tensor | None
+        self, seqs: list[Sequence], n: int, logits: Tensor | list[Tensor] | None
     ) -> list[tuple[_Request, TokenEvent]]:
-        """The events of a forward pass that ran n tokens of `seqs`, whose logits (B, V) are
-        None if it failed: then its sequences end, and the other passes go on."""
+        """The events of a forward pass that ran n tokens of `seqs`, whose logits (B, V) (for
+        the pass with verifications: each row's (n_b, V)) are None if it failed: then its
+        sequences end, and the other passes go on."""
         if logits is None:
             return [self.end(seq, "error") for seq in seqs if seq in self.live]
-        if seqs[0] in self.drafted:
-            return self._verified(seqs[0], self.drafted[seqs[0]], logits[0])
+        if seqs[-1] in self.drafted:  # logits: a list, each row's (n_b, V)
+            plain = len(seqs) - len(self.drafted)  # the plain rows come first
+            events = []
+            if plain:  # their last (only) token's logits: (B', V)
+                events += self._pass_events(seqs[:plain], 1, torch.stack(logits[:plain])[:, -1])
+            for seq, rows in zip(seqs[plain:], logits[plain:], strict=True):
+                events += self._verified(seq, self.drafted[seq], rows)
+            return events
         ready = [seq in self.live and seq.n_pending == n for seq in seqs]  # at its last token
         states = [self.live[s].sampling if r else None for s, r in zip(seqs, ready, strict=True)]
         events = []
@@ -240,12 +285,15 @@ class EngineCore:
         live = self.live[seq]
         drafts = seq.tokens[-k:]
         self.scheduler.reject(seq, k)  # they come back as they are accepted
-        chosen = _isolated(verify, logits, live.sampling, seq.tokens, drafts, self.decodable)
+        q = self.q.pop(seq, None)
+        chosen = _isolated(verify, logits, live.sampling, seq.tokens, drafts, self.decodable, q)
         if chosen is None:
             return [self.end(seq, "error")]
         n = len(chosen) - 1
         if live.speculation is not None:
             live.speculation.update(k, n)
+        if self.draft is not None:
+            self.draft.accepted(seq, n)
         self.counters.proposed += k
         self.counters.accepted += n
         self.counters.verifications += 1
@@ -273,6 +321,8 @@ class EngineCore:
     def _finish(self, seq: Sequence, event: TokenEvent) -> tuple[_Request, TokenEvent]:
         """Take `seq` out (its blocks are freed); `event` is its last."""
         self.scheduler.remove(seq)
+        if self.draft is not None:
+            self.draft.forget(seq)
         request = self.live.pop(seq).request
         request.n_open -= 1
         if request.n_open == 0:
@@ -293,7 +343,8 @@ class EngineCore:
             kv_blocks_used=self.pool.num_used,
             kv_blocks_total=self.pool.num_blocks,
             kv_block_size=self.pool.block_size,
-            kv_bytes_per_token=self.runner.bytes_per_token,
+            kv_bytes_per_token=self.runner.bytes_per_token  # the draft's pool's too, if any
+            + (0 if self.draft is None else self.draft.runner.bytes_per_token),
             prompt_tokens=counters.prompt_tokens,
             generated_tokens=counters.generated,
             prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
@@ -322,16 +373,19 @@ class Engine:
         prefix_caching: bool = True,
         kv_cache_dtype: str | None = None,
         cpu_kernels: bool | SpeedPaths = True,
-        draft: str | None = None,
+        draft: str | DecoderLM | None = None,
         num_speculative_tokens: int | None = None,
     ) -> None:
         """kv_cache_memory, kv_cache_dtype, cpu_kernels (its CPU speed paths): the KV pool and the model's kernels, as
         `ModelRunner` takes them; max_queue: the most sequences waiting; prefill_chunk: the most
         prompt tokens one step runs; prefix_caching: reuse the KV blocks of a shared prefix (off
         for a model with recurrent layers, and `draft` refused: `state_pool`);
-        draft "prompt-lookup": speculative decoding, each decoding sequence proposing
-        `num_speculative_tokens` (default 4) tokens per step by prompt lookup, verified in one
-        pass of its own (`decoderlm.inference.speculative`; the same tokens for greedy requests)."""
+        draft "prompt-lookup" or a draft model (a DecoderLM with `model`'s vocabulary): speculative
+        decoding, each decoding sequence proposing `num_speculative_tokens` (default 4) tokens per
+        step, all verified in one target pass (`decoderlm.inference.speculative`; the same tokens
+        for greedy requests, the same distribution for sampled ones). A draft model's KV pool
+        comes out of `kv_cache_memory` too: both pools get the same number of blocks
+        (`draft.split_kv_budget`)."""
         check_kv_cache_dtype(kv_cache_dtype)
         check_engine_options(model.config, draft)
         for name, value in (
@@ -342,22 +396,22 @@ class Engine:
             _positive_int(name, value)
         self.model, self.tokenizer, self.max_queue = model, tokenizer, max_queue
         self.max_sequence = model.config.context_length  # tokens per sequence
-        self.runner = ModelRunner(
-            model,
-            kv_cache_memory=kv_cache_memory,
-            block_size=block_size,
-            kv_cache_dtype=kv_cache_dtype,
-            cpu_kernels=cpu_kernels,
-        )
-        vocab_size, num_blocks = model.config.vocab_size, self.runner.budget.sequence_blocks
-        self.inputs = InputProcessor(  # prompts hold only ids the tokenizer can decode
-            tokenizer,
-            decodable_ids(tokenizer, vocab_size),
-            self.max_sequence,
-            block_size,
-            num_blocks,
-            max_queue,
-        )
+        k = _speculative_tokens(draft, num_speculative_tokens)
+        pools = dict(block_size=block_size, kv_cache_dtype=kv_cache_dtype, cpu_kernels=cpu_kernels)
+        proposer = None
+        if isinstance(draft, DecoderLM):
+            check_draft(model, draft)
+            kv_cache_memory, draft_memory = split_kv_budget(
+                model, draft, kv_cache_memory, block_size, kv_cache_dtype
+            )
+            proposer = DraftProposer(ModelRunner(draft, kv_cache_memory=draft_memory, **pools))
+        self.runner = ModelRunner(model, kv_cache_memory=kv_cache_memory, **pools)
+        if k is not None and self.runner.num_blocks <= SCRATCH_BLOCKS:
+            raise DecoderLMError(
+                f"kv_cache_memory={kv_cache_memory!r} holds {self.runner.num_blocks} KV block; "
+                "speculative decoding needs at least 2"
+            )
+        vocab_size = model.config.vocab_size
         self.core = EngineCore(
             tokenizer,
             vocab_size,
@@ -365,7 +419,18 @@ class Engine:
             block_size,
             prefill_chunk,
             prefix_caching,
-            _speculative_tokens(draft, num_speculative_tokens),
+            k,
+            proposer,
+        )
+        self.inputs = InputProcessor(  # prompts hold only ids the tokenizer can decode
+            tokenizer,
+            decodable_ids(tokenizer, vocab_size),
+            self.max_sequence,
+            block_size,
+            # the blocks one sequence may hold: beside its state's pages, without the scratch block
+            self.runner.budget.sequence_blocks
+            - (self.runner.num_blocks - self.core.pool.num_blocks),
+            max_queue,
         )
         self._lock = threading.Condition()  # guards everything below, and the core
         self._cancels: list[Sequence] = []
@@ -626,14 +691,22 @@ def _state_stats(runner: ModelRunner, scheduler: Scheduler) -> dict[str, int]:
     }
 
 
-def _speculative_tokens(draft: str | None, num_speculative_tokens: int | None) -> int | None:
-    """The engine's K: None without a draft; DecoderLMError for a draft other than prompt lookup."""
+def _speculative_tokens(
+    draft: str | DecoderLM | None, num_speculative_tokens: int | None
+) -> int | None:
+    """The engine's K: None without a draft; DecoderLMError for a draft that is neither prompt
+    lookup nor a model."""
     if draft is None:
         if num_speculative_tokens is not None:
-            raise DecoderLMError("num_speculative_tokens needs draft='prompt-lookup'")
+            raise DecoderLMError(
+                "num_speculative_tokens needs a draft ('prompt-lookup' or a model)"
+            )
         return None
-    if draft != PROMPT_LOOKUP:
-        raise DecoderLMError(f"draft={draft!r}: the engine speculates with 'prompt-lookup' only")
+    if not (isinstance(draft, DecoderLM) or draft == PROMPT_LOOKUP):
+        raise DecoderLMError(
+            f"draft={draft!r} must be 'prompt-lookup' or a DecoderLM (a draft model; "
+            "`decoderlm.loading.load_draft` loads one from a directory)"
+        )
     k = DEFAULT_NUM_SPECULATIVE_TOKENS if num_speculative_tokens is None else num_speculative_tokens
     _positive_int("num_speculative_tokens", k)
     return k

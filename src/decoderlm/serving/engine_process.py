@@ -295,14 +295,18 @@ class EngineProcess:
 def build_engine(spec: EngineSpec) -> Engine:
     """The (not yet started) `Engine` of `spec`, in this process: what the child runs, and what
     `decoderlm serve --engine thread` serves."""
-    from decoderlm.loading import load
+    from decoderlm.inference.speculative import PROMPT_LOOKUP
+    from decoderlm.loading import load, load_draft
 
     if spec.threads:
         torch.set_num_threads(spec.threads)
     model, tokenizer = load(spec.checkpoint, dtype=spec.dtype)
     if tokenizer is None:
         raise DecoderLMError(f"{spec.checkpoint} has no tokenizer.json, so text cannot be encoded")
-    return Engine(model, tokenizer, **spec.engine)
+    options = dict(spec.engine)
+    if options.get("draft") not in (None, PROMPT_LOOKUP):  # a draft model's directory
+        options["draft"] = load_draft(options["draft"], model, tokenizer, spec.dtype)
+    return Engine(model, tokenizer, **options)
 
 
 def _child_main(spec: EngineSpec, conn: Any) -> None:

@@ -35,6 +35,10 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.model.cache import BaseLayerCache, Int8Buffer, LayerCaches, kv_buffer
 from decoderlm.model.config import ModelConfig
 
+# `attend_in_place` handles passes of up to this many tokens per row (a decode step, a speculative
+# verification); longer ones (prefill chunks) go to SDPA, faster for many queries.
+IN_PLACE_MAX_TOKENS = 16
+
 _UNITS = {
     "": 1,
     "B": 1,
@@ -175,29 +179,42 @@ class PagedLayerCache(BaseLayerCache):
         slots = (num_blocks * block_size, n_kv_heads, head_dim)
         self.k_slots, self.v_slots = k.view(*slots), v.view(*slots)  # the same storage, per slot
         self.write: Tensor | None = None  # (B·T,) slots of the new tokens
-        self.read: Tensor | None = None  # (B, n_blocks) block tables, or (B, Tk) slots (windowed)
+        self.read: Tensor | None = None  # (B, n_blocks) block tables, or (B, Tk) slots
+        self.by_slot = window is not None  # `read` holds slots (left-padded), not block tables
         self.n_keys = 0  # keys each row attends (full layers: the longest row's length)
         self.lengths: Tensor | None = None  # (B,) keys of each row, this step's included
+        self.queries: tuple[Tensor, Tensor] | None = None  # (B·T, n_blocks), (B·T,): per query
         self.key_padding_mask: Tensor | None = None  # (B, Tk) True at real keys; None: all real
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """k, v (B, Hkv, T, hd) go to their slots; returns the rows' keys/values (B, Hkv, Tk, hd)."""
         self._store(k, v)
-        if self.window is not None:
+        if self.by_slot:
             return self._slots(self.k_slots), self._slots(self.v_slots)
         return self._blocks(self.k), self._blocks(self.v)
 
     def attend_in_place(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor | None:
-        """A decode step (T = 1) of a layer without a window: store k, v (B, Hkv, 1, hd) and
-        return the attention of q (B, H, 1, hd) over each row's keys, read from the pools where
-        they lie (`decoderlm.cpu.paged_attention`): (B, H, 1, hd). None otherwise (or without
-        `in_place`): then the caller calls `update` and attends the keys it returns."""
-        if not self.in_place or q.shape[2] != 1:
+        """A pass of T ≤ `IN_PLACE_MAX_TOKENS` tokens per row (a decode step, T = 1, or a
+        speculative verification), or a packed pass (`PagedKVCache.seek_packed`), of a layer
+        without a window: store k, v (B, Hkv, T, hd) and return the attention of q (B, H, T, hd)
+        over each row's keys, read from the pools where they lie
+        (`decoderlm.cpu.paged_attention`): (B, H, T, hd). Query t of row b is one row of the
+        kernel, attending the row's first start_b + t + 1 keys: causal, whatever the rows'
+        lengths. None otherwise (or without `in_place`): then the caller calls `update` and
+        attends the keys it returns."""
+        b, h, t, hd = q.shape
+        if not self.in_place or (t > 1 and self.queries is None):
             return None
         self._store(k, v)
-        return paged_decode_attention(  # `PagedKVCache.seek` checked this step's tables
-            q, self.k, self.v, self.read, self.lengths, scale, checked=True
+        if t == 1:
+            table, lengths = self.read, self.lengths
+        else:
+            table, lengths = self.queries
+            q = q.transpose(1, 2).reshape(b * t, h, 1, hd)  # (B·T, H, 1, hd)
+        out = paged_decode_attention(  # `PagedKVCache.seek` checked this step's tables
+            q, self.k, self.v, table, lengths, scale, checked=True
         )
+        return out if t == 1 else out.view(b, t, h, hd).transpose(1, 2)  # (B, H, T, hd)
 
     def _store(self, k: Tensor, v: Tensor) -> None:
         self.k_slots.index_copy_(0, self.write, k.transpose(1, 2).flatten(0, 1))  # (B·T, Hkv, hd)
@@ -251,6 +268,21 @@ class PagedKVCache(LayerCaches):
             ]
         )
 
+    @property
+    def packable(self) -> bool:
+        """Whether `seek_packed` serves every layer: all attend in place."""
+        return all(layer.in_place for layer in self.layers)
+
+    def seek_packed(self, tables: Tensor, positions: Tensor) -> None:
+        """Before a forward pass over one row of N tokens from several sequences (vLLM's packed
+        batch: no padding): token i, at `positions[i]` of the sequence whose block table is
+        tables[i] (N, n_blocks), attends that sequence's keys up to itself. `packable` only."""
+        lengths = positions + 1  # (N,) keys of each token's query, its own included
+        check_block_tables(tables, lengths, self.layers[0].k.shape[0], self.block_size)
+        write = self.slots(tables, positions[:, None]).flatten()  # (N,)
+        for layer in self.layers:
+            layer.write, layer.queries = write, (tables, lengths)
+
     def slots(self, table: Tensor, positions: Tensor) -> Tensor:
         """Pool slots of token `positions` (B, T) given block tables (B, n_blocks): same shape."""
         block = torch.gather(table, 1, positions // self.block_size)  # (B, T)
@@ -261,7 +293,12 @@ class PagedKVCache(LayerCaches):
     def seek(self, table: Tensor, start: Tensor, n_new: int) -> None:
         """Before a forward pass over tokens [start_b, start_b + n_new) of each row b: table (B,
         n_blocks) the rows' block tables, start (B,) on the same device. The new tokens' K/V go to
-        their slots; row b attends its keys up to start_b + n_new (within its window)."""
+        their slots; row b attends its keys up to start_b + n_new (within its window).
+
+        Attention aligns its causal mask bottom-right, so when rows of different lengths run
+        several tokens each (a batched speculative verification), every layer reads its keys
+        left-padded, slot by slot, each row's last key in the last column; otherwise a layer
+        without a window reads its rows' blocks whole, right-padded."""
         device = table.device
         new = torch.arange(n_new, device=device)
         write = self.slots(table, start[:, None] + new).flatten()  # (B·T,)
@@ -269,19 +306,28 @@ class PagedKVCache(LayerCaches):
         longest = int(lengths.max())
         keys = torch.arange(longest, device=device)[None, :]  # (1, Tk)
         full_mask = keys < lengths[:, None]  # (B, Tk): right padding
+        ragged = n_new > 1 and not bool(full_mask.all())
+        queries = None
         if any(layer.in_place for layer in self.layers):
             check_block_tables(table, lengths, self.layers[0].k.shape[0], self.block_size)
-        reads: dict[int | None, tuple[Tensor, int, Tensor | None]] = {
-            None: (table, longest, None if bool(full_mask.all()) else full_mask)
-        }
+            if 1 < n_new <= IN_PLACE_MAX_TOKENS:  # `attend_in_place`: one kernel row per query
+                queries = (
+                    table.repeat_interleave(n_new, dim=0),  # (B·T, n_blocks)
+                    (start[:, None] + new + 1).flatten(),  # (B·T,) keys of query t: start + t + 1
+                )
+        reads: dict[int | None, tuple[Tensor, int, Tensor | None]] = {}
+        if not ragged:
+            reads[None] = (table, longest, None if bool(full_mask.all()) else full_mask)
         for layer in self.layers:
             w = layer.window
-            if w not in reads:  # the last w − 1 keys before each row's first new one, and its own
-                first = (start - (w - 1)).clamp(min=0)  # (B,)
+            if w not in reads:  # the last w − 1 keys before each row's first new one (all
+                # without a window), and its own
+                first = torch.zeros_like(start) if w is None else (start - w + 1).clamp(min=0)
                 n_keys = int((lengths - first).max())
                 positions = lengths[:, None] - n_keys + torch.arange(n_keys, device=device)
                 mask = positions >= first[:, None]  # (B, Tk): left padding
                 slots = self.slots(table, positions.clamp(min=0))  # (B, Tk)
                 reads[w] = (slots, n_keys, None if bool(mask.all()) else mask)
-            layer.write, layer.lengths = write, lengths
+            layer.write, layer.lengths, layer.by_slot = write, lengths, w is not None or ragged
+            layer.queries = queries
             layer.read, layer.n_keys, layer.key_padding_mask = reads[w]

@@ -137,13 +137,22 @@ def verify(
     tokens: list[int],
     drafts: list[int],
     decodable: int | None,
+    q: Tensor | None = None,
 ) -> list[Sampled]:
     """Speculative decoding's choice for one sequence: its accepted `drafts` (proposed after
-    `tokens` by prompt lookup, q one-hot) and the next token, from the logits (k + 1, V) float32 of
-    the pass that ran its last token and the drafts, masked as in `sample`; each is accepted in
-    `state` (`decoderlm.inference.speculative.verify`: the target's distribution is kept)."""
+    `tokens`, drawn from q (k, V) float64 by a draft model, or None: by prompt lookup, q one-hot)
+    and the next token, from the logits (k + 1, V) float32 of the pass that ran its last token and
+    the drafts, masked as in `sample`; each is accepted in `state`
+    (`decoderlm.inference.speculative.verify`: the target's distribution is kept; for a greedy
+    sequence, what it comes to without its arithmetic: the drafts up to the first that is not the
+    argmax, then the argmax)."""
     mask_undecodable(logits, decodable)
-    n, token = speculative.verify(tokens, drafts, logits, None, state.params, state.generator)
+    if state.greedy:  # p one-hot at the argmax: d_i is accepted iff it is the argmax
+        best = greedy_tokens(logits).tolist()  # (k + 1,)
+        n = next((i for i, d in enumerate(drafts) if d != best[i]), len(drafts))
+        token = best[n]
+    else:
+        n, token = speculative.verify(tokens, drafts, logits, q, state.params, state.generator)
     lps = torch.log_softmax(logits[: n + 1], dim=-1) if state.logprobs else None  # (n + 1, V)
     chosen = []
     for i, t in enumerate([*drafts[:n], token]):

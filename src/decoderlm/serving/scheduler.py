@@ -104,18 +104,22 @@ class Scheduler:
             seq.n_registered = full
 
     def speculate(self, seq: Sequence, drafts: list[int]) -> int:
-        """Append to decoding `seq` the first of `drafts` that fit before its max_len and in its
-        blocks or free ones (no one is preempted for them), so that its next pass runs its last
-        token and them, a small prefill chunk that verifies them; returns how many."""
+        """Append to decoding `seq` the first of `drafts` that `room` finds room for, so that its
+        next pass runs its last token and them, which verifies them; returns how many."""
+        k = self.room(seq, len(drafts))
+        seq.tokens += drafts[:k]
+        return k
+
+    def room(self, seq: Sequence, k: int) -> int:
+        """How many of k draft tokens fit after decoding `seq`'s tokens: before its max_len and in
+        its blocks or free ones, which it takes (no one is preempted for them)."""
         size = self.pool.block_size
-        k = max(0, min(len(drafts), seq.max_len - len(seq.tokens) - 1))
+        k = max(0, min(k, seq.max_len - len(seq.tokens) - 1))
         while blocks_for(len(seq.tokens) + k, size) > len(seq.blocks):
             block = self.pool.grow()
             if block is None:
-                k = len(seq.blocks) * size - len(seq.tokens)
-                break
+                return len(seq.blocks) * size - len(seq.tokens)
             seq.blocks.append(block)
-        seq.tokens += drafts[:k]
         return k
 
     def reject(self, seq: Sequence, n: int) -> None:

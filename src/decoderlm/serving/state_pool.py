@@ -116,8 +116,9 @@ def split_budget(
 def check_engine_options(config: ModelConfig, draft: object) -> None:
     """DecoderLMError for speculative decoding over recurrent layers (see the module docstring)."""
     if draft is not None and config.has_recurrent_layers:
+        name = repr(draft) if isinstance(draft, str) else "a draft model"
         raise DecoderLMError(
-            f"draft={draft!r}: speculative decoding is not supported for models with recurrent "
+            f"draft={name}: speculative decoding is not supported for models with recurrent "
             f"layers (layer_types {config.layer_types}): a rejected draft token cannot be taken "
             "back out of a recurrent state; serve without draft="
         )

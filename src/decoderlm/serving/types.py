@@ -118,16 +118,16 @@ class EngineStats:
     kv_blocks_used: int
     kv_blocks_total: int
     kv_block_size: int  # tokens per block
-    kv_bytes_per_token: int  # 2 · n_layers · n_kv_heads · head_dim · dtype size
+    kv_bytes_per_token: int  # 2 · n_layers · n_kv_heads · head_dim · dtype size (+ the draft's)
     prompt_tokens: int  # totals since start
     generated_tokens: int
     prefix_cache_hit_tokens: int  # prompt tokens whose KV blocks were reused
     max_running_seen: int  # the most sequences that ran at once since start
     tokens_per_s: float  # generated tokens per second over the last few seconds
     preemptions: int = 0  # running sequences sent back to the queue (KV pool full) since start
-    speculative_proposed: int = 0  # prompt-lookup tokens proposed since start
+    speculative_proposed: int = 0  # draft tokens proposed since start (either proposer)
     speculative_accepted: int = 0  # of them, accepted
-    speculative_verifications: int = 0  # passes that verified proposed tokens
+    speculative_verifications: int = 0  # sequences × steps that verified proposed tokens
     state_bytes_per_sequence: int = 0  # recurrent layers' state of one sequence (0: none)
     # The pages one sequence's state takes (`state_pool`): KV blocks, counted in kv_blocks_used
     # (a hybrid), or slots of their own (a pure recurrent model); those held now; the pool's.
