@@ -320,13 +320,15 @@ class Engine:
         cpu_kernels: bool | SpeedPaths = True,
         draft: str | None = None,
         num_speculative_tokens: int | None = None,
+        compile: bool = False,
     ) -> None:
         """kv_cache_memory, kv_cache_dtype, cpu_kernels (its CPU speed paths): the KV pool and the model's kernels, as
         `ModelRunner` takes them; max_queue: the most sequences waiting; prefill_chunk: the most
         prompt tokens one step runs; prefix_caching: reuse the KV blocks of a shared prefix;
         draft "prompt-lookup": speculative decoding, each decoding sequence proposing
         `num_speculative_tokens` (default 4) tokens per step by prompt lookup, verified in one
-        pass of its own (`decoderlm.inference.speculative`; the same tokens for greedy requests)."""
+        pass of its own (`decoderlm.inference.speculative`; the same tokens for greedy requests);
+        compile: decode passes compiled ahead of time (`ModelRunner`'s `compile`), made now."""
         check_kv_cache_dtype(kv_cache_dtype)
         for name, value in (
             ("block_size", block_size),
@@ -342,6 +344,7 @@ class Engine:
             block_size=block_size,
             kv_cache_dtype=kv_cache_dtype,
             cpu_kernels=cpu_kernels,
+            compile=compile,
         )
         vocab_size, num_blocks = model.config.vocab_size, self.runner.num_blocks
         self.inputs = InputProcessor(  # prompts hold only ids the tokenizer can decode

@@ -4,25 +4,30 @@ the only part of the serving engine that runs the model and holds the paged KV c
 Each forward pass runs the same number of tokens of every sequence in it: the decode rows (one
 each; rows of different lengths attend their own blocks, read in place by
 `decoderlm.cpu.paged_attention` on the CPU, else gathered and padded under a key mask; a layer
-with a sliding window gathers only the keys inside it) or one prefill chunk.
+with a sliding window gathers only the keys inside it) or one prefill chunk. With `compile`, a
+decode pass runs the library compiled ahead of time (`decoderlm.cpu.paged_step`), made when the
+runner is; prefill chunks, speculative verifications and models it does not take run eagerly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
-from decoderlm.cpu import paged_attention
+from decoderlm.cpu import paged_attention, paged_step
 from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.errors import DecoderLMError
-from decoderlm.inference.generate import evaluating
+from decoderlm.inference.generate import evaluating, next_logits
 from decoderlm.model.cache import kv_cache_bytes_per_token
 from decoderlm.model.lm import DecoderLM
-from decoderlm.serving.kv_pool import PagedKVCache, parse_bytes
+from decoderlm.serving.kv_pool import PagedKVCache, blocks_for, parse_bytes
 from decoderlm.serving.scheduler import Sequence
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -36,6 +41,7 @@ class ModelRunner:
         block_size: int,
         kv_cache_dtype: str | None,
         cpu_kernels: bool | SpeedPaths,
+        compile: bool = False,
     ) -> None:
         """kv_cache_memory: the byte budget of the KV pool, which holds
         ⌊budget / (block_size · bytes per token)⌋ blocks; kv_cache_dtype: None (K/V in the model's
@@ -47,7 +53,11 @@ class ModelRunner:
         memory kept in the process (`decoderlm.cpu.heap`), so that each step's gathered K/V
         reuse the last step's pages instead of faulting in new ones; and, for float32 and
         bfloat16 pools, the decode rows of layers without a window attended in place, without
-        gathering their blocks (`decoderlm.cpu.paged_attention`, where a C compiler builds it)."""
+        gathering their blocks (`decoderlm.cpu.paged_attention`, where a C compiler builds it).
+        compile: decode passes by `decoderlm.cpu.paged_step.CompiledPagedStep` where it runs (the
+        CPU, float32 or bfloat16 pools, no sliding window), its libraries made now (compiled the
+        first time on a machine, then loaded from the disk cache; `compile_s` says how long),
+        through the one-row linear kernels if the speed paths pack linears."""
         if model.config.has_recurrent_layers:
             raise DecoderLMError("the serving engine does not serve recurrent layers yet")
         self.model = model
@@ -75,6 +85,20 @@ class ModelRunner:
             kv_cache_dtype,
             in_place,
         )
+        self.width = blocks_for(model.config.context_length, block_size)  # a table's most blocks
+        self.step: paged_step.CompiledPagedStep | None = None
+        self.compile_s = 0.0
+        if compile and kv_cache_dtype is None and paged_step.compiles(model, weight.dtype, self.device):
+            self.step = paged_step.CompiledPagedStep(
+                model,
+                [layer.k for layer in self.cache.layers],
+                [layer.v for layer in self.cache.layers],
+                next_logits,
+                width=self.width,
+                linear_kernels=self.paths.paths.packed_linears,
+            )
+            self.compile_s = self.step.compile_s
+            log.info("decoderlm engine: the compiled decode pass took %.1f s", self.compile_s)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -85,6 +109,8 @@ class ModelRunner:
     def forward(self, seqs: list[Sequence], n: int, last_only: bool = True) -> Tensor:
         """Run tokens [n_computed, n_computed + n) of each sequence; logits (B, V) of the last, or
         (B, n, V) of every one (a speculative verification's)."""
+        if self.step is not None and n == 1 and last_only and len(seqs) <= self.step.max_batch:
+            return self._compiled(seqs)
         dev = self.device
         start = torch.tensor([s.n_computed for s in seqs], device=dev)  # (B,)
         width = max(len(s.blocks) for s in seqs)
@@ -94,6 +120,14 @@ class ModelRunner:
         positions = start[:, None] + torch.arange(n, device=dev)  # (B, n)
         logits = self.model(idx, positions, None, self.cache, last_only=last_only)  # (B, n|1, V)
         return logits[:, -1].float() if last_only else logits.float()
+
+    def _compiled(self, seqs: list[Sequence]) -> Tensor:
+        """`forward` of one decode token per sequence by the compiled pass: logits (B, V)."""
+        dev, width = self.device, self.width
+        token = torch.tensor([[s.tokens[s.n_computed]] for s in seqs], device=dev)  # (B, 1)
+        position = torch.tensor([[s.n_computed] for s in seqs], device=dev)  # (B, 1)
+        table = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs], device=dev)
+        return self.step(token, position, table)  # (B, V)
 
     def prompt_logprobs(self, ids: list[int]) -> Tensor:
         """Log-probabilities (T − 1, V) of prompt `ids`, in at least float32: row t is
