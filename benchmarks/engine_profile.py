@@ -121,7 +121,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument(
-        "--compile", choices=["off", "on", "both"], default="both",
+        "--compile",
+        choices=["off", "on", "both"],
+        default="both",
         help="the engine's compiled decode pass (Engine(compile=...)); both: a row each",
     )
     args = parser.parse_args()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_engine import GREEDY, random_prompts, run_staggered, tiny_model, token_ids
 
 from decoderlm import DecoderLMError, generate
 from decoderlm.cpu import paged_attention, paged_step
@@ -17,8 +18,6 @@ from decoderlm.serving.runner import ModelRunner
 from decoderlm.serving.scheduler import Sequence
 from decoderlm.serving.types import RequestParams
 from decoderlm.tokenizer import Tokenizer
-
-from test_engine import GREEDY, random_prompts, run_staggered, tiny_model, token_ids
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

@@ -61,9 +61,7 @@ class _PagedLayer(BaseLayerCache):
         """q (B, H, 1, hd); k, v (B, Hkv, 1, hd) → softmax(q Kᵀ · scale) V (B, H, 1, hd)."""
         self.k.index_put_(self.where, k[:, :, 0])  # (B, Hkv, hd) to pool[block_b, offset_b]
         self.v.index_put_(self.where, v[:, :, 0])
-        return paged_attention.paged_decode_op(
-            q, self.k, self.v, self.table, self.lengths, scale
-        )
+        return paged_attention.paged_decode_op(q, self.k, self.v, self.table, self.lengths, scale)
 
 
 class _PagedDecodeStep(nn.Module):
@@ -91,22 +89,24 @@ class _PagedDecodeStep(nn.Module):
         block = table.gather(1, position // block_size)[:, 0]  # (B,) the block of each new token
         where = (block, position[:, 0] % block_size)  # slot = block · block_size + p mod bs
         lengths = position[:, 0] + 1  # (B,) keys of each row, the new one included
-        cache = [_PagedLayer(k, v, where, table, lengths) for k, v in zip(keys, values, strict=True)]
+        cache = [
+            _PagedLayer(k, v, where, table, lengths) for k, v in zip(keys, values, strict=True)
+        ]
         with CPULinearKernels(compiling=True) if self.paths[0] else nullcontext():
             return self.logits(self.model, cache, token, position, None, state)
 
 
 class CompiledPagedStep:
     """The engine's decode pass of `model` over the pools `keys`, `values` (one per layer,
-    (num_blocks, block_size, Hkv, hd) each), compiled ahead of time by AOTInductor.
+        (num_blocks, block_size, Hkv, hd) each), compiled ahead of time by AOTInductor.
 
-    `step(token, position, table)` writes the K/V of token (B, 1) at position (B, 1) of each row
-    to its slot and returns the logits (B, V) in float32 of the token after it; table (B, W) holds
-    each row's blocks (W = `width`, unused entries any block in the pool). B is 1 to `max_batch`;
-the libraries take pools of any number of blocks.
-    `forward` is the forward pass compiled (`decoderlm.inference.generate.next_logits`), under
-    `CPULinearKernels` with `linear_kernels`. `compile_s`: the seconds making both libraries took
-    (compiling, or loading them from the disk cache).
+        `step(token, position, table)` writes the K/V of token (B, 1) at position (B, 1) of each row
+        to its slot and returns the logits (B, V) in float32 of the token after it; table (B, W) holds
+        each row's blocks (W = `width`, unused entries any block in the pool). B is 1 to `max_batch`;
+    the libraries take pools of any number of blocks.
+        `forward` is the forward pass compiled (`decoderlm.inference.generate.next_logits`), under
+        `CPULinearKernels` with `linear_kernels`. `compile_s`: the seconds making both libraries took
+        (compiling, or loading them from the disk cache).
     """
 
     def __init__(

@@ -88,7 +88,11 @@ class ModelRunner:
         self.width = blocks_for(model.config.context_length, block_size)  # a table's most blocks
         self.step: paged_step.CompiledPagedStep | None = None
         self.compile_s = 0.0
-        if compile and kv_cache_dtype is None and paged_step.compiles(model, weight.dtype, self.device):
+        if (
+            compile
+            and kv_cache_dtype is None
+            and paged_step.compiles(model, weight.dtype, self.device)
+        ):
             self.step = paged_step.CompiledPagedStep(
                 model,
                 [layer.k for layer in self.cache.layers],
