@@ -259,7 +259,7 @@ def serve_command(run: Path, port: int, *extra: str) -> list[str]:
     # float32: the same tokens on every CPU (the default dtype follows the CPU)
     return [sys.executable, "-m", "decoderlm.cli", "serve", "--checkpoint", str(run),
             "--port", str(port), "--kv-cache-memory", "4MiB", "--dtype", "float32",
-            *extra]  # fmt: skip
+            "--no-compile", *extra]  # fmt: skip
 
 
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused_at_load(tmp_path):

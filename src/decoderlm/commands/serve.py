@@ -96,6 +96,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="tokens proposed per step with --draft (default 4)",
     )
+    parser.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="run the engine's decode passes eagerly, not by the library compiled ahead of time "
+        "when the engine starts (minutes the first time on a machine, then loaded from the disk "
+        "cache; CPU float32/bfloat16 models without a sliding window)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -165,6 +173,7 @@ def load_served(
         "kv_cache_dtype": args.kv_cache_dtype,
         "draft": args.draft,
         "num_speculative_tokens": args.num_speculative_tokens,
+        "compile": args.compile,
     }
     spec = EngineSpec(str(args.checkpoint), args.dtype, options)
     if engine_process:
