@@ -129,6 +129,7 @@ class EngineCore:
         prefill_chunk: int,
         prefix_caching: bool,
         num_speculative_tokens: int | None = None,
+        max_batched_tokens: int | None = None,
     ) -> None:
         """num_speculative_tokens: K, each decoding sequence's prompt-lookup proposals per step
         (`decoderlm.inference.speculative`); None: no speculation."""
@@ -138,7 +139,7 @@ class EngineCore:
         self.drafted: dict[Sequence, int] = {}  # this step's verifications: drafts per sequence
         self.decodable = decodable_ids(tokenizer, vocab_size)
         self.pool = BlockPool(runner.num_blocks, block_size, prefix_caching)
-        self.scheduler = Scheduler(self.pool, prefill_chunk)
+        self.scheduler = Scheduler(self.pool, prefill_chunk, max_batched_tokens)
         self.requests: dict[str, _Request] = {}
         self.live: dict[Sequence, _Live] = {}  # the sequences that have not finished
         self.counters = _Counters()
@@ -183,7 +184,10 @@ class EngineCore:
         decode = [seq for seq in plan.decode if seq not in self.drafted]
         batches = [(decode, 1)] if decode else []
         verifications = [([seq], k + 1) for seq, k in self.drafted.items()]
-        return batches + verifications + [([seq], n) for seq, n in plan.prefill]
+        chunks: dict[tuple[int, int], list[Sequence]] = {}  # one pass per (start, n): same shapes
+        for seq, n in plan.prefill:
+            chunks.setdefault((seq.n_computed, n), []).append(seq)
+        return batches + verifications + [(seqs, n) for (_, n), seqs in chunks.items()]
 
     def _speculate(self, seq: Sequence) -> int:
         """Prompt lookup's drafts for decoding `seq`, appended to its tokens; how many."""
@@ -315,6 +319,7 @@ class Engine:
         block_size: int = 16,
         max_queue: int = 64,
         prefill_chunk: int = 128,
+        max_batched_tokens: int = 512,
         prefix_caching: bool = True,
         kv_cache_dtype: str | None = None,
         cpu_kernels: bool | SpeedPaths = True,
@@ -324,7 +329,9 @@ class Engine:
     ) -> None:
         """kv_cache_memory, kv_cache_dtype, cpu_kernels (its CPU speed paths): the KV pool and the model's kernels, as
         `ModelRunner` takes them; max_queue: the most sequences waiting; prefill_chunk: the most
-        prompt tokens one step runs; prefix_caching: reuse the KV blocks of a shared prefix;
+        prompt tokens of one sequence one step runs; max_batched_tokens: the most tokens one step
+        runs, decodes first, never less than a chunk of prefill (`Scheduler`; chunks of the same
+        start and length run in one pass); prefix_caching: reuse the KV blocks of a shared prefix;
         draft "prompt-lookup": speculative decoding, each decoding sequence proposing
         `num_speculative_tokens` (default 4) tokens per step by prompt lookup, verified in one
         pass of its own (`decoderlm.inference.speculative`; the same tokens for greedy requests);
@@ -334,6 +341,7 @@ class Engine:
             ("block_size", block_size),
             ("max_queue", max_queue),
             ("prefill_chunk", prefill_chunk),
+            ("max_batched_tokens", max_batched_tokens),
         ):
             _positive_int(name, value)
         self.model, self.tokenizer, self.max_queue = model, tokenizer, max_queue
@@ -363,6 +371,7 @@ class Engine:
             prefill_chunk,
             prefix_caching,
             _speculative_tokens(draft, num_speculative_tokens),
+            max_batched_tokens,
         )
         self._lock = threading.Condition()  # guards everything below, and the core
         self._cancels: list[Sequence] = []

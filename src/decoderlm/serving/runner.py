@@ -26,6 +26,7 @@ from decoderlm.model.cache import kv_cache_bytes_per_token
 from decoderlm.model.lm import DecoderLM
 from decoderlm.serving.kv_pool import PagedKVCache, blocks_for, parse_bytes
 from decoderlm.serving.scheduler import Sequence
+from decoderlm.serving.step_inputs import pass_inputs
 
 log = logging.getLogger(__name__)
 
@@ -116,10 +117,7 @@ class ModelRunner:
         if self.step is not None and n == 1 and last_only and len(seqs) <= self.step.max_batch:
             return self._compiled(seqs)
         dev = self.device
-        start = torch.tensor([s.n_computed for s in seqs], device=dev)  # (B,)
-        width = max(len(s.blocks) for s in seqs)
-        table = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs], device=dev)
-        idx = torch.tensor([s.tokens[s.n_computed : s.n_computed + n] for s in seqs], device=dev)
+        idx, start, table = pass_inputs(seqs, n, None, dev)  # (B, n), (B,), (B, n_blocks)
         self.cache.seek(table, start, n)  # each layer cache supplies its own key mask
         positions = start[:, None] + torch.arange(n, device=dev)  # (B, n)
         logits = self.model(idx, positions, None, self.cache, last_only=last_only)  # (B, n|1, V)
@@ -127,11 +125,8 @@ class ModelRunner:
 
     def _compiled(self, seqs: list[Sequence]) -> Tensor:
         """`forward` of one decode token per sequence by the compiled pass: logits (B, V)."""
-        dev, width = self.device, self.width
-        token = torch.tensor([[s.tokens[s.n_computed]] for s in seqs], device=dev)  # (B, 1)
-        position = torch.tensor([[s.n_computed] for s in seqs], device=dev)  # (B, 1)
-        table = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs], device=dev)
-        return self.step(token, position, table)  # (B, V)
+        token, start, table = pass_inputs(seqs, 1, self.width, self.device)  # (B, 1), (B,), (B, W)
+        return self.step(token, start[:, None], table)  # (B, V)
 
     def prompt_logprobs(self, ids: list[int]) -> Tensor:
         """Log-probabilities (T − 1, V) of prompt `ids`, in at least float32: row t is
