@@ -15,8 +15,10 @@ decodes (no prefill chunk) are counted. Each phase is timed by wrapping the func
 - other: the rest of `Engine.step` (locks, the speed paths' context, bookkeeping, events).
 
 Each is measured with the engine's decode pass eager and compiled (`Engine(compile=True)`,
-`decoderlm.cpu.paged_step`; --compile off / on / both). The last lines compare the engine's single
-stream with `generate(compile=True)` on the same weights, one sequence: issue 31's target is ≥ 50%.
+`decoderlm.cpu.paged_step`; --compile off / on / both). TTFT p99: the first tokens of the C
+requests, all submitted at once, from their submission (the scheduler's admission). The last
+lines compare the engine's single stream with `generate(compile=True)` on the same weights, one
+sequence: issue 31's target is ≥ 50%.
 
     HF_HUB_OFFLINE=1 python benchmarks/engine_profile.py [--concurrency 1 16 64] [--threads 2]
         [--compile both]
@@ -77,8 +79,11 @@ def profile(engine: Engine, prompts: list[list[int]], params: RequestParams) -> 
         compiled.runs = {size: clock.timed("model", run) for size, run in runs.items()}
     engine_module.sample = clock.timed("sample", sample)
     output_module.SequenceOutput.event = clock.timed("output", event)
-    for ids in prompts:
-        engine.submit(ids, params, on_event=lambda event: None)
+    submitted, firsts = time.perf_counter(), {}  # request → the time of its first event
+    for i, ids in enumerate(prompts):
+        engine.submit(
+            ids, params, on_event=lambda event, i=i: firsts.setdefault(i, time.perf_counter())
+        )
     totals: dict[str, float] = defaultdict(float)
     steps = tokens = 0
     elapsed = 0.0
@@ -110,6 +115,8 @@ def profile(engine: Engine, prompts: list[list[int]], params: RequestParams) -> 
     result = {phase: 1000 * totals[phase] / max(steps, 1) for phase in (*PHASES, "step")}
     result["tok_s"] = tokens / elapsed if elapsed else 0.0
     result["steps"] = steps
+    waits = sorted(1000 * (t - submitted) for t in firsts.values())
+    result["ttft_p99"] = waits[min(len(waits) - 1, int(0.99 * len(waits)))]
     return result
 
 
@@ -143,8 +150,8 @@ def main() -> None:
     params = RequestParams(args.new_tokens, SamplingParams(temperature=0), stop_at_eot=False)
     g = torch.Generator().manual_seed(0)
     header = " | ".join(f"{p} ms (%)" for p in PHASES)
-    print(f"| compiled | running | step ms | {header} | tok/s |")
-    print("|---" * (len(PHASES) + 4) + "|")
+    print(f"| compiled | running | step ms | {header} | tok/s | TTFT p99 ms |")
+    print("|---" * (len(PHASES) + 5) + "|")
     single: dict[bool, float] = {}
     for compiled in {"off": [False], "on": [True], "both": [False, True]}[args.compile]:
         for c in args.concurrency:
@@ -163,7 +170,10 @@ def main() -> None:
             r = profile(engine, prompts, params)
             cells = " | ".join(f"{r[p]:.2f} ({100 * r[p] / r['step']:.0f}%)" for p in PHASES)
             mode = "yes" if compiled else "no"
-            print(f"| {mode} | {c} | {r['step']:.2f} | {cells} | {r['tok_s']:.0f} |")
+            print(
+                f"| {mode} | {c} | {r['step']:.2f} | {cells} | {r['tok_s']:.0f} "
+                f"| {r['ttft_p99']:.0f} |"
+            )
             if c == 1:
                 single[compiled] = r["tok_s"]
     prompt = torch.randint(0, config.vocab_size - 1, (1, args.prompt_tokens), generator=g)

@@ -223,10 +223,17 @@ def serving_dtype(name: str) -> str:
 
 
 def announce_dtype(args: argparse.Namespace) -> None:
-    """On stderr, the dtype `--dtype auto` chose, so a user sees what they serve."""
+    """On stderr, the dtype `--dtype auto` chose, so a user sees what they serve, and that the
+    decode pass is compiled at the start (the wait before /health answers 200)."""
     if args.dtype_chosen:
         why = "native bf16 on this CPU" if args.dtype == "bfloat16" else "no native bf16 here"
         print(f"decoderlm: serving in {args.dtype} ({why}; --dtype to choose)", file=sys.stderr)
+    if args.compile:
+        print(
+            "decoderlm: compiling the engine's decode pass before serving (minutes the first time "
+            "on a machine, then loaded from the disk cache; --no-compile to skip)",
+            file=sys.stderr,
+        )
 
 
 def policy(args: argparse.Namespace) -> Any:
