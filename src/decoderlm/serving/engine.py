@@ -331,7 +331,8 @@ class Engine:
         `ModelRunner` takes them; max_queue: the most sequences waiting; prefill_chunk: the most
         prompt tokens of one sequence one step runs; max_batched_tokens: the most tokens one step
         runs, decodes first, never less than a chunk of prefill (`Scheduler`; chunks of the same
-        start and length run in one pass); prefix_caching: reuse the KV blocks of a shared prefix;
+        start and length run in one pass; 512 was vLLM's first chunked-prefill default, its best
+        ITL/TTFT balance, vllm-project/vllm#4580); prefix_caching: reuse the KV blocks of a shared prefix;
         draft "prompt-lookup": speculative decoding, each decoding sequence proposing
         `num_speculative_tokens` (default 4) tokens per step by prompt lookup, verified in one
         pass of its own (`decoderlm.inference.speculative`; the same tokens for greedy requests);
