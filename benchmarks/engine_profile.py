@@ -156,9 +156,8 @@ def main() -> None:
     for compiled in {"off": [False], "on": [True], "both": [False, True]}[args.compile]:
         for c in args.concurrency:
             start = time.perf_counter()
-            engine = Engine(
-                model, tokenizer, kv_cache_memory="1GiB", max_queue=max(64, c), compile=compiled
-            )
+            on = {"compile": True} if compiled else {}  # (runs against an older engine too)
+            engine = Engine(model, tokenizer, kv_cache_memory="1GiB", max_queue=max(64, c), **on)
             if compiled and c == args.concurrency[0]:
                 print(f"(the compiled pass: {time.perf_counter() - start:.1f} s at the start)")
             warm = [torch.randint(0, config.vocab_size - 1, (16,), generator=g).tolist()]
@@ -178,12 +177,15 @@ def main() -> None:
                 single[compiled] = r["tok_s"]
     prompt = torch.randint(0, config.vocab_size - 1, (1, args.prompt_tokens), generator=g)
     generate(model, prompt, 8, temperature=0, compile=True)  # compiles the step
-    start = time.perf_counter()
-    generate(model, prompt, args.new_tokens + 1, temperature=0, compile=True)
-    with_prefill = time.perf_counter() - start
-    start = time.perf_counter()
-    generate(model, prompt, 1, temperature=0, compile=True)
-    compiled_tok_s = args.new_tokens / (with_prefill - (time.perf_counter() - start))
+    compiled_tok_s = 0.0
+    for _ in range(3):  # the best of 3: the machine may be shared
+        start = time.perf_counter()
+        generate(model, prompt, args.new_tokens + 1, temperature=0, compile=True)
+        with_prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        generate(model, prompt, 1, temperature=0, compile=True)
+        seconds = with_prefill - (time.perf_counter() - start)
+        compiled_tok_s = max(compiled_tok_s, args.new_tokens / seconds)
     for compiled, tok_s in single.items():
         print(f"engine single stream{' compiled' if compiled else ''} {tok_s:.0f} tok/s = "
               f"{100 * tok_s / compiled_tok_s:.0f}% of generate(compile=True)'s "
