@@ -73,7 +73,7 @@ def profile(engine: Engine, prompts: list[list[int]], params: RequestParams) -> 
     core.schedule = clock.timed("schedule", core.schedule)  # instance attributes, deleted after
     runner.forward = clock.timed("run", runner.forward)
     model.forward = clock.timed("model", model.forward)
-    compiled = runner.step  # the compiled decode pass, if any: its libraries are the model
+    compiled = getattr(runner, "step", None)  # the compiled decode pass, if any (its libraries)
     runs = {} if compiled is None else dict(compiled.runs)
     if compiled is not None:
         compiled.runs = {size: clock.timed("model", run) for size, run in runs.items()}
