@@ -98,15 +98,14 @@ class _PagedDecodeStep(nn.Module):
 
 class CompiledPagedStep:
     """The engine's decode pass of `model` over the pools `keys`, `values` (one per layer,
-        (num_blocks, block_size, Hkv, hd) each), compiled ahead of time by AOTInductor.
+    (num_blocks ≥ 2, block_size, Hkv, hd) each), compiled ahead of time by AOTInductor.
 
-        `step(token, position, table)` writes the K/V of token (B, 1) at position (B, 1) of each row
-        to its slot and returns the logits (B, V) in float32 of the token after it; table (B, W) holds
-        each row's blocks (W = `width`, unused entries any block in the pool). B is 1 to `max_batch`;
-    the libraries take pools of any number of blocks.
-        `forward` is the forward pass compiled (`decoderlm.inference.generate.next_logits`), under
-        `CPULinearKernels` with `linear_kernels`. `compile_s`: the seconds making both libraries took
-        (compiling, or loading them from the disk cache).
+    `step(token, position, table)` writes the K/V of token (B, 1) at position (B, 1) of each row
+    to its slot and returns the logits (B, V) in float32 of the token after it; table (B, W) holds
+    each row's blocks (W = `width`, unused entries any block in the pool). B is 1 to `max_batch`;
+    the libraries take pools of any number of blocks. `forward` is the forward pass compiled
+    (`decoderlm.inference.generate.next_logits`), under `CPULinearKernels` with `linear_kernels`.
+    `compile_s`: the seconds making both libraries took (compiling, or loading them from disk).
     """
 
     def __init__(

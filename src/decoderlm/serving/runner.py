@@ -92,6 +92,7 @@ class ModelRunner:
         if (
             compile
             and kv_cache_dtype is None
+            and self.num_blocks >= 2
             and paged_step.compiles(model, weight.dtype, self.device)
         ):
             self.step = paged_step.CompiledPagedStep(
