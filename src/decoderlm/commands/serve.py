@@ -223,11 +223,15 @@ def serving_dtype(name: str) -> str:
 
 
 def announce_dtype(args: argparse.Namespace) -> None:
-    """On stderr, the dtype `--dtype auto` chose, so a user sees what they serve, and that the
-    decode pass is compiled at the start (the wait before /health answers 200)."""
+    """On stderr, the dtype `--dtype auto` chose, so a user sees what they serve."""
     if args.dtype_chosen:
         why = "native bf16 on this CPU" if args.dtype == "bfloat16" else "no native bf16 here"
         print(f"decoderlm: serving in {args.dtype} ({why}; --dtype to choose)", file=sys.stderr)
+
+
+def announce_compile(args: argparse.Namespace) -> None:
+    """On stderr, that the engine's decode pass is compiled at the start (the wait before /health
+    answers 200), unless --no-compile."""
     if args.compile:
         print(
             "decoderlm: compiling the engine's decode pass before serving (minutes the first time "
@@ -266,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
         raise DecoderLMError(f"--grace-period={args.grace_period} must be ≥ 0")
     limits = Limits(**{field: getattr(args, field) for field in LIMIT_FLAGS})
     announce_dtype(args)
+    announce_compile(args)
     failures: list[BaseException] = []
 
     def on_load_error(exc: BaseException) -> None:
