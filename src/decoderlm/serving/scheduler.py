@@ -8,8 +8,9 @@ sequence whose K/V is computed up to its last token decodes one token; the rest 
 never less than one chunk (so that prefills progress however many sequences decode), goes to the
 sequences still prefilling, oldest first, each at most `prefill_chunk` tokens per step. So a long
 prompt delays the running streams by at most one chunk per step, and new requests share the
-budget: with D sequences decoding, a request whose prompt needs c chunks, behind q queued prompt
-tokens, has its first token within ⌈q / max(budget − D, prefill_chunk)⌉ + c steps of its admission.
+budget: while D sequences decode, a request whose prompt needs c chunks, admitted behind q prompt
+tokens still to prefill, has its first token within ⌈q / max(budget − D, prefill_chunk)⌉ + c
+steps (at worst ⌈q / prefill_chunk⌉ + c, however many decode).
 
 Admission is FIFO: the head of the waiting queue is admitted when the pool has blocks for its
 tokens plus one more token (the K/V of its first generated token), so a new sequence reaches its
