@@ -1,7 +1,7 @@
 """The engine's decode pass compiled ahead of time (`decoderlm.cpu.paged_step`, `Engine(compile=
-True)`): the same logits as the eager pass for one row (the one-row library) and for several rows
-of different lengths (the library of any batch size), writes to no slot but the rows' own, and
-greedy requests equal to their solo `generate`. The libraries are compiled once per machine (about
+True)`): the same logits as the eager pass for one row (the one-row library, the engine's) and for
+several rows of different lengths (the library of any batch size), writes to no slot but the
+rows' own, and greedy requests equal to their solo `generate`. The libraries are compiled once per machine (about
 a minute each on 2 shared cores) and loaded from the disk cache after."""
 
 from __future__ import annotations
@@ -46,14 +46,22 @@ def tok() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def runner(tok) -> ModelRunner:
+    """A runner whose compiled pass takes up to 8 rows (the engine's compiles one row,
+    `runner.COMPILED_ROWS`): both libraries under test."""
     model = tiny_model(tok, torch.float32)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tests' (`one_thread`, which starts after this fixture)
     try:
-        return ModelRunner(
+        runner = ModelRunner(
             model, kv_cache_memory="64KiB", block_size=BLOCK, kv_cache_dtype=None,
             cpu_kernels=True, compile=True,
         )  # fmt: skip
+        assert runner.step is not None and runner.step.max_batch == 1
+        keys, values = ([getattr(layer, p) for layer in runner.cache.layers] for p in "kv")
+        runner.step = paged_step.CompiledPagedStep(
+            model, keys, values, next_logits, width=runner.width, max_batch=8
+        )
+        return runner
     finally:
         torch.set_num_threads(threads)
 
@@ -77,7 +85,7 @@ def prefilled(runner: ModelRunner, lengths: list[int]) -> list[Sequence]:
 def test_the_compiled_pass_gives_the_eager_logits_for_one_row_and_rows_of_different_lengths(
     runner, lengths
 ):
-    assert runner.step is not None and runner.compile_s > 0
+    assert runner.compile_s > 0
     seqs = prefilled(runner, lengths)
     with runner.running():
         compiled = runner.forward(seqs, 1)  # (B, V)

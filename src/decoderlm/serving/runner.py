@@ -5,8 +5,9 @@ Each forward pass runs the same number of tokens of every sequence in it: the de
 each; rows of different lengths attend their own blocks, read in place by
 `decoderlm.cpu.paged_attention` on the CPU, else gathered and padded under a key mask; a layer
 with a sliding window gathers only the keys inside it) or one prefill chunk. With `compile`, a
-decode pass runs the library compiled ahead of time (`decoderlm.cpu.paged_step`), made when the
-runner is; prefill chunks, speculative verifications and models it does not take run eagerly.
+decode pass of up to COMPILED_ROWS rows runs the library compiled ahead of time
+(`decoderlm.cpu.paged_step`), made when the runner is; wider decode passes, prefill chunks,
+speculative verifications and models it does not take run eagerly.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ from decoderlm.serving.scheduler import Sequence
 from decoderlm.serving.step_inputs import pass_inputs
 
 log = logging.getLogger(__name__)
+# The compiled pass's rows: one row, 0.56-0.59× the eager pass's time; at 16 and 64 rows the
+# compiled pass measured 0.98-1.04× (a quiet sitting) to 0.85-0.92× (a loaded one) of the eager
+# pass over packed linears (benchmarks/README.md, engine_profile.py), so wider passes stay eager
+# and the start compiles one library, not two.
+COMPILED_ROWS = 1
 
 
 class ModelRunner:
@@ -55,8 +61,9 @@ class ModelRunner:
         reuse the last step's pages instead of faulting in new ones; and, for float32 and
         bfloat16 pools, the decode rows of layers without a window attended in place, without
         gathering their blocks (`decoderlm.cpu.paged_attention`, where a C compiler builds it).
-        compile: decode passes by `decoderlm.cpu.paged_step.CompiledPagedStep` where it runs (the
-        CPU, float32 or bfloat16 pools, no sliding window), its libraries made now (compiled the
+        compile: decode passes of up to COMPILED_ROWS rows by
+        `decoderlm.cpu.paged_step.CompiledPagedStep` where it runs (the CPU, float32 or bfloat16
+        pools, no sliding window), its library made now (compiled the
         first time on a machine, then loaded from the disk cache; `compile_s` says how long),
         through the one-row linear kernels if the speed paths pack linears."""
         if model.config.has_recurrent_layers:
@@ -101,6 +108,7 @@ class ModelRunner:
                 [layer.v for layer in self.cache.layers],
                 next_logits,
                 width=self.width,
+                max_batch=COMPILED_ROWS,
                 linear_kernels=self.paths.paths.packed_linears,
             )
             self.compile_s = self.step.compile_s
