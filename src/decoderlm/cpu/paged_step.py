@@ -12,9 +12,9 @@ slot = table[b, p // block_size] · block_size + p mod block_size.
 vLLM captures CUDA graphs for a few padded batch sizes because a graph has fixed shapes. An
 AOTInductor library can leave the batch dimension symbolic instead, so two libraries cover every
 batch size with no padding rows: one row (traced with the one-row linear kernels of
-`decoderlm.cpu.gemv`, whose choice depends on the row count) and 2..`max_batch` rows. Both are
-made when `CompiledPagedStep` is made (the engine's start): the first start on a machine compiles
-them (minutes on 2 cores), later ones load them from the disk cache.
+`decoderlm.cpu.gemv`) and 2..`max_batch` rows (the engine takes the first only: COMPILED_ROWS in
+`serving.runner`). They are made with `CompiledPagedStep` (the engine's start): the first start on
+a machine compiles them (minutes on 2 cores), later ones load them from the disk cache.
 """
 
 from __future__ import annotations
