@@ -1,7 +1,8 @@
 """The in-place decode kernel: the attention of gathering the blocks and running SDPA, to
 rounding, for MHA, GQA and MQA rows of different lengths; bad indices refused; the engine
 falling back to the gather when the kernel cannot be built; and the same kernel over the static
-cache of the compiled one-token step (decoderlm::static_decode_attention)."""
+cache of the compiled one-token step (decoderlm::static_decode_attention), and over the pools by
+the op of the engine's compiled decode pass (decoderlm::paged_decode_attention)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from decoderlm.cpu import paged_attention
 from decoderlm.cpu.paged_attention import (
     available,
     paged_decode_attention,
+    paged_decode_op,
     static_available,
     static_decode_attention,
 )
@@ -168,6 +170,24 @@ def test_in_place_attention_over_the_static_cache_is_as_close_to_float64_as_mask
     assert_as_close_to_float64_as(
         sdpa, static_decode_attention(q, k, v, pad, slot, 16**-0.5), q, k, v
     )
+
+
+@needs_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_paged_op_equals_the_kernel_and_refuses_blocks_outside_the_pool(dtype):
+    """decoderlm::paged_decode_attention (the compiled engine pass's) is the same C kernel:
+    equal outputs, and the indices checked in C++ before it reads them."""
+    lengths = [1, 4, 5, 11, 16, 19]
+    k, v, table, n = pools_and_rows(2, dtype, lengths)
+    q = torch.randn(len(lengths), 8, 1, 16, generator=torch.Generator().manual_seed(7)).to(dtype)
+    expected = paged_decode_attention(q, k, v, table, n, 0.25)
+    assert torch.equal(paged_decode_op(q, k, v, table, n, 0.25), expected)
+    outside = table.clone()
+    outside[3, 1] = 40
+    with pytest.raises(RuntimeError, match="row 3's block 40 is outside the pool's 40"):
+        paged_decode_op(q, k, v, outside, n, 0.25)
+    with pytest.raises(RuntimeError, match="row 0's length 0"):
+        paged_decode_op(q, k, v, table, torch.tensor([0, *lengths[1:]]), 0.25)
 
 
 @needs_op

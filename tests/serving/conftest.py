@@ -116,6 +116,7 @@ def process_served(run_dir: Path, **engine_kwargs):
         kv_cache_dtype=None,
         draft=None,
         num_speculative_tokens=None,
+        compile=False,
         **engine_kwargs,
     )
     return load_served(args, engine_process=True)

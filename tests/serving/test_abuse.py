@@ -239,7 +239,8 @@ def test_a_model_vocabulary_padded_past_the_tokenizer_serves_text(tmp_path, star
     tokenizer = Tokenizer.train_char([TEXT])
     run = _save(tmp_path / "padded", tokenizer, tokenizer.vocab_size + 40, pad_bias=5.0)
     args = Namespace(checkpoint=run, dtype=None, kv_cache_dtype=None, kv_cache_memory="1MiB",
-                     max_queue=8, draft=None, num_speculative_tokens=None)  # fmt: skip
+                     max_queue=8, draft=None, num_speculative_tokens=None,
+                     compile=False)  # fmt: skip
     served = load_served(args)
     assert served.vocab_size == tokenizer.vocab_size
     base = start_server(create_app(lambda: served, grace_s=0))
@@ -259,7 +260,7 @@ def serve_command(run: Path, port: int, *extra: str) -> list[str]:
     # float32: the same tokens on every CPU (the default dtype follows the CPU)
     return [sys.executable, "-m", "decoderlm.cli", "serve", "--checkpoint", str(run),
             "--port", str(port), "--kv-cache-memory", "4MiB", "--dtype", "float32",
-            *extra]  # fmt: skip
+            "--no-compile", *extra]  # fmt: skip
 
 
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused_at_load(tmp_path):

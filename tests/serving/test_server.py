@@ -13,6 +13,7 @@ import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from test_engine import near_tie_gap
 
 import decoderlm
 from conftest import CONTEXT, TEXT, make_served, wait_healthy
@@ -62,7 +63,9 @@ def until(condition, timeout: float = 10.0) -> None:
 
 
 @BOTH
-def test_32_concurrent_streams_each_equal_their_solo_greedy_generate(server, loaded):
+def test_32_concurrent_streams_each_equal_their_solo_greedy_generate_up_to_near_ties(
+    server, loaded
+):
     base, served = server
     rng = random.Random(0)
     chars = TEXT[:-5]  # one token per character: equal text is equal tokens
@@ -88,8 +91,15 @@ def test_32_concurrent_streams_each_equal_their_solo_greedy_generate(server, loa
 
     before = served.engine.stats().max_running_seen
     results = asyncio.run(all_of_them())
+    model, tokenizer = loaded
     for (prompt, max_tokens), (text, reasons) in zip(jobs, results, strict=True):
-        assert text == solo(loaded, prompt, max_tokens, temperature=0), prompt
+        ids = tokenizer.encode(prompt)
+        alone = decoderlm.generate(
+            model, [ids], max_tokens, eos_id=tokenizer.eot_id, temperature=0
+        )[0][len(ids) :]
+        got = tokenizer.encode(text) + ([tokenizer.eot_id] if reasons[-1] == "stop" else [])
+        n = min(len(got), len(alone))  # a difference shows within both: no stop strings here
+        near_tie_gap(model, ids, got[:n], alone[:n])  # float32 batches may round a tie otherwise
         assert reasons[:-1] == [None] * (len(reasons) - 1) and reasons[-1] in ("stop", "length")
     assert served.engine.stats().max_running_seen > max(before, 1)  # they did run together
 

@@ -49,7 +49,8 @@ def test_default_template_without_a_tokenizer_config(tmp_path):
 
 def test_chat_command_streams_replies_and_resets(run_dir, monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO("Hi!\n/reset\nHey\n/quit\n"))
-    argv = ["chat", "--checkpoint", str(run_dir), "--max-tokens", "5", "--temperature", "0"]
+    argv = ["chat", "--checkpoint", str(run_dir), "--max-tokens", "5", "--temperature", "0",
+            "--no-compile"]  # fmt: skip
     assert main([*argv, "--kv-cache-memory", "1MiB"]) == 0
     out = capsys.readouterr().out
     assert "/reset starts over" in out and "(new conversation)" in out
@@ -61,7 +62,7 @@ def test_sigterm_lets_a_running_stream_finish_then_exits_0(long_run_dir):
     # float32: the same long stream on every CPU (the default dtype follows the CPU)
     cmd = [sys.executable, "-m", "decoderlm.cli", "serve", "--checkpoint", str(long_run_dir),
            "--port", str(port), "--kv-cache-memory", "4MiB", "--grace-period", "60",
-           "--dtype", "float32"]  # fmt: skip
+           "--dtype", "float32", "--no-compile"]  # fmt: skip
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -93,7 +94,7 @@ def test_serve_takes_its_api_key_from_the_environment_and_its_hosts_from_the_fla
     port = free_port()
     cmd = [sys.executable, "-m", "decoderlm.cli", "serve", "--checkpoint", str(run_dir),
            "--port", str(port), "--kv-cache-memory", "1MiB", "--engine", "thread",
-           "--allowed-hosts", "proxy.example,127.0.0.1"]  # fmt: skip
+           "--allowed-hosts", "proxy.example,127.0.0.1", "--no-compile"]  # fmt: skip
     env = os.environ | {"OMP_NUM_THREADS": "1", "DECODERLM_API_KEY": "sk-env"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

@@ -13,6 +13,7 @@ from typing import Any
 
 from decoderlm.commands.serve import (
     add_engine_arguments,
+    announce_compile,
     announce_dtype,
     check_engine_arguments,
     load_served,
@@ -65,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
             f"--{str(error['loc'][0]).replace('_', '-')}: {error['msg']}"
         ) from None
     announce_dtype(args)
+    announce_compile(args)
     served = load_served(args)
     try:
         asyncio.run(_chat(served, body, system))

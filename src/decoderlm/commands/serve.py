@@ -98,6 +98,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="tokens proposed per step with --draft (default 4)",
     )
+    parser.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="run the engine's one-sequence decode passes eagerly, not by the library compiled "
+        "ahead of time when the engine starts (minutes the first time on a machine, then loaded from the disk "
+        "cache; CPU float32/bfloat16 models without a sliding window)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -167,6 +175,7 @@ def load_served(
         "kv_cache_dtype": args.kv_cache_dtype,
         "draft": args.draft,
         "num_speculative_tokens": args.num_speculative_tokens,
+        "compile": args.compile,
     }
     spec = EngineSpec(str(args.checkpoint), args.dtype, options)
     if engine_process:
@@ -227,6 +236,17 @@ def announce_dtype(args: argparse.Namespace) -> None:
         print(f"decoderlm: serving in {args.dtype} ({why}; --dtype to choose)", file=sys.stderr)
 
 
+def announce_compile(args: argparse.Namespace) -> None:
+    """On stderr, that the engine's decode pass is compiled at the start (the wait before /health
+    answers 200), unless --no-compile."""
+    if args.compile:
+        print(
+            "decoderlm: compiling the engine's decode pass before serving (minutes the first time "
+            "on a machine, then loaded from the disk cache; --no-compile to skip)",
+            file=sys.stderr,
+        )
+
+
 def policy(args: argparse.Namespace) -> Any:
     """The server's `Policy` from --api-key (or $DECODERLM_API_KEY), --host and --allowed-hosts;
     warns on stderr when a server bound to every address answers to any host."""
@@ -257,6 +277,7 @@ def run(args: argparse.Namespace) -> int:
         raise DecoderLMError(f"--grace-period={args.grace_period} must be ≥ 0")
     limits = Limits(**{field: getattr(args, field) for field in LIMIT_FLAGS})
     announce_dtype(args)
+    announce_compile(args)
     failures: list[BaseException] = []
 
     def on_load_error(exc: BaseException) -> None:

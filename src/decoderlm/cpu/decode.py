@@ -67,7 +67,7 @@ class CPULinearKernels(TorchFunctionMode):
         if gemv.handles(x, weight):
             y = gemv.linear(x, weight)  # (..., N)
             return y if bias is None else y + bias
-        if self.compiling and x.shape[:-1].numel() == 1:
+        if self.compiling and gemv.one_row_of(x):
             y = (x.unsqueeze(-2) * weight).sum(-1)  # (..., N)
             return y if bias is None else y + bias
         tensors = [t for t in (x, weight, bias) if t is not None]
@@ -215,7 +215,13 @@ class CompiledStep:
             *(layer.v for layer in cache.layers),
         ]
         step = _OneTokenStep(model, list(state), forward, linear_kernels, in_place_attention)
-        self.run = _step_library(step, self.inputs, batch=cache.layers[0].k.shape[0])
+        batch, device = cache.layers[0].k.shape[0], self.inputs[0].device
+        extra = [
+            torch.zeros(batch, 1, dtype=torch.long, device=device),  # token
+            torch.zeros(1, dtype=torch.long, device=device),  # slot
+            torch.zeros(batch, dtype=torch.long, device=device),  # pad
+        ]
+        self.run = step_library(step, self.inputs, extra)
 
     def __call__(self, token: Tensor, slot: Tensor, pad: Tensor) -> Tensor:
         return self.run([*self.inputs, token, slot, pad])[0]
@@ -225,21 +231,32 @@ def _spec(t: Tensor) -> tuple[Any, ...]:
     return tuple(t.shape), t.stride(), t.dtype, t.device
 
 
-def _step_library(
-    step: _OneTokenStep, inputs: list[Tensor], batch: int
+def step_library(
+    step: nn.Module,
+    inputs: list[Tensor],
+    extra: list[Tensor],
+    dynamic_shapes: tuple[Any, ...] | None = None,
 ) -> Callable[[list[Tensor]], list[Tensor]]:
+    """The library of a step module over state and caches (`_OneTokenStep`, or the engine's
+    `decoderlm.cpu.paged_step` pass), made once per process and key: step(*inputs, *extra) → its
+    outputs, where `inputs` are the tensors every call passes as they are (weights, caches) and
+    `extra` examples of the per-call ones; `dynamic_shapes` (one entry per input, as
+    torch.export takes them) leaves dimensions of the library symbolic. The step has the
+    attributes `model`, `names` (its state's), `logits` (the forward) and `paths`."""
     key = (
         id(step.model),
         type(step.model),
+        type(step),
         json.dumps(step.model.config.to_dict(), sort_keys=True, default=str),
         tuple(step.names),
         step.logits,
         step.paths,
-        tuple(_spec(t) for t in inputs),  # the batch size and cache length among them
+        tuple(_spec(t) for t in inputs + extra),  # the batch size and cache length among them
+        repr(dynamic_shapes),
         torch.get_num_threads(),  # the generated code's OpenMP thread count
     )
     if key not in _LIBRARIES:
-        _LIBRARIES[key] = _build_step_library(step, inputs, batch)
+        _LIBRARIES[key] = _build_step_library(step, inputs, extra, dynamic_shapes)
     return _LIBRARIES[key]
 
 
@@ -247,21 +264,22 @@ _LIBRARIES: dict[tuple[Any, ...], Callable[[list[Tensor]], list[Tensor]]] = {}
 
 
 def _build_step_library(
-    step: _OneTokenStep, inputs: list[Tensor], batch: int
+    step: nn.Module,
+    inputs: list[Tensor],
+    extra: list[Tensor],
+    dynamic_shapes: tuple[Any, ...] | None,
 ) -> Callable[[list[Tensor]], list[Tensor]]:
     """Export the step, then load its library from the disk cache or compile it there first."""
     device = inputs[0].device
-    extra = [
-        torch.zeros(batch, 1, dtype=torch.long, device=device),  # token
-        torch.zeros(1, dtype=torch.long, device=device),  # slot
-        torch.zeros(batch, dtype=torch.long, device=device),  # pad
-    ]
     # Stand-ins of the same layout: the real cache holds inference tensors, which export rejects.
     with torch.inference_mode(False), torch.no_grad():
         examples = [
-            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in inputs
+            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+            for t in inputs + extra
         ]
-        program = torch.export.export(step, tuple(examples + extra), strict=False)
+        program = torch.export.export(
+            step, tuple(examples), dynamic_shapes=dynamic_shapes, strict=False
+        )
     graph = program.graph_module.print_readable(
         print_output=False, include_stride=True, include_device=True
     )

@@ -1,7 +1,9 @@
-// The CPU kernel of the op decoderlm::static_decode_attention (schema and fake kernel:
-// paged_attention.py): decode attention read in place from the static cache (B, Hkv, S, D) of
-// the compiled one-token step, by the kernel of paged_attention.c. Registered through PyTorch's
-// stable C ABI, as gemv_ops.cpp, so that the AOTInductor step calls it without Python.
+// The CPU kernels of the ops decoderlm::static_decode_attention and decoderlm::paged_decode_attention
+// (schemas and fake kernels: paged_attention.py): decode attention read in place from the static
+// cache (B, Hkv, S, D) of the compiled one-token step, or from the paged pools
+// (num_blocks, block_size, Hkv, D) of the engine's compiled decode pass, by the kernel of
+// paged_attention.c. Registered through PyTorch's stable C ABI, as gemv_ops.cpp, so that an
+// AOTInductor library calls them without Python.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -65,6 +67,55 @@ Tensor static_decode_attention(Tensor q, Tensor k, Tensor v, Tensor first, Tenso
   return out;
 }
 
+// softmax(q Kᵀ · scale) V for q (B, H, 1, D) over each row's first lengths[b] keys of the pools
+// k, v (num_blocks, block_size, Hkv, D), in the blocks table[b, 0], table[b, 1], ...
+Tensor paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor table, Tensor lengths, double scale) {
+  STD_TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(2) == 1 && table.dim() == 2,
+                  "paged_decode_attention: q must be (B, H, 1, D), k, v (num_blocks, block_size, Hkv, D), "
+                  "table (B, W)");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3);
+  const int64_t num_blocks = k.size(0), block_size = k.size(1), Hkv = k.size(2), W = table.size(1);
+  STD_TORCH_CHECK(k.size(3) == D && H % Hkv == 0 && v.sizes().equals(k.sizes()) && k.is_contiguous() &&
+                      v.is_contiguous(),
+                  "paged_decode_attention: k and v must be contiguous (num_blocks, block_size, Hkv, D), H % Hkv == 0");
+  const ScalarType dtype = q.scalar_type();
+  STD_TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype, "paged_decode_attention: dtypes differ");
+  STD_TORCH_CHECK(table.scalar_type() == ScalarType::Long && table.size(0) == B && table.is_contiguous() &&
+                      lengths.scalar_type() == ScalarType::Long && lengths.numel() == B && lengths.is_contiguous(),
+                  "paged_decode_attention: table must be (B, W) and lengths (B,) contiguous int64");
+  const auto *blocks = static_cast<const int64_t *>(table.data_ptr());
+  const auto *lens = static_cast<const int64_t *>(lengths.data_ptr());
+  for (int64_t b = 0; b < B; b++) {  // the C kernel trusts its indices
+    STD_TORCH_CHECK(lens[b] >= 1 && lens[b] <= W * block_size, "paged_decode_attention: row ", b, "'s length ",
+                    lens[b], " is not in 1..", W * block_size);
+    for (int64_t j = 0; j * block_size < lens[b]; j++)
+      STD_TORCH_CHECK(blocks[b * W + j] >= 0 && blocks[b * W + j] < num_blocks, "paged_decode_attention: row ",
+                      b, "'s block ", blocks[b * W + j], " is outside the pool's ", num_blocks);
+  }
+  if (!q.is_contiguous()) q = torch::stable::contiguous(q);
+  Tensor out = torch::stable::new_empty(q, {B, H, 1, D});
+  const int64_t block_stride = block_size * Hkv * D, head_stride = D, token_stride = Hkv * D;
+  int status = -3;
+  if (dtype == ScalarType::Float) {
+    status = decode_attention_f32(static_cast<const float *>(q.data_ptr()), static_cast<const float *>(k.data_ptr()),
+                                  static_cast<const float *>(v.data_ptr()), blocks, nullptr, lens,
+                                  static_cast<float *>(out.data_ptr()), B, H, Hkv, D, block_size, W, block_stride,
+                                  head_stride, token_stride, static_cast<float>(scale));
+  } else if (dtype == ScalarType::BFloat16) {
+    status = decode_attention_bf16(
+        static_cast<const uint16_t *>(q.data_ptr()), static_cast<const uint16_t *>(k.data_ptr()),
+        static_cast<const uint16_t *>(v.data_ptr()), blocks, nullptr, lens, static_cast<uint16_t *>(out.data_ptr()),
+        B, H, Hkv, D, block_size, W, block_stride, head_stride, token_stride, static_cast<float>(scale));
+  }
+  STD_TORCH_CHECK(status != -3, "paged_decode_attention: float32 or bfloat16 only");
+  STD_TORCH_CHECK(status != -2, "paged_decode_attention: head_dim ", D, " > 512, the kernel's largest");
+  STD_TORCH_CHECK(status == 0, "paged_decode_attention: no memory for the scores");
+  return out;
+}
+
 }  // namespace
 
-STABLE_TORCH_LIBRARY_IMPL(decoderlm, CPU, m) { m.impl("static_decode_attention", TORCH_BOX(&static_decode_attention)); }
+STABLE_TORCH_LIBRARY_IMPL(decoderlm, CPU, m) {
+  m.impl("static_decode_attention", TORCH_BOX(&static_decode_attention));
+  m.impl("paged_decode_attention", TORCH_BOX(&paged_decode_attention));
+}

@@ -24,10 +24,12 @@ where it is not.
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from decoderlm.cpu import features, native
 
@@ -62,11 +64,17 @@ def available(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
     return needs is not None and needs <= features.cpu_flags() and _built()
 
 
+def one_row_of(x: Tensor) -> bool:
+    """Whether x (..., K) holds one row; False, and no guard, where that rests on a symbolic
+    batch size (a library traced for any number of rows)."""
+    return guard_or_false(math.prod(x.shape[:-1]) == 1)  # (torch.Size.numel specializes)
+
+
 def handles(x: Tensor, weight: Tensor) -> bool:
     """Whether x Wᵀ goes to a kernel here: one row on the CPU, no gradient to x or W, and a kernel
     for their dtypes (what both call sites ask before `linear` / `int8_linear`)."""
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    one_row = x.shape[:-1].numel() == 1 and x.device.type == "cpu"
+    one_row = one_row_of(x) and x.device.type == "cpu"
     return one_row and not needs_grad and available(x.dtype, weight.dtype)
 
 

@@ -15,7 +15,9 @@ The compiled one-token step (`decoderlm.cpu.decode.CompiledStep`) attends its st
 (B, Hkv, S, hd) with the op decoderlm::static_decode_attention, the same C kernel registered in
 C++ (`decode_attention_ops.cpp`, as `decoderlm.cpu.gemv` does) so that the AOTInductor library
 calls it without Python: it reads each row's filled slots only, where SDPA over the whole buffer
-reads all S and masks the unfilled ones.
+reads all S and masks the unfilled ones. The engine's compiled decode pass
+(`decoderlm.cpu.paged_step`) attends the paged pools with decoderlm::paged_decode_attention,
+registered there too: `paged_decode_attention` as an op that checks its indices in C++.
 
 The C source is built on first use and cached (`decoderlm.cpu.native`); where it cannot be,
 `available` / `static_available` are False and the callers keep the gather path / SDPA.
@@ -39,6 +41,10 @@ FUNCTIONS = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_atte
 _OPS = torch.library.Library("decoderlm", "FRAGMENT")
 _OPS.define(
     "static_decode_attention(Tensor q, Tensor k, Tensor v, Tensor first, Tensor last, float scale)"
+    " -> Tensor"
+)
+_OPS.define(
+    "paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor table, Tensor lengths, float scale)"
     " -> Tensor"
 )
 
@@ -121,7 +127,8 @@ def _ops_built() -> bool:
 
 @torch.compiler.assume_constant_result  # asked while tracing the step; the answer never changes
 def static_available(dtype: torch.dtype) -> bool:
-    """Whether `static_decode_attention` runs for caches of this dtype on the CPU."""
+    """Whether the ops `static_decode_attention` and `paged_decode_op` run for caches of this
+    dtype on the CPU."""
     return dtype in FUNCTIONS and _ops_built()
 
 
@@ -135,6 +142,19 @@ def static_decode_attention(
     (B, H, 1, hd).
     """
     return torch.ops.decoderlm.static_decode_attention(q, k, v, first, last, scale)
+
+
+def paged_decode_op(
+    q: Tensor, k: Tensor, v: Tensor, table: Tensor, lengths: Tensor, scale: float
+) -> Tensor:
+    """`paged_decode_attention` as the op decoderlm::paged_decode_attention, which a compiled
+    library calls without Python; it checks table and lengths itself. Same arguments and result."""
+    return torch.ops.decoderlm.paged_decode_attention(q, k, v, table, lengths, scale)
+
+
+@torch.library.register_fake("decoderlm::paged_decode_attention", lib=_OPS)
+def _(q: Tensor, k: Tensor, v: Tensor, table: Tensor, lengths: Tensor, scale: float) -> Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("decoderlm::static_decode_attention", lib=_OPS)

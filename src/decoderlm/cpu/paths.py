@@ -15,6 +15,11 @@ The engine leaves out the paths generate uses inside the model (they made its ba
 benchmarks/README.md), and generate applies `linear_kernels` only to its prefill and compiled steps
 (the mode's Python hook on every op costs more than it saves in an eager one-token step).
 
+Compiling is not a path but a call site's option (`generate(compile=True)`, `Engine(compile=True)`:
+`decoderlm.cpu.decode.CompiledStep`, `decoderlm.cpu.paged_step.CompiledPagedStep`), as it costs
+minutes of startup once per machine; the compiled code traces the linear kernels where its call
+site's set has its linear path (generate's `linear_kernels`, the engine's `packed_linears`).
+
 `SpeedPaths.for_generate()` (and `for_engine`, `for_training`) is a call site's set;
 `SpeedPaths.none()` switches all off, `.without("attention")` one at a time. `paths.applied(model)`
 is the one context manager: it does the once-only work (the heap's thresholds, packing) when it is

@@ -136,6 +136,7 @@ class EngineCore:
         prefix_caching: bool,
         num_speculative_tokens: int | None = None,
         draft: DraftProposer | None = None,
+        max_batched_tokens: int | None = None,
     ) -> None:
         """num_speculative_tokens: K, each decoding sequence's proposals per step, by `draft`, or
         by prompt lookup without one (`decoderlm.inference.speculative`); None: no speculation.
@@ -152,7 +153,7 @@ class EngineCore:
             runner.num_blocks - reserved, block_size, prefix_caching and states is None
         )
         pages = None if states is None else states.pages(self.pool)
-        self.scheduler = Scheduler(self.pool, prefill_chunk, pages)
+        self.scheduler = Scheduler(self.pool, prefill_chunk, pages, max_batched_tokens)
         self.requests: dict[str, _Request] = {}
         self.live: dict[Sequence, _Live] = {}  # the sequences that have not finished
         self.counters = _Counters()
@@ -199,7 +200,10 @@ class EngineCore:
             batches = [(decode + list(self.drafted), max(self.drafted.values()) + 1)]
         else:
             batches = [(decode, 1)] if decode else []
-        return batches + [([seq], n) for seq, n in plan.prefill]
+        chunks: dict[tuple[int, int], list[Sequence]] = {}  # one pass per (start, n): same shapes
+        for seq, n in plan.prefill:
+            chunks.setdefault((seq.n_computed, n), []).append(seq)
+        return batches + [(seqs, n) for (_, n), seqs in chunks.items()]
 
     def _speculate(self, seq: Sequence) -> int:
         """How many drafts decoding `seq` verifies this step: prompt lookup's, appended to its
@@ -370,28 +374,35 @@ class Engine:
         block_size: int = 16,
         max_queue: int = 64,
         prefill_chunk: int = 128,
+        max_batched_tokens: int = 512,
         prefix_caching: bool = True,
         kv_cache_dtype: str | None = None,
         cpu_kernels: bool | SpeedPaths = True,
         draft: str | DecoderLM | None = None,
         num_speculative_tokens: int | None = None,
+        compile: bool = False,
     ) -> None:
         """kv_cache_memory, kv_cache_dtype, cpu_kernels (its CPU speed paths): the KV pool and the model's kernels, as
         `ModelRunner` takes them; max_queue: the most sequences waiting; prefill_chunk: the most
-        prompt tokens one step runs; prefix_caching: reuse the KV blocks of a shared prefix (off
-        for a model with recurrent layers, and `draft` refused: `state_pool`);
+        prompt tokens of one sequence one step runs; max_batched_tokens: the most tokens one step
+        runs, decodes first, never less than a chunk of prefill (`Scheduler`; chunks of the same
+        start and length run in one pass; 512 was vLLM's first chunked-prefill default, its best
+        ITL/TTFT balance, vllm-project/vllm#4580); prefix_caching: reuse the KV blocks of a shared
+        prefix (off for a model with recurrent layers, and `draft` refused: `state_pool`);
         draft "prompt-lookup" or a draft model (a DecoderLM with `model`'s vocabulary): speculative
         decoding, each decoding sequence proposing `num_speculative_tokens` (default 4) tokens per
         step, all verified in one target pass (`decoderlm.inference.speculative`; the same tokens
         for greedy requests, the same distribution for sampled ones). A draft model's KV pool
         comes out of `kv_cache_memory` too: both pools get the same number of blocks
-        (`draft.split_kv_budget`)."""
+        (`draft.split_kv_budget`); compile: the target's decode passes compiled ahead of time
+        (`ModelRunner`'s `compile`), made now (the draft's run eagerly)."""
         check_kv_cache_dtype(kv_cache_dtype)
         check_engine_options(model.config, draft)
         for name, value in (
             ("block_size", block_size),
             ("max_queue", max_queue),
             ("prefill_chunk", prefill_chunk),
+            ("max_batched_tokens", max_batched_tokens),
         ):
             _positive_int(name, value)
         self.model, self.tokenizer, self.max_queue = model, tokenizer, max_queue
@@ -405,7 +416,7 @@ class Engine:
                 model, draft, kv_cache_memory, block_size, kv_cache_dtype
             )
             proposer = DraftProposer(ModelRunner(draft, kv_cache_memory=draft_memory, **pools))
-        self.runner = ModelRunner(model, kv_cache_memory=kv_cache_memory, **pools)
+        self.runner = ModelRunner(model, kv_cache_memory=kv_cache_memory, compile=compile, **pools)
         if k is not None and self.runner.num_blocks <= SCRATCH_BLOCKS:
             raise DecoderLMError(
                 f"kv_cache_memory={kv_cache_memory!r} holds {self.runner.num_blocks} KV block; "
@@ -421,6 +432,7 @@ class Engine:
             prefix_caching,
             k,
             proposer,
+            max_batched_tokens,
         )
         self.inputs = InputProcessor(  # prompts hold only ids the tokenizer can decode
             tokenizer,

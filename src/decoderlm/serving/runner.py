@@ -6,25 +6,36 @@ each; rows of different lengths attend their own blocks, read in place by
 `decoderlm.cpu.paged_attention` on the CPU, else gathered and padded under a key mask; a layer
 with a sliding window gathers only the keys inside it) or one prefill chunk. A model with
 recurrent layers keeps their states in pages of the same budget (`state_pool`), gathered for
-each pass and written back after it.
+each pass and written back after it. With `compile`, a decode pass of up to COMPILED_ROWS rows
+runs the library compiled ahead of time (`decoderlm.cpu.paged_step`), made when the runner is;
+wider decode passes, prefill chunks, speculative verifications and models it does not take
+(recurrent layers among them) run eagerly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
-from decoderlm.cpu import paged_attention
+from decoderlm.cpu import paged_attention, paged_step
 from decoderlm.cpu.paths import SpeedPaths
-from decoderlm.inference.generate import evaluating
+from decoderlm.inference.generate import evaluating, next_logits
 from decoderlm.model.cache import kv_cache_bytes_per_token
 from decoderlm.model.lm import DecoderLM
-from decoderlm.serving.kv_pool import PagedKVCache
+from decoderlm.serving.kv_pool import PagedKVCache, blocks_for
 from decoderlm.serving.scheduler import Sequence
 from decoderlm.serving.state_pool import StatePool, split_budget
+from decoderlm.serving.step_inputs import pass_inputs
+
+log = logging.getLogger(__name__)
+# The compiled pass's rows: a wider compiled pass measured no faster than the eager one over
+# packed linears (benchmarks/README.md, engine_profile.py), so wider passes stay eager and the
+# start compiles one library, not two.
+COMPILED_ROWS = 1
 
 
 class ModelRunner:
@@ -39,6 +50,7 @@ class ModelRunner:
         block_size: int,
         kv_cache_dtype: str | None,
         cpu_kernels: bool | SpeedPaths,
+        compile: bool = False,
     ) -> None:
         """kv_cache_memory: the byte budget of the KV pool, which holds
         ⌊budget / (block_size · bytes per token)⌋ blocks (with recurrent layers, the blocks and
@@ -51,7 +63,12 @@ class ModelRunner:
         memory kept in the process (`decoderlm.cpu.heap`), so that each step's gathered K/V
         reuse the last step's pages instead of faulting in new ones; and, for float32 and
         bfloat16 pools, the decode rows of layers without a window attended in place, without
-        gathering their blocks (`decoderlm.cpu.paged_attention`, where a C compiler builds it)."""
+        gathering their blocks (`decoderlm.cpu.paged_attention`, where a C compiler builds it).
+        compile: decode passes of up to COMPILED_ROWS rows by
+        `decoderlm.cpu.paged_step.CompiledPagedStep` where it runs (the CPU, float32 or bfloat16
+        pools, no sliding window, no recurrent layers), its library made now (compiled the
+        first time on a machine, then loaded from the disk cache; `compile_s` says how long),
+        through the one-row linear kernels if the speed paths pack linears."""
         self.model = model
         weight = model.tok_emb.weight
         self.device = weight.device
@@ -81,6 +98,27 @@ class ModelRunner:
                 model.config, self.budget, weight.dtype, self.device, self.cache
             )
         self.layer_caches = self.cache if self.states is None else self.states.with_kv(self.cache)
+        self.width = blocks_for(model.config.context_length, block_size)  # a table's most blocks
+        self.step: paged_step.CompiledPagedStep | None = None
+        self.compile_s = 0.0
+        if (
+            compile
+            and self.states is None
+            and kv_cache_dtype is None
+            and self.num_blocks >= 2
+            and paged_step.compiles(model, weight.dtype, self.device)
+        ):
+            self.step = paged_step.CompiledPagedStep(
+                model,
+                [layer.k for layer in self.cache.layers],
+                [layer.v for layer in self.cache.layers],
+                next_logits,
+                width=self.width,
+                max_batch=COMPILED_ROWS,
+                linear_kernels=self.paths.paths.packed_linears,
+            )
+            self.compile_s = self.step.compile_s
+            log.info("decoderlm engine: the compiled decode pass took %.1f s", self.compile_s)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -91,13 +129,12 @@ class ModelRunner:
     def forward(self, seqs: list[Sequence], n: int, last_only: bool = True) -> Tensor:
         """Run tokens [n_computed, n_computed + n) of each sequence; logits (B, V) of the last, or
         (B, n, V) of every one (a speculative verification's)."""
+        if self.step is not None and n == 1 and last_only and len(seqs) <= self.step.max_batch:
+            return self._compiled(seqs)
         dev = self.device
-        start = torch.tensor([s.n_computed for s in seqs], device=dev)  # (B,)
-        width = max(len(s.blocks) for s in seqs)
-        # Short rows repeat their last block (masked): every block read holds K/V, not a state.
-        pad = [s.blocks + s.blocks[-1:] * (width - len(s.blocks)) for s in seqs]
-        table = torch.tensor(pad, device=dev)
-        idx = torch.tensor([s.tokens[s.n_computed : s.n_computed + n] for s in seqs], device=dev)
+        idx, start, table = pass_inputs(seqs, n, None, dev)  # (B, n), (B,), (B, n_blocks)
+        if self.states is not None:
+            self.states.seek([s.state_pages for s in seqs], start)
         self.cache.seek(table, start, n)  # each layer cache supplies its own key mask
         if self.states is not None:
             self.states.seek([s.state_pages for s in seqs], start)
@@ -107,6 +144,11 @@ class ModelRunner:
         if self.states is not None:
             self.states.store()
         return logits[:, -1].float() if last_only else logits.float()
+
+    def _compiled(self, seqs: list[Sequence]) -> Tensor:
+        """`forward` of one decode token per sequence by the compiled pass: logits (B, V)."""
+        token, start, table = pass_inputs(seqs, 1, self.width, self.device)  # (B, 1), (B,), (B, W)
+        return self.step(token, start[:, None], table)  # (B, V)
 
     def prompt_logprobs(self, ids: list[int]) -> Tensor:
         """Log-probabilities (T − 1, V) of prompt `ids`, in at least float32: row t is

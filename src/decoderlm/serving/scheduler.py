@@ -2,9 +2,15 @@
 2023, "Efficient Memory Management for LLM Serving with PagedAttention"; Yu et al., 2022, Orca, for
 iteration-level scheduling; Agrawal et al., 2024, Sarathi-Serve, for chunked prefill).
 
-Every step, each running sequence whose K/V is computed up to its last token decodes one token;
-then up to `prefill_chunk` prompt tokens of the sequences still prefilling are run, oldest first,
-so a long prompt delays the running streams by at most one chunk per step.
+Every step runs at most `max_batched_tokens` tokens, as vLLM's chunked-prefill scheduler
+(vllm/v1/core/sched/scheduler.py, `max_num_batched_tokens`) does, decodes first: each running
+sequence whose K/V is computed up to its last token decodes one token; the rest of the budget, and
+never less than one chunk (so that prefills progress however many sequences decode), goes to the
+sequences still prefilling, oldest first, each at most `prefill_chunk` tokens per step. So a long
+prompt delays the running streams by at most one chunk per step, and new requests share the
+budget: while D sequences decode, a request whose prompt needs c chunks, admitted behind q prompt
+tokens still to prefill, has its first token within ⌈q / max(budget − D, prefill_chunk)⌉ + c
+steps (at worst ⌈q / prefill_chunk⌉ + c, however many decode).
 
 Admission is FIFO: the head of the waiting queue is admitted when the pool has blocks for its
 tokens plus one more token (the K/V of its first generated token), so a new sequence reaches its
@@ -56,9 +62,18 @@ class Scheduler:
     pages, if any); `schedule()` plans a step."""
 
     def __init__(
-        self, pool: BlockPool, prefill_chunk: int, states: StatePages | None = None
+        self,
+        pool: BlockPool,
+        prefill_chunk: int,
+        states: StatePages | None = None,
+        max_batched_tokens: int | None = None,
     ) -> None:
+        """states: where the recurrent layers' state pages are taken (`state_pool`), if any;
+        max_batched_tokens: a step's budget (None: `prefill_chunk`, a chunk beside the decodes)."""
         self.pool, self.prefill_chunk, self.states = pool, prefill_chunk, states
+        self.max_batched_tokens = (
+            prefill_chunk if max_batched_tokens is None else max_batched_tokens
+        )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.prefix_hit_tokens = 0
@@ -83,12 +98,13 @@ class Scheduler:
                 decode.remove(seq)  # preempted itself
         decode = [s for s in decode if s in self.running]  # minus those preempted for others
         self._admit()
-        budget, prefill, decoding = self.prefill_chunk, [], set(decode)
+        budget = max(self.max_batched_tokens - len(decode), self.prefill_chunk)
+        prefill, decoding = [], set(decode)
         for seq in self.running:
             if budget == 0:
                 break
             if seq not in decoding and seq.n_pending > 0:
-                n = min(seq.n_pending, budget)
+                n = min(seq.n_pending, budget, self.prefill_chunk)
                 prefill.append((seq, n))
                 budget -= n
         return Plan(decode, prefill)

@@ -1,0 +1,153 @@
+"""The serving engine's decode pass compiled ahead of time: one token for each of B sequences over
+the paged KV pool, as `decoderlm.cpu.decode.CompiledStep` is for `generate`'s static cache.
+
+An eager decode pass pays Python and the dispatcher for every op of every layer; for a small model
+that is most of the pass (benchmarks/README.md, engine_profile.py). Here the pass is exported with
+`torch.export` and compiled by AOTInductor into a shared library (`decode.step_library`: the
+weights and the pools are inputs, not constants; kept on disk under a hash of the graph), its
+attention read in place from the pools by the op decoderlm::paged_decode_attention
+(`decoderlm.cpu.paged_attention`) and each new token's K/V written to its slot
+slot = table[b, p // block_size] · block_size + p mod block_size.
+
+vLLM captures CUDA graphs for a few padded batch sizes because a graph has fixed shapes. An
+AOTInductor library can leave the batch dimension symbolic instead, so two libraries cover every
+batch size with no padding rows: one row (traced with the one-row linear kernels of
+`decoderlm.cpu.gemv`) and 2..`max_batch` rows (the engine takes the first only: COMPILED_ROWS in
+`serving.runner`). They are made with `CompiledPagedStep` (the engine's start): the first start on
+a machine compiles them (minutes on 2 cores), later ones load them from the disk cache.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.export import Dim
+
+from decoderlm.cpu import paged_attention
+from decoderlm.cpu.decode import CPULinearKernels, Forward, step_library
+from decoderlm.errors import DecoderLMError
+from decoderlm.model.cache import BaseLayerCache
+from decoderlm.model.lm import DecoderLM
+
+MAX_BATCH = 1024  # rows the batched library takes; more run eagerly
+
+
+def compiles(model: DecoderLM, pool_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `CompiledPagedStep` runs for `model` over plain pools of `pool_dtype`: on the CPU,
+    no layer with a sliding window (those read a window of slots, not whole blocks), and the op
+    built for the pools' dtype."""
+    return (
+        device.type == "cpu"
+        and model.config.sliding_window is None
+        and paged_attention.static_available(pool_dtype)
+    )
+
+
+class _PagedLayer(BaseLayerCache):
+    """One layer's pools k, v (num_blocks, block_size, Hkv, hd) inside the traced pass: stores the
+    new K/V at (block, offset) and attends each row's first `lengths` keys in place."""
+
+    def __init__(
+        self, k: Tensor, v: Tensor, where: tuple[Tensor, Tensor], table: Tensor, lengths: Tensor
+    ) -> None:
+        super().__init__(k, v)
+        self.where, self.table, self.lengths = where, table, lengths
+
+    def attend_in_place(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """q (B, H, 1, hd); k, v (B, Hkv, 1, hd) → softmax(q Kᵀ · scale) V (B, H, 1, hd)."""
+        self.k.index_put_(self.where, k[:, :, 0])  # (B, Hkv, hd) to pool[block_b, offset_b]
+        self.v.index_put_(self.where, v[:, :, 0])
+        return paged_attention.paged_decode_op(q, self.k, self.v, self.table, self.lengths, scale)
+
+
+class _PagedDecodeStep(nn.Module):
+    """The decode pass as a function of tensors only, for torch.export.
+
+    forward(*state, *keys, *values, token, position, table): the model's parameters and buffers
+    (in the order of `names`), each layer's K and V pools, the new tokens (B, 1), their positions
+    (B, 1) and the rows' block tables (B, W) → logits (B, V) in float32: `forward` of the model,
+    under `CPULinearKernels` if `linear_kernels`.
+    """
+
+    def __init__(
+        self, model: DecoderLM, names: list[str], forward: Forward, linear_kernels: bool
+    ) -> None:
+        super().__init__()
+        self.model, self.names, self.logits = model, names, forward
+        self.paths = (linear_kernels,)  # the speed paths traced into the pass
+
+    def forward(self, *tensors: Tensor) -> Tensor:
+        n, n_layers = len(self.names), self.model.config.n_layers
+        state = dict(zip(self.names, tensors[:n], strict=True))
+        keys, values = tensors[n : n + n_layers], tensors[n + n_layers : n + 2 * n_layers]
+        token, position, table = tensors[n + 2 * n_layers :]  # (B, 1), (B, 1), (B, W)
+        block_size = keys[0].shape[1]
+        block = table.gather(1, position // block_size)[:, 0]  # (B,) the block of each new token
+        where = (block, position[:, 0] % block_size)  # slot = block · block_size + p mod bs
+        lengths = position[:, 0] + 1  # (B,) keys of each row, the new one included
+        cache = [
+            _PagedLayer(k, v, where, table, lengths) for k, v in zip(keys, values, strict=True)
+        ]
+        with CPULinearKernels(compiling=True) if self.paths[0] else nullcontext():
+            return self.logits(self.model, cache, token, position, None, state)
+
+
+class CompiledPagedStep:
+    """The engine's decode pass of `model` over the pools `keys`, `values` (one per layer,
+    (num_blocks ≥ 2, block_size, Hkv, hd) each), compiled ahead of time by AOTInductor.
+
+    `step(token, position, table)` writes the K/V of token (B, 1) at position (B, 1) of each row
+    to its slot and returns the logits (B, V) in float32 of the token after it; table (B, W) holds
+    each row's blocks (W = `width`, unused entries any block in the pool). B is 1 to `max_batch`;
+    the libraries take pools of any number of blocks. `forward` is the forward pass compiled
+    (`decoderlm.inference.generate.next_logits`), under `CPULinearKernels` with `linear_kernels`.
+    `compile_s`: the seconds making both libraries took (compiling, or loading them from disk).
+    """
+
+    def __init__(
+        self,
+        model: DecoderLM,
+        keys: list[Tensor],
+        values: list[Tensor],
+        forward: Forward,
+        *,
+        width: int,
+        max_batch: int = MAX_BATCH,
+        linear_kernels: bool = True,
+    ) -> None:
+        start = time.perf_counter()
+        if not compiles(model, keys[0].dtype, keys[0].device):  # (and loads the op's library)
+            raise DecoderLMError(
+                "the compiled decode pass needs CPU pools in float32 or bfloat16, no sliding "
+                "window, and a C/C++ compiler for its attention op"
+            )
+        state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        self.inputs = [*state.values(), *keys, *values]
+        self.width, self.max_batch = width, max_batch
+        step = _PagedDecodeStep(model, list(state), forward, linear_kernels)
+        blocks = Dim("blocks", min=2)  # one library for every pool size
+        pools: tuple[Any, ...] = tuple({0: blocks} for _ in [*keys, *values])
+        weights = tuple(None for _ in state)
+        device = keys[0].device
+        one = (*weights, *pools, None, None, None)
+        self.runs = {1: step_library(step, self.inputs, _examples(1, width, device), (one,))}
+        if max_batch >= 2:
+            batch = Dim("batch", min=2, max=max_batch)
+            rows = (*weights, *pools, {0: batch}, {0: batch}, {0: batch})
+            examples = _examples(2, width, device)  # (forward's one argument: *tensors)
+            self.runs[2] = step_library(step, self.inputs, examples, (rows,))
+        self.compile_s = time.perf_counter() - start
+
+    def __call__(self, token: Tensor, position: Tensor, table: Tensor) -> Tensor:
+        run = self.runs[min(token.shape[0], 2)]
+        return run([*self.inputs, token, position, table])[0]
+
+
+def _examples(batch: int, width: int, device: torch.device) -> list[Tensor]:
+    """Example per-call inputs: token (B, 1), position (B, 1), table (B, W)."""
+    shapes = [(batch, 1), (batch, 1), (batch, width)]
+    return [torch.zeros(shape, dtype=torch.long, device=device) for shape in shapes]
