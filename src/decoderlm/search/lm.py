@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from decoderlm.errors import DecoderLMError
 from decoderlm.inference.sampling import SamplingParams
 from decoderlm.serving.engine import Engine, decodable_ids
 from decoderlm.serving.types import Completion, RequestParams
@@ -141,3 +142,13 @@ class EngineLM:
         if finish == "stop" and ids and ids[-1] == self.eot_id:
             finish = "eot"
         return Sample(completion.text, ids, tuple(completion.logprobs or ()), finish)
+
+
+def load_engine(run: str, cpu_kernels: bool = True, device: str = "cpu") -> Engine:
+    """An `Engine` over the model and tokenizer of a run directory (the tokenizer is required)."""
+    from decoderlm.loading import load
+
+    model, tokenizer = load(run, device=device)
+    if tokenizer is None:
+        raise DecoderLMError(f"{run} has no tokenizer.json, so prompts cannot be encoded")
+    return Engine(model, tokenizer, cpu_kernels=cpu_kernels)
