@@ -1,4 +1,4 @@
-"""The learned verifier (`decoderlm.search.verifier`, `verifier_training`): on a planted separable
+"""The learned verifier (`decoderlm.search.verifier`, `decoderlm.training.verifier`): on a planted separable
 toy set (a solution ending "ok" is correct, "no" wrong) the project's trainer drives its binary
 cross-entropy from ln 2 to near 0; as best-of-N's scorer it picks the planted correct sample
 that mean log-probability passes over; saved and loaded, its weights and scores are exact."""
@@ -19,10 +19,10 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.model.config import ModelConfig
 from decoderlm.model.lm import DecoderLM
 from decoderlm.search.strategies import best_of_n, by_verifier, mean_logprob
-from decoderlm.search.verifier import LearnedVerifier, load_verifier, scalar_head_model
-from decoderlm.search.verifier_training import Example, train_verifier
+from decoderlm.search.verifier import Example, LearnedVerifier, load_verifier, scalar_head_model
 from decoderlm.tokenizer import Tokenizer
 from decoderlm.training.train_config import TrainConfig
+from decoderlm.training.verifier import train_verifier
 
 PROMPT = "Q\n"  # after a problem's digits: where ScriptedLM starts writing
 STEPS = 40

@@ -1,5 +1,5 @@
-"""`decoderlm verifier`: train a learned verifier (decoderlm.search.verifier_training) on a policy
-run's own samples of a task's train problems, labelled by the task's exact checker; with
+"""`decoderlm verifier`: train a learned verifier (decoderlm.search.labelling labels, then
+decoderlm.training.verifier trains) on a policy run's own samples of a task's train problems, labelled by the task's exact checker; with
 --rollouts also each step prefix, labelled by the share of rollouts from it that are correct (a
 process verifier). `decoderlm search --verifier OUT` then ranks and guides with it."""
 
@@ -41,9 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from decoderlm.search.labelling import label_samples
     from decoderlm.search.lm import EngineLM, load_engine
-    from decoderlm.search.verifier_training import label_samples, train_verifier, verifier_config
     from decoderlm.tasks import get_task
+    from decoderlm.training.verifier import train_verifier, verifier_config
 
     task = get_task(args.task)
     problems = task.problems(args.problems, args.difficulty, args.seed + 1, split="train")

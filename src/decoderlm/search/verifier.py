@@ -1,7 +1,8 @@
 """A learned verifier: a `DecoderLM` whose head gives one score, the logit that a (partial)
 solution is, or leads to, a correct one (Cobbe et al., 2021, "Training Verifiers to Solve Math
 Word Problems": an outcome verifier; Wang et al., 2023, "Math-Shepherd": a process verifier, its
-step labels estimated by rollouts). Trained by `decoderlm.search.verifier_training`.
+step labels estimated by rollouts). Its texts are labelled by `decoderlm.search.labelling`, and
+it is trained by `decoderlm.training.verifier`.
 
 The scalar head replaces the LM head of the policy's network: head(norm(h_t)) = w·norm(h_t) + b,
 one logit s_t per position, (B, T, 1); the verifier's score of a text is σ(s_T) at its final
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,6 +30,14 @@ from decoderlm.tokenizer import Tokenizer
 VERIFIER_KEY = "verifier"  # ModelConfig.extra[VERIFIER_KEY]: "outcome" or "process"
 KINDS = ("outcome", "process")
 PAD_ID = 0  # right padding: a causal model's last real token never sees it
+
+
+@dataclass(frozen=True)
+class Example:
+    """A labelled text: the prompt and a (partial) solution; target in [0, 1]."""
+
+    text: str
+    target: float
 
 
 def scalar_head_model(config: ModelConfig, kind: str) -> DecoderLM:

@@ -16,7 +16,7 @@ is a no-op for one process, so the single-process and the torchrun paths are the
 What is trained is language modelling: a `DecoderLM`, next-token cross-entropy on windows of the
 data's token splits. A subclass trains another objective on the same loop by overriding its hooks,
 `build_model`, `batches`, `batch_loss`, `evaluate` and `sample` (the learned verifier of
-`decoderlm.search.verifier_training` does: a scalar head, binary cross-entropy on labelled texts).
+`decoderlm.training.verifier` does: a scalar head, binary cross-entropy on labelled texts).
 """
 
 from __future__ import annotations

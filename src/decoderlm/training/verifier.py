@@ -1,16 +1,11 @@
-"""Training a learned verifier (`decoderlm.search.verifier`) on the policy's own samples.
+"""Training a learned verifier (`decoderlm.search.verifier`) on labelled texts: the policy's own
+samples, labelled by a task's checker (`decoderlm.search.labelling`).
 
-1. `label_samples`: the policy samples solutions of a task's train-split problems; each is
-   labelled by the task's exact checker, 1 or 0 (the outcome label of Cobbe et al., 2021). With
-   `rollouts` > 0 every step prefix of every sample is labelled too, by the fraction of
-   `rollouts` continuations from it that the checker accepts: Math-Shepherd's soft estimate of
-   the prefix's value (Wang et al., 2023, §3.3), which makes the verifier a process verifier that
-   step-level beam search and MCTS can ask about partial solutions.
-2. `VerifierTrainer`: the project's `Trainer` with its objective hooks overridden: the model is
-   the policy's network with a scalar head (its weights loaded, the LM head dropped), a batch is
-   labelled texts, and the loss is the binary cross-entropy of the final token's logit s_T,
-   L = −[y·log σ(s_T) + (1 − y)·log(1 − σ(s_T))].
-3. `train_verifier`: both, into a run directory (`decoderlm train-verifier`).
+`VerifierTrainer` is the project's `Trainer` with its objective hooks overridden: the model is
+the policy's network with a scalar head (its weights loaded, the LM head dropped), a batch is
+labelled texts, and the loss is the binary cross-entropy of the final token's logit s_T,
+L = −[y·log σ(s_T) + (1 − y)·log(1 − σ(s_T))]. `train_verifier` writes the texts into OUT/data
+and trains into the run directory OUT (`decoderlm verifier`).
 
 The texts are split by problem: every VAL_SHARE-th problem's samples are the validation set.
 """
@@ -21,29 +16,25 @@ import json
 import math
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from decoderlm import checkpoint
 from decoderlm.errors import DecoderLMError
 from decoderlm.files import ANY_ENTRY, refuse_overwrite
 from decoderlm.model.config import ModelConfig
 from decoderlm.model.lm import DecoderLM
-from decoderlm.search.lm import SearchLM
-from decoderlm.search.strategies import SOLUTION_END, Budget, sample_solutions
 from decoderlm.search.verifier import (
+    Example,
     LearnedVerifier,
     encode_text,
     padded_batch,
     scalar_head_model,
 )
-from decoderlm.tasks import Problem, Task
 from decoderlm.tokenizer import Tokenizer
 from decoderlm.training import distributed
 from decoderlm.training.run import Run
@@ -53,47 +44,6 @@ from decoderlm.training.trainer import Trainer
 VAL_SHARE = 10  # every 10th problem's texts are validation texts
 IGNORE = -1.0  # the target of every position but a text's last
 DATA_DIR = "data"  # OUT/data/{train,val}.jsonl: the labelled texts, and tokenizer.json
-
-
-@dataclass(frozen=True)
-class Example:
-    """A labelled text: the prompt and a (partial) solution; target in [0, 1]."""
-
-    text: str
-    target: float
-
-
-def label_samples(
-    lm: SearchLM,
-    task: Task,
-    problems: Sequence[Problem],
-    samples: int,
-    *,
-    rollouts: int = 0,
-    max_tokens: int = 128,
-    temperature: float = 1.0,
-    progress: bool = False,
-) -> list[list[Example]]:
-    """Per problem: `samples` sampled solutions labelled by the checker and, with `rollouts` > 0,
-    each of their step prefixes labelled by the fraction of `rollouts` continuations accepted."""
-    labelled = []
-    for problem in tqdm(problems, desc="labelling", unit="problem", disable=not progress):
-        budget = Budget(samples * max_tokens)
-        drawn = sample_solutions(lm, problem.prompt, budget, samples, max_tokens, temperature)
-        examples = [
-            Example(problem.prompt + s.text, float(task.check(problem, s.text))) for s in drawn
-        ]
-        for sample in drawn if rollouts else []:
-            lines = sample.text.splitlines(keepends=True)
-            for i in range(1, len(lines)):
-                prefix = "".join(lines[:i])
-                continued = lm.sample(
-                    [problem.prompt + prefix], rollouts, max_tokens, SOLUTION_END, temperature
-                )[0]
-                value = sum(task.check(problem, prefix + c.text) for c in continued) / rollouts
-                examples.append(Example(problem.prompt + prefix, value))
-        labelled.append(examples)
-    return labelled
 
 
 def write_examples(
