@@ -41,11 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from decoderlm.files import ANY_ENTRY, refuse_overwrite
     from decoderlm.search.labelling import label_samples
     from decoderlm.search.lm import EngineLM, load_engine
     from decoderlm.tasks import get_task
     from decoderlm.training.verifier import train_verifier, verifier_config
 
+    refuse_overwrite(args.out, overwrite=args.overwrite, inside=ANY_ENTRY)  # before sampling
     task = get_task(args.task)
     problems = task.problems(args.problems, args.difficulty, args.seed + 1, split="train")
     lm = EngineLM(load_engine(args.policy, args.cpu_kernels), seed=args.seed)

@@ -2,7 +2,7 @@
 
 Every number is read from results.json: accuracy and tokens per strategy and N (mean ± spread
 over seeds), issue 30's targets, the learned verifier as a classifier, and the engine's
-throughput and prefix-cache hit rate as N grows.
+throughput and prefix-cache reuse as N grows.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def write_report(results: dict[str, Any], out: str | Path) -> Path:
         "policy, the verifier and the problems are the same for every seed); spread = standard "
         f"deviation over seeds; budgets N × {spec['max_tokens']} generated tokens; self-"
         "consistency, best-of-N and pass@N take the first N of one pool of samples a problem; "
-        f"beam width N (N ≤ {spec['beam_max']}); step-level beam width N/8, MCTS "
+        f"temperature {spec['temperature']:g}; beam width N (N ≤ {spec['beam_max']}); step-level "
+        "beam width N/8, MCTS "
         f"expanding {spec['expand']} steps of ≤ {spec['step_tokens']} tokens with rollouts, "
         "both guided by the learned verifier",
         "",
@@ -112,7 +113,7 @@ def _classifier(results: dict[str, Any]) -> list[str]:
 
 def _engine(results: dict[str, Any]) -> list[str]:
     probe = [
-        [str(r["n"]), f"{r['generated']:,}", f"{r['tokens_per_s']:,.0f}", f"{r['hit_rate']:.1%}"]
+        [str(r["n"]), f"{r['generated']:,}", f"{r['tokens_per_s']:,.0f}", f"{r['reuse']:.2f}"]
         for r in results["engine"]
     ]
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
@@ -123,19 +124,21 @@ def _engine(results: dict[str, Any]) -> list[str]:
         generated, seconds = sum(r["generated"] for r in rows), sum(r["seconds"] for r in rows)
         prompt, hits = sum(r["prompt"] for r in rows), sum(r["prefix_hits"] for r in rows)
         searches.append([name, str(n), f"{generated / max(seconds, 1e-9):,.0f}",
-                         f"{hits / max(prompt, 1):.1%}"])  # fmt: skip
+                         f"{hits / max(prompt, 1):.2f}"])  # fmt: skip
     return [
         "## The engine as N grows",
         "",
         f"Sampling N solutions of each of the first {results['spec']['probe_problems']} test "
-        "problems in one call: generated tokens/s and the prefix-cache hit rate (prompt tokens "
-        "whose KV blocks were reused). A prompt shorter than a KV block (16 tokens) has no full "
-        "block to share; the step-level searches resubmit longer partial solutions.",
+        "problems in one call: generated tokens/s, and the prefix cache's reuse: prompt tokens "
+        "whose KV blocks a sequence found cached, per prompt token submitted (a request's N "
+        "sequences each reuse its prompt's blocks, so it can exceed 1). A prompt shorter than "
+        "a KV block (16 tokens) has no full block to share; the step-level searches resubmit "
+        "longer partial solutions.",
         "",
-        *_table(["N", "generated tokens", "tokens/s", "prefix-cache hit rate"], probe),
+        *_table(["N", "generated tokens", "tokens/s", "reused KV tokens per prompt token"], probe),
         "Over each search (all seeds and problems):",
         "",
-        *_table(["strategy", "N", "tokens/s", "prefix-cache hit rate"], searches),
+        *_table(["strategy", "N", "tokens/s", "reused KV tokens per prompt token"], searches),
     ]
 
 
@@ -167,7 +170,7 @@ def _engine_plot(results: dict[str, Any], out: Path) -> Path:
     rows = results["engine"]
     ns = [r["n"] for r in rows]
     for j, (key, label) in enumerate((("tokens_per_s", "generated tokens/s"),
-                                       ("hit_rate", "prefix-cache hit rate"))):  # fmt: skip
+                                       ("reuse", "reused KV tokens per prompt token"))):  # fmt: skip
         ax = fig.add_subplot(1, 2, j + 1)
         ax.plot(ns, [r[key] for r in rows], "o-")
         ax.set_xscale("log", base=2)
