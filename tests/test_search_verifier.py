@@ -1,7 +1,8 @@
 """The learned verifier (`decoderlm.search.verifier`, `decoderlm.training.verifier`): on a planted separable
 toy set (a solution ending "ok" is correct, "no" wrong) the project's trainer drives its binary
 cross-entropy from ln 2 to near 0; as best-of-N's scorer it picks the planted correct sample
-that mean log-probability passes over; saved and loaded, its weights and scores are exact."""
+that mean log-probability passes over; saved and loaded, its weights and scores are exact; its
+texts are labelled by the checker, step prefixes by the share of correct rollouts."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from decoderlm import checkpoint
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.config import ModelConfig
 from decoderlm.model.lm import DecoderLM
+from decoderlm.search.labelling import label_samples
 from decoderlm.search.strategies import best_of_n, by_verifier, mean_logprob
 from decoderlm.search.verifier import Example, LearnedVerifier, load_verifier, scalar_head_model
+from decoderlm.tasks import Problem, Task
 from decoderlm.tokenizer import Tokenizer
 from decoderlm.training.train_config import TrainConfig
 from decoderlm.training.verifier import train_verifier
@@ -115,3 +118,17 @@ def test_save_and_load_round_trip_is_exact(policy: Path, tmp_path: Path) -> None
 def test_a_language_model_run_is_refused_as_a_verifier(policy: Path) -> None:
     with pytest.raises(DecoderLMError, match="holds a language model, not a verifier"):
         load_verifier(policy)
+
+
+def test_labels_are_the_checker_and_step_labels_the_share_of_correct_rollouts() -> None:
+    task = Task("toy", 1, lambda rng, d: None, lambda p, c: c.endswith("ok"), lambda c: c)
+    problem = Problem(f"7{PROMPT}", "a\nok", "ok", ())
+    lm = ScriptedLM({"a\nok": 0.25, "a\nno": 0.25, "b\nok": 0.5}, prompt_chars=problem.prompt)
+    (examples,) = label_samples(lm, task, [problem], 8, rollouts=400, max_tokens=8)
+    outcomes, steps = examples[:8], {e.text: e.target for e in examples[8:]}
+    assert all(e.target == float(e.text.endswith("ok")) for e in outcomes)
+    assert set(steps) <= {f"7{PROMPT}a\n", f"7{PROMPT}b\n"}
+    # p(ok | "a\n") = 1/2 and p(ok | "b\n") = 1: 400 rollouts estimate 1/2 within 4 σ = 0.1
+    assert steps.get(f"7{PROMPT}a\n", 0.5) == pytest.approx(0.5, abs=0.1)
+    assert steps.get(f"7{PROMPT}b\n", 1.0) == 1.0
+    assert len(steps) == 2  # 8 samples from three scripts reach both first steps (seed 0)
