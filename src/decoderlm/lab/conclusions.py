@@ -246,10 +246,15 @@ def ttc_study(results: dict[str, Any]) -> str:
         )
     classifier = [c["accuracy"] for c in results["classifier"]]
     if classifier:
+        accuracy = sum(classifier) / len(classifier)
         share = sum(c["correct_share"] for c in results["classifier"]) / len(classifier)
-        lines.append(f"The learned verifier classifies the pooled test samples at "
-                     f"{sum(classifier) / len(classifier):.1%} accuracy (base rate: {share:.1%} "
-                     "of them are correct).")  # fmt: skip
+        baseline = max(share, 1 - share)  # always answering the majority class
+        lines.append(
+            f"The learned verifier classifies the pooled test samples at {accuracy:.1%} accuracy "
+            f"({share:.1%} of them are correct, so always answering the majority class scores "
+            f"{baseline:.1%}): it {'beats' if accuracy > baseline else 'does not beat'} that "
+            "baseline."
+        )
     ok = all(
         (a := ttc_accuracy(results, "pass@N", n)) is None
         or (b := ttc_accuracy(results, "best-of-N (oracle)", n)) is None
