@@ -1,6 +1,6 @@
-"""The learned verifier (`decoderlm.search.verifier`, `decoderlm.training.verifier`): on a planted separable
-toy set (a solution ending "ok" is correct, "no" wrong) the project's trainer drives its binary
-cross-entropy from ln 2 to near 0; as best-of-N's scorer it picks the planted correct sample
+"""The learned verifier (`decoderlm.search.verifier`, `decoderlm.training.verifier`): on a planted
+separable toy set (a solution ending "ok" is correct, "no" wrong) the project's trainer drives its
+binary cross-entropy from ln 2 to near 0; as best-of-N's scorer it picks the planted correct sample
 that mean log-probability passes over; saved and loaded, its weights and scores are exact; its
 texts are labelled by the checker, step prefixes by the share of correct rollouts."""
 

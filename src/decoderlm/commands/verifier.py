@@ -1,7 +1,8 @@
-"""`decoderlm verifier`: train a learned verifier (decoderlm.search.labelling labels, then
-decoderlm.training.verifier trains) on a policy run's own samples of a task's train problems, labelled by the task's exact checker; with
---rollouts also each step prefix, labelled by the share of rollouts from it that are correct (a
-process verifier). `decoderlm search --verifier OUT` then ranks and guides with it."""
+"""`decoderlm verifier`: train a learned verifier on a policy run's own samples of a task's train
+problems, labelled by the task's exact checker (decoderlm.search.labelling), then trained by
+decoderlm.training.verifier; with --rollouts also each step prefix, labelled by the share of
+rollouts from it that are correct (a process verifier). `decoderlm search --verifier OUT` then
+ranks and guides with it."""
 
 from __future__ import annotations
 

@@ -185,7 +185,8 @@ def ttc_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     if sc is not None and learned is not None and oracle is not None:
         gap = oracle.mean - sc.mean
         closed = (learned.mean - sc.mean) / gap if gap > 0 else math.nan
-        rows.append({"target": f"learned verifier closes ≥ half of the majority→oracle gap at {n}",
+        target = f"learned verifier closes ≥ half of the majority→oracle gap at {n}"
+        rows.append({"target": target,
                      "measured": f"{closed:.0%} of {100 * gap:.1f} points" if gap > 0
                      else f"no gap ({sc.mean:.1%} vs {oracle.mean:.1%})",
                      "met": gap > 0 and closed >= 0.5})  # fmt: skip

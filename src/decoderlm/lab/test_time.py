@@ -151,9 +151,9 @@ def run_study(
                  "accuracy": c / len(problems), "tokens_per_problem": t / len(problems)}
                 for (name, n), (c, t) in counts.items()
             ]  # fmt: skip
-            hits = sum(j == c for j, c in judged)
+            hits, right = sum(j == c for j, c in judged), sum(c for _, c in judged)
             classifier.append({"seed": seed, "texts": len(judged), "accuracy": hits / len(judged),
-                               "correct_share": sum(c for _, c in judged) / len(judged)})  # fmt: skip
+                               "correct_share": right / len(judged)})  # fmt: skip
     results = {
         "study": STUDY,
         "description": (
@@ -312,7 +312,9 @@ def _search(
                 step_beam_search, lm, prompt, budget, verifier,
                 width=max(1, n // STEP_BEAM_SHARE), **steps,
             ),
-            "MCTS (learned)": partial(mcts, lm, prompt, budget, verifier, rollout_tokens=cap, **steps),
+            "MCTS (learned)": partial(
+                mcts, lm, prompt, budget, verifier, rollout_tokens=cap, **steps
+            ),
         }  # fmt: skip
         if n <= spec.beam_max:
             runs["beam"] = partial(

@@ -1,4 +1,4 @@
-"""results.json of the test-time compute study → report.md and its plots (`decoderlm.lab.test_time`).
+"""results.json of the test-time compute study (`decoderlm.lab.test_time`) → report.md, plots.
 
 Every number is read from results.json: accuracy and tokens per strategy and N (mean ± spread
 over seeds), issue 30's targets, the learned verifier as a classifier, and the engine's
