@@ -206,6 +206,8 @@ def _policy(spec: TestTimeSpec, task: Task, out: Path, progress: bool) -> dict[s
     model = ModelConfig.from_preset(fields.pop("preset"), **fields)
     config = TrainConfig(**{"checkpoint_interval": 0, "peak_flops": 1e12, **spec.train})
     result = train(model, config, data_dir, run_dir, overwrite=True, progress=progress)
+    if result["stopped"] == "interrupted":  # Ctrl-C or SIGTERM: not a finished policy
+        raise KeyboardInterrupt
     info = {"run_dir": str(run_dir), "steps": result["step"], "val_loss": result["val_loss"],
             "wall_s": time.perf_counter() - start}  # fmt: skip
     info = _json_safe(info)
@@ -233,6 +235,8 @@ def _verifier(spec: TestTimeSpec, task: Task, out: Path, progress: bool) -> dict
     config = verifier_config(spec.verifier_steps, 32, 1e-3, seed=0)
     result = train_verifier(out / "policy", labelled, run_dir, config, overwrite=True,
                             progress=progress)  # fmt: skip
+    if result["stopped"] == "interrupted":
+        raise KeyboardInterrupt
     texts = [e for examples in labelled for e in examples]
     info = {"run_dir": str(run_dir), "texts": len(texts),
             "correct_share": sum(e.target for e in texts) / len(texts),
