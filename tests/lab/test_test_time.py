@@ -114,3 +114,12 @@ def test_the_cli_refuses_a_corpus_for_the_test_time_study(
     assert capsys.readouterr().err == (
         "decoderlm: error: test-time-compute trains its own policy on its task: drop --data\n"
     )
+
+
+def test_an_interrupted_policy_ends_the_study_and_is_not_recorded_as_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(test_time, "train", lambda *args, **kwargs: {"stopped": "interrupted"})
+    with pytest.raises(KeyboardInterrupt):
+        test_time.run_study(micro_spec(), tmp_path, progress=False)
+    assert not (tmp_path / "policy" / test_time.DONE_FILE).exists()
