@@ -36,7 +36,7 @@ def write_report(results: dict[str, Any], out: str | Path) -> Path:
         f"{policy['wall_s']:.0f} s, verifier {verifier['wall_s']:.0f} s when trained)",
         f"- policy: {spec['model']} trained {policy['steps']} steps ({spec['train']}) on "
         f"{spec['corpus_problems']:,} worked {spec['task']} problems at difficulty "
-        f"{spec['difficulty']}; val loss {fmt(policy['val_loss'], '{:.4f}')}",
+        f"{spec['difficulty']}; val loss {fmt(policy['val_loss'], '{:.4f}')}; run {policy['run_dir']}",
         f"- learned verifier: outcome, the policy's network with a scalar head, "
         f"{spec['verifier_steps']} steps on {verifier['texts']:,} of its samples "
         f"({verifier['correct_share']:.0%} correct) of {spec['verifier_problems']} train "
