@@ -54,3 +54,41 @@ def test_search_refuses_a_budget_below_one_token(
     assert capsys.readouterr().err == (
         "decoderlm: error: budget=0 must be an integer ≥ 1 (generated tokens)\n"
     )
+
+
+@pytest.fixture(scope="module")
+def tiny_verifier(tiny_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("verifier")
+    argv = ["verifier", "--policy", str(tiny_run), "--task", "arithmetic", "--difficulty", "2"]
+    flags = ["--problems", "10", "--samples", "2", "--max-tokens", "24", "--steps", "2"]
+    assert (
+        main([*argv, *flags, "--batch-size", "4", "--out", str(out), "--overwrite", "--quiet"]) == 0
+    )
+    return out
+
+
+def test_verifier_writes_a_run_and_splits_its_texts_by_problem(tiny_verifier: Path) -> None:
+    assert (tiny_verifier / "model.safetensors").is_file()
+    texts = (tiny_verifier / "data" / "train.jsonl").read_text().splitlines()
+    assert len(texts) == 9 * 2  # problems 1-9 train, the 10th validates; 2 samples each
+
+
+@pytest.mark.parametrize("strategy", ["best-of-n", "step-beam", "mcts"])
+def test_search_with_a_learned_verifier_stays_within_the_budget(
+    tiny_run: Path, tiny_verifier: Path, strategy: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["search", "--checkpoint", str(tiny_run), "--task", "arithmetic", "--difficulty", "2"]
+    flags = ["--strategy", strategy, "--budget", "96", "--problems", "2", "--max-tokens", "24"]
+    assert main([*argv, *flags, "--verifier", str(tiny_verifier), "--n", "2", "--quiet"]) == 0
+    tokens = re.search(r"(\d+) generated tokens", capsys.readouterr().out)
+    assert tokens is not None and 0 < int(tokens.group(1)) <= 2 * 96
+
+
+def test_search_refuses_a_language_model_as_its_verifier(
+    tiny_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["search", "--checkpoint", str(tiny_run), "--task", "arithmetic"]
+    assert main([*argv, "--strategy", "best-of-n", "--verifier", str(tiny_run), "--quiet"]) == 2
+    assert capsys.readouterr().err == (
+        f"decoderlm: error: {tiny_run} holds a language model, not a verifier\n"
+    )

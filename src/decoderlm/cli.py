@@ -25,6 +25,7 @@ ORDER = (
     "chat",
     "eval",
     "search",
+    "verifier",
     "info",
     "convert",
     "quantize",

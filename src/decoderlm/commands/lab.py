@@ -3,6 +3,10 @@ report.md and the plots.
 
     decoderlm lab attention-variants --quick --out lab/attn
     decoderlm lab --spec study.toml --input corpus.txt --out lab/mine
+    decoderlm lab test-time-compute --quick --out lab/ttc
+
+test-time-compute (decoderlm.lab.test_time) trains its own policy on a reasoning task's corpus and
+a learned verifier, then measures the search strategies: it takes no --data/--input/--budget-*.
 
 Without --data/--input the built-in studies train on ../shared/data/tinyshakespeare.txt beside
 the repository (char-level). The same command plus --resume continues an interrupted study (the
@@ -21,10 +25,11 @@ from decoderlm.files import add_overwrite_argument, refuse_overwrite
 
 HELP = (
     "ablation studies (attention variants, positions, scaling, norm placement, GQA up-training, "
-    "recurrent and hybrid layers)"
+    "recurrent and hybrid layers) and test-time compute"
 )
+TEST_TIME = "test-time-compute"
 STUDY_NAMES = ("attention-variants", "positions", "scaling", "norm-placement", "uptrain-gqa")
-STUDY_NAMES += ("hybrid",)
+STUDY_NAMES += ("hybrid", TEST_TIME)
 DEFAULT_CORPUS = (
     Path(__file__).resolve().parents[3].parent / "shared" / "data" / "tinyshakespeare.txt"
 )
@@ -61,9 +66,11 @@ def run(args: argparse.Namespace) -> int:
 
     if (args.study is None) == (args.spec is None):
         raise DecoderLMError(f"give a STUDY ({', '.join(STUDY_NAMES)}) or --spec FILE, not both")
-    study = studies.builtin(args.study, args.quick) if args.study else spec.load_spec(args.spec)
     if args.seeds is not None and args.seeds < 1:
         raise DecoderLMError(f"--seeds={args.seeds} must be ≥ 1")
+    if args.study == TEST_TIME:
+        return _test_time(args)
+    study = studies.builtin(args.study, args.quick) if args.study else spec.load_spec(args.spec)
     study = study.with_budget(args.budget_tokens, args.budget_seconds, args.seeds)
     inputs = args.input
     if args.data is None and inputs is None:
@@ -77,10 +84,40 @@ def run(args: argparse.Namespace) -> int:
     if args.overwrite and not args.resume:  # start over: nothing of the old study is reused
         for name in ("runs", "data") if args.data is None else ("runs",):
             shutil.rmtree(out / name, ignore_errors=True)
-    ours = sys.argv[1:2] == ["lab"]  # run as `decoderlm lab ...`, not from Python
-    command = shlex.join(["decoderlm", *sys.argv[1:]]) if ours else ""
     results = runner.run_study(
-        study, args.out, args.data, inputs, progress=not args.quiet, command=command
+        study, args.out, args.data, inputs, progress=not args.quiet, command=_command()
     )
     print(f"wrote {report.write_report(results, args.out)}")
+    return 0
+
+
+def _command() -> str:
+    """The command line, when run as `decoderlm lab ...` (not from Python)."""
+    return shlex.join(["decoderlm", *sys.argv[1:]]) if sys.argv[1:2] == ["lab"] else ""
+
+
+def _test_time(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from decoderlm.errors import DecoderLMError
+    from decoderlm.lab import test_time, test_time_report
+    from decoderlm.lab.runner import RESULTS_FILE
+
+    given = [f for f in ("data", "input", "budget_tokens", "budget_seconds") if getattr(args, f)]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise DecoderLMError(f"{TEST_TIME} trains its own policy on its task: drop {flag}")
+    study = test_time.quick_spec() if args.quick else test_time.TestTimeSpec()
+    if args.seeds is not None:
+        study = dataclasses.replace(study, seeds=args.seeds)
+    written = ("data", "policy", "verifier", "task.txt", RESULTS_FILE, "report.md")
+    other = "or --resume to keep its trained policy and verifier"
+    refuse_overwrite(
+        Path(args.out), overwrite=args.overwrite or args.resume, inside=written, other=other
+    )
+    if args.overwrite and not args.resume:
+        for name in ("policy", "verifier"):
+            shutil.rmtree(Path(args.out) / name, ignore_errors=True)
+    results = test_time.run_study(study, args.out, progress=not args.quiet, command=_command())
+    print(f"wrote {test_time_report.write_report(results, args.out)}")
     return 0

@@ -35,10 +35,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens a solution (a step, for step-beam and mcts) may take (default: 128)",
     )
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    parser.add_argument(
+    scorer = parser.add_mutually_exclusive_group()
+    scorer.add_argument(
         "--oracle",
         action="store_true",
         help="best-of-n: rank by the task's exact checker instead of mean log-probability",
+    )
+    scorer.add_argument(
+        "--verifier",
+        metavar="RUN",
+        help="a learned verifier (decoderlm verifier): best-of-n ranks by it, step-beam and mcts "
+        "are guided by it instead of the task's process oracle",
     )
     parser.add_argument("--problems", type=int, default=20, help="test problems (default: 20)")
     parser.add_argument("--difficulty", type=int, help="default: the task's")
@@ -49,22 +56,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from decoderlm.errors import DecoderLMError
-    from decoderlm.loading import load
     from decoderlm.search.evaluate import SearchOptions, evaluate
-    from decoderlm.search.lm import EngineLM
-    from decoderlm.serving.engine import Engine
+    from decoderlm.search.lm import EngineLM, load_engine
+    from decoderlm.search.verifier import load_verifier
     from decoderlm.tasks import get_task
 
     task = get_task(args.task)
     problems = task.problems(args.problems, args.difficulty, args.seed, split="test")
-    options = SearchOptions(args.n, args.expand, args.max_tokens, args.temperature, args.oracle)
-    model, tokenizer = load(args.checkpoint, device=args.device)
-    if tokenizer is None:
-        raise DecoderLMError(
-            f"{args.checkpoint} has no tokenizer.json, so prompts cannot be encoded"
-        )
-    engine = Engine(model, tokenizer, cpu_kernels=args.cpu_kernels)
+    verifier = load_verifier(args.verifier, args.device) if args.verifier else None
+    options = SearchOptions(
+        args.n, args.expand, args.max_tokens, args.temperature, args.oracle, verifier
+    )
+    engine = load_engine(args.checkpoint, args.cpu_kernels, args.device)
     lm = EngineLM(engine, seed=args.seed)
     score = evaluate(lm, task, problems, args.strategy, args.budget, options, not args.quiet)
     difficulty = task.default_difficulty if args.difficulty is None else args.difficulty

@@ -7,6 +7,7 @@ user's own (`--spec`) gets the ranking against the best variant.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -226,7 +227,124 @@ def hybrid(results: dict[str, Any]) -> str:
     )
 
 
+# ---- test-time compute (decoderlm.lab.test_time) ----------------------------------------------
+
+TTC_N = 16  # the targets' N (the largest N ≤ 16 a study has, for --quick)
+
+
+def ttc_accuracy(
+    results: dict[str, Any], strategy: str, n: int, key: str = "accuracy"
+) -> Summary | None:
+    """The strategy's accuracy (or tokens_per_problem) at N over seeds; None if not run."""
+    row = results["summary"].get(strategy, {}).get(str(n))
+    return Summary(**row[key]) if row is not None and row[key]["n"] else None
+
+
+def ttc_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 30's targets at N = TTC_N: what was measured, the target, and whether it is met."""
+    n = max((m for m in results["spec"]["ns"] if m <= TTC_N), default=min(results["spec"]["ns"]))
+    greedy = ttc_accuracy(results, "greedy", 1)
+    sc, learned, oracle = (
+        ttc_accuracy(results, name, n)
+        for name in ("self-consistency", "best-of-N (learned)", "best-of-N (oracle)")
+    )
+    rows = []
+    if greedy is not None and sc is not None:
+        gain = 100 * (sc.mean - greedy.mean)
+        rows.append({"target": f"self-consistency@{n} ≥ greedy + 15 points",
+                     "measured": f"{gain:+.1f} points ({sc.mean:.1%} vs {greedy.mean:.1%})",
+                     "met": gain >= 15})  # fmt: skip
+    if oracle is not None:
+        rows.append({"target": f"oracle best-of-{n} ≥ 90%", "measured": f"{oracle.mean:.1%}",
+                     "met": oracle.mean >= 0.9})  # fmt: skip
+    if sc is not None and learned is not None and oracle is not None:
+        gap = oracle.mean - sc.mean
+        closed = (learned.mean - sc.mean) / gap if gap > 0 else math.nan
+        target = f"learned verifier closes ≥ half of the majority→oracle gap at {n}"
+        rows.append({"target": target,
+                     "measured": f"{closed:.0%} of {100 * gap:.1f} points" if gap > 0
+                     else f"no gap ({sc.mean:.1%} vs {oracle.mean:.1%})",
+                     "met": gap > 0 and closed >= 0.5})  # fmt: skip
+    mcts_n = max((m for m in results["spec"]["ns"] if ttc_accuracy(results, "MCTS (learned)", m)),
+                 default=None)  # fmt: skip
+    if mcts_n is not None:
+        mcts = ttc_accuracy(results, "MCTS (learned)", mcts_n)
+        spent = ttc_accuracy(results, "MCTS (learned)", mcts_n, "tokens_per_problem")
+        peer = _best_of_n_within(results, spent.mean if spent else 0.0)
+        if mcts is not None and peer is not None:
+            bon, bon_n, bon_tokens = peer
+            rows.append({"target": "MCTS ≥ best-of-N (learned) at equal tokens",
+                         "measured": f"MCTS {mcts.mean:.1%} at {spent.mean:,.0f} tokens (budget "
+                         f"N={mcts_n}) vs best-of-{bon_n} {bon.mean:.1%} at {bon_tokens:,.0f}",
+                         "met": mcts.mean >= bon.mean})  # fmt: skip
+    return rows
+
+
+def _best_of_n_within(results: dict[str, Any], tokens: float) -> tuple[Summary, int, float] | None:
+    """best-of-N (learned) at the largest N that spends no more than `tokens` a problem."""
+    best = None
+    for n in results["spec"]["ns"]:
+        acc = ttc_accuracy(results, "best-of-N (learned)", n)
+        spent = ttc_accuracy(results, "best-of-N (learned)", n, "tokens_per_problem")
+        if acc is not None and spent is not None and spent.mean <= tokens:
+            best = (acc, n, spent.mean)
+    return best
+
+
+def ttc_study(results: dict[str, Any]) -> str:
+    ns = results["spec"]["ns"]
+    top = max(ns)
+    greedy = ttc_accuracy(results, "greedy", 1)
+    lines = [
+        "Expected (Wang et al., 2022; Cobbe et al., 2021; Snell et al., 2024): accuracy grows with "
+        "N for every sampling strategy, below pass@N (the ceiling of any verifier); an exact "
+        "verifier approaches pass@N, a learned one falls between majority voting and it."
+    ]
+    parts = []
+    for name in ("self-consistency", "best-of-N (mean log-prob)", "best-of-N (learned)",
+                 "best-of-N (oracle)", "pass@N"):  # fmt: skip
+        low, high = ttc_accuracy(results, name, min(ns)), ttc_accuracy(results, name, top)
+        if low is not None and high is not None:
+            parts.append(f"{name} {low.mean:.1%} → {high.mean:.1%}")
+    if greedy is not None:
+        lines.append(f"Measured: greedy {greedy.mean:.1%}; from N = {min(ns)} to {top}: "
+                     + "; ".join(parts) + ".")  # fmt: skip
+    learned, sc = (
+        ttc_accuracy(results, "best-of-N (learned)", top),
+        ttc_accuracy(results, "self-consistency", top),
+    )
+    if learned is not None and sc is not None:
+        lines.append(f"At N = {top}: " + verdict("best-of-N (learned)", learned,
+                     "self-consistency", sc, lower_is_better=False) + ".")  # fmt: skip
+    for row in ttc_targets(results):
+        lines.append(
+            f"Target '{row['target']}': {row['measured']} ({'met' if row['met'] else 'not met'})."
+        )
+    classifier = [c["accuracy"] for c in results["classifier"]]
+    if classifier:
+        accuracy = sum(classifier) / len(classifier)
+        share = sum(c["correct_share"] for c in results["classifier"]) / len(classifier)
+        baseline = max(share, 1 - share)  # always answering the majority class
+        lines.append(
+            f"The learned verifier classifies the pooled test samples at {accuracy:.1%} accuracy "
+            f"({share:.1%} of them are correct, so always answering the majority class scores "
+            f"{baseline:.1%}): it {'beats' if accuracy > baseline else 'does not beat'} that "
+            "baseline."
+        )
+    ok = all(
+        (a := ttc_accuracy(results, "pass@N", n)) is None
+        or (b := ttc_accuracy(results, "best-of-N (oracle)", n)) is None
+        or abs(a.mean - b.mean) < 1e-9
+        for n in ns
+    )
+    lines.append("Oracle best-of-N equals pass@N at every N, as it must (it picks a correct "
+                 "sample whenever there is one)." if ok else
+                 "Oracle best-of-N differs from pass@N somewhere: a bug to look into.")  # fmt: skip
+    return " ".join(lines)
+
+
 CONCLUSIONS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "test-time-compute": ttc_study,
     "attention-variants": attention_variants,
     "positions": positions,
     "scaling": scaling,

@@ -13,6 +13,7 @@ from decoderlm.search import STRATEGY_NAMES
 from decoderlm.search.lm import SearchLM
 from decoderlm.search.strategies import (
     SearchResult,
+    Verifier,
     beam_search,
     best_of_n,
     by_verifier,
@@ -31,14 +32,16 @@ class SearchOptions:
     """How a strategy searches: `n` samples (self-consistency, best-of-n; None: as many as the
     budget allows) or beams (beam, step-beam), `expand` steps sampled per expansion (step-beam,
     mcts), at most `max_tokens` a solution (or a step, for the step-level strategies), and
-    best-of-n ranked by the exact checker (`oracle`) or by mean log-probability. The step-level
-    strategies are guided by the task's process oracle (`process_oracle`)."""
+    best-of-n ranked by the exact checker (`oracle`), a `verifier` or mean log-probability. The
+    step-level strategies are guided by `verifier`, else the task's process oracle
+    (`process_oracle`)."""
 
     n: int | None = None
     expand: int = 4
     max_tokens: int = 128
     temperature: float = 1.0
     oracle: bool = False
+    verifier: Verifier | None = None
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,9 @@ def search(
             extract=extract,
         )
     if strategy == "best-of-n":
-        scorer = by_verifier(oracle(task, problem)) if o.oracle else mean_logprob
+        scorer = mean_logprob
+        if o.oracle or o.verifier is not None:
+            scorer = by_verifier(oracle(task, problem) if o.oracle else o.verifier)
         return best_of_n(
             lm,
             prompt,
@@ -90,12 +95,13 @@ def search(
         return beam_search(
             lm, prompt, budget, width=o.n or 4, max_tokens=o.max_tokens, extract=extract
         )
+    guide = o.verifier if o.verifier is not None else process_oracle(task, problem)
     if strategy == "step-beam":
         return step_beam_search(
             lm,
             prompt,
             budget,
-            process_oracle(task, problem),
+            guide,
             width=o.n or 4,
             expand=o.expand,
             step_tokens=o.max_tokens,
@@ -107,7 +113,7 @@ def search(
             lm,
             prompt,
             budget,
-            process_oracle(task, problem),
+            guide,
             expand=o.expand,
             step_tokens=o.max_tokens,
             temperature=o.temperature,

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from decoderlm.errors import DecoderLMError
 from decoderlm.inference.sampling import SamplingParams
 from decoderlm.serving.engine import Engine, decodable_ids
 from decoderlm.serving.streams import Collector
@@ -200,3 +201,13 @@ class ClientLM(EngineLM):
         if ended:
             raise EngineStoppedError(f"the engine ended a request of the search: {ended.pop()}")
         return completions
+
+
+def load_engine(run: str, cpu_kernels: bool = True, device: str = "cpu") -> Engine:
+    """An `Engine` over the model and tokenizer of a run directory (the tokenizer is required)."""
+    from decoderlm.loading import load
+
+    model, tokenizer = load(run, device=device)
+    if tokenizer is None:
+        raise DecoderLMError(f"{run} has no tokenizer.json, so prompts cannot be encoded")
+    return Engine(model, tokenizer, cpu_kernels=cpu_kernels)

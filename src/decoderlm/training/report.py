@@ -104,9 +104,12 @@ class Report:
 
     def evaluation(self, row: dict[str, Any], sample: str) -> None:
         """The evaluation line of the row, then the sample, indented."""
+        figures = [f"val loss {row['val_loss']:.4f}"]  # then those the objective measures
+        figures += [f"ppl {row['val_ppl']:.2f}"] if "val_ppl" in row else []
+        figures += [f"{row['val_bpb']:.3f} bits/byte"] if "val_bpb" in row else []
+        figures += [f"val accuracy {row['val_accuracy']:.1%}"] if "val_accuracy" in row else []
         self.say(
-            f"step {row['step']}: val loss {row['val_loss']:.4f} | ppl {row['val_ppl']:.2f} | "
-            f"{row['val_bpb']:.3f} bits/byte | train loss {row['train_loss']:.4f} | "
+            f"step {row['step']}: {' | '.join(figures)} | train loss {row['train_loss']:.4f} | "
             f"{row['tokens_per_s']:,.0f} tok/s | MFU {100 * row['mfu']:.1f}% | "
             f"{duration(row['time'])}",
             *(f"  │ {line}" for line in sample.split("\n")),

@@ -12,6 +12,11 @@ stopped at step s and resumed computes bit for bit the same losses as one that n
 
 The loop goes through `decoderlm.training.distributed` (init → wrap → grad_sync → full_state_dicts), which
 is a no-op for one process, so the single-process and the torchrun paths are the same code.
+
+What is trained is language modelling: a `DecoderLM`, next-token cross-entropy on windows of the
+data's token splits. A subclass trains another objective on the same loop by overriding its hooks,
+`build_model`, `batches`, `batch_loss`, `evaluate` and `sample` (the learned verifier of
+`decoderlm.training.verifier` does: a scalar head, binary cross-entropy on labelled texts).
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from decoderlm import checkpoint, data
@@ -137,10 +141,7 @@ class Trainer:
         shards = world if cfg.strategy == "fsdp" else 1
         check_training_memory(self.model_config, self.device, shards)
         seed_everything(cfg.seed)  # identical on every rank: same initial weights
-        model = DecoderLM(self.model_config)
-        if run.init_from is not None:
-            checkpoint.load_weights(model, run.init_from / checkpoint.WEIGHTS_FILE)
-        self.model = model.to(self.device).train()
+        self.model = self.build_model().to(self.device).train()
         # The CPU paths (embedding gradient, blockwise attention, the heap), before DDP/FSDP wrap.
         SpeedPaths.for_training(cfg.cpu_kernels).apply(self.model)
         self.wrapped = distributed.wrap_model(self.model, cfg.strategy, self.info)
@@ -151,10 +152,7 @@ class Trainer:
             self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
-        self.train_tokens = data.load_split(self.data_dir, "train")
-        self.val_tokens = data.load_split(self.data_dir, "val")
-        data.check_context_length(self.val_tokens, self.seq_len)
-        self.sampler = self._sampler(self.train_tokens)
+        self.sampler = self.batches("train")
 
         self.step = 0
         self.tokens_seen = 0
@@ -174,9 +172,20 @@ class Trainer:
         if self.is_main:
             self._write_run_files()
 
-    # -- setup --
+    # -- the objective (hooks a subclass may override) --
 
-    def _sampler(self, tokens: np.ndarray) -> data.BatchSampler:
+    def build_model(self) -> DecoderLM:
+        """The model to train (a `DecoderLM`), with `init_from`'s weights when the run has one."""
+        model = DecoderLM(self.model_config)
+        if self.run.init_from is not None:
+            checkpoint.load_weights(model, self.run.init_from / checkpoint.WEIGHTS_FILE)
+        return model
+
+    def batches(self, split: str) -> data.BatchSampler:
+        """The batches of `split` ("train" or "val"): (x, y) windows, y the next tokens of x."""
+        tokens = data.load_split(self.data_dir, split)
+        if split == "val":
+            data.check_context_length(tokens, self.seq_len)
         return data.BatchSampler(
             tokens,
             self.micro_batch,
@@ -186,6 +195,12 @@ class Trainer:
             rank=self.info.rank,
             world_size=self.info.world_size,
         )
+
+    def batch_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss of a batch: next-token cross-entropy of logits (B, T, V), targets (B, T)."""
+        return next_token_loss(outputs, targets)
+
+    # -- setup --
 
     def _restore(self, ckpt: Path, state: dict[str, Any]) -> None:
         """Continue from `ckpt`: weights, optimizer, counters, data position and RNG states."""
@@ -315,8 +330,8 @@ class Trainer:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             with distributed.grad_sync(self.wrapped, enabled=micro == cfg.grad_accum - 1):
                 with self.autocast:
-                    logits = self.forward(x)  # (B_micro, T, V)
-                loss = next_token_loss(logits, y) / cfg.grad_accum
+                    outputs = self.forward(x)  # (B_micro, T, V)
+                loss = self.batch_loss(outputs, y) / cfg.grad_accum
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
         loss_value = distributed.all_reduce_mean(loss_sum, self.info)
@@ -343,13 +358,13 @@ class Trainer:
         """Mean loss on eval_iters val batches (the same batches every time), its perplexity and
         bits per byte."""
         self.wrapped.eval()  # the wrapper too: DDP must not prepare a backward pass
-        sampler = self._sampler(self.val_tokens)
+        sampler = self.batches("val")
         total = torch.zeros((), device=self.device)
         for _ in range(self.cfg.eval_iters):
             x, y = sampler.next_batch()
             with self.autocast:
-                logits = self.forward(x.to(self.device))
-            total += next_token_loss(logits, y.to(self.device))
+                outputs = self.forward(x.to(self.device))
+            total += self.batch_loss(outputs, y.to(self.device))
         self.wrapped.train()
         loss = distributed.all_reduce_mean(total / self.cfg.eval_iters, self.info)
         if math.isfinite(loss) and (self.best_val_loss is None or loss < self.best_val_loss):

@@ -1,0 +1,357 @@
+"""The test-time compute study (`decoderlm lab test-time-compute`): accuracy against generated
+tokens for the search strategies of `decoderlm.search`, on a policy the study trains itself.
+
+1. Policy: the README recipe (`decoderlm prepare --task arithmetic --difficulty 5`, llama-tiny,
+   context 128, batch 32, 525 steps) into OUT/policy; `--quick` a smaller one.
+2. Learned verifier: an outcome verifier (`decoderlm.search.verifier`) trained on the policy's
+   samples of train problems labelled by the checker (`decoderlm.search.labelling`,
+   `decoderlm.training.verifier`) into OUT/verifier.
+3. Per seed (the sampling seed; the policy, the verifier and the test problems are fixed), on
+   every test problem: greedy decoding; a pool of max(N) samples, from whose first N
+   self-consistency, best-of-N (mean log-probability, learned verifier, oracle) and pass@N (some
+   sample correct: the ceiling of any verifier) are computed for each N, by the strategies' own
+   code over the recorded samples (`_Pool`); token-level beam search of width N (N ≤
+   beam_max); step-level beam search (width N / STEP_BEAM_SHARE) and MCTS (rollouts to the end)
+   guided by the learned verifier, at a budget of N × max_tokens generated tokens.
+4. Engine: generated tokens/s and the prefix cache's reuse (prompt tokens whose KV blocks a
+   sequence found cached, per prompt token submitted) of sampling N solutions of the first
+   problems, and over each search.
+5. The learned verifier as a classifier of the pooled test samples (σ(s_T) > 0.5 against the
+   checker).
+
+Resume: the policy and the verifier are reused when OUT holds them (their summary files).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from decoderlm import data
+from decoderlm.files import write_json
+from decoderlm.lab.runner import RESULTS_FILE, _json_safe, environment
+from decoderlm.lab.stats import summarise
+from decoderlm.model.config import ModelConfig
+from decoderlm.search.labelling import label_samples
+from decoderlm.search.lm import EngineLM, Sample, load_engine
+from decoderlm.search.strategies import (
+    SOLUTION_END,
+    SearchResult,
+    beam_search,
+    best_of_n,
+    mcts,
+    mean_logprob,
+    self_consistency,
+    step_beam_search,
+)
+from decoderlm.search.verifier import LearnedVerifier, load_verifier
+from decoderlm.tasks import Problem, Task, corpus, get_task
+from decoderlm.training.train_config import TrainConfig
+from decoderlm.training.trainer import train
+from decoderlm.training.verifier import train_verifier, verifier_config
+
+STUDY = "test-time-compute"
+STEP_BEAM_SHARE = 8  # step-level beam width = N / 8 (at least 1): its rounds fit N × max_tokens
+DONE_FILE = "lab.json"  # in OUT/policy and OUT/verifier: the finished stage's summary
+POOLED = ("self-consistency", "best-of-N (mean log-prob)", "best-of-N (learned)")
+POOLED += ("best-of-N (oracle)", "pass@N")
+STRATEGIES = ("greedy", *POOLED, "beam", "step-beam (learned)", "MCTS (learned)")
+
+
+@dataclass(frozen=True)
+class TestTimeSpec:
+    """What the study trains and searches; the defaults are the full study (issue 30 §5)."""
+
+    task: str = "arithmetic"
+    difficulty: int = 5
+    corpus_problems: int = 20_000
+    model: dict[str, Any] = dataclasses.field(
+        default_factory=lambda: {"preset": "llama-tiny", "context_length": 128}
+    )
+    train: dict[str, Any] = dataclasses.field(
+        default_factory=lambda: {"batch_size": 32, "max_steps": 525}
+    )
+    verifier_problems: int = 300
+    verifier_samples: int = 8
+    verifier_steps: int = 300
+    problems: int = 50
+    seeds: int = 3
+    ns: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    beam_max: int = 16
+    max_tokens: int = 128
+    temperature: float = (
+        0.5  # of every sampling strategy: at 1.0 the policy's samples are ~1% right
+    )
+    step_tokens: int = 24
+    expand: int = 4
+    probe_problems: int = 4
+    builtin: bool = True
+
+
+def quick_spec() -> TestTimeSpec:
+    """≤ 3 minutes on 2 quiet cores: 2-digit sums, a small policy, few problems, N ≤ 8."""
+    return TestTimeSpec(
+        difficulty=2,
+        corpus_problems=5_000,
+        model={"preset": "llama-tiny", "context_length": 64, "n_layers": 2},
+        train={"batch_size": 16, "max_steps": 250, "eval_interval": 250},
+        verifier_problems=40,
+        verifier_samples=4,
+        verifier_steps=60,
+        problems=8,
+        seeds=2,
+        ns=(1, 2, 8),
+        beam_max=2,
+        max_tokens=64,
+        step_tokens=16,
+        expand=2,
+        probe_problems=2,
+    )
+
+
+def run_study(
+    spec: TestTimeSpec, out: str | Path, progress: bool = True, command: str = ""
+) -> dict[str, Any]:
+    """Train the policy and the verifier (unless OUT holds them), search, write results.json."""
+    start = time.perf_counter()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    task = get_task(spec.task)
+    policy = _policy(spec, task, out, progress)
+    verifier_info = _verifier(spec, task, out, progress)
+    verifier = load_verifier(out / "verifier")
+    engine = load_engine(str(out / "policy"))
+    problems = task.problems(spec.problems, spec.difficulty, seed=0, split="test")
+    runs, classifier, searches = [], [], []
+    total = spec.seeds * len(problems)
+    with tqdm(total=total, desc=STUDY, unit="problem", disable=not progress) as bar:
+        for seed in range(spec.seeds):
+            lm = EngineLM(engine, seed=1_000_003 * seed)
+            counts: dict[tuple[str, int], list[int]] = {}
+            judged: list[tuple[bool, bool]] = []
+            for problem in problems:
+                outcomes, verdicts, measured = _search(spec, task, problem, lm, verifier)
+                for name, n, correct, tokens in outcomes:
+                    got = counts.setdefault((name, n), [0, 0])
+                    got[0], got[1] = got[0] + correct, got[1] + tokens
+                searches += [{**row, "seed": seed} for row in measured]
+                judged += verdicts
+                bar.update(1)
+            runs += [
+                {"strategy": name, "n": n, "seed": seed, "correct": c, "tokens": t,
+                 "accuracy": c / len(problems), "tokens_per_problem": t / len(problems)}
+                for (name, n), (c, t) in counts.items()
+            ]  # fmt: skip
+            hits, right = sum(j == c for j, c in judged), sum(c for _, c in judged)
+            classifier.append({"seed": seed, "texts": len(judged), "accuracy": hits / len(judged),
+                               "correct_share": right / len(judged)})  # fmt: skip
+    results = {
+        "study": STUDY,
+        "description": (
+            "Accuracy against generated tokens of test-time search (Wang et al., 2022; Cobbe et "
+            "al., 2021; Snell et al., 2024; MCTS over steps) on a small policy trained on "
+            f"{spec.task} at difficulty {spec.difficulty}, with exact and learned verifiers."
+        ),
+        "spec": dataclasses.asdict(spec),
+        "command": command or " ".join(sys.argv),
+        "environment": environment(),
+        "policy": policy,
+        "verifier": verifier_info,
+        "problems": len(problems),
+        "runs": runs,
+        "summary": summary(runs),
+        "classifier": classifier,
+        "engine": _probe(spec, problems, EngineLM(engine, seed=0)),
+        "searches": searches,
+        "wall_s": time.perf_counter() - start,
+    }
+    results = _json_safe(results)  # NaN → null: strict JSON
+    write_json(out / RESULTS_FILE, results)
+    return results
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per strategy, per N: mean/spread/n over seeds of the accuracy and tokens a problem."""
+    table: dict[str, dict[str, dict[str, Any]]] = {}
+    for name in STRATEGIES:
+        for n in sorted({r["n"] for r in runs if r["strategy"] == name}):
+            mine = [r for r in runs if r["strategy"] == name and r["n"] == n]
+            table.setdefault(name, {})[str(n)] = {
+                key: dataclasses.asdict(summarise([r[key] for r in mine]))
+                for key in ("accuracy", "tokens_per_problem")
+            }
+    return table
+
+
+def _policy(spec: TestTimeSpec, task: Task, out: Path, progress: bool) -> dict[str, Any]:
+    """OUT/policy: the task's corpus prepared (char-level) and the policy trained on it."""
+    run_dir, done = out / "policy", out / "policy" / DONE_FILE
+    if done.is_file():
+        return json.loads(done.read_text())
+    start = time.perf_counter()
+    text = out / "task.txt"
+    text.write_text(corpus(task, spec.corpus_problems, spec.difficulty))
+    data_dir = out / "data"
+    data.prepare([text], data_dir, tokenizer="char", progress=False)
+    fields = dict(spec.model)
+    model = ModelConfig.from_preset(fields.pop("preset"), **fields)
+    config = TrainConfig(**{"checkpoint_interval": 0, "peak_flops": 1e12, **spec.train})
+    result = train(model, config, data_dir, run_dir, overwrite=True, progress=progress)
+    if result["stopped"] == "interrupted":  # Ctrl-C or SIGTERM: not a finished policy
+        raise KeyboardInterrupt
+    info = {"run_dir": str(run_dir), "steps": result["step"], "val_loss": result["val_loss"],
+            "wall_s": time.perf_counter() - start}  # fmt: skip
+    info = _json_safe(info)
+    write_json(done, info)
+    return info
+
+
+def _verifier(spec: TestTimeSpec, task: Task, out: Path, progress: bool) -> dict[str, Any]:
+    """OUT/verifier: an outcome verifier on the policy's samples of train problems."""
+    run_dir, done = out / "verifier", out / "verifier" / DONE_FILE
+    if done.is_file():
+        return json.loads(done.read_text())
+    start = time.perf_counter()
+    problems = task.problems(spec.verifier_problems, spec.difficulty, seed=1, split="train")
+    lm = EngineLM(load_engine(str(out / "policy")), seed=0)
+    labelled = label_samples(
+        lm,
+        task,
+        problems,
+        spec.verifier_samples,
+        max_tokens=spec.max_tokens,
+        temperature=spec.temperature,
+        progress=progress,
+    )
+    config = verifier_config(spec.verifier_steps, 32, 1e-3, seed=0)
+    result = train_verifier(out / "policy", labelled, run_dir, config, overwrite=True,
+                            progress=progress)  # fmt: skip
+    if result["stopped"] == "interrupted":
+        raise KeyboardInterrupt
+    texts = [e for examples in labelled for e in examples]
+    info = {"run_dir": str(run_dir), "texts": len(texts),
+            "correct_share": sum(e.target for e in texts) / len(texts),
+            "val_loss": result["val_loss"], "val_accuracy": result["val_accuracy"],
+            "wall_s": time.perf_counter() - start}  # fmt: skip
+    info = _json_safe(info)
+    write_json(done, info)
+    return info
+
+
+class _Pool:
+    """A `SearchLM` that hands out the recorded samples of one prompt in order, so that the
+    strategies' own code chooses among the first N of a pool."""
+
+    def __init__(self, lm: EngineLM, samples: list[Sample]) -> None:
+        self.lm, self.samples, self.used = lm, samples, 0
+        self.encode, self.decode, self.eot_id = lm.encode, lm.decode, lm.eot_id
+
+    def sample(self, prompts: Sequence[str], n: int, *args: Any) -> list[list[Sample]]:
+        drawn, self.used = self.samples[self.used : self.used + n], self.used + n
+        return [drawn]
+
+
+Outcome = tuple[str, int, int, int]  # strategy, N, correct (0 or 1), generated tokens
+
+
+def _search(
+    spec: TestTimeSpec, task: Task, problem: Problem, lm: EngineLM, verifier: LearnedVerifier
+) -> tuple[list[Outcome], list[tuple[bool, bool]], list[dict[str, Any]]]:
+    """Every strategy at every N on one problem; (the verifier says correct, the checker says
+    correct) of every pooled sample; the engine's counters over each call to it."""
+    prompt, extract, cap = problem.prompt, task.extract_answer, spec.max_tokens
+    found: list[Outcome] = []
+    measured: list[dict[str, Any]] = []
+
+    def record(name: str, n: int, result: SearchResult, stats: dict[str, Any] | None) -> None:
+        found.append((name, n, int(task.check(problem, result.text)), result.tokens))
+        if stats is not None:
+            measured.append({"strategy": name, "n": n, **stats})
+
+    greedy, stats = _measured(
+        lm, partial(self_consistency, lm, prompt, cap, n=1, max_tokens=cap, temperature=0.0,
+                    extract=extract),
+    )  # fmt: skip
+    record("greedy", 1, greedy, stats)
+    temperature = spec.temperature
+    drawn, stats = _measured(
+        lm, partial(lm.sample, [prompt], max(spec.ns), cap, SOLUTION_END, temperature)
+    )
+    pool: list[Sample] = drawn[0]
+    measured.append({"strategy": "sampling (the pool)", "n": max(spec.ns), **stats})
+    correct = [task.check(problem, s.text) for s in pool]
+    probabilities = verifier.scores([prompt + s.text for s in pool])
+    scores = {s.text: p for s, p in zip(pool, probabilities, strict=True)}
+    scorers: dict[str, Callable[[str, Sample], float]] = {
+        "best-of-N (mean log-prob)": mean_logprob,
+        "best-of-N (learned)": lambda p, s: scores[s.text],
+        "best-of-N (oracle)": lambda p, s: float(task.check(problem, s.text)),
+    }
+    for n in spec.ns:
+        budget = n * cap
+        sampled = partial(_Pool, lm, pool)
+        majority = self_consistency(
+            sampled(), prompt, budget, n=n, max_tokens=cap, temperature=temperature, extract=extract
+        )
+        record("self-consistency", n, majority, None)
+        for name, scorer in scorers.items():
+            best = best_of_n(
+                sampled(), prompt, budget, scorer=scorer, n=n, max_tokens=cap, extract=extract
+            )
+            record(name, n, best, None)
+        found.append(("pass@N", n, int(any(correct[:n])), sum(s.tokens for s in pool[:n])))
+        steps = {"expand": spec.expand, "step_tokens": spec.step_tokens, "extract": extract,
+                 "temperature": temperature}  # fmt: skip
+        runs = {
+            "step-beam (learned)": partial(
+                step_beam_search, lm, prompt, budget, verifier,
+                width=max(1, n // STEP_BEAM_SHARE), **steps,
+            ),
+            "MCTS (learned)": partial(
+                mcts, lm, prompt, budget, verifier, rollout_tokens=cap, **steps
+            ),
+        }  # fmt: skip
+        if n <= spec.beam_max:
+            runs["beam"] = partial(
+                beam_search, lm, prompt, budget, width=n, max_tokens=cap, extract=extract
+            )
+        for name, strategy in runs.items():
+            result, stats = _measured(lm, strategy)
+            record(name, n, result, stats)
+    verdicts = [(p > 0.5, c) for p, c in zip(probabilities, correct, strict=True)]
+    return found, verdicts, measured
+
+
+def _measured(lm: EngineLM, call: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
+    """call()'s result and the engine's counters over it: generated and prompt tokens, prompt
+    tokens whose KV blocks were reused, seconds."""
+    before, start = lm.engine.stats(), time.perf_counter()
+    result = call()
+    after = lm.engine.stats()
+    return result, {
+        "generated": after.generated_tokens - before.generated_tokens,
+        "prompt": after.prompt_tokens - before.prompt_tokens,
+        "prefix_hits": after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def _probe(spec: TestTimeSpec, problems: list[Problem], lm: EngineLM) -> list[dict[str, Any]]:
+    """Tokens/s and prefix-cache hit rate of sampling N solutions of the first problems."""
+    prompts = [p.prompt for p in problems[: spec.probe_problems]]
+    rows = []
+    for n in spec.ns:
+        call = partial(lm.sample, prompts, n, spec.max_tokens, SOLUTION_END, spec.temperature)
+        _, stats = _measured(lm, call)
+        rows.append({"n": n, **stats, "tokens_per_s": stats["generated"] / stats["seconds"],
+                     "reuse": stats["prefix_hits"] / max(stats["prompt"], 1)})  # fmt: skip
+    return rows

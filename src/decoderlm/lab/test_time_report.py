@@ -1,0 +1,180 @@
+"""results.json of the test-time compute study (`decoderlm.lab.test_time`) → report.md, plots.
+
+Every number is read from results.json: accuracy and tokens per strategy and N (mean ± spread
+over seeds), issue 30's targets, the learned verifier as a classifier, and the engine's
+throughput and prefix-cache reuse as N grows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from decoderlm.lab import conclusions
+from decoderlm.lab.conclusions import ttc_accuracy, ttc_targets
+from decoderlm.lab.report import REPORT_FILE, _save, _table, fmt
+from decoderlm.lab.test_time import STRATEGIES
+
+
+def write_report(results: dict[str, Any], out: str | Path) -> Path:
+    """Write OUT/report.md and the plots it embeds; returns the report's path."""
+    out = Path(out)
+    spec, env = results["spec"], results["environment"]
+    policy, verifier = results["policy"], results["verifier"]
+    plots = [_accuracy_plot(results, out), _engine_plot(results, out)]
+    lines = [
+        f"# Study: {results['study']}",
+        "",
+        results["description"],
+        "",
+        f"- command: `{results['command']}`",
+        f"- git commit {env['git_commit']} · {env['cpu']} ({env['cores']} cores) · "
+        f"torch {env['torch']} · Python {env['python']}",
+        f"- wall time: {results['wall_s']:.0f} s in the last invocation (policy "
+        f"{policy['wall_s']:.0f} s, verifier {verifier['wall_s']:.0f} s when trained)",
+        f"- policy: {spec['model']} trained {policy['steps']} steps ({spec['train']}) on "
+        f"{spec['corpus_problems']:,} worked {spec['task']} problems at difficulty "
+        f"{spec['difficulty']}; val loss {fmt(policy['val_loss'], '{:.4f}')}; run {policy['run_dir']}",
+        f"- learned verifier: outcome, the policy's network with a scalar head, "
+        f"{spec['verifier_steps']} steps on {verifier['texts']:,} of its samples "
+        f"({verifier['correct_share']:.0%} correct) of {spec['verifier_problems']} train "
+        f"problems; val loss {fmt(verifier['val_loss'], '{:.4f}')}, val accuracy "
+        f"{fmt(verifier['val_accuracy'], '{:.1%}')}",
+        f"- protocol: {results['problems']} test problems, {spec['seeds']} sampling seeds (the "
+        "policy, the verifier and the problems are the same for every seed); spread = standard "
+        f"deviation over seeds; budgets N × {spec['max_tokens']} generated tokens; self-"
+        "consistency, best-of-N and pass@N take the first N of one pool of samples a problem; "
+        f"temperature {spec['temperature']:g}; beam width N (N ≤ {spec['beam_max']}); step-level "
+        "beam width N/8, MCTS "
+        f"expanding {spec['expand']} steps of ≤ {spec['step_tokens']} tokens with rollouts, "
+        "both guided by the learned verifier",
+        "",
+        *_accuracy_table(results),
+        *_targets(results),
+        *_classifier(results),
+        *_engine(results),
+        "## Plots",
+        "",
+        *(f"![{p.stem}]({p.name})" for p in plots),
+        "",
+        "## What this shows",
+        "",
+        conclusions.conclude(results),
+        "",
+    ]
+    path = out / REPORT_FILE
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _accuracy_table(results: dict[str, Any]) -> list[str]:
+    ns = results["spec"]["ns"]
+    rows = []
+    for name in STRATEGIES:
+        cells = [name]
+        for n in ns:
+            acc = ttc_accuracy(results, name, n)
+            tokens = ttc_accuracy(results, name, n, "tokens_per_problem")
+            cells.append(
+                "—" if acc is None or tokens is None
+                else f"{acc.mean:.1%} ± {acc.spread:.1%} ({tokens.mean:,.0f})"
+            )  # fmt: skip
+        rows.append(cells)
+    return [
+        f"## Accuracy (mean ± spread over {results['spec']['seeds']} seeds; generated tokens a "
+        "problem in parentheses)",
+        "",
+        *_table(["strategy", *(f"N = {n}" for n in ns)], rows),
+    ]
+
+
+def _targets(results: dict[str, Any]) -> list[str]:
+    rows = [[r["target"], r["measured"], "yes" if r["met"] else "no"] for r in ttc_targets(results)]
+    return ["## Issue 30's targets", "", *_table(["target", "measured", "met"], rows)]
+
+
+def _classifier(results: dict[str, Any]) -> list[str]:
+    rows = [
+        [str(c["seed"]), f"{c['texts']:,}", f"{c['correct_share']:.1%}", f"{c['accuracy']:.1%}"]
+        for c in results["classifier"]
+    ]
+    return [
+        "## The learned verifier as a classifier",
+        "",
+        "Every pooled test sample, σ(s_T) > 0.5 against the exact checker; the base rate is the "
+        "share of correct samples (always answering the majority class scores the larger of it "
+        "and its complement).",
+        "",
+        *_table(["seed", "samples", "correct (base rate)", "verifier accuracy"], rows),
+    ]
+
+
+def _engine(results: dict[str, Any]) -> list[str]:
+    probe = [
+        [str(r["n"]), f"{r['generated']:,}", f"{r['tokens_per_s']:,.0f}", f"{r['reuse']:.2f}"]
+        for r in results["engine"]
+    ]
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for row in results["searches"]:
+        groups.setdefault((row["strategy"], row["n"]), []).append(row)
+    searches = []
+    for (name, n), rows in groups.items():
+        generated, seconds = sum(r["generated"] for r in rows), sum(r["seconds"] for r in rows)
+        prompt, hits = sum(r["prompt"] for r in rows), sum(r["prefix_hits"] for r in rows)
+        searches.append([name, str(n), f"{generated / max(seconds, 1e-9):,.0f}",
+                         f"{hits / max(prompt, 1):.2f}"])  # fmt: skip
+    return [
+        "## The engine as N grows",
+        "",
+        f"Sampling N solutions of each of the first {results['spec']['probe_problems']} test "
+        "problems in one call: generated tokens/s, and the prefix cache's reuse: prompt tokens "
+        "whose KV blocks a sequence found cached, per prompt token submitted (a request's N "
+        "sequences each reuse its prompt's blocks, so it can exceed 1). A prompt shorter than "
+        "a KV block (16 tokens) has no full block to share; the step-level searches resubmit "
+        "longer partial solutions.",
+        "",
+        *_table(["N", "generated tokens", "tokens/s", "reused KV tokens per prompt token"], probe),
+        "Over each search (all seeds and problems):",
+        "",
+        *_table(["strategy", "N", "tokens/s", "reused KV tokens per prompt token"], searches),
+    ]
+
+
+def _accuracy_plot(results: dict[str, Any], out: Path) -> Path:
+    fig = Figure(figsize=(8, 5), layout="constrained")
+    ax = fig.add_subplot()
+    for i, name in enumerate(STRATEGIES):
+        points = []
+        for n in results["spec"]["ns"]:
+            acc = ttc_accuracy(results, name, n)
+            tokens = ttc_accuracy(results, name, n, "tokens_per_problem")
+            if acc is not None and tokens is not None and tokens.mean > 0:
+                points.append((tokens.mean, acc.mean, acc.spread))
+        if points:
+            x, y, err = zip(*points, strict=True)
+            style = "--" if name == "pass@N" else "-"
+            ax.errorbar(x, y, yerr=err, fmt=f"o{style}", color=f"C{i % 10}", label=name,
+                        capsize=2, ms=3)  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="generated tokens a problem (log₂)", ylabel="accuracy", ylim=(-0.02, 1.02))
+    ax.set_title("accuracy against test-time compute (error bar = spread over seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return _save(fig, out / "accuracy_vs_tokens.png")
+
+
+def _engine_plot(results: dict[str, Any], out: Path) -> Path:
+    fig = Figure(figsize=(10, 4), layout="constrained")
+    rows = results["engine"]
+    ns = [r["n"] for r in rows]
+    for j, (key, label) in enumerate((("tokens_per_s", "generated tokens/s"),
+                                       ("reuse", "reused KV tokens per prompt token"))):  # fmt: skip
+        ax = fig.add_subplot(1, 2, j + 1)
+        ax.plot(ns, [r[key] for r in rows], "o-")
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="N (samples of each prompt)", ylabel=label)
+        ax.grid(alpha=0.3)
+    fig.suptitle("the engine as N grows")
+    return _save(fig, out / "engine.png")

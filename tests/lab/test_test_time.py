@@ -1,0 +1,125 @@
+"""The test-time compute study at micro scale (a one-layer policy trained 2 steps, 2 problems,
+N ∈ {1, 2}, 2 seeds), end to end: results.json holds every strategy at every N and seed within
+its budget, oracle best-of-N equals pass@N, the report's rows are results.json's numbers, the
+plots are PNGs, and a second invocation reuses the trained policy and verifier."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from decoderlm.cli import main
+from decoderlm.lab import test_time, test_time_report
+from decoderlm.lab.conclusions import ttc_accuracy
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+BUDGETED = ("self-consistency", "best-of-N (mean log-prob)", "best-of-N (learned)")
+BUDGETED += ("best-of-N (oracle)", "beam", "step-beam (learned)", "MCTS (learned)")
+
+
+def micro_spec() -> test_time.TestTimeSpec:
+    return test_time.TestTimeSpec(
+        difficulty=2,
+        corpus_problems=200,
+        model={"preset": "llama-tiny", "context_length": 64, "d_model": 16, "n_layers": 1,
+               "n_heads": 2, "n_kv_heads": 2},
+        train={"batch_size": 4, "max_steps": 2, "eval_iters": 1, "eval_interval": 2,
+               "sample_tokens": 2, "dtype": "fp32", "threads": 1},
+        verifier_problems=10,  # the 10th is the verifier's validation problem
+        verifier_samples=2,
+        verifier_steps=2,
+        problems=2,
+        seeds=2,
+        ns=(1, 2),
+        beam_max=1,
+        max_tokens=24,
+        step_tokens=8,
+        expand=2,
+        probe_problems=1,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("ttc")
+    results = test_time.run_study(micro_spec(), out, progress=False)
+    test_time_report.write_report(results, out)
+    return out, results
+
+
+def test_every_strategy_runs_at_every_n_and_seed_within_its_budget(study) -> None:
+    _, results = study
+    spec = micro_spec()
+    for name in test_time.STRATEGIES:
+        ns = (1,) if name == "greedy" else [n for n in spec.ns if name != "beam" or n <= 1]
+        for n in ns:
+            rows = [r for r in results["runs"] if r["strategy"] == name and r["n"] == n]
+            assert sorted(r["seed"] for r in rows) == [0, 1], (name, n)
+            for r in rows:
+                assert r["accuracy"] == r["correct"] / spec.problems
+                if name in BUDGETED:
+                    assert r["tokens_per_problem"] <= n * spec.max_tokens
+
+
+def test_oracle_best_of_n_equals_pass_at_n_and_bounds_every_verifier(study) -> None:
+    _, results = study
+    by = {(r["strategy"], r["n"], r["seed"]): r["correct"] for r in results["runs"]}
+    for (name, n, seed), correct in by.items():
+        if name.startswith("best-of-N") or name == "self-consistency":
+            assert correct <= by[("pass@N", n, seed)]
+        if name == "best-of-N (oracle)":
+            assert correct == by[("pass@N", n, seed)]
+
+
+def test_summary_is_the_mean_over_seeds_and_the_report_prints_it(study) -> None:
+    out, results = study
+    report = (out / "report.md").read_text()
+    for name in test_time.STRATEGIES:
+        for n in (1,) if name == "greedy" else (1, 2) if name != "beam" else (1,):
+            rows = [r for r in results["runs"] if r["strategy"] == name and r["n"] == n]
+            acc = ttc_accuracy(results, name, n)
+            assert acc is not None
+            assert acc.mean == pytest.approx(sum(r["accuracy"] for r in rows) / len(rows))
+            tokens = ttc_accuracy(results, name, n, "tokens_per_problem")
+            assert f"{acc.mean:.1%} ± {acc.spread:.1%} ({tokens.mean:,.0f})" in report
+    assert "## What this shows" in report and "Target '" in report
+    for png in ("accuracy_vs_tokens.png", "engine.png"):
+        assert (out / png).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_classifier_accuracy_and_engine_rows_are_recorded(study) -> None:
+    _, results = study
+    assert [c["seed"] for c in results["classifier"]] == [0, 1]
+    for c in results["classifier"]:
+        assert c["texts"] == 2 * max(micro_spec().ns) and 0 <= c["accuracy"] <= 1
+    assert [r["n"] for r in results["engine"]] == [1, 2]
+    assert all(r["generated"] > 0 and r["reuse"] >= 0 for r in results["engine"])
+
+
+def test_a_second_invocation_reuses_the_trained_policy_and_verifier(study) -> None:
+    out, results = study
+    again = test_time.run_study(micro_spec(), out, progress=False)
+    assert again["policy"] == results["policy"]
+    assert again["verifier"] == results["verifier"]
+    assert json.loads((out / "results.json").read_text())["runs"] == again["runs"]
+
+
+def test_the_cli_refuses_a_corpus_for_the_test_time_study(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["lab", "test-time-compute", "--data", "x", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "decoderlm: error: test-time-compute trains its own policy on its task: drop --data\n"
+    )
+
+
+def test_an_interrupted_policy_ends_the_study_and_is_not_recorded_as_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(test_time, "train", lambda *args, **kwargs: {"stopped": "interrupted"})
+    with pytest.raises(KeyboardInterrupt):
+        test_time.run_study(micro_spec(), tmp_path, progress=False)
+    assert not (tmp_path / "policy" / test_time.DONE_FILE).exists()
