@@ -27,6 +27,11 @@ aggregate at 16 clients over the engine's own single stream and over transformer
 
     HF_HUB_OFFLINE=1 python benchmarks/serve.py [--dtype bfloat16] [--concurrency 1 4 16 64]
         [--rounds 3] [--engine process|thread] [--quick]
+
+With --peer vllm, instead: vLLM's CPU server against `decoderlm serve` on the same weights, driven
+by vLLM's own client (vllm_peer.py; vLLM in a venv of its own, never in CI):
+
+    python benchmarks/serve.py --peer vllm [--vllm-python VENV/bin/python] [--speculative]
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from vllm_peer import add_peer_arguments, run_peer
 
 from decoderlm import DecoderLM, ModelConfig
 from decoderlm.checkpoint import save_model
@@ -116,7 +122,10 @@ def main() -> None:
     parser.add_argument("--engine", choices=["process", "thread"], default="process")
     parser.add_argument("--rounds", type=int, default=1, help="repeat every measurement; best kept")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny loads, 8/1 heads")
+    add_peer_arguments(parser)
     args = parser.parse_args()
+    if args.peer:
+        return run_peer(args)
     if args.quick:
         args.concurrency, args.kv_heads = [1, 4], [8, 1]
         args.prompt_tokens, args.new_tokens, args.rounds = 16, 8, 1
