@@ -8,7 +8,8 @@ venv of its own: see benchmarks/README.md; 1 GiB of KV cache, VLLM_CPU_KVCACHE_S
 VLLM_CPU_OMP_THREADS_BIND=0-1), then by `decoderlm serve` (bfloat16, --kv-cache-memory 1GiB), each
 on 127.0.0.1 at a free port, and each driven by vLLM's own client, `vllm bench serve`
 (`--dataset-name random --random-input-len 128 --random-output-len 128 --ignore-eos`, seed 0: the
-same prompts for both). At each concurrency C, a warm-up pass of C prompts (other ones: seed 1) at
+same prompts for both; `--temperature 0`, greedy: since 0.32 the client leaves the temperature to the
+server, whose default is 1). At each concurrency C, a warm-up pass of C prompts (other ones: seed 1) at
 concurrency C, then the timed pass of max(8, 2·C) prompts: vLLM compiles new batch shapes on
 first sight, and its first pass reads ~2× slower. Reported: output tokens/s, the median
 inter-token latency (per streamed chunk) and the 99th-percentile time to the first token, as the
@@ -88,6 +89,7 @@ class Measured:
     completed: int
     failed: int
     acceptance: float | None = None  # accepted / proposed speculative tokens in the pass
+    texts: tuple[str, ...] = ()  # the completions, in prompt order (with --save-detailed)
 
 
 def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,6 +129,7 @@ def measured(record: dict, side: str) -> Measured:
         completed=result["completed"],
         failed=result["failed"],
         acceptance=accepted / proposed if proposed else None,
+        texts=tuple(result.get("generated_texts", ())),
     )
 
 
@@ -162,15 +165,16 @@ def speculative_table(rows: dict[str, dict[str, Measured]], k: int) -> str:
     """Per server: plain and speculative tokens/s at 16 streams, the speedup, the acceptance."""
     lines = [
         f"| server (K = {k}) | plain tok/s | speculative tok/s | speedup | acceptance | "
-        "ITL p50 plain / spec (ms) |",
-        "|---|---|---|---|---|---|",
+        "ITL p50 plain / spec (ms) | outputs equal to plain |",
+        "|---|---|---|---|---|---|---|",
     ]
     for side, r in rows.items():
         plain, spec = r["plain"], r["speculative"]
         acceptance = "—" if spec.acceptance is None else f"{spec.acceptance:.2f}"
         lines.append(
             f"| {side} | {plain.tok_s:,.0f} | {spec.tok_s:,.0f} | {spec.tok_s / plain.tok_s:.2f}× | "
-            f"{acceptance} | {plain.itl_p50_ms:.1f} / {spec.itl_p50_ms:.1f} |"
+            f"{acceptance} | {plain.itl_p50_ms:.1f} / {spec.itl_p50_ms:.1f} | "
+            f"{sum(map(str.__eq__, plain.texts, spec.texts))} of {len(plain.texts)} |"
         )
     return "\n".join(lines)
 
@@ -268,7 +272,7 @@ def bench_argv(port: int, directory: Path, concurrency: int, prompts: int, seed:
                dataset: list[str]) -> list[str]:  # fmt: skip
     """`vllm bench serve`'s arguments for one pass."""
     return ["--backend", "vllm", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL_NAME,
-            "--tokenizer", str(directory), *dataset, "--ignore-eos", "--max-concurrency",
+            "--tokenizer", str(directory), *dataset, "--ignore-eos", "--temperature", "0", "--max-concurrency",
             str(concurrency), "--num-prompts", str(prompts), "--seed", str(seed),
             "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99", "--disable-tqdm"]  # fmt: skip
 
@@ -354,7 +358,8 @@ def run_speculative(args: argparse.Namespace, work: Path) -> str:
         lines = [json.dumps({"prompt": p}) for p in grounded_prompts(directory, file, n, seed)]
         path.write_text("\n".join(lines) + "\n")
         datasets.append(["--dataset-name", "custom", "--dataset-path", str(path),
-                         "--custom-output-len", "128", "--skip-chat-template", "--disable-shuffle"])  # fmt: skip
+                         "--custom-output-len", "128", "--skip-chat-template", "--disable-shuffle",
+                         "--save-detailed"])  # fmt: skip
     print(f"grounded prompts of {1 + INSTRUCTION_TOKENS + FILE_TOKENS + REPEAT} tokens, 128 new "
           f"(ignore_eos), {c} streams: {c} warm-up prompts, then {2 * c} timed", flush=True)  # fmt: skip
     rows: dict[str, dict[str, Measured]] = {}

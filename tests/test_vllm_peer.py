@@ -22,6 +22,7 @@ from vllm_peer import (
     grounded_prompts,
     measured,
     source_file,
+    speculative_table,
 )
 
 VLLM_METRICS = """# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
@@ -64,6 +65,14 @@ def test_comparison_table_ratio_is_decoderlm_over_vllm():
     assert comparison_table(rows).splitlines()[-1] == (
         "| 16 | 1,000 | 550 | 0.55× | 14.0 / 23.0 | 200 / 800 |"
     )
+
+
+def test_speculative_table_counts_completions_equal_to_plain():
+    plain = Measured(500.0, 20.0, 700.0, 3, 0, texts=("ab", "cd", "ef"))
+    spec = Measured(750.0, 40.0, 600.0, 3, 0, acceptance=0.5, texts=("ab", "cx", "ef"))
+    row = speculative_table({"decoderlm": {"plain": plain, "speculative": spec}}, 4).splitlines()
+    assert row[0].startswith("| server (K = 4) |")
+    assert row[-1] == "| decoderlm | 500 | 750 | 1.50× | 0.50 | 20.0 / 40.0 | 2 of 3 |"
 
 
 @pytest.fixture(scope="module")
