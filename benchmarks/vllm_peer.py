@@ -111,6 +111,11 @@ def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
         "same path vLLM reuses its compiled model, minutes of start-up on two cores)",
     )
     parser.add_argument(
+        "--vllm-omp-bind",
+        default=VLLM_ENV["VLLM_CPU_OMP_THREADS_BIND"],
+        help="vLLM's VLLM_CPU_OMP_THREADS_BIND: its OpenMP threads' cores, or 'nobind'",
+    )
+    parser.add_argument(
         "--peer-concurrency", type=int, nargs="+", default=[1, 16, 64], help="--peer's loads"
     )
 
@@ -290,7 +295,7 @@ def drive(args: argparse.Namespace, side: str, label: str, cmd: list[str], port:
                  {"argv": bench_argv(port, directory, c, max(8, 2 * c), 0, timed),
                   "out": str(work / f"{label}-{c}.json")}]  # fmt: skip
     (work / "runs.json").write_text(json.dumps(runs))
-    env = VLLM_ENV if side == "vLLM" else {}
+    env = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": args.vllm_omp_bind} if side == "vLLM" else {}
     with server(cmd, port, work / f"{label}.log", env) as startup:
         print(f"{label}: up in {startup:.0f} s", flush=True)
         bench = [args.vllm_python, str(WRAPPER), "bench-runs", str(work / "runs.json")]
@@ -317,7 +322,8 @@ def versions(vllm_python: str) -> str:
 def run_peer(args: argparse.Namespace) -> None:
     """`serve.py --peer vllm [--speculative]`: both servers, one at a time; prints the table."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    print(f"CPU: {cpu_name()}; {versions(args.vllm_python)}; "
+    print(f"CPU: {cpu_name()}; {versions(args.vllm_python)}; vLLM's threads bound to "
+          f"{args.vllm_omp_bind}; "
           f"{datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}")  # fmt: skip
     load = os.getloadavg()[0]
     work = args.peer_dir / ("grounded" if args.speculative else "random")
