@@ -33,6 +33,11 @@ With --capacity [BUDGET] (default 1GiB) it serves nothing and prints how many se
 (GDN, GDN, GDN, attention, twice) and pure Gated DeltaNet, in float32 and bfloat16: the engine's
 own admission arithmetic (`ModelRunner` built on the meta device, its `state_pool.split_budget`),
 no decoding.
+
+With --peer vllm, instead: vLLM's CPU server against `decoderlm serve` on the same weights, driven
+by vLLM's own client (vllm_peer.py; vLLM in a venv of its own, never in CI):
+
+    python benchmarks/serve.py --peer vllm [--vllm-python VENV/bin/python] [--speculative]
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from vllm_peer import add_peer_arguments, run_peer
 
 from decoderlm import DecoderLM, ModelConfig
 from decoderlm.checkpoint import save_model
@@ -125,10 +131,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny loads, 8/1 heads")
     parser.add_argument("--capacity", nargs="?", const="1GiB", default=None, metavar="BUDGET",
                         help="print the sequences one KV budget holds per variant, and exit")  # fmt: skip
+    add_peer_arguments(parser)
     args = parser.parse_args()
     if args.capacity is not None:
         capacity(args.capacity)
         return
+    if args.peer:
+        return run_peer(args)
     if args.quick:
         args.concurrency, args.kv_heads = [1, 4], [8, 1]
         args.prompt_tokens, args.new_tokens, args.rounds = 16, 8, 1
