@@ -1,5 +1,6 @@
 """The associative-recall task: its examples, its accuracy, and a micro hybrid study around it."""
 
+import dataclasses
 import random
 import re
 import shutil
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_lab import micro_spec
 from torch import nn
 
 from decoderlm.errors import DecoderLMError
@@ -109,31 +111,16 @@ def test_a_bad_recall_task_is_a_one_line_error(fields, message):
 
 
 def micro_hybrid() -> StudySpec:
-    """Attention, Gated DeltaNet and a 1:1 hybrid of a two-layer model, 4 steps, 2 seeds."""
+    """Attention, Gated DeltaNet and a 1:1 hybrid of test_lab's micro model made two layers deep,
+    4 steps, 2 seeds."""
     mixes = {"attention": ["attention"] * 2, "Gated DeltaNet": ["gdn"] * 2}
     mixes["hybrid"] = ["gdn", "attention"]
-    return StudySpec(
+    base = micro_spec()
+    return dataclasses.replace(
+        base,
         name="micro-hybrid",
         description="attention vs recurrent vs hybrid, two layers",
-        model=dict(
-            context_length=16,
-            d_model=16,
-            n_layers=2,
-            n_heads=4,
-            mlp="swiglu",
-            norm="rmsnorm",
-            position="rope",
-            bias=False,
-        ),
-        train=dict(
-            batch_size=4,
-            eval_iters=1,
-            sample_tokens=2,
-            dtype="fp32",
-            checkpoint_interval=0,
-            peak_flops=1e12,
-            threads=1,
-        ),
+        model={**base.model, "n_layers": 2},
         variants=[
             Variant(name, model={"layer_types": mix}, match_params=name != "attention")
             for name, mix in mixes.items()
