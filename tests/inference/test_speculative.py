@@ -58,6 +58,28 @@ def shallow_copy_of(model: DecoderLM, n_layers: int) -> DecoderLM:
     return draft
 
 
+def recurrent_model(layer_types: tuple[str, ...], seed: int = 0) -> DecoderLM:
+    """A small float64 model of `layer_types` (Gated DeltaNet, Mamba-2, linear attention,
+    attention), chunk 4 so that the prompts' prefills take the chunked form."""
+    torch.manual_seed(seed)
+    config = ModelConfig(
+        **{
+            **ModelConfig.from_preset("hybrid-tiny", vocab_size=61).to_dict(),
+            "layer_types": layer_types,
+            "n_layers": len(layer_types),
+            "recurrent_chunk": 4,
+        }
+    )
+    return DecoderLM(config).to(torch.float64).eval()
+
+
+RECURRENT_MIXES = {
+    "hybrid-tiny": ("gdn", "gdn", "gdn", "attention"),
+    "recurrent-tiny": ("gdn",) * 4,
+    "mamba2-linear": ("mamba2", "attention", "linear_attention"),
+}
+
+
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("draft_kind", ["self", "shallow", "other", "prompt-lookup"])
 def test_greedy_speculative_output_is_plain_greedy_output(n_kv_heads, draft_kind):
@@ -202,8 +224,9 @@ def test_token_probs_is_what_sampling_draws_from():
     assert torch.equal(greedy.argmax(-1), logits.argmax(-1)) and bool((greedy.sum(-1) == 1).all())
 
 
-def test_sampled_speculative_decoding_is_seeded_and_within_bounds():
-    model = tiny_model()
+@pytest.mark.parametrize("kind", ["attention", "hybrid"])
+def test_sampled_speculative_decoding_is_seeded_and_within_bounds(kind):
+    model = tiny_model() if kind == "attention" else recurrent_model(RECURRENT_MIXES["hybrid-tiny"])
     kwargs = dict(temperature=0.9, top_p=0.9, seed=3, draft=shallow_copy_of(model, 1))
     first = generate(model, PROMPTS, 15, **kwargs)
     assert first == generate(model, PROMPTS, 15, **kwargs)
@@ -282,28 +305,6 @@ def test_generate_command_with_a_draft_prints_the_plain_greedy_text(capsys, run_
     assert "acceptance rate" in err
     if draft == "run":
         assert "acceptance rate 1.000" in err
-
-
-def recurrent_model(layer_types: tuple[str, ...], seed: int = 0) -> DecoderLM:
-    """A small float64 model of `layer_types` (Gated DeltaNet, Mamba-2, linear attention,
-    attention), chunk 4 so that the prompts' prefills take the chunked form."""
-    torch.manual_seed(seed)
-    config = ModelConfig(
-        **{
-            **ModelConfig.from_preset("hybrid-tiny", vocab_size=61).to_dict(),
-            "layer_types": layer_types,
-            "n_layers": len(layer_types),
-            "recurrent_chunk": 4,
-        }
-    )
-    return DecoderLM(config).to(torch.float64).eval()
-
-
-RECURRENT_MIXES = {
-    "hybrid-tiny": ("gdn", "gdn", "gdn", "attention"),
-    "recurrent-tiny": ("gdn",) * 4,
-    "mamba2-linear": ("mamba2", "attention", "linear_attention"),
-}
 
 
 @pytest.mark.parametrize("mix", RECURRENT_MIXES)
