@@ -44,11 +44,40 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float64, **overrides) -
 
 def shallow_copy_of(model: DecoderLM, n_layers: int) -> DecoderLM:
     """A draft of fewer layers: the target's first n_layers blocks, its embeddings and head."""
-    config = ModelConfig(**{**model.config.to_dict(), "n_layers": n_layers})
+    types = model.config.layer_types
+    config = ModelConfig(
+        **{
+            **model.config.to_dict(),
+            "n_layers": n_layers,
+            "layer_types": None if types is None else types[:n_layers],
+        }
+    )
     draft = DecoderLM(config).to(model.tok_emb.weight.dtype).eval()
     state = {k: v for k, v in model.state_dict().items() if k in draft.state_dict()}
     draft.load_state_dict(state)
     return draft
+
+
+def recurrent_model(layer_types: tuple[str, ...], seed: int = 0) -> DecoderLM:
+    """A small float64 model of `layer_types` (Gated DeltaNet, Mamba-2, linear attention,
+    attention), chunk 4 so that the prompts' prefills take the chunked form."""
+    torch.manual_seed(seed)
+    config = ModelConfig(
+        **{
+            **ModelConfig.from_preset("hybrid-tiny", vocab_size=61).to_dict(),
+            "layer_types": layer_types,
+            "n_layers": len(layer_types),
+            "recurrent_chunk": 4,
+        }
+    )
+    return DecoderLM(config).to(torch.float64).eval()
+
+
+RECURRENT_MIXES = {
+    "hybrid-tiny": ("gdn", "gdn", "gdn", "attention"),
+    "recurrent-tiny": ("gdn",) * 4,
+    "mamba2-linear": ("mamba2", "attention", "linear_attention"),
+}
 
 
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
@@ -195,8 +224,9 @@ def test_token_probs_is_what_sampling_draws_from():
     assert torch.equal(greedy.argmax(-1), logits.argmax(-1)) and bool((greedy.sum(-1) == 1).all())
 
 
-def test_sampled_speculative_decoding_is_seeded_and_within_bounds():
-    model = tiny_model()
+@pytest.mark.parametrize("kind", ["attention", "hybrid"])
+def test_sampled_speculative_decoding_is_seeded_and_within_bounds(kind):
+    model = tiny_model() if kind == "attention" else recurrent_model(RECURRENT_MIXES["hybrid-tiny"])
     kwargs = dict(temperature=0.9, top_p=0.9, seed=3, draft=shallow_copy_of(model, 1))
     first = generate(model, PROMPTS, 15, **kwargs)
     assert first == generate(model, PROMPTS, 15, **kwargs)
@@ -275,3 +305,53 @@ def test_generate_command_with_a_draft_prints_the_plain_greedy_text(capsys, run_
     assert "acceptance rate" in err
     if draft == "run":
         assert "acceptance rate 1.000" in err
+
+
+@pytest.mark.parametrize("mix", RECURRENT_MIXES)
+@pytest.mark.parametrize("draft_kind", ["prompt-lookup", "shallow", "other"])
+def test_recurrent_models_decode_speculatively_as_plain_greedy_with_rejections(mix, draft_kind):
+    """Random models reject most proposals, so the recurrent states go back to their checkpoints
+    and the accepted tokens are written again (the old refusal, "cannot roll back", is gone);
+    prompts of different lengths, the 4th repetitive (prompt lookup proposes on it). float64: the
+    verification passes differ from one-token steps by rounding (~1e-15) only."""
+    model = recurrent_model(RECURRENT_MIXES[mix])
+    draft = {
+        "prompt-lookup": "prompt-lookup",
+        "shallow": shallow_copy_of(model, 2),  # recurrent layers of its own to roll back
+        "other": recurrent_model(("gdn", "attention"), seed=1),
+    }[draft_kind]
+    plain = generate(model, PROMPTS, 24, temperature=0)
+    stats = SpeculativeStats()
+    got = generate(
+        model,
+        PROMPTS,
+        24,
+        temperature=0,
+        draft=draft,
+        num_speculative_tokens=3,
+        speculative_stats=stats,
+    )
+    assert got == plain
+    assert stats.accepted < stats.proposed  # some rejected: rolled back to a checkpoint
+    if draft_kind != "other":  # an unrelated random draft may have none accepted
+        assert stats.accepted > 0  # some accepted: written again after the checkpoint
+    assert stats.tokens == 24 * len(PROMPTS)
+
+
+def test_a_recurrent_self_draft_is_accepted_whole_without_writing_tokens_again():
+    """The draft is the target: every proposal is accepted, nothing is rolled back in the target,
+    so it takes no pass beyond its verifications (steps ≤ tokens / 2)."""
+    model = recurrent_model(RECURRENT_MIXES["hybrid-tiny"])
+    stats = SpeculativeStats()
+    got = generate(
+        model,
+        PROMPTS,
+        24,
+        temperature=0,
+        draft=copy.deepcopy(model),
+        num_speculative_tokens=3,
+        speculative_stats=stats,
+    )
+    assert got == generate(model, PROMPTS, 24, temperature=0)
+    assert stats.acceptance_rate == 1.0
+    assert stats.steps == stats.verifications < 24 * len(PROMPTS) / 2

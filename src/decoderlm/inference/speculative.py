@@ -11,6 +11,15 @@ drawn from p_{k+1}. Every token so chosen is distributed exactly as the target's
 with temperature 0 (p, q one-hot) the output is plain greedy's, token for token. The rejected
 tokens' keys and values are rolled back (`LayerCache.rollback`).
 
+Recurrent layers (`ModelConfig.layer_types`): a state S_t = f(S_{t−1}, x_t) cannot forget its last
+tokens, so the cache keeps a copy of it before the tokens that may be rejected (`checkpoint()`:
+the target's before each verification pass, a draft model's before its drafts); a rejection
+restores that copy, rolls the attention layers back as far (`LayerCaches.rollback` returns the
+tokens forgotten), and the kept tokens are written again: by the target at once, one more pass
+over [t, d_1 … d_n] (only after a rejection; a proposal accepted whole keeps its state), by a
+draft model with its next proposal. Same tokens at the same positions: the same keys, values and
+states, so greedy output stays plain greedy's.
+
 Proposers: `DraftModel` (any `DecoderLM` with the target's vocabulary, e.g. a smaller one, sampled
 with the same parameters) and `PromptLookup` (Saxena, 2023, "Prompt Lookup Decoding"; Hugging
 Face's `prompt_lookup_num_tokens`): the tokens that followed the latest earlier occurrence of the
@@ -42,7 +51,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.inference.options import DecodeOptions
 from decoderlm.inference.prompts import check_lengths
 from decoderlm.inference.sampling import SamplingParams, draw, sample_next, token_probs
-from decoderlm.model.cache import CacheStep, RingKVCache, StaticKVCache
+from decoderlm.model.cache import CacheStep, HybridCache, RingKVCache, StaticKVCache
 from decoderlm.model.config import ModelConfig
 from decoderlm.model.lm import DecoderLM
 
@@ -62,7 +71,8 @@ class SpeculativeStats:
     """Counts over a speculative generation (summed over its rows).
 
     proposed / accepted: proposed tokens, and those the target accepted; verifications: target
-    passes that checked ≥ 1 proposed token; steps: target passes after the prefills; tokens: the
+    passes that checked ≥ 1 proposed token; steps: target passes after the prefills (those writing
+    accepted tokens again into recurrent layers included); tokens: the
     tokens generated (the prefills' first tokens included)."""
 
     proposed: int = 0
@@ -126,8 +136,9 @@ class DraftModel:
     """Proposes by sampling a draft model k times, over a static cache of its own (B = 1).
 
     The cache holds the row's tokens it has seen; a proposal feeds what it has not (the prompt at
-    first, then the one or two tokens chosen since), then its own drafts d_1 … d_{k−1}; `accepted`
-    rolls back those the target rejected."""
+    first, then the tokens chosen since), then, after a `checkpoint`, its own drafts
+    d_1 … d_{k−1}; `accepted` rolls back those the target rejected (with recurrent layers, every
+    draft: the next proposal feeds the accepted ones again)."""
 
     def __init__(
         self,
@@ -149,9 +160,11 @@ class DraftModel:
         drafts: list[int] = []
         q: list[Tensor] = []
         feed = tokens[self.held :]
-        for _ in range(k):
+        for i in range(k):
             logits = forward(self.model, self.cache, feed, self.held, self.options, True)[:, -1]
             self.held += len(feed)
+            if i == 0:  # the row's tokens are held; the drafts after them may be rolled back
+                self.cache.checkpoint()
             probs = token_probs(logits, self.params, seen(tokens + drafts, self.params, logits))
             drafts.append(int(draw(probs, self.generator)))
             q.append(probs[0])  # (V,)
@@ -161,8 +174,7 @@ class DraftModel:
 
     def accepted(self, n: int) -> None:
         drop = (self.k - 1) - min(n, self.k - 1)  # the cache holds d_1 … d_{k−1}
-        self.cache.rollback(drop)
-        self.held -= drop
+        self.held -= self.cache.rollback(drop)
 
 
 class AdaptiveK:
@@ -250,7 +262,7 @@ def rollback_room(config: ModelConfig, end: int) -> int:
 
 def forward(
     model: DecoderLM,
-    cache: StaticKVCache | RingKVCache,
+    cache: StaticKVCache | RingKVCache | HybridCache,
     tokens: list[int],
     start: int,
     options: DecodeOptions,
@@ -359,7 +371,8 @@ def speculative_tokens(
     """Yield the `max_new_tokens` new ids of one row, decoded speculatively.
 
     The target's cache holds the row but its last token t; a step writes [t, d_1 … d_k] at
-    positions n … n + k, keeps t and the accepted drafts, and rolls back the rest."""
+    positions n … n + k, keeps t and the accepted drafts, and rolls back the rest (with recurrent
+    layers, all of them after a rejection, then writes t, d_1 … d_n again)."""
     if max_new_tokens == 0:
         return
     cache = options.cache(model, 1, len(row) + max_new_tokens)
@@ -375,10 +388,16 @@ def speculative_tokens(
             k -= 1
         drafts, q = proposer.propose(tokens, k) if k else ([], None)
         k = len(drafts)
+        if k:
+            cache.checkpoint()
         logits = forward(model, cache, tokens[-1:] + drafts, len(tokens) - 1, options)[0]
         if k:
             n, token = verify(tokens, drafts, logits, q, params, generator)
-            cache.rollback(k - n)
+            kept = k + 1 - cache.rollback(k - n)  # of t, d_1 … d_n; 0 after a recurrent restore
+            if kept < n + 1:  # write the rest again: the same keys, values and states
+                again = (tokens[-1:] + drafts)[kept : n + 1]
+                forward(model, cache, again, len(tokens) - 1 + kept, options, last_only=True)
+                stats.steps += 1
             proposer.accepted(n)
             schedule.update(k, n)
             stats.proposed += k

@@ -3,8 +3,9 @@
 The contract (`protocol`): attention sees one layer's state through `LayerCache` — `update(k, v)`
 stores this step's keys/values and returns those to attend, `key_padding_mask` (None: the
 caller's) masks them, `attend_in_place(q, k, v, scale)` may attend the step itself (None: not
-handled, `update` is used), `rollback(n)` forgets the last n tokens written. `BaseLayerCache` has
-the defaults (no mask of its own, nothing in place, no rollback); `LayerCaches` holds every layer.
+handled, `update` is used), `rollback(n)` forgets the last n tokens written (a recurrent state:
+back to its `checkpoint()`, `forgets(n)` ≥ n tokens). `BaseLayerCache` has the defaults (no mask
+of its own, nothing in place, no rollback, no checkpoint); `LayerCaches` holds every layer.
 
 The step (`step`): before each forward pass the caller fills one `CacheStep` — the new tokens'
 cache slots, the end of the keys attended, which new tokens are real — and hands it to the whole

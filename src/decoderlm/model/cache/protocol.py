@@ -22,6 +22,11 @@ class LayerCache(Protocol):
       to attend, this step's included (the causal mask is aligned bottom-right).
     - `key_padding_mask`: (B, Tk) bool over the keys of the last `update`, True at a real key,
       which replaces the caller's mask; None: the caller's mask applies (keys in slot order).
+    - `checkpoint()`: mark the state before the next tokens written, the furthest back a
+      `rollback` may go where the state cannot forget tokens one by one (a recurrent state keeps
+      a copy of itself); nothing for K/V storage, which forgets by count.
+    - `forgets(n)`: the tokens `rollback` forgets when the caller drops the last n: n for K/V
+      storage; for a recurrent state, with n > 0, every token written since its checkpoint.
     - `rollback(n)`: forget the last n tokens written, as if they had never been (speculative
       decoding drops its rejected draft tokens so); DecoderLMError where the state cannot.
 
@@ -33,8 +38,9 @@ class LayerCache(Protocol):
     growing with the tokens (`decoderlm.model.cache.recurrent.RecurrentLayerCache`): its mixer
     reads the states in place of `update`, folds the new tokens in (S ← f(S, x)) and writes the
     new states back; the same `CacheStep` says which new tokens are real (`valid`: padding leaves
-    S unchanged); having no keys, its `key_padding_mask` stays None; and `rollback(n)` raises (the
-    states of the last n tokens are not kept).
+    S unchanged); having no keys, its `key_padding_mask` stays None; and `rollback(n)` goes back to
+    its checkpoint (the states of the last n tokens are not kept, S_{t−n} is not f⁻¹ of S_t): it
+    forgets `forgets(n)` ≥ n tokens, and the caller writes the kept ones again.
     """
 
     @property
@@ -44,12 +50,17 @@ class LayerCache(Protocol):
 
     def attend_in_place(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor | None: ...
 
+    def checkpoint(self) -> None: ...
+
+    def forgets(self, n: int) -> int: ...
+
     def rollback(self, n: int) -> None: ...
 
 
 class BaseLayerCache:
     """A layer's K and V storage and the defaults of `LayerCache`: keys in slot order (no mask of
-    its own), no in-place attention, no rollback. A layer cache subclasses it, writing `update`
+    its own), no in-place attention, no rollback (nor checkpoint: a rollback forgets by count).
+    A layer cache subclasses it, writing `update`
     and whatever it does otherwise."""
 
     key_padding_mask: Tensor | None = None
@@ -68,6 +79,12 @@ class BaseLayerCache:
     def attend_in_place(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor | None:
         return None
 
+    def checkpoint(self) -> None:
+        pass
+
+    def forgets(self, n: int) -> int:
+        return n
+
     def rollback(self, n: int) -> None:
         raise DecoderLMError(f"{type(self).__name__} cannot roll back written tokens yet")
 
@@ -84,10 +101,21 @@ class LayerCaches:
     def __len__(self) -> int:
         return len(self.layers)
 
-    def rollback(self, n: int) -> None:
-        """Forget the last n tokens written in every layer (`LayerCache.rollback`)."""
+    def checkpoint(self) -> None:
+        """Mark every layer's state before the next tokens written (`LayerCache.checkpoint`)."""
         for layer in self.layers:
-            layer.rollback(n)
+            layer.checkpoint()
+
+    def rollback(self, n: int) -> int:
+        """Forget the last n tokens written, and return m ≥ n, the tokens forgotten: every layer
+        forgets the same m, the most any layer must (`LayerCache.forgets`: with a recurrent layer
+        and n > 0, every token since the checkpoint). The caller writes the m − n kept ones again,
+        at the same positions: the attention layers store the same keys and values, the recurrent
+        ones fold the same tokens into their checkpointed state (S ← f(S, x)), exactly."""
+        m = max((layer.forgets(n) for layer in self.layers), default=n)
+        for layer in self.layers:
+            layer.rollback(m)
+        return m
 
     @property
     def nbytes(self) -> int:

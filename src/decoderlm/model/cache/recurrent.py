@@ -11,7 +11,12 @@ column). `RecurrentLayerCache` holds them, keyed by the same `CacheStep` as the 
 - `step.valid` (B, T) marks the real tokens; the mixer keeps a padded token out of the state
   (`decoderlm.model.scans.mask_padding`: it leaves S and the conv state as they were — with left
   padding, the zero state it started from);
-- `rollback` is refused: the state before the last n tokens is not kept.
+- `rollback` goes back to a checkpoint: the state before the last n tokens is not kept (S_{t−n}
+  cannot be recovered from S_t), so `checkpoint()` copies the states (fixed size: cheap) before
+  tokens that may be dropped, e.g. a speculative verification pass over [t, d_1 … d_k], and a
+  rollback of n > 0 of them restores that copy and forgets every token written since; the caller
+  writes the kept ones again (`LayerCaches.rollback` returns how many tokens were forgotten and
+  rolls the attention layers back as far, so they rewrite the same keys and values).
 
 `HybridCache` holds one layer cache per layer: a `StaticLayerCache` for each attention layer, a
 `RecurrentLayerCache` for each recurrent one.
@@ -64,6 +69,8 @@ class RecurrentLayerCache(BaseLayerCache):
     def __init__(self, conv: Tensor | None, state: Tensor) -> None:
         self.conv, self.state = conv, state
         self.valid: Tensor | None = None
+        self.saved: tuple[Tensor | None, Tensor] | None = None  # (conv, state) at the checkpoint
+        self.since = 0  # tokens written since the checkpoint
 
     @property
     def nbytes(self) -> int:
@@ -75,13 +82,30 @@ class RecurrentLayerCache(BaseLayerCache):
         if start == 0:  # a new sequence starts from the zero state
             self.state = torch.zeros_like(self.state)
             self.conv = None if self.conv is None else torch.zeros_like(self.conv)
+            self.saved = None
         self.valid = step.valid
+        self.since += step.slots.shape[0]
+
+    def checkpoint(self) -> None:
+        """Keep a copy of the states: a later `rollback` returns to them."""
+        self.saved = (None if self.conv is None else self.conv.clone(), self.state.clone())
+        self.since = 0
+
+    def forgets(self, n: int) -> int:
+        """0 for n = 0; else every token since the checkpoint (n where there is none: refused)."""
+        return self.since if n and self.saved is not None else n
 
     def rollback(self, n: int) -> None:
-        raise DecoderLMError(
-            "a recurrent layer's state cannot roll back written tokens: the states before them "
-            "are not kept"
-        )
+        """n = 0: nothing; n = the tokens since the checkpoint: restore the checkpoint's states."""
+        if n == 0:
+            return
+        if self.saved is None or n != self.since:
+            raise DecoderLMError(
+                f"a recurrent layer's state cannot roll back {n!r} tokens: the states before them "
+                f"are not kept; it rolls back to its checkpoint only ({self.since} tokens since, "
+                "or none taken): call checkpoint() before writing them"
+            )
+        (self.conv, self.state), self.saved, self.since = self.saved, None, 0
 
 
 class HybridCache(LayerCaches):

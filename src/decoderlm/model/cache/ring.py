@@ -168,7 +168,7 @@ class RingKVCache(LayerCaches):
         plan.key_padding_mask = torch.cat([plan.valid[:, plan.read], new_valid], dim=1)
         plan.valid.index_copy_(1, plan.write, new_valid[:, -min(t, w) :])
 
-    def rollback(self, n: int) -> None:
+    def rollback(self, n: int) -> int:
         """Forget the last n tokens in every layer, or in none: the rings' check comes first."""
         check_ring_rollback(n, self.layers[0].end, self.window)  # every layer's end is the step's
-        super().rollback(n)
+        return super().rollback(n)
