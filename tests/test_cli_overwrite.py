@@ -67,7 +67,16 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     checkpoint.save_model(root / "run", DecoderLM(config), tokenizer)
     rows = [{"step": 1, "train_loss": 3.0}, {"step": 2, "train_loss": 2.5, "val_loss": 2.6}]
     (root / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {"corpus": root / "corpus.txt", "study": root / "study.toml", "run": root / "run"}
+    task = ["prepare", "--task", "arithmetic", "--difficulty", "2", "--n", "50", "--quiet"]
+    assert main([*task, "--out", str(root / "task")]) == 0
+    policy = ["train", *TINY_TRAIN, "--context-length", "64", "--data", str(root / "task")]
+    assert main([*policy, "--out", str(root / "policy")]) == 0  # a policy that spells the task
+    return {
+        "corpus": root / "corpus.txt",
+        "study": root / "study.toml",
+        "run": root / "run",
+        "policy": root / "policy",
+    }
 
 
 def _run_copy(sources: dict[str, Path], target: Path) -> Path:
@@ -114,6 +123,14 @@ CASES = {
         _png,
     ),
     "plot": (["plot", "{run}", "--out", "{out}"], _png),
+    "verifier": (
+        [
+            *("verifier", "--policy", "{policy}", "--task", "arithmetic", "--difficulty", "2"),
+            *("--problems", "4", "--samples", "2", "--max-tokens", "8", "--steps", "1"),
+            *("--batch-size", "2", "--quiet", "--out", "{out}"),
+        ],
+        _file("model.safetensors"),
+    ),
 }
 
 
