@@ -35,7 +35,13 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from decoderlm.cpu import gemv, paged_attention
-from decoderlm.model.cache import CacheStep, LayerCache, StaticKVCache, StaticLayerCache
+from decoderlm.model.cache import (
+    CacheStep,
+    LayerCache,
+    LayerCaches,
+    RecurrentLayerCache,
+    StaticLayerCache,
+)
 from decoderlm.model.lm import DecoderLM
 
 
@@ -147,14 +153,30 @@ def attends_in_place(model: DecoderLM, dtype: torch.dtype, device: torch.device)
     )
 
 
+def layer_buffers(cache: LayerCaches) -> list[Tensor]:
+    """The buffers of every layer of `cache`, in layer order: an attention layer's key and value
+    buffers (B, Hkv, S, hd), a recurrent layer's conv state (B, C, K − 1), where it has one, and
+    matrix state (B, H, d_k, d_v)."""
+    buffers: list[Tensor] = []
+    for layer in cache.layers:
+        if isinstance(layer, RecurrentLayerCache):
+            buffers += [t for t in (layer.conv, layer.state) if t is not None]
+        else:
+            buffers += [layer.k, layer.v]
+    return buffers
+
+
 class _OneTokenStep(nn.Module):
     """The one-token step as a function of tensors only, for torch.export.
 
-    forward(*state, *keys, *values, token, slot, pad): the model's parameters and buffers (in the
-    order of `names`), each layer's key and value buffers (B, Hkv, S, hd), the new tokens (B, 1),
-    the cache slot they go to (1,) and each row's left padding (B,) → logits (B, V) in float32:
-    `forward` of the model over that cache, traced under `CPULinearKernels` if `linear_kernels`,
-    attending in place if `in_place_attention` where `attends_in_place`.
+    forward(*state, *buffers, token, slot, pad): the model's parameters and buffers (in the order
+    of `names`), every layer's cache buffers (`layer_buffers`), the new tokens (B, 1), the cache
+    slot they go to (1,) and each row's left padding (B,) → logits (B, V) in float32: `forward` of
+    the model over that cache, traced under `CPULinearKernels` if `linear_kernels`, attending in
+    place if `in_place_attention` where `attends_in_place`. The recurrent layers' states after the
+    token are copied into their input buffers (S_t over S_{t−1}), as the attention layers store
+    their K/V in theirs; the token is real in every row (left padding is all in the prefill), so
+    every row's state takes it.
     """
 
     def __init__(
@@ -170,52 +192,74 @@ class _OneTokenStep(nn.Module):
         self.paths = (linear_kernels, in_place_attention)  # the speed paths traced into the step
 
     def forward(self, *tensors: Tensor) -> Tensor:
-        n, n_layers = len(self.names), self.model.config.n_layers
+        cfg, n = self.model.config, len(self.names)
         state = dict(zip(self.names, tensors[:n], strict=True))
-        keys, values = tensors[n : n + n_layers], tensors[n + n_layers : n + 2 * n_layers]
-        token, slot, pad = tensors[n + 2 * n_layers :]  # (B, 1), (1,), (B,)
-        slots = torch.arange(keys[0].shape[2], device=token.device)  # (S,)
-        key_padding_mask = (slots >= pad[:, None]) & (slots <= slot)  # (B, S): each row's tokens
-        positions = (slot - pad)[:, None]  # (B, 1): 0 at each row's first real token
+        token, slot, pad = tensors[-3:]  # (B, 1), (1,), (B,)
+        buffers = iter(tensors[n:-3])
         step = CacheStep(slot)  # end None: the whole buffer, masked by key_padding_mask
         linear_kernels, in_place = self.paths
-        if in_place and attends_in_place(self.model, keys[0].dtype, keys[0].device):
-            cache = [InPlaceLayerCache(k, v, step, pad) for k, v in zip(keys, values, strict=True)]
-        else:
-            cache = [StaticLayerCache(k, v, step) for k, v in zip(keys, values, strict=True)]
+        cache: list[LayerCache] = []
+        recurrent: list[tuple[RecurrentLayerCache, Tensor | None, Tensor]] = []
+        key_padding_mask = None  # (B, S) each row's tokens, where a layer attends
+        for i in range(cfg.n_layers):
+            kind = cfg.layer_type(i)
+            if kind != "attention":
+                conv = None if kind == "linear_attention" else next(buffers)
+                layer = RecurrentLayerCache(conv, next(buffers))
+                recurrent.append((layer, layer.conv, layer.state))
+                cache.append(layer)
+                continue
+            k, v = next(buffers), next(buffers)  # (B, Hkv, S, hd)
+            slots = torch.arange(k.shape[2], device=token.device)  # (S,)
+            key_padding_mask = (slots >= pad[:, None]) & (slots <= slot)
+            if in_place and attends_in_place(self.model, k.dtype, k.device):
+                cache.append(InPlaceLayerCache(k, v, step, pad))
+            else:
+                cache.append(StaticLayerCache(k, v, step))
+        positions = (slot - pad)[:, None]  # (B, 1): 0 at each row's first real token
         with CPULinearKernels(compiling=True) if linear_kernels else nullcontext():
-            return self.logits(self.model, cache, token, positions, key_padding_mask, state)
+            logits = self.logits(self.model, cache, token, positions, key_padding_mask, state)
+        for layer, conv, matrix in recurrent:  # the states after the token, into the buffers
+            matrix.copy_(layer.state)
+            if conv is not None:
+                conv.copy_(layer.conv)
+        return logits
 
 
 class CompiledStep:
     """The one-token step of `model` over `cache`, compiled ahead of time by AOTInductor.
 
-    `step(token, slot, pad)` writes the K/V of token (B, 1) to cache slot `slot` (1,) of every row
-    and returns the logits (B, V) in float32 of the token after it; row b has `pad[b]` slots of left
-    padding, so its key mask is slots pad[b]..slot and its position slot − pad[b]. `forward` is
-    the forward pass that is compiled (`decoderlm.inference.generate.next_logits`), under
-    `CPULinearKernels` with `linear_kernels`, attending the cache in place with
-    `in_place_attention` (where `attends_in_place`). The library is made (or found) once per model
-    object, forward, paths and shapes in a process.
+    `step(token, slot, pad)` writes the K/V of token (B, 1) to cache slot `slot` (1,) of every row,
+    folds it into every recurrent layer's state, and returns the logits (B, V) in float32 of the
+    token after it; row b has `pad[b]` slots of left padding, so its key mask is slots
+    pad[b]..slot and its position slot − pad[b]. `forward` is the forward pass that is compiled
+    (`decoderlm.inference.generate.next_logits`), under `CPULinearKernels` with `linear_kernels`,
+    attending the cache in place with `in_place_attention` (where `attends_in_place`). The library
+    is made (or found) once per model object, forward, paths and shapes in a process. A recurrent
+    layer's cache holds the states its last eager pass (the prefill) returned; the step copies them
+    into the buffers the library updates in place, once, on its first call after that pass.
     """
 
     def __init__(
         self,
         model: DecoderLM,
-        cache: StaticKVCache,
+        cache: LayerCaches,
         forward: Forward,
         *,
         linear_kernels: bool = True,
         in_place_attention: bool = True,
     ) -> None:
         state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        self.inputs = [
-            *state.values(),
-            *(layer.k for layer in cache.layers),
-            *(layer.v for layer in cache.layers),
+        buffers = layer_buffers(cache)
+        self.inputs = [*state.values(), *buffers]
+        # (layer, its conv state buffer or None, its matrix state buffer): what the library updates
+        self.states = [
+            (layer, layer.conv, layer.state)
+            for layer in cache.layers
+            if isinstance(layer, RecurrentLayerCache)
         ]
         step = _OneTokenStep(model, list(state), forward, linear_kernels, in_place_attention)
-        batch, device = cache.layers[0].k.shape[0], self.inputs[0].device
+        batch, device = buffers[0].shape[0], self.inputs[0].device
         extra = [
             torch.zeros(batch, 1, dtype=torch.long, device=device),  # token
             torch.zeros(1, dtype=torch.long, device=device),  # slot
@@ -224,7 +268,17 @@ class CompiledStep:
         self.run = step_library(step, self.inputs, extra)
 
     def __call__(self, token: Tensor, slot: Tensor, pad: Tensor) -> Tensor:
+        self._adopt_states()
         return self.run([*self.inputs, token, slot, pad])[0]
+
+    def _adopt_states(self) -> None:
+        """Point the cache's recurrent layers back at the library's buffers, with the states an
+        eager pass left in new tensors copied into them."""
+        for layer, conv, matrix in self.states:
+            if layer.state is not matrix:
+                layer.state = matrix.copy_(layer.state)
+            if conv is not None and layer.conv is not conv:
+                layer.conv = conv.copy_(layer.conv)
 
 
 def _spec(t: Tensor) -> tuple[Any, ...]:

@@ -237,7 +237,8 @@ def generate(
     `params`); temperature 0 = greedy. Any other keyword raises DecoderLMError. A seed makes
     sampling reproducible; without one, torch's global generator is used. `compile` compiles the
     prefill with torch.compile and the one-token step ahead of time with AOTInductor (see
-    `decoderlm.cpu.decode`; the first call of a shape pays for the compilation, and prompts are
+    `decoderlm.cpu.decode`; over recurrent layers too, their states updated in place in the
+    step; the first call of a shape pays for the compilation, and prompts are
     left-padded to a multiple of 64 so that nearby lengths share one prefill graph).
     `cpu_kernels=False` switches off the CPU speed paths, a `SpeedPaths` picks them one by one
     (module docstring). `kv_cache_dtype="int8"`

@@ -60,11 +60,6 @@ class DecodeOptions:
         cfg = model.config
         past = self.refill_past_context or cfg.decodes_past_context
         check_lengths(rows, max_new_tokens, cfg.context_length, past)
-        if self.compile and cfg.has_recurrent_layers:
-            raise DecoderLMError(
-                "compile=True does not support recurrent layers yet "
-                f"(layer_types={list(cfg.layer_types)}); drop compile"
-            )
         if self.compile and cfg.sliding_window is not None:
             raise DecoderLMError(
                 f"a model with sliding_window={cfg.sliding_window} decodes over a ring KV cache, "
