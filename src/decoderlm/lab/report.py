@@ -45,20 +45,14 @@ def write_report(results: dict[str, Any], out: str | Path) -> Path:
     plots += [p for p in (_memory_vs_context(results, out), _recall(results, out)) if p]
     plots += [p for p in (_positions(results, out), _grad_norms(results, out)) if p]
     plots += [p for p in (_init_stats(results, out),) if p]
-    spec, env = results["spec"], results["environment"]
+    spec = results["spec"]
     budget = (
         f"{spec['budget_tokens']:,} training tokens per run"
         if spec["budget_tokens"] is not None
         else f"{spec['budget_seconds']:g} s of training per run"
     )
     lines = [
-        f"# Study: {results['study']}",
-        "",
-        results["description"],
-        "",
-        f"- command: `{results['command']}`",
-        f"- git commit {env['git_commit']} · {env['cpu']} ({env['cores']} cores) · "
-        f"torch {env['torch']} · Python {env['python']}",
+        *header(results),
         f"- wall time: {results['runs_wall_s']:.0f} s over all runs "
         f"({results['wall_s']:.0f} s in the last invocation)",
         f"- data: {results['data']['dir']} ({results['data']['train_tokens']:,} train tokens, "
@@ -75,11 +69,40 @@ def write_report(results: dict[str, Any], out: str | Path) -> Path:
         *_recall_section(results),
         *_init_table(results),
         *_runs_table(results),
+    ]
+    return write_lines(out, lines, plots, results, _attention_section(results))
+
+
+def header(results: dict[str, Any]) -> list[str]:
+    """A report's title, description, command and environment lines."""
+    env = results["environment"]
+    return [
+        f"# Study: {results['study']}",
+        "",
+        results["description"],
+        "",
+        f"- command: `{results['command']}`",
+        f"- git commit {env['git_commit']} · {env['cpu']} ({env['cores']} cores) · "
+        f"torch {env['torch']} · Python {env['python']}",
+    ]
+
+
+def write_lines(
+    out: Path,
+    lines: list[str],
+    plots: list[Path],
+    results: dict[str, Any],
+    after_plots: list[str] | None = None,
+) -> Path:
+    """Write OUT/report.md: `lines`, the plots, `after_plots`, then "What this shows" (the study's
+    conclusions); returns its path."""
+    lines = [
+        *lines,
         "## Plots",
         "",
         *(f"![{p.stem}]({p.name})" for p in plots),
         "",
-        *_attention_section(results),
+        *(after_plots or []),
         "## What this shows",
         "",
         conclusions.conclude(results),
@@ -101,7 +124,7 @@ def summary_of(row: dict[str, Any], key: str) -> Summary | None:
     return Summary(**row[key]) if key in row else None
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
     return [
         "| " + " | ".join(header) + " |",
         "|" + "|".join("---" for _ in header) + "|",
@@ -146,7 +169,7 @@ def _variants_table(results: dict[str, Any]) -> list[str]:
     budget_gib = spec["kv_budget_bytes"] / 2**30
     header = ["variant", "params", "Δparams", "KV bytes/token (fp32)"]
     header += [f"max context in {budget_gib:g} GiB of KV", "settings"]
-    return ["## Variants", "", sizing, "", *_table(header, rows)]
+    return ["## Variants", "", sizing, "", *markdown_table(header, rows)]
 
 
 def _summary_table(results: dict[str, Any]) -> list[str]:
@@ -162,7 +185,7 @@ def _summary_table(results: dict[str, Any]) -> list[str]:
         cells += [_mean_spread(summary_of(row, key), digits) for _, key, digits in optional]
         cells.append(f"{row['diverged']}/{k}")
         rows.append(cells)
-    return [f"## Results (mean ± spread over {k} seeds)", "", *_table(header, rows)]
+    return [f"## Results (mean ± spread over {k} seeds)", "", *markdown_table(header, rows)]
 
 
 def _mean_spread(s: Summary | None, digits: int) -> str:
@@ -212,7 +235,7 @@ def _memory_table(results: dict[str, Any]) -> list[str]:
         "recurrent layers' conv and matrix states (fixed): `decoderlm.model.cache.sizes` and "
         "`recurrent_state_bytes`, the numbers `decoderlm info` prints; batch 1.",
         "",
-        *_table(header, rows),
+        *markdown_table(header, rows),
     ]
 
 
@@ -259,7 +282,7 @@ def _init_table(results: dict[str, Any]) -> list[str]:
         "q, k: unit-variance components (LeCun-initialised projections of N(0, I) inputs); "
         "each query attends 64 keys, so the entropy is at most ln 64 = 4.159 nats.",
         "",
-        *_table(header, rows),
+        *markdown_table(header, rows),
     ]
 
 
@@ -275,7 +298,7 @@ def _runs_table(results: dict[str, Any]) -> list[str]:
         + [fmt(r["diverged_step"], "{:d}")]
         for r in results["runs"]
     ]
-    return ["## Runs (every run's own metrics)", "", *_table(header, rows)]
+    return ["## Runs (every run's own metrics)", "", *markdown_table(header, rows)]
 
 
 # ---- plots ------------------------------------------------------------------------------------
@@ -327,11 +350,11 @@ def _attention_section(results: dict[str, Any]) -> list[str]:
         "",
         "Mean attention entropy per layer (nats, over heads and query rows; mean over seeds):",
         "",
-        *_table(["variant", *(f"layer {i}" for i in range(n_layers))], rows),
+        *markdown_table(["variant", *(f"layer {i}" for i in range(n_layers))], rows),
     ]
 
 
-def _save(fig: Figure, path: Path) -> Path:
+def save_figure(fig: Figure, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     return path
 
@@ -345,7 +368,7 @@ def _val_curves(results: dict[str, Any], out: Path) -> Path | None:
     ax.set_title("validation loss: mean over seeds, band = min–max")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    return _save(fig, out / "val_loss.png")
+    return save_figure(fig, out / "val_loss.png")
 
 
 def _loss_vs_kv(results: dict[str, Any], out: Path) -> Path | None:
@@ -370,7 +393,7 @@ def _loss_vs_kv(results: dict[str, Any], out: Path) -> Path | None:
     ax.set(xlabel=xlabel, ylabel="final val loss (nats/token)")
     ax.set_title("quality vs memory (error bar = spread over seeds)")
     ax.grid(alpha=0.3)
-    return _save(fig, out / ("loss_vs_memory.png" if state else "loss_vs_kv.png"))
+    return save_figure(fig, out / ("loss_vs_memory.png" if state else "loss_vs_kv.png"))
 
 
 def _memory_vs_context(results: dict[str, Any], out: Path) -> Path | None:
@@ -389,7 +412,7 @@ def _memory_vs_context(results: dict[str, Any], out: Path) -> Path | None:
     ax.set_title("inference memory of one sequence")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    return _save(fig, out / "memory.png")
+    return save_figure(fig, out / "memory.png")
 
 
 def _recall(results: dict[str, Any], out: Path) -> Path | None:
@@ -411,7 +434,7 @@ def _recall(results: dict[str, Any], out: Path) -> Path | None:
     ax.set_title("associative recall: mean over seeds, error bar = spread")
     ax.tick_params(axis="x", labelsize=7)
     ax.legend(fontsize=7)
-    return _save(fig, out / "recall.png")
+    return save_figure(fig, out / "recall.png")
 
 
 def _positions(results: dict[str, Any], out: Path) -> Path | None:
@@ -437,7 +460,7 @@ def _positions(results: dict[str, Any], out: Path) -> Path | None:
     ax.set_title("loss per position bucket: extrapolation past the training context")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    return _save(fig, out / "positions.png")
+    return save_figure(fig, out / "positions.png")
 
 
 def _grad_norms(results: dict[str, Any], out: Path) -> Path | None:
@@ -452,7 +475,7 @@ def _grad_norms(results: dict[str, Any], out: Path) -> Path | None:
     ax.set_title("gradient norm: mean over seeds, band = min–max")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6, ncol=2)
-    return _save(fig, out / "grad_norm.png")
+    return save_figure(fig, out / "grad_norm.png")
 
 
 def _init_stats(results: dict[str, Any], out: Path) -> Path | None:
@@ -479,4 +502,4 @@ def _init_stats(results: dict[str, Any], out: Path) -> Path | None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("attention logits at initialisation")
-    return _save(fig, out / "init_stats.png")
+    return save_figure(fig, out / "init_stats.png")

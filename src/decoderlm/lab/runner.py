@@ -87,7 +87,7 @@ def run_study(
                 result["attention_entropy"] = measure.attention_entropy(model, val)
                 write_json(run_dir / RUN_RESULT_FILE, result)
             if result is None:
-                result = _json_safe(_run(spec, variant, seed, run_dir, out, data_dir, meta, val))
+                result = json_safe(_run(spec, variant, seed, run_dir, out, data_dir, meta, val))
                 write_json(run_dir / RUN_RESULT_FILE, result)
             runs.append(result)
             bar.update(weight)
@@ -111,7 +111,7 @@ def run_study(
         "wall_s": time.perf_counter() - start,  # this invocation
         "runs_wall_s": sum(r["wall_s"] for r in runs),  # all runs, across resumed invocations
     }
-    write_json(out / RESULTS_FILE, _json_safe(results))
+    write_json(out / RESULTS_FILE, json_safe(results))
     return results
 
 
@@ -193,7 +193,7 @@ def _finished(
     if not path.is_file():
         return None
     result = json.loads(path.read_text())
-    want = _json_safe(_configs(spec, variant, seed, meta["vocab_size"]))  # tuples as JSON lists
+    want = json_safe(_configs(spec, variant, seed, meta["vocab_size"]))  # tuples as JSON lists
     have = {"model": dict(result["model"]), "train": result["train"]}
     have["model"]["extra"] = want["model"]["extra"]  # notes (gqa_from_n_kv_heads) aside
     if "recall" in spec.measures:  # the recall model is trained beside the run: its task too
@@ -352,12 +352,12 @@ def _attention(runs: list[dict[str, Any]], out: Path, val: Any) -> dict[str, Any
     return {"variant": best["variant"], "seed": best["seed"], "tokens": n_tokens, "files": files}
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """NaN/inf → None (strict JSON), recursively."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value

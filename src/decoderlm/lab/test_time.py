@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from decoderlm import data
 from decoderlm.files import write_json
-from decoderlm.lab.runner import RESULTS_FILE, _json_safe, environment
+from decoderlm.lab.runner import RESULTS_FILE, environment, json_safe
 from decoderlm.lab.stats import summarise
 from decoderlm.model.config import ModelConfig
 from decoderlm.search.labelling import label_samples
@@ -174,7 +174,7 @@ def run_study(
         "searches": searches,
         "wall_s": time.perf_counter() - start,
     }
-    results = _json_safe(results)  # NaN → null: strict JSON
+    results = json_safe(results)  # NaN → null: strict JSON
     write_json(out / RESULTS_FILE, results)
     return results
 
@@ -194,55 +194,66 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
 
 def _policy(spec: TestTimeSpec, task: Task, out: Path, progress: bool) -> dict[str, Any]:
     """OUT/policy: the task's corpus prepared (char-level) and the policy trained on it."""
-    run_dir, done = out / "policy", out / "policy" / DONE_FILE
-    if done.is_file():
-        return json.loads(done.read_text())
-    start = time.perf_counter()
-    text = out / "task.txt"
-    text.write_text(corpus(task, spec.corpus_problems, spec.difficulty))
-    data_dir = out / "data"
-    data.prepare([text], data_dir, tokenizer="char", progress=False)
-    fields = dict(spec.model)
-    model = ModelConfig.from_preset(fields.pop("preset"), **fields)
-    config = TrainConfig(**{"checkpoint_interval": 0, "peak_flops": 1e12, **spec.train})
-    result = train(model, config, data_dir, run_dir, overwrite=True, progress=progress)
-    if result["stopped"] == "interrupted":  # Ctrl-C or SIGTERM: not a finished policy
-        raise KeyboardInterrupt
-    info = {"run_dir": str(run_dir), "steps": result["step"], "val_loss": result["val_loss"],
-            "wall_s": time.perf_counter() - start}  # fmt: skip
-    info = _json_safe(info)
-    write_json(done, info)
-    return info
+
+    def make() -> dict[str, Any]:
+        text = out / "task.txt"
+        text.write_text(corpus(task, spec.corpus_problems, spec.difficulty))
+        data_dir = out / "data"
+        data.prepare([text], data_dir, tokenizer="char", progress=False)
+        fields = dict(spec.model)
+        model = ModelConfig.from_preset(fields.pop("preset"), **fields)
+        config = TrainConfig(**{"checkpoint_interval": 0, "peak_flops": 1e12, **spec.train})
+        result = _finished(
+            train(model, config, data_dir, out / "policy", overwrite=True, progress=progress)
+        )
+        return {"steps": result["step"], "val_loss": result["val_loss"]}
+
+    return _trained_once(out / "policy", make)
 
 
 def _verifier(spec: TestTimeSpec, task: Task, out: Path, progress: bool) -> dict[str, Any]:
     """OUT/verifier: an outcome verifier on the policy's samples of train problems."""
-    run_dir, done = out / "verifier", out / "verifier" / DONE_FILE
+
+    def make() -> dict[str, Any]:
+        problems = task.problems(spec.verifier_problems, spec.difficulty, seed=1, split="train")
+        lm = EngineLM(load_engine(str(out / "policy")), seed=0)
+        labelled = label_samples(
+            lm,
+            task,
+            problems,
+            spec.verifier_samples,
+            max_tokens=spec.max_tokens,
+            temperature=spec.temperature,
+            progress=progress,
+        )
+        config = verifier_config(spec.verifier_steps, 32, 1e-3, seed=0)
+        result = _finished(train_verifier(out / "policy", labelled, out / "verifier", config,
+                                          overwrite=True, progress=progress))  # fmt: skip
+        texts = [e for examples in labelled for e in examples]
+        info = {"texts": len(texts), "correct_share": sum(e.target for e in texts) / len(texts),
+                "val_loss": result["val_loss"], "val_accuracy": result["val_accuracy"]}  # fmt: skip
+        return info
+
+    return _trained_once(out / "verifier", make)
+
+
+def _finished(result: dict[str, Any]) -> dict[str, Any]:
+    """A trainer's `result`; KeyboardInterrupt if Ctrl-C or SIGTERM stopped it: the study ends
+    instead of recording a half-trained run as finished."""
+    if result["stopped"] == "interrupted":
+        raise KeyboardInterrupt
+    return result
+
+
+def _trained_once(run_dir: Path, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """RUN_DIR's record of a finished training, read back on a rerun, else made by `make` (which
+    trains into run_dir and returns what to record) and written to
+    RUN_DIR/DONE_FILE with run_dir and the wall time."""
+    done = run_dir / DONE_FILE
     if done.is_file():
         return json.loads(done.read_text())
     start = time.perf_counter()
-    problems = task.problems(spec.verifier_problems, spec.difficulty, seed=1, split="train")
-    lm = EngineLM(load_engine(str(out / "policy")), seed=0)
-    labelled = label_samples(
-        lm,
-        task,
-        problems,
-        spec.verifier_samples,
-        max_tokens=spec.max_tokens,
-        temperature=spec.temperature,
-        progress=progress,
-    )
-    config = verifier_config(spec.verifier_steps, 32, 1e-3, seed=0)
-    result = train_verifier(out / "policy", labelled, run_dir, config, overwrite=True,
-                            progress=progress)  # fmt: skip
-    if result["stopped"] == "interrupted":
-        raise KeyboardInterrupt
-    texts = [e for examples in labelled for e in examples]
-    info = {"run_dir": str(run_dir), "texts": len(texts),
-            "correct_share": sum(e.target for e in texts) / len(texts),
-            "val_loss": result["val_loss"], "val_accuracy": result["val_accuracy"],
-            "wall_s": time.perf_counter() - start}  # fmt: skip
-    info = _json_safe(info)
+    info = json_safe({"run_dir": str(run_dir), **make(), "wall_s": time.perf_counter() - start})
     write_json(done, info)
     return info
 

@@ -12,26 +12,19 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from decoderlm.lab import conclusions
 from decoderlm.lab.conclusions import ttc_accuracy, ttc_targets
-from decoderlm.lab.report import REPORT_FILE, _save, _table, fmt
+from decoderlm.lab.report import fmt, header, markdown_table, save_figure, write_lines
 from decoderlm.lab.test_time import STRATEGIES
 
 
 def write_report(results: dict[str, Any], out: str | Path) -> Path:
     """Write OUT/report.md and the plots it embeds; returns the report's path."""
     out = Path(out)
-    spec, env = results["spec"], results["environment"]
+    spec = results["spec"]
     policy, verifier = results["policy"], results["verifier"]
     plots = [_accuracy_plot(results, out), _engine_plot(results, out)]
     lines = [
-        f"# Study: {results['study']}",
-        "",
-        results["description"],
-        "",
-        f"- command: `{results['command']}`",
-        f"- git commit {env['git_commit']} · {env['cpu']} ({env['cores']} cores) · "
-        f"torch {env['torch']} · Python {env['python']}",
+        *header(results),
         f"- wall time: {results['wall_s']:.0f} s in the last invocation (policy "
         f"{policy['wall_s']:.0f} s, verifier {verifier['wall_s']:.0f} s when trained)",
         f"- policy: {spec['model']} trained {policy['steps']} steps ({spec['train']}) on "
@@ -55,18 +48,8 @@ def write_report(results: dict[str, Any], out: str | Path) -> Path:
         *_targets(results),
         *_classifier(results),
         *_engine(results),
-        "## Plots",
-        "",
-        *(f"![{p.stem}]({p.name})" for p in plots),
-        "",
-        "## What this shows",
-        "",
-        conclusions.conclude(results),
-        "",
     ]
-    path = out / REPORT_FILE
-    path.write_text("\n".join(lines))
-    return path
+    return write_lines(out, lines, plots, results)
 
 
 def _accuracy_table(results: dict[str, Any]) -> list[str]:
@@ -86,13 +69,13 @@ def _accuracy_table(results: dict[str, Any]) -> list[str]:
         f"## Accuracy (mean ± spread over {results['spec']['seeds']} seeds; generated tokens a "
         "problem in parentheses)",
         "",
-        *_table(["strategy", *(f"N = {n}" for n in ns)], rows),
+        *markdown_table(["strategy", *(f"N = {n}" for n in ns)], rows),
     ]
 
 
 def _targets(results: dict[str, Any]) -> list[str]:
     rows = [[r["target"], r["measured"], "yes" if r["met"] else "no"] for r in ttc_targets(results)]
-    return ["## Issue 30's targets", "", *_table(["target", "measured", "met"], rows)]
+    return ["## Issue 30's targets", "", *markdown_table(["target", "measured", "met"], rows)]
 
 
 def _classifier(results: dict[str, Any]) -> list[str]:
@@ -107,7 +90,7 @@ def _classifier(results: dict[str, Any]) -> list[str]:
         "share of correct samples (always answering the majority class scores the larger of it "
         "and its complement).",
         "",
-        *_table(["seed", "samples", "correct (base rate)", "verifier accuracy"], rows),
+        *markdown_table(["seed", "samples", "correct (base rate)", "verifier accuracy"], rows),
     ]
 
 
@@ -135,10 +118,14 @@ def _engine(results: dict[str, Any]) -> list[str]:
         "a KV block (16 tokens) has no full block to share; the step-level searches resubmit "
         "longer partial solutions.",
         "",
-        *_table(["N", "generated tokens", "tokens/s", "reused KV tokens per prompt token"], probe),
+        *markdown_table(
+            ["N", "generated tokens", "tokens/s", "reused KV tokens per prompt token"], probe
+        ),
         "Over each search (all seeds and problems):",
         "",
-        *_table(["strategy", "N", "tokens/s", "reused KV tokens per prompt token"], searches),
+        *markdown_table(
+            ["strategy", "N", "tokens/s", "reused KV tokens per prompt token"], searches
+        ),
     ]
 
 
@@ -162,7 +149,7 @@ def _accuracy_plot(results: dict[str, Any], out: Path) -> Path:
     ax.set_title("accuracy against test-time compute (error bar = spread over seeds)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    return _save(fig, out / "accuracy_vs_tokens.png")
+    return save_figure(fig, out / "accuracy_vs_tokens.png")
 
 
 def _engine_plot(results: dict[str, Any], out: Path) -> Path:
@@ -177,4 +164,4 @@ def _engine_plot(results: dict[str, Any], out: Path) -> Path:
         ax.set(xlabel="N (samples of each prompt)", ylabel=label)
         ax.grid(alpha=0.3)
     fig.suptitle("the engine as N grows")
-    return _save(fig, out / "engine.png")
+    return save_figure(fig, out / "engine.png")
