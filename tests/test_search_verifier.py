@@ -1,6 +1,7 @@
 """The learned verifier (`decoderlm.search.verifier`, `decoderlm.training.verifier`): on a planted
-separable toy set (a solution ending "ok" is correct, "no" wrong) the project's trainer drives its
-binary cross-entropy from ln 2 to near 0; as best-of-N's scorer it picks the planted correct sample
+separable toy set (a solution "yes" is correct, "no" wrong) the project's trainer drives its
+binary cross-entropy from ln 2 to near 0, and, labelled at every solution token, it values a
+partial solution by its first token; as best-of-N's scorer it picks the planted correct sample
 that mean log-probability passes over; saved and loaded, its weights and scores are exact; its
 texts are labelled by the checker, step prefixes by the share of correct rollouts."""
 
@@ -25,26 +26,27 @@ from decoderlm.search.verifier import Example, LearnedVerifier, load_verifier, s
 from decoderlm.tasks import Problem, Task
 from decoderlm.tokenizer import Tokenizer
 from decoderlm.training.train_config import TrainConfig
-from decoderlm.training.verifier import train_verifier
+from decoderlm.training.verifier import encode_example, train_verifier
 
 PROMPT = "Q\n"  # after a problem's digits: where ScriptedLM starts writing
 STEPS = 40
 
 
 def toy_set(n_problems: int = 30) -> list[list[Example]]:
-    """Per problem: its digits and PROMPT, then "ok" (target 1) or "no" (target 0)."""
+    """Per problem: its digits and PROMPT, then "yes" (target 1) or "no" (target 0)."""
     rng = random.Random(0)
     problems = []
     for _ in range(n_problems):
         prompt = f"{rng.randint(0, 999)}{PROMPT}"
-        problems.append([Example(prompt + "ok", 1.0), Example(prompt + "no", 0.0)])
+        start = len(prompt)
+        problems.append([Example(prompt + "yes", 1.0, start), Example(prompt + "no", 0.0, start)])
     return problems
 
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny untrained char model saved as a run: the verifier's initialisation."""
-    tokenizer = Tokenizer.train_char(["0123456789Q\nokn"])
+    tokenizer = Tokenizer.train_char(["0123456789Q\nokyesn"])
     config = ModelConfig(
         vocab_size=tokenizer.vocab_size,
         context_length=32,
@@ -88,14 +90,35 @@ def test_training_drives_the_binary_cross_entropy_from_ln2_to_near_zero(trained)
     assert summary["val_accuracy"] == 1.0
 
 
+def test_every_solution_token_is_labelled_so_a_partial_solution_is_valued(trained) -> None:
+    verifier = load_verifier(trained[0])
+    prompts = [f"{digits}{PROMPT}" for digits in (5, 38, 417, 999)]
+    right = verifier.scores([p + partial for p in prompts for partial in ("y", "ye")])
+    wrong = verifier.scores([p + "n" for p in prompts])
+    assert min(right) > 0.9 and max(wrong) < 0.1  # trained on final tokens only: 0.83, 0.95
+
+
+def test_labelled_positions_start_at_the_solution_and_survive_truncation() -> None:
+    tokenizer = Tokenizer.train_char(["0123456789Q\nokn"])
+    text = f"12{PROMPT}ok"  # the solution "ok" starts at character 4
+    row, first = encode_example(tokenizer, Example(text, 1.0, 4), context=32)
+    assert tokenizer.decode(row) == text and tokenizer.decode(row[first:]) == "ok"
+    row, first = encode_example(tokenizer, Example(text, 1.0, 4), context=3)  # "\nok" kept
+    assert tokenizer.decode(row) == "\nok" and first == 1
+    row, first = encode_example(tokenizer, Example(text, 1.0, 4), context=1)  # "k" kept
+    assert first == 0
+    row, first = encode_example(tokenizer, Example(text, 0.5), context=32)  # a step prefix
+    assert first == len(row) - 1
+
+
 def test_as_best_of_n_scorer_it_picks_the_planted_correct_sample(trained) -> None:
     verifier = load_verifier(trained[0])
     prompt = f"417{PROMPT}"
-    lm = ScriptedLM({"no": 0.8, "ok": 0.2}, prompt_chars=prompt, seed=0)
+    lm = ScriptedLM({"no": 0.8, "yes": 0.2}, prompt_chars=prompt, seed=0)
     picked = best_of_n(lm, prompt, 64, scorer=by_verifier(verifier), n=8, max_tokens=8)
     texts = [c.text for c in picked.candidates]
-    assert "ok" in texts and "no" in texts  # the planted sample is among likelier wrong ones
-    assert picked.text == "ok"
+    assert "yes" in texts and "no" in texts  # the planted sample is among likelier wrong ones
+    assert picked.text == "yes"
     likeliest = best_of_n(lm, prompt, 64, scorer=mean_logprob, n=8, max_tokens=8)
     assert likeliest.text == "no"
 

@@ -1,11 +1,12 @@
 """Labelling the policy's own samples for a learned verifier (`decoderlm.search.verifier`).
 
 The policy samples solutions of a task's problems; each is labelled by the task's exact checker,
-1 or 0 (the outcome label of Cobbe et al., 2021, "Training Verifiers to Solve Math Word
-Problems"). With `rollouts` > 0 every step prefix of every sample is labelled too, by the fraction
-of `rollouts` continuations from it that the checker accepts: Math-Shepherd's soft estimate of
-the prefix's value (Wang et al., 2023, "Math-Shepherd", §3.3), which makes the verifier a process
-verifier that step-level beam search and MCTS can ask about partial solutions.
+1 or 0, at every token of its solution (the outcome label of Cobbe et al., 2021, "Training
+Verifiers to Solve Math Word Problems"). With `rollouts` > 0 every step prefix of every sample is
+labelled too, by the fraction of `rollouts` continuations from it that the checker accepts:
+Math-Shepherd's soft estimate of the prefix's value (Wang et al., 2023, "Math-Shepherd", §3.3),
+at its final token, which makes the verifier a process verifier that step-level beam search and
+MCTS can ask about partial solutions.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ def label_samples(
             )
             for problem, solutions in zip(group, drawn, strict=True):
                 texts = [s.text for s in solutions]
+                start = len(problem.prompt)
                 examples = [
-                    Example(problem.prompt + t, float(task.check(problem, t))) for t in texts
+                    Example(problem.prompt + t, float(task.check(problem, t)), start) for t in texts
                 ]
                 if rollouts:
                     examples += _step_values(

@@ -34,10 +34,17 @@ PAD_ID = 0  # right padding: a causal model's last real token never sees it
 
 @dataclass(frozen=True)
 class Example:
-    """A labelled text: the prompt and a (partial) solution; target in [0, 1]."""
+    """A labelled text: the prompt and a (partial) solution; target in [0, 1].
+
+    solution_start: where the solution begins in `text` (characters). Given, the verifier is
+    trained toward the target at every token from there on, as Cobbe et al. (2021, §4.2) train
+    theirs: s_t then estimates, at each prefix of a solution, the chance that it ends correct,
+    which step-level search asks of partial solutions. None: at the final token only (a step
+    prefix's own value, as `labelling` gives a process verifier)."""
 
     text: str
     target: float
+    solution_start: int | None = None
 
 
 def scalar_head_model(config: ModelConfig, kind: str) -> DecoderLM:

@@ -3,8 +3,11 @@ samples, labelled by a task's checker (`decoderlm.search.labelling`).
 
 `VerifierTrainer` is the project's `Trainer` with its objective hooks overridden: the model is
 the policy's network with a scalar head (its weights loaded, the LM head dropped), a batch is
-labelled texts, and the loss is the binary cross-entropy of the final token's logit s_T,
-L = −[y·log σ(s_T) + (1 − y)·log(1 − σ(s_T))]. `train_verifier` writes the texts into OUT/data
+labelled texts, and the loss is the binary cross-entropy of the logits s_t at a text's labelled
+positions, L = −mean_t [y·log σ(s_t) + (1 − y)·log(1 − σ(s_t))]: every solution token of an
+outcome example (Cobbe et al., 2021, §4.2: a value at every prefix, and more signal per text than
+its last token alone), the final token of a step prefix. Validation judges the final token, what
+a verifier's score reads. `train_verifier` writes the texts into OUT/data
 and trains into the run directory OUT (`decoderlm verifier`).
 
 The texts are split by problem: every VAL_SHARE-th problem's samples are the validation set.
@@ -12,6 +15,7 @@ The texts are split by problem: every VAL_SHARE-th problem's samples are the val
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -42,7 +46,7 @@ from decoderlm.training.train_config import TrainConfig
 from decoderlm.training.trainer import Trainer
 
 VAL_SHARE = 10  # every 10th problem's texts are validation texts
-IGNORE = -1.0  # the target of every position but a text's last
+IGNORE = -1.0  # the target of a position the loss skips
 DATA_DIR = "data"  # OUT/data/{train,val}.jsonl: the labelled texts, and tokenizer.json
 
 
@@ -53,7 +57,7 @@ def write_examples(
     data_dir.mkdir(parents=True, exist_ok=True)
     for split in ("train", "val"):
         rows = [
-            json.dumps({"text": e.text, "target": e.target})
+            json.dumps(dataclasses.asdict(e))
             for i, examples in enumerate(labelled)
             if (i % VAL_SHARE == VAL_SHARE - 1) == (split == "val")
             for e in examples
@@ -69,13 +73,23 @@ def read_examples(data_dir: Path, split: str) -> list[Example]:
 
 class ExampleBatches:
     """Batches of labelled texts in a seeded order, reshuffled every epoch: x (B, T) right-padded
-    ids, y (B, T) the target at each text's final position and IGNORE elsewhere. The state is the
-    number of batches drawn, so a resumed run continues the same stream."""
+    ids, y (B, T) the target at each text's labelled positions (from its first labelled index to
+    its last token) and IGNORE elsewhere. The state is the number of batches drawn, so a resumed
+    run continues the same stream."""
 
-    def __init__(self, rows: list[list[int]], targets: list[float], batch_size: int, seed: int):
+    def __init__(
+        self,
+        rows: list[list[int]],
+        targets: list[float],
+        firsts: list[int],
+        batch_size: int,
+        seed: int,
+    ):
+        """firsts: each row's first labelled index (its last index: only the final token)."""
         if not rows:
             raise DecoderLMError("no labelled texts to train the verifier on")
-        self.rows, self.targets, self.batch_size, self.seed = rows, targets, batch_size, seed
+        self.rows, self.targets, self.firsts = rows, targets, firsts
+        self.batch_size, self.seed = batch_size, seed
         self.step = 0  # batches drawn
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +99,8 @@ class ExampleBatches:
         self.step += 1
         x, last = padded_batch([self.rows[i] for i in picks])  # (B, T), (B,)
         y = torch.full(x.shape, IGNORE)  # (B, T)
-        y[torch.arange(len(picks)), last] = torch.tensor([self.targets[i] for i in picks])
+        for row, i in enumerate(picks):
+            y[row, self.firsts[i] : int(last[row]) + 1] = self.targets[i]
         return x, y
 
     def _order(self, epoch: int) -> np.ndarray:
@@ -98,9 +113,21 @@ class ExampleBatches:
         self.step = state["step"]
 
 
+def encode_example(tokenizer: Tokenizer, example: Example, context: int) -> tuple[list[int], int]:
+    """The token ids of an example's text (its last `context`) and the index of its first labelled
+    token: the solution's first token when `solution_start` is given, else the final token."""
+    row = encode_text(tokenizer, example.text, context)
+    last = len(row) - 1
+    if example.solution_start is None:
+        return row, last
+    dropped = len(tokenizer.encode(example.text)) - len(row)  # cut from the front
+    prompt = len(tokenizer.encode(example.text[: example.solution_start]))
+    return row, min(max(prompt - dropped, 0), last)
+
+
 class VerifierTrainer(Trainer):
     """The Trainer on labelled texts: a scalar head over the policy's network, binary
-    cross-entropy on the final token's logit (one process; not under torchrun)."""
+    cross-entropy of its logits at the labelled positions (one process; not under torchrun)."""
 
     def build_model(self) -> DecoderLM:
         kind = self.model_config.extra["verifier"]
@@ -116,26 +143,27 @@ class VerifierTrainer(Trainer):
             model.load_state_dict(weights, strict=False)
         return model
 
-    def _encoded(self, split: str) -> tuple[list[list[int]], list[float]]:
+    def _encoded(self, split: str) -> tuple[list[list[int]], list[float], list[int]]:
+        """Each text's token ids, target and first labelled index."""
         examples = read_examples(self.data_dir, split)
         context = self.model_config.context_length
-        rows = [encode_text(self.tokenizer, e.text, context) for e in examples]
-        return rows, [e.target for e in examples]
+        encoded = [encode_example(self.tokenizer, e, context) for e in examples]
+        rows, firsts = [row for row, _ in encoded], [first for _, first in encoded]
+        return rows, [e.target for e in examples], firsts
 
     def batches(self, split: str) -> ExampleBatches:  # type: ignore[override]
-        rows, targets = self._encoded(split)
-        return ExampleBatches(rows, targets, self.micro_batch, self.cfg.seed)
+        return ExampleBatches(*self._encoded(split), self.micro_batch, self.cfg.seed)
 
     def batch_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean BCE of s_T over the texts: outputs (B, T, 1) logits, targets (B, T)."""
-        labelled = targets >= 0  # (B, T): each text's last position
-        s = outputs[..., 0][labelled].float()  # (B,)
+        """Mean BCE of s_t over the labelled positions: outputs (B, T, 1) logits, targets (B, T)."""
+        labelled = targets >= 0  # (B, T)
+        s = outputs[..., 0][labelled].float()  # (labelled positions,)
         return F.binary_cross_entropy_with_logits(s, targets[labelled])
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """BCE and accuracy (σ(s_T) > 0.5 against target > 0.5) over all validation texts."""
-        rows, targets = self._encoded("val")
+        rows, targets, _ = self._encoded("val")
         s = LearnedVerifier(self.model.eval(), self.tokenizer).row_logits(rows)  # (N,)
         self.model.train()
         y = torch.tensor(targets)
