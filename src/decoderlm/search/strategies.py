@@ -402,15 +402,18 @@ def mcts(
             tokens[text] = tokens[node.text] + sample.tokens
             children.setdefault(text, _Node(text, node, complete))
         node.children = list(children.values())
+        solutions = {c.text: c.text for c in node.children}
+        unfinished = [c.text for c in node.children if not c.complete] if rollout_tokens else []
+        if unfinished:  # one batched call: a rollout of each unfinished child
+            rollouts = spend.sample(
+                lm, [prompt + t for t in unfinished], 1, rollout_tokens, SOLUTION_END, temperature
+            )
+            assert rollouts is not None  # the loop's condition left room for them
+            for text, (rollout,) in zip(unfinished, rollouts, strict=True):
+                solutions[text] = _cut(text + rollout.text)
+                tokens[solutions[text]] = tokens[text] + rollout.tokens
         for child in node.children:
-            solution = child.text
-            if rollout_tokens and not child.complete:
-                rollout = spend.sample(
-                    lm, [prompt + child.text], 1, rollout_tokens, SOLUTION_END, temperature
-                )
-                assert rollout is not None
-                solution = _cut(solution + rollout[0][0].text)
-                tokens[solution] = tokens[child.text] + rollout[0][0].tokens
+            solution = solutions[child.text]
             value = verifier(prompt, solution)
             if child.complete or rollout_tokens:
                 found.append(Candidate(solution, extract(solution), value, tokens[solution]))
