@@ -16,9 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from test_server import paced, until
 
-from conftest import CONTEXT, live_server, make_served, wait_healthy
+from conftest import CONTEXT, live_server, make_served, paced, until, wait_healthy
 from decoderlm import DecoderLM, ModelConfig
 from decoderlm.checkpoint import save_model
 from decoderlm.search.lm import EngineLM
@@ -245,7 +244,7 @@ def test_a_drain_lets_beam_and_best_of_requests_finish_within_the_grace_period(
     monkeypatch.setattr(served.engine, "step", paced(served.engine.step, 0.02))
     with ThreadPoolExecutor(2) as pool:
         replies = [pool.submit(post, base, body) for body in ranked]
-        until(lambda: served.engine.stats().running > 0)  # both under way
+        until(lambda: len(app.state.server.inflight) == 2)  # both under way
         drain(app, 30.0)
         refused = post(base, {"prompt": "B"})
         answers = [r.result() for r in replies]
@@ -268,7 +267,7 @@ def test_a_drain_ends_a_beam_search_still_running_when_the_grace_period_ends(
     grace_s = 0.3  # ~90 steps of ≥ 2 paced engine steps: ≥ 3.6 s
     with ThreadPoolExecutor(1) as pool:
         reply = pool.submit(post, base, body)
-        until(lambda: served.engine.stats().running > 0)
+        until(lambda: served.engine.stats().running > 0)  # the search's first step
         start = time.monotonic()
         drain(app, grace_s)
         r = reply.result()

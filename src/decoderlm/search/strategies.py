@@ -5,7 +5,8 @@
 - `best_of_n`: sample N, keep the best by a scorer: the mean log-probability, or a verifier
   (an exact checker, the oracle, as in Cobbe et al., 2021, "Training Verifiers to Solve Math Word
   Problems", or any user verifier).
-- `beam_search`: beam search over tokens, length-normalised (Wu et al., 2016, GNMT).
+- `beam_search`: beam search over tokens, length-normalised (Wu et al., 2016, GNMT), by the
+  generated tokens or, as vLLM's `length_penalty` (what the server uses), by the whole sequence.
 - `step_beam_search`: beam search over reasoning steps (lines) guided by a process verifier
   (Yao et al., 2023, "Tree of Thoughts"; Snell et al., 2024, "Scaling LLM Test-Time Compute
   Optimally can be More Effective than Scaling Model Parameters").
