@@ -179,6 +179,12 @@ def test_a_budget_below_one_token_is_a_one_line_error() -> None:
         self_consistency(ScriptedLM(answers({"1": 1.0}), PROMPT), PROMPT, 0)
 
 
+def test_an_unknown_beam_length_is_a_one_line_error() -> None:
+    lm = ScriptedLM(answers({"1": 1.0}), PROMPT)
+    with pytest.raises(DecoderLMError, match="length='tokens' must be 'generated' or 'sequence'"):
+        beam_search(lm, PROMPT, 100, length="tokens")  # type: ignore[arg-type]
+
+
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     torch.manual_seed(0)
