@@ -80,9 +80,13 @@ def test_best_of_n_with_an_exact_verifier_finds_a_planted_correct_sample() -> No
     assert likeliest.answer == "1"
 
 
-def exhaustive(lm: ScriptedLM, max_len: int, alpha: float) -> tuple[float, str]:
-    """The best length-normalised score over every token sequence of at most max_len tokens that
-    ends at end-of-text, or has max_len tokens, by brute force."""
+def exhaustive(
+    lm: ScriptedLM, max_len: int, alpha: float, prompt_len: int | None
+) -> tuple[float, str]:
+    """The best length-normalised score, logprob / L^alpha, over every token sequence of at most
+    max_len tokens that ends at end-of-text, or has max_len tokens, by brute force. L: the
+    generated tokens if prompt_len is None, else (vLLM's) prompt_len + generated tokens, less one
+    if the last is end-of-text."""
     best = (-math.inf, "")
     for length in range(1, max_len + 1):
         for seq in itertools.product(lm.chars, repeat=length):
@@ -94,19 +98,22 @@ def exhaustive(lm: ScriptedLM, max_len: int, alpha: float) -> tuple[float, str]:
                 logprob, text = logprob + math.log(p), text + (c if c != EOT else "")
             else:
                 if seq[-1] == EOT or length == max_len:
-                    best = max(best, (logprob / length**alpha, text))
+                    counted = length if prompt_len is None else prompt_len + length - (c == EOT)
+                    best = max(best, (logprob / counted**alpha, text))
     return best
 
 
-@pytest.mark.parametrize("alpha", [0.0, 1.0])
-def test_beam_search_equals_exhaustive_search_on_a_tiny_vocabulary(alpha: float) -> None:
+@pytest.mark.parametrize("length", ["generated", "sequence"])
+@pytest.mark.parametrize("alpha", [0.0, 1.0, 2.0])
+def test_beam_search_equals_exhaustive_search_on_a_tiny_vocabulary(alpha: float, length) -> None:
     lm = ScriptedLM({"aa": 0.34, "ba": 0.22, "bb": 0.22, "b": 0.12, "abab": 0.1}, PROMPT)
-    score, text = exhaustive(lm, 5, alpha)
-    result = beam_search(
-        lm, PROMPT, 10_000, width=len(lm.chars) ** 5, max_tokens=5, alpha=alpha, extract=str
-    )
+    prompt_len = len(lm.encode(PROMPT)) if length == "sequence" else None
+    score, text = exhaustive(lm, 5, alpha, prompt_len)
+    result = beam_search(lm, PROMPT, 10_000, width=len(lm.chars) ** 5, max_tokens=5, alpha=alpha,
+                         length=length, extract=str)  # fmt: skip
     assert (result.text, max(c.score for c in result.candidates)) == (text, pytest.approx(score))
-    greedy = beam_search(lm, PROMPT, 10_000, width=1, max_tokens=5, alpha=alpha, extract=str)
+    greedy = beam_search(lm, PROMPT, 10_000, width=1, max_tokens=5, alpha=alpha, length=length,
+                         extract=str)  # fmt: skip
     assert greedy.text.startswith("b")  # one beam follows the likelier first letter
 
 
@@ -170,6 +177,12 @@ def test_token_budgets_are_respected_and_counted_exactly(strategy: str, budget: 
 def test_a_budget_below_one_token_is_a_one_line_error() -> None:
     with pytest.raises(DecoderLMError, match="budget=0 must be an integer ≥ 1"):
         self_consistency(ScriptedLM(answers({"1": 1.0}), PROMPT), PROMPT, 0)
+
+
+def test_an_unknown_beam_length_is_a_one_line_error() -> None:
+    lm = ScriptedLM(answers({"1": 1.0}), PROMPT)
+    with pytest.raises(DecoderLMError, match="length='tokens' must be 'generated' or 'sequence'"):
+        beam_search(lm, PROMPT, 100, length="tokens")  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")

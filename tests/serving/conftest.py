@@ -87,6 +87,23 @@ def wait_healthy(base: str, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+def paced(step, seconds: float):
+    """An engine step that waits first: the engine's thread then streams slowly enough to catch."""
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+
+    return slow_step
+
+
+def until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def make_served(run_dir: Path, loaded, **engine_kwargs):
     """A `Served` over a fresh engine on the session's model."""
     from decoderlm.serving.chat import load_chat_template

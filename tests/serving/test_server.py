@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_engine import near_tie_gap
 
 import decoderlm
-from conftest import CONTEXT, TEXT, make_served, wait_healthy
+from conftest import CONTEXT, TEXT, make_served, paced, until, wait_healthy
 from decoderlm.serving.app import create_app, drain
 
 BOTH = pytest.mark.parametrize("server", ["thread", "process"], indirect=True)  # engine placement
@@ -43,23 +43,6 @@ def sse_events(response: httpx.Response) -> list[str]:
     events = body.split("\n\n")[:-1]
     assert all(e.startswith("data: ") and "\n" not in e for e in events), body[:500]
     return [e[len("data: ") :] for e in events]
-
-
-def paced(step, seconds: float):
-    """An engine step that waits first: the engine's thread then streams slowly enough to catch."""
-
-    def slow_step():
-        time.sleep(seconds)
-        return step()
-
-    return slow_step
-
-
-def until(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 @BOTH

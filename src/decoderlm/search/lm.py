@@ -19,6 +19,7 @@ end-of-text token included), and one token per prefix whose next-token distribut
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -164,7 +165,9 @@ class ClientLM(EngineLM):
     """`EngineLM` over an `EngineClient`: each call submits one request per prompt and waits for
     them on this thread, while the engine's own thread (or process) steps them together with
     everyone else's requests. A request the engine refuses for a full queue is submitted again
-    once one of this call's requests has finished; QueueFullError if none is running."""
+    once one of this call's requests has finished; QueueFullError if none is running. `cancel`
+    (from any thread) ends the requests running and refuses later calls: the search calling it
+    stops with EngineStoppedError."""
 
     def __init__(
         self,
@@ -178,24 +181,47 @@ class ClientLM(EngineLM):
         """vocab_size: the model's; max_queue: the most sequences one request asks for."""
         self.client, self.tokenizer, self.seed, self.max_queue = client, tokenizer, seed, max_queue
         self.vocab = decodable_ids(tokenizer, vocab_size)
+        self.lock = threading.Lock()
+        self.cancelled = False
+        self.running: set[str] = set()  # ids of the requests submitted and not yet waited for
+
+    def cancel(self) -> None:
+        """End the running requests (their calls raise EngineStoppedError) and refuse new ones."""
+        with self.lock:
+            self.cancelled = True
+            running = list(self.running)
+        for request_id in running:
+            self.client.cancel(request_id)
+
+    def _submit(self, prompt: Any, params: RequestParams, collector: Collector) -> str:
+        with self.lock:  # a cancel either comes first and refuses it, or sees its id
+            if self.cancelled:
+                raise EngineStoppedError("the search was cancelled")
+            request_id = self.client.submit(prompt, params, on_event=collector.add)
+            self.running.add(request_id)
+        return request_id
 
     def _generate(self, prompts: list[Any], params: RequestParams) -> list[Completion]:
         done: queue.SimpleQueue[None] = queue.SimpleQueue()
         collectors = [Collector(params, done) for _ in prompts]
-        running = 0
-        for prompt, collector in zip(prompts, collectors, strict=True):
-            while True:
-                try:
-                    self.client.submit(prompt, params, on_event=collector.add)
-                    running += 1
-                    break
-                except QueueFullError:
-                    if running == 0:
-                        raise
-                    done.get()
-                    running -= 1
-        for _ in range(running):
-            done.get()
+        running, submitted = 0, []
+        try:
+            for prompt, collector in zip(prompts, collectors, strict=True):
+                while True:
+                    try:
+                        submitted.append(self._submit(prompt, params, collector))
+                        running += 1
+                        break
+                    except QueueFullError:
+                        if running == 0:
+                            raise
+                        done.get()
+                        running -= 1
+            for _ in range(running):
+                done.get()
+        finally:
+            with self.lock:
+                self.running.difference_update(submitted)
         completions = [c for collector in collectors for c in collector.completions()]
         ended = {c.finish_reason for c in completions} & {"cancelled", "error"}
         if ended:

@@ -5,7 +5,8 @@
 - `best_of_n`: sample N, keep the best by a scorer: the mean log-probability, or a verifier
   (an exact checker, the oracle, as in Cobbe et al., 2021, "Training Verifiers to Solve Math Word
   Problems", or any user verifier).
-- `beam_search`: beam search over tokens, length-normalised (Wu et al., 2016, GNMT).
+- `beam_search`: beam search over tokens, length-normalised (Wu et al., 2016, GNMT), by the
+  generated tokens or, as vLLM's `length_penalty` (what the server uses), by the whole sequence.
 - `step_beam_search`: beam search over reasoning steps (lines) guided by a process verifier
   (Yao et al., 2023, "Tree of Thoughts"; Snell et al., 2024, "Scaling LLM Test-Time Compute
   Optimally can be More Effective than Scaling Model Parameters").
@@ -26,7 +27,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.search.lm import Sample, SearchLM
@@ -76,16 +77,23 @@ def process_oracle(task: Task, problem: Problem) -> Verifier:
     return verify
 
 
+Top = tuple[tuple[int, float], ...]  # a step's likeliest next tokens, (id, log-probability)
+
+
 @dataclass(frozen=True)
 class Candidate:
-    """A solution a strategy considered: its text, answer, score and the tokens generated for it;
-    beam search also says why it ended: "stop" (end-of-text or a stop string) or "length"."""
+    """A solution a strategy considered: its text, answer, score and the tokens generated for it.
+    Beam search also says why it ended ("stop": end-of-text or a stop string; "length"), and gives
+    each generated token with its log-probability and the likeliest tokens of its step."""
 
     text: str
     answer: str | None
     score: float
     tokens: int
     finish: str | None = None
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    tops: tuple[Top, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -218,7 +226,9 @@ def _best(strategy: str, candidates: tuple[Candidate, ...], spend: Budget) -> Se
 @dataclass(frozen=True)
 class _Beam:
     ids: tuple[int, ...]
-    logprob: float
+    logprob: float  # Σ logprobs, summed in order
+    logprobs: tuple[float, ...] = ()
+    tops: tuple[Top, ...] = ()
 
 
 def beam_search(
@@ -229,40 +239,58 @@ def beam_search(
     width: int = 4,
     max_tokens: int = 256,
     alpha: float = 1.0,
+    length: Literal["generated", "sequence"] = "generated",
     stop: tuple[str, ...] = SOLUTION_END,
+    top: int = 0,
     extract: Extract = answer_line,
 ) -> SearchResult:
     """Token-level beam search: each step extends every live beam by its `width` likeliest next
     tokens (one generated token per beam) and keeps the `width` best by length-normalised
-    log-probability, logprob / length^alpha. A beam ends at end-of-text or a `stop` string (by
-    default the solution's end); the result is the best ended or live beam. `prompt`: text, or
-    its token ids."""
+    log-probability, logprob / L^alpha, where `length` says what L counts:
+
+    - "generated" (the default, GNMT's length normalisation): the beam's generated tokens,
+      end-of-text included;
+    - "sequence" (vLLM's `get_beam_search_score`, vllm/beam_search.py, what its `length_penalty`
+      means and the server's `use_beam_search` uses): prompt and generated tokens, less one if the
+      last is end-of-text.
+
+    A beam ends at end-of-text or a `stop` string (by default the solution's end); the result is
+    the best ended or live beam. Each candidate carries its tokens' log-probabilities and, with
+    `top` > 0, each step's `top` likeliest tokens (the steps then ask for max(width, top) of them
+    and extend a beam by the first `width`). `prompt`: text, or its token ids."""
     _check_positive(width=width, max_tokens=max_tokens)
+    if length not in ("generated", "sequence"):
+        raise DecoderLMError(f"length={length!r} must be 'generated' or 'sequence'")
     spend = Budget(budget)
     prompt_ids = lm.encode(prompt) if isinstance(prompt, str) else list(prompt)
     beams, ended = [_Beam((), 0.0)], []
 
     def score(beam: _Beam) -> float:
-        return beam.logprob / len(beam.ids) ** alpha
+        counted = len(beam.ids)
+        if length == "sequence":  # an empty prompt's lone end-of-text counts one, not zero
+            counted = max(len(prompt_ids) + counted - (beam.ids[-1] == lm.eot_id), 1)
+        return beam.logprob / counted**alpha
 
     for _ in range(max_tokens):
         if not beams or len(beams) > spend.left:
             break
-        tops = lm.next_token_logprobs([prompt_ids + list(b.ids) for b in beams], width)
+        tops = lm.next_token_logprobs([prompt_ids + list(b.ids) for b in beams], max(width, top))
         spend.charge(len(beams))
         grown = [
-            _Beam((*b.ids, t), b.logprob + lp)
-            for b, top in zip(beams, tops, strict=True)
-            for t, lp in top
+            _Beam((*b.ids, t), b.logprob + lp, (*b.logprobs, lp), (*b.tops, tuple(step[:top])))
+            for b, step in zip(beams, tops, strict=True)
+            for t, lp in step[:width]
         ]
         grown.sort(key=score, reverse=True)
         beams = []
         for beam in grown[:width]:
             (ended if _ends(lm, beam.ids, stop) else beams).append(beam)
     candidates = []
-    for beam, finish in [(b, "stop") for b in ended] + [(b, "length") for b in beams]:
-        text = _solution_text(lm, beam.ids, stop)
-        candidates.append(Candidate(text, extract(text), score(beam), len(beam.ids), finish))
+    for b, finish in [(b, "stop") for b in ended] + [(b, "length") for b in beams]:
+        text = _solution_text(lm, b.ids, stop)
+        candidates.append(
+            Candidate(text, extract(text), score(b), len(b.ids), finish, b.ids, b.logprobs, b.tops)
+        )
     return _best("beam", tuple(candidates), spend)
 
 

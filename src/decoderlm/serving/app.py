@@ -15,7 +15,7 @@ is bounded by the server's `limits.Limits`, checked before any work; tokenizing,
 and waiting on the engine run off the event loop. A request's sequences are queued (or refused)
 before its prompts are scored for `echo` with `logprobs`. `max_tokens` beyond the context is cut to
 fit (finish_reason "length"); the i-th of n choices uses seed + i. `best_of` and
-`use_beam_search` rank candidates (serving/ranked.py). `create_app` mounts this
+`use_beam_search` rank candidates, on both endpoints (serving/ranked.py). `create_app` mounts this
 module's router and the playground's (serving/playground.py: /, /static, /v1/model_card,
 /v1/engine_stats, /v1/attention); what both use is in serving/http.py. Its OpenAPI document
 (/openapi.json, serving/openapi.py) declares these answers.
@@ -181,7 +181,7 @@ async def _completions(state: ServerState, body: CompletionRequest) -> Response:
     _check_counts(state, len(prompts), sum(len(ids) for ids, _ in prompts), per_prompt, "prompt")
     rooms = [_room(served, ids, requested, "prompt") for ids, _ in prompts]
     if body.use_beam_search:
-        return await ranked.beam(request_id, created, served, body, prompts, rooms)
+        return await _beam_completions(state, request_id, created, body, prompts, rooms)
     for p, ((ids, echo), max_tokens) in enumerate(zip(prompts, rooms, strict=True)):
         params = protocol.to_params(body, max_tokens, body.logprobs)
         params = ranked.sampled(params, body) if ranked.selects(body) else params
@@ -197,6 +197,30 @@ async def _completions(state: ServerState, body: CompletionRequest) -> Response:
     return await respond(request_id, created, served, streams, fmt, body.stream, include_usage)
 
 
+async def _beam_completions(
+    state: ServerState,
+    request_id: str,
+    created: int,
+    body: CompletionRequest,
+    prompts: list[tuple[list[int], str]],
+    rooms: list[int],
+) -> Response:
+    """A completions request's beam search, its prompts scored first for `echo` with `logprobs`."""
+    ids = [ids for ids, _ in prompts]
+    scored = None
+    if body.echo and body.logprobs is not None:
+        scored = await _scored(state, ids, body.logprobs, [])
+
+    def fmt(owners: list[int]) -> CompletionFormat:
+        prompt_events = None if scored is None else [scored[p] for p in owners]
+        echoes = [prompts[p][1] for p in owners]
+        return CompletionFormat(state.served, echoes, body.logprobs is not None, prompt_events)
+
+    return await ranked.beam(
+        state, request_id, created, body, ids, rooms, body.stops(), body.logprobs, fmt
+    )
+
+
 async def _chat(state: ServerState, body: ChatRequest) -> Response:
     created = int(time.time())
     served = state.ready()
@@ -205,15 +229,31 @@ async def _chat(state: ServerState, body: ChatRequest) -> Response:
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    ranked.check(body)
     text = await chat_prompt(state, served, body.messages, body.add_generation_prompt)
     ids = await state.work(encode, served, text, "messages", what="tokenizing")
-    _check_counts(state, 1, len(ids), body.n, "messages")
+    _check_counts(state, 1, len(ids), ranked.candidates(body), "messages")
     max_tokens = _room(served, ids, body.max_completion_tokens or body.max_tokens, "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     params = protocol.to_params(body, max_tokens, logprobs, served.chat_template.stop)
+    if body.use_beam_search:
+        return await ranked.beam(
+            state,
+            request_id,
+            created,
+            body,
+            [ids],
+            [max_tokens],
+            params.stop,
+            logprobs,
+            lambda owners: ChatFormat(served, len(owners), logprobs is not None),
+        )
+    params = ranked.sampled(params, body) if ranked.selects(body) else params
     streams = [RequestStream(state, request_id, ids, params, 0)]
     fmt = ChatFormat(served, body.n, logprobs is not None)
     await start_all(state, streams)
+    if ranked.selects(body):
+        return await ranked.best_of(request_id, created, served, streams, fmt, body.n)
     return await respond(request_id, created, served, streams, fmt, body.stream, include_usage)
 
 

@@ -81,7 +81,9 @@ def retry_headers(status: int) -> dict[str, str]:
 
 
 class ServerState:
-    """The app's life: loading → serving → draining; and the request ids the engine is running."""
+    """The app's life: loading → serving → draining; and the work in flight, which a drain lets
+    finish for its grace period and then cancels: each engine request a response streams, and each
+    beam search (serving/beams.py), whose engine requests the search submits step by step."""
 
     def __init__(
         self,
@@ -93,7 +95,7 @@ class ServerState:
         self.served: Served | None = None
         self.error: str | None = None
         self.draining = False
-        self.inflight: set[str] = set()
+        self.inflight: dict[str, Callable[[], None]] = {}  # request id → how to cancel it
         self.loop: asyncio.AbstractEventLoop | None = None
         self.offload = Offload(limits.work_threads)
         self.metrics = Metrics(lambda: self.served.engine.stats() if self.served else None)
@@ -134,8 +136,8 @@ class ServerState:
         asyncio.get_running_loop().call_later(grace_s, self.cancel_all)
 
     def cancel_all(self) -> None:
-        for request_id in list(self.inflight):
-            self.served.engine.cancel(request_id)
+        for cancel in list(self.inflight.values()):
+            cancel()
 
 
 def _server_state(request: Request) -> ServerState:

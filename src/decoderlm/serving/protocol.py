@@ -3,8 +3,9 @@
 Field names, ranges and defaults follow OpenAI's API reference for /v1/completions and
 /v1/chat/completions (`response_format` and the completions' `best_of` included), plus vLLM's
 extensions `top_k`, `repetition_penalty`, `ignore_eos`, `structured_outputs` (and its older
-`guided_*` fields), `use_beam_search` and `length_penalty` (serving/ranked.py runs those three),
-and /tokenize, /detokenize. Unknown fields are ignored. `to_params` maps a body to the engine's `RequestParams`.
+`guided_*` fields), `use_beam_search` and `length_penalty` (serving/ranked.py runs those two and
+`best_of`, on chat completions too, as vLLM's chat endpoint takes them), and /tokenize,
+/detokenize. Unknown fields are ignored. `to_params` maps a body to the engine's `RequestParams`.
 """
 
 from __future__ import annotations
@@ -100,6 +101,21 @@ class Generation(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    best_of: StrictInt | None = Field(
+        None,
+        ge=1,
+        le=MAX_N,
+        description="sample best_of (≥ n), return the n of highest mean log-probability; "
+        "with use_beam_search, the beam width",
+    )
+    use_beam_search: bool = Field(
+        False, description="beam search of width best_of (default n), returning the n best beams"
+    )
+    length_penalty: float = Field(
+        1.0,
+        description="beam search's score, as vLLM's: log-probability / L^length_penalty, "
+        "L = prompt + generated tokens, less one if the last is end-of-text",
+    )
 
     def stops(self) -> tuple[str, ...]:
         """The stop strings asked for: `stop` as a tuple."""
@@ -148,19 +164,6 @@ class CompletionRequest(Generation):
     prompt: Prompt
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: StrictInt | None = Field(
-        None,
-        ge=1,
-        le=MAX_N,
-        description="sample best_of (≥ n), return the n of highest mean log-probability; "
-        "with use_beam_search, the beam width",
-    )
-    use_beam_search: bool = Field(
-        False, description="beam search of width best_of (default n), returning the n best beams"
-    )
-    length_penalty: float = Field(
-        1.0, description="beam search's score: log-probability / tokens^length_penalty"
-    )
 
 
 class TextPart(_Body):

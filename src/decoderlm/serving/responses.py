@@ -11,6 +11,7 @@ parse them. A stream that fails after it started ends with `data: {"error": {...
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -54,7 +55,7 @@ class RequestStream:
         """Submit to the engine (QueueFullError at once if its queue is full); the events go to
         `loop`. Blocking (an engine in a process answers the submit): call it off the loop."""
         engine = self.state.served.engine
-        self.state.inflight.add(self.request_id)
+        self.state.inflight[self.request_id] = functools.partial(engine.cancel, self.request_id)
         self.batches = stream_batches(engine, self.prompt_ids, self.params, self.request_id, loop)
 
     async def stream(self) -> AsyncIterator[tuple[int, list[TokenEvent]]]:
@@ -76,13 +77,13 @@ class RequestStream:
             for item in choices.items():
                 yield item
         self.finished = True
-        self.state.inflight.discard(self.request_id)
+        self.state.inflight.pop(self.request_id, None)
 
     def close(self) -> None:
         """Cancel the engine's sequences unless they ended by themselves."""
         if not self.finished and self.request_id in self.state.inflight:
             self.state.served.engine.cancel(self.request_id)
-        self.state.inflight.discard(self.request_id)
+        self.state.inflight.pop(self.request_id, None)
 
 
 async def start_all(state: ServerState, streams: list[RequestStream]) -> None:
