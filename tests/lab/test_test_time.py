@@ -1,6 +1,6 @@
 """The test-time compute study at micro scale (a one-layer policy trained 2 steps, 2 problems,
-N ∈ {1, 2}, 2 seeds), end to end: results.json holds every strategy at every N and seed within
-its budget, oracle best-of-N equals pass@N, the report's rows are results.json's numbers, the
+N ∈ {1, 2}, 2 seeds), end to end: the policy is the checkpoint whose greedy accuracy is nearest
+the target; results.json holds every strategy at every N and seed within its budget, oracle best-of-N equals pass@N, the report's rows are results.json's numbers, the
 plots are PNGs, and a second invocation reuses the trained policy and verifier."""
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ def micro_spec() -> test_time.TestTimeSpec:
         corpus_problems=200,
         model={"preset": "llama-tiny", "context_length": 64, "d_model": 16, "n_layers": 1,
                "n_heads": 2, "n_kv_heads": 2},
-        train={"batch_size": 4, "max_steps": 2, "eval_iters": 1, "eval_interval": 2,
-               "sample_tokens": 2, "dtype": "fp32", "threads": 1},
+        train={"batch_size": 4, "max_steps": 2, "eval_iters": 1, "eval_interval": 1,
+               "checkpoint_interval": 1, "sample_tokens": 2, "dtype": "fp32", "threads": 1},
+        select_problems=3,
         verifier_problems=10,  # the 10th is the verifier's validation problem
         verifier_samples=2,
         verifier_steps=2,
@@ -61,6 +62,17 @@ def test_every_strategy_runs_at_every_n_and_seed_within_its_budget(study) -> Non
                 assert r["accuracy"] == r["correct"] / spec.problems
                 if name in BUDGETED:
                     assert r["tokens_per_problem"] <= n * spec.max_tokens
+
+
+def test_the_policy_is_the_checkpoint_nearest_the_target_accuracy(study) -> None:
+    out, results = study
+    policy, target = results["policy"], micro_spec().target_accuracy
+    assert [c["step"] for c in policy["curve"]] == [1, 2]  # every checkpoint kept and judged
+    assert all(c["accuracy"] in (0, 1 / 3, 2 / 3, 1) for c in policy["curve"])
+    nearest = min(abs(c["accuracy"] - target) for c in policy["curve"])
+    assert policy["chosen"] in policy["curve"]
+    assert abs(policy["chosen"]["accuracy"] - target) == nearest
+    assert (test_time.policy_dir(out, policy) / "model.safetensors").is_file()
 
 
 def test_oracle_best_of_n_equals_pass_at_n_and_bounds_every_verifier(study) -> None:

@@ -2,7 +2,10 @@
 tokens for the search strategies of `decoderlm.search`, on a policy the study trains itself.
 
 1. Policy: the README recipe (`decoderlm prepare --task arithmetic --difficulty 5`, llama-tiny,
-   context 128, batch 32, 525 steps) into OUT/policy; `--quick` a smaller one.
+   context 128, batch 32) into OUT/policy, a checkpoint every 25 steps; of those, the one whose
+   greedy accuracy on held-out train-split problems is nearest 50% (`select_checkpoint`): this
+   model learns the scratchpad abruptly (0% to 80% within ~150 steps, where exactly varies with the
+   machine), so a fixed step count lands anywhere on that edge. `--quick`: a smaller one.
 2. Learned verifier: an outcome verifier (`decoderlm.search.verifier`) trained on the policy's
    samples of train problems labelled by the checker (`decoderlm.search.labelling`,
    `decoderlm.training.verifier`) into OUT/verifier.
@@ -11,8 +14,9 @@ tokens for the search strategies of `decoderlm.search`, on a policy the study tr
    self-consistency, best-of-N (mean log-probability, learned verifier, oracle) and pass@N (some
    sample correct: the ceiling of any verifier) are computed for each N, by the strategies' own
    code over the recorded samples (`_Pool`); token-level beam search of width N (N ≤
-   beam_max); step-level beam search (width N / STEP_BEAM_SHARE) and MCTS (rollouts to the end)
-   guided by the learned verifier, at a budget of N × max_tokens generated tokens.
+   beam_max); step-level beam search (width N / STEP_BEAM_SHARE) and MCTS (each new step valued
+   by the verifier, no rollouts) guided by the learned verifier, at a budget of N × max_tokens
+   generated tokens.
 4. Engine: generated tokens/s and the prefix cache's reuse (prompt tokens whose KV blocks a
    sequence found cached, per prompt token submitted) of sampling N solutions of the first
    problems, and over each search.
@@ -36,7 +40,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from decoderlm import data
+from decoderlm import checkpoint, data
 from decoderlm.files import write_json
 from decoderlm.lab.runner import RESULTS_FILE, environment, json_safe
 from decoderlm.lab.stats import summarise
@@ -78,8 +82,15 @@ class TestTimeSpec:
         default_factory=lambda: {"preset": "llama-tiny", "context_length": 128}
     )
     train: dict[str, Any] = dataclasses.field(
-        default_factory=lambda: {"batch_size": 32, "max_steps": 525}
+        default_factory=lambda: {
+            "batch_size": 32,
+            "max_steps": 800,
+            "checkpoint_interval": 25,
+            "eval_interval": 25,
+        }
     )
+    select_problems: int = 40  # held-out train-split problems that choose the checkpoint
+    target_accuracy: float = 0.5  # the greedy accuracy the chosen checkpoint is nearest
     verifier_problems: int = 300
     verifier_samples: int = 8
     verifier_steps: int = 300
@@ -88,9 +99,7 @@ class TestTimeSpec:
     ns: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     beam_max: int = 16
     max_tokens: int = 128
-    temperature: float = (
-        0.5  # of every sampling strategy: at 1.0 the policy's samples are ~1% right
-    )
+    temperature: float = 0.7  # of every sampling strategy (Cobbe et al., 2021, sample at 0.7)
     step_tokens: int = 24
     expand: int = 4
     probe_problems: int = 4
@@ -103,7 +112,8 @@ def quick_spec() -> TestTimeSpec:
         difficulty=2,
         corpus_problems=5_000,
         model={"preset": "llama-tiny", "context_length": 64, "n_layers": 2},
-        train={"batch_size": 16, "max_steps": 250, "eval_interval": 250},
+        train={"batch_size": 16, "max_steps": 300, "eval_interval": 50, "checkpoint_interval": 50},
+        select_problems=16,
         verifier_problems=40,
         verifier_samples=4,
         verifier_steps=60,
@@ -127,9 +137,9 @@ def run_study(
     out.mkdir(parents=True, exist_ok=True)
     task = get_task(spec.task)
     policy = _policy(spec, task, out, progress)
-    verifier_info = _verifier(spec, task, out, progress)
+    verifier_info = _verifier(spec, task, policy_dir(out, policy), out, progress)
     verifier = load_verifier(out / "verifier")
-    engine = load_engine(str(out / "policy"))
+    engine = load_engine(str(policy_dir(out, policy)))
     problems = task.problems(spec.problems, spec.difficulty, seed=0, split="test")
     runs, classifier, searches = [], [], []
     total = spec.seeds * len(problems)
@@ -193,7 +203,8 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
 
 
 def _policy(spec: TestTimeSpec, task: Task, out: Path, progress: bool) -> dict[str, Any]:
-    """OUT/policy: the task's corpus prepared (char-level) and the policy trained on it."""
+    """OUT/policy: the task's corpus prepared (char-level), the policy trained on it with a
+    checkpoint every `checkpoint_interval` steps, and the checkpoint chosen (`select_checkpoint`)."""
 
     def make() -> dict[str, Any]:
         text = out / "task.txt"
@@ -202,21 +213,49 @@ def _policy(spec: TestTimeSpec, task: Task, out: Path, progress: bool) -> dict[s
         data.prepare([text], data_dir, tokenizer="char", progress=False)
         fields = dict(spec.model)
         model = ModelConfig.from_preset(fields.pop("preset"), **fields)
-        config = TrainConfig(**{"checkpoint_interval": 0, "peak_flops": 1e12, **spec.train})
+        config = TrainConfig(**{"peak_flops": 1e12, **spec.train})
+        config = dataclasses.replace(config, keep_last=config.max_steps)  # keep every checkpoint
         result = _finished(
             train(model, config, data_dir, out / "policy", overwrite=True, progress=progress)
         )
-        return {"steps": result["step"], "val_loss": result["val_loss"]}
+        problems = task.problems(spec.select_problems, spec.difficulty, seed=2, split="train")
+        curve = select_checkpoint(task, problems, out / "policy", spec.max_tokens)
+        chosen = min(curve, key=lambda c: (abs(c["accuracy"] - spec.target_accuracy), -c["step"]))
+        return {"steps": result["step"], "val_loss": result["val_loss"], "chosen": chosen,
+                "curve": curve}  # fmt: skip
 
     return _trained_once(out / "policy", make)
 
 
-def _verifier(spec: TestTimeSpec, task: Task, out: Path, progress: bool) -> dict[str, Any]:
+def select_checkpoint(
+    task: Task, problems: list[Problem], run_dir: Path, max_tokens: int
+) -> list[dict[str, Any]]:
+    """Greedy accuracy on `problems` of every checkpoint of run_dir, oldest first: its step, its
+    directory relative to run_dir, its validation loss and accuracy."""
+    curve = []
+    for path in checkpoint.list_checkpoints(run_dir):
+        lm = EngineLM(load_engine(str(path)), seed=0)
+        done = lm.sample([p.prompt for p in problems], 1, max_tokens, SOLUTION_END, 0.0)
+        right = sum(task.check(p, s.text) for p, (s,) in zip(problems, done, strict=True))
+        state = json.loads((path / checkpoint.STATE_FILE).read_text())
+        curve.append({"step": state["step"], "dir": str(path.relative_to(run_dir)),
+                      "val_loss": state.get("val_loss"), "accuracy": right / len(problems)})  # fmt: skip
+    return curve
+
+
+def policy_dir(out: Path, policy: dict[str, Any]) -> Path:
+    """The chosen checkpoint's directory (a run directory of its own)."""
+    return out / "policy" / policy["chosen"]["dir"]
+
+
+def _verifier(
+    spec: TestTimeSpec, task: Task, policy: Path, out: Path, progress: bool
+) -> dict[str, Any]:
     """OUT/verifier: an outcome verifier on the policy's samples of train problems."""
 
     def make() -> dict[str, Any]:
         problems = task.problems(spec.verifier_problems, spec.difficulty, seed=1, split="train")
-        lm = EngineLM(load_engine(str(out / "policy")), seed=0)
+        lm = EngineLM(load_engine(str(policy)), seed=0)
         labelled = label_samples(
             lm,
             task,
@@ -227,7 +266,7 @@ def _verifier(spec: TestTimeSpec, task: Task, out: Path, progress: bool) -> dict
             progress=progress,
         )
         config = verifier_config(spec.verifier_steps, 32, 1e-3, seed=0)
-        result = _finished(train_verifier(out / "policy", labelled, out / "verifier", config,
+        result = _finished(train_verifier(policy, labelled, out / "verifier", config,
                                           overwrite=True, progress=progress))  # fmt: skip
         texts = [e for examples in labelled for e in examples]
         info = {"texts": len(texts), "correct_share": sum(e.target for e in texts) / len(texts),
@@ -328,7 +367,7 @@ def _search(
                 width=max(1, n // STEP_BEAM_SHARE), **steps,
             ),
             "MCTS (learned)": partial(
-                mcts, lm, prompt, budget, verifier, rollout_tokens=cap, **steps
+                mcts, lm, prompt, budget, verifier, **steps
             ),
         }  # fmt: skip
         if n <= spec.beam_max:

@@ -22,6 +22,7 @@ def write_report(results: dict[str, Any], out: str | Path) -> Path:
     out = Path(out)
     spec = results["spec"]
     policy, verifier = results["policy"], results["verifier"]
+    chosen = policy["chosen"]
     plots = [_accuracy_plot(results, out), _engine_plot(results, out)]
     lines = [
         *header(results),
@@ -29,7 +30,10 @@ def write_report(results: dict[str, Any], out: str | Path) -> Path:
         f"{policy['wall_s']:.0f} s, verifier {verifier['wall_s']:.0f} s when trained)",
         f"- policy: {spec['model']} trained {policy['steps']} steps ({spec['train']}) on "
         f"{spec['corpus_problems']:,} worked {spec['task']} problems at difficulty "
-        f"{spec['difficulty']}; val loss {fmt(policy['val_loss'], '{:.4f}')}; run {policy['run_dir']}",
+        f"{spec['difficulty']}; of its checkpoints, step {chosen['step']} (val loss "
+        f"{fmt(chosen['val_loss'], '{:.4f}')}), whose greedy accuracy on "
+        f"{spec['select_problems']} held-out train-split problems, {chosen['accuracy']:.0%}, is "
+        f"nearest {spec['target_accuracy']:.0%} (the curve below); run {policy['run_dir']}",
         f"- learned verifier: outcome, the policy's network with a scalar head, "
         f"{spec['verifier_steps']} steps on {verifier['texts']:,} of its samples "
         f"({verifier['correct_share']:.0%} correct) of {spec['verifier_problems']} train "
@@ -41,10 +45,11 @@ def write_report(results: dict[str, Any], out: str | Path) -> Path:
         "consistency, best-of-N and pass@N take the first N of one pool of samples a problem; "
         f"temperature {spec['temperature']:g}; beam width N (N ≤ {spec['beam_max']}); step-level "
         "beam width N/8, MCTS "
-        f"expanding {spec['expand']} steps of ≤ {spec['step_tokens']} tokens with rollouts, "
-        "both guided by the learned verifier",
+        f"expanding {spec['expand']} steps of ≤ {spec['step_tokens']} tokens, each valued by the "
+        "learned verifier (no rollouts)",
         "",
         *_accuracy_table(results),
+        *_policy_curve(results),
         *_targets(results),
         *_classifier(results),
         *_engine(results),
@@ -70,6 +75,23 @@ def _accuracy_table(results: dict[str, Any]) -> list[str]:
         "problem in parentheses)",
         "",
         *markdown_table(["strategy", *(f"N = {n}" for n in ns)], rows),
+    ]
+
+
+def _policy_curve(results: dict[str, Any]) -> list[str]:
+    policy, spec = results["policy"], results["spec"]
+    rows = [
+        [f"{c['step']:,}", fmt(c["val_loss"], "{:.4f}"), f"{c['accuracy']:.0%}"]
+        for c in policy["curve"]
+    ]
+    return [
+        "## The policy's checkpoints",
+        "",
+        f"Greedy accuracy of each checkpoint on {spec['select_problems']} held-out train-split "
+        "problems (not the test problems), from which the study's policy was chosen.",
+        "",
+        *markdown_table(["step", "val loss", "greedy accuracy"], rows),
+        "",
     ]
 
 
