@@ -15,8 +15,9 @@ tokens for the search strategies of `decoderlm.search`, on a policy the study tr
    sample correct: the ceiling of any verifier) are computed for each N, by the strategies' own
    code over the recorded samples (`_Pool`); token-level beam search of width N (N ≤
    beam_max); step-level beam search (width N / STEP_BEAM_SHARE) and MCTS (each new step valued
-   by the verifier, no rollouts) guided by the learned verifier, at a budget of N × max_tokens
-   generated tokens.
+   by the verifier, no rollouts), each guided once by the learned verifier and once by the exact
+   process verifier (`process_oracle`: the searches' ceiling, as the oracle is best-of-N's), at
+   a budget of N × max_tokens generated tokens.
 4. Engine: generated tokens/s and the prefix cache's reuse (prompt tokens whose KV blocks a
    sequence found cached, per prompt token submitted) of sampling N solutions of the first
    problems, and over each search.
@@ -54,6 +55,7 @@ from decoderlm.search.strategies import (
     best_of_n,
     mcts,
     mean_logprob,
+    process_oracle,
     self_consistency,
     step_beam_search,
 )
@@ -68,7 +70,8 @@ STEP_BEAM_SHARE = 8  # step-level beam width = N / 8 (at least 1): its rounds fi
 DONE_FILE = "lab.json"  # in OUT/policy and OUT/verifier: the finished stage's summary
 POOLED = ("self-consistency", "best-of-N (mean log-prob)", "best-of-N (learned)")
 POOLED += ("best-of-N (oracle)", "pass@N")
-STRATEGIES = ("greedy", *POOLED, "beam", "step-beam (learned)", "MCTS (learned)")
+GUIDED = ("step-beam (learned)", "MCTS (learned)", "step-beam (oracle)", "MCTS (oracle)")
+STRATEGIES = ("greedy", *POOLED, "beam", *GUIDED)
 
 
 @dataclass(frozen=True)
@@ -346,6 +349,7 @@ def _search(
         "best-of-N (learned)": lambda p, s: scores[s.text],
         "best-of-N (oracle)": lambda p, s: float(task.check(problem, s.text)),
     }
+    exact = process_oracle(task, problem)
     for n in spec.ns:
         budget = n * cap
         sampled = partial(_Pool, lm, pool)
@@ -361,15 +365,13 @@ def _search(
         found.append(("pass@N", n, int(any(correct[:n])), sum(s.tokens for s in pool[:n])))
         steps = {"expand": spec.expand, "step_tokens": spec.step_tokens, "extract": extract,
                  "temperature": temperature}  # fmt: skip
-        runs = {
-            "step-beam (learned)": partial(
-                step_beam_search, lm, prompt, budget, verifier,
-                width=max(1, n // STEP_BEAM_SHARE), **steps,
-            ),
-            "MCTS (learned)": partial(
-                mcts, lm, prompt, budget, verifier, **steps
-            ),
-        }  # fmt: skip
+        width = max(1, n // STEP_BEAM_SHARE)
+        runs = {}
+        for kind, guide in (("learned", verifier), ("oracle", exact)):
+            runs[f"step-beam ({kind})"] = partial(
+                step_beam_search, lm, prompt, budget, guide, width=width, **steps
+            )
+            runs[f"MCTS ({kind})"] = partial(mcts, lm, prompt, budget, guide, **steps)
         if n <= spec.beam_max:
             runs["beam"] = partial(
                 beam_search, lm, prompt, budget, width=n, max_tokens=cap, extract=extract
