@@ -205,6 +205,18 @@ def test_on_the_engine_the_budget_counts_what_the_engine_generated(
     assert result.candidates
 
 
+def test_beam_search_ends_a_beam_that_fills_the_context_and_charges_what_was_generated(
+    engine: Engine, one_thread: None
+) -> None:
+    lm, context = EngineLM(engine), engine.model.config.context_length
+    before = engine.stats().generated_tokens
+    result = beam_search(lm, PROMPT, 10_000, width=3, max_tokens=200, stop=("never",))
+    assert result.tokens == engine.stats().generated_tokens - before
+    prompt = len(lm.encode(PROMPT))
+    full = [c for c in result.candidates if c.finish == "length"]
+    assert full and all(prompt + c.tokens == context for c in full)  # 200 would not fit
+
+
 class TwoAtATime:
     """An engine client whose queue holds two requests: a third is refused until one ends."""
 

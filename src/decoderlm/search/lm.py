@@ -86,7 +86,7 @@ class SearchLM(Protocol):
         self, prefixes: Sequence[Sequence[int]], k: int
     ) -> list[list[tuple[int, float]]]:
         """The k likeliest next tokens of each prefix of token ids, (id, log-probability), likeliest
-        first."""
+        first; none for a prefix that fills the model's context."""
         ...
 
 
@@ -144,7 +144,8 @@ class EngineLM:
             stop_at_eot=False,
         )
         done = self._generate([list(p) for p in prefixes], params)
-        return [[(t.token_id, t.logprob) for t in c.top_logprobs[0]] for c in done]
+        return [[(t.token_id, t.logprob) for t in c.top_logprobs[0]] if c.top_logprobs else []
+                for c in done]  # fmt: skip
 
     def _generate(self, prompts: list[Any], params: RequestParams) -> list[Completion]:
         return self.engine.generate(prompts, params)

@@ -254,8 +254,8 @@ def beam_search(
       means and the server's `use_beam_search` uses): prompt and generated tokens, less one if the
       last is end-of-text.
 
-    A beam ends at end-of-text or a `stop` string (by default the solution's end); the result is
-    the best ended or live beam. Each candidate carries its tokens' log-probabilities and, with
+    A beam ends at end-of-text or a `stop` string (by default the solution's end), or with
+    "length" when it fills the model's context; the result is the best ended or live beam. Each candidate carries its tokens' log-probabilities and, with
     `top` > 0, each step's `top` likeliest tokens (the steps then ask for max(width, top) of them
     and extend a beam by the first `width`). `prompt`: text, or its token ids."""
     _check_positive(width=width, max_tokens=max_tokens)
@@ -263,7 +263,7 @@ def beam_search(
         raise DecoderLMError(f"length={length!r} must be 'generated' or 'sequence'")
     spend = Budget(budget)
     prompt_ids = lm.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    beams, ended = [_Beam((), 0.0)], []
+    beams, ended, full = [_Beam((), 0.0)], [], []  # full: at the model's context, no next token
 
     def score(beam: _Beam) -> float:
         counted = len(beam.ids)
@@ -275,7 +275,8 @@ def beam_search(
         if not beams or len(beams) > spend.left:
             break
         tops = lm.next_token_logprobs([prompt_ids + list(b.ids) for b in beams], max(width, top))
-        spend.charge(len(beams))
+        spend.charge(sum(1 for step in tops if step))
+        full += [b for b, step in zip(beams, tops, strict=True) if not step]
         grown = [
             _Beam((*b.ids, t), b.logprob + lp, (*b.logprobs, lp), (*b.tops, tuple(step[:top])))
             for b, step in zip(beams, tops, strict=True)
@@ -286,7 +287,7 @@ def beam_search(
         for beam in grown[:width]:
             (ended if _ends(lm, beam.ids, stop) else beams).append(beam)
     candidates = []
-    for b, finish in [(b, "stop") for b in ended] + [(b, "length") for b in beams]:
+    for b, finish in [(b, "stop") for b in ended] + [(b, "length") for b in full + beams]:
         text = _solution_text(lm, b.ids, stop)
         candidates.append(
             Candidate(text, extract(text), score(b), len(b.ids), finish, b.ids, b.logprobs, b.tops)
