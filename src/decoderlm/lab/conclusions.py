@@ -335,9 +335,10 @@ def ttc_study(results: dict[str, Any]) -> str:
         lines.append(
             f"The learned verifier classifies the pooled test samples at {accuracy:.1%} accuracy "
             f"({share:.1%} of them are correct, so always answering the majority class scores "
-            f"{baseline:.1%}): it {'beats' if accuracy > baseline else 'does not beat'} that "
-            "baseline."
+            f"{baseline:.1%}): it {'beats' if accuracy - baseline >= 0.0005 else 'does not beat'} "
+            "that baseline."
         )
+    lines += _step_searches_spent(results)
     ok = all(
         (a := ttc_accuracy(results, "pass@N", n)) is None
         or (b := ttc_accuracy(results, "best-of-N (oracle)", n)) is None
@@ -348,6 +349,27 @@ def ttc_study(results: dict[str, Any]) -> str:
                  "sample whenever there is one)." if ok else
                  "Oracle best-of-N differs from pass@N somewhere: a bug to look into.")  # fmt: skip
     return " ".join(lines)
+
+
+def _step_searches_spent(results: dict[str, Any]) -> list[str]:
+    """A sentence on what step-level beam search and MCTS spent at the largest N, against the
+    budget: they stop once every step of their tree is expanded, whatever the budget left."""
+    top = max(results["spec"]["ns"])
+    budget = top * results["spec"]["max_tokens"]
+    spent = {
+        name: tokens.mean
+        for name in ("step-beam (learned)", "MCTS (learned)", "step-beam (oracle)", "MCTS (oracle)")
+        if (tokens := ttc_accuracy(results, name, top, "tokens_per_problem")) is not None
+    }
+    if not spent:
+        return []
+    most = max(spent.values())
+    return [
+        f"At N = {top} step-level beam search and MCTS spent at most {most:,.0f} generated tokens "
+        f"a problem of a budget of {budget:,} ({most / budget:.0%}): they stop when no step of "
+        "their tree is left to expand (each node is expanded once, and equal samples merge), so "
+        "their accuracy stops growing with the budget."
+    ]
 
 
 CONCLUSIONS: dict[str, Callable[[dict[str, Any]], str]] = {

@@ -114,8 +114,8 @@ def quick_spec() -> TestTimeSpec:
     return TestTimeSpec(
         difficulty=2,
         corpus_problems=5_000,
-        model={"preset": "llama-tiny", "context_length": 64, "n_layers": 2},
-        train={"batch_size": 16, "max_steps": 300, "eval_interval": 50, "checkpoint_interval": 50},
+        model={"preset": "llama-tiny", "context_length": 64},
+        train={"batch_size": 16, "max_steps": 600, "eval_interval": 50, "checkpoint_interval": 50},
         select_problems=16,
         verifier_problems=40,
         verifier_samples=4,

@@ -45,8 +45,9 @@ def write_report(results: dict[str, Any], out: str | Path) -> Path:
         "consistency, best-of-N and pass@N take the first N of one pool of samples a problem; "
         f"temperature {spec['temperature']:g}; beam width N (N ≤ {spec['beam_max']}); step-level "
         "beam width N/8, MCTS "
-        f"expanding {spec['expand']} steps of ≤ {spec['step_tokens']} tokens, each valued by the "
-        "learned verifier (no rollouts)",
+        f"expanding {spec['expand']} steps of ≤ {spec['step_tokens']} tokens, each new step valued "
+        "(no rollouts) by the learned verifier, and again by the exact process verifier (on the "
+        "worked solution's path or accepted by the checker: the ceiling of step-level guidance)",
         "",
         *_accuracy_table(results),
         *_policy_curve(results),
