@@ -56,6 +56,20 @@ def test_search_refuses_a_budget_below_one_token(
     )
 
 
+def test_mcts_with_widening_spends_within_the_budget_and_refuses_a_negative_exponent(
+    tiny_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["search", "--checkpoint", str(tiny_run), "--task", "arithmetic", "--difficulty", "2"]
+    flags = ["--strategy", "mcts", "--budget", "96", "--problems", "2", "--max-tokens", "24"]
+    assert main([*argv, *flags, "--expand", "2", "--widening", "0.5", "--quiet"]) == 0
+    spent = re.search(r"(\d+) generated tokens", capsys.readouterr().out)
+    assert spent is not None and 0 < int(spent.group(1)) <= 2 * 96
+    assert main([*argv, *flags, "--widening", "-1", "--quiet"]) == 2
+    assert capsys.readouterr().err == (
+        "decoderlm: error: widening=-1.0 must be ≥ 0 (0: each node expanded once)\n"
+    )
+
+
 @pytest.fixture(scope="module")
 def tiny_verifier(tiny_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("verifier")

@@ -135,6 +135,20 @@ def test_mcts_with_a_perfect_value_finds_the_solution_within_its_budget(
     assert all(c.score == (c.answer == "zzz") for c in result.candidates)
 
 
+def test_mcts_with_progressive_widening_gets_past_a_step_its_first_expansion_missed() -> None:
+    """Two samples a step find z (p 0.2) with probability 0.36: expanded once, a node whose two
+    samples missed z is a dead end; widened, it is sampled again (and the repeats' visits move
+    UCT elsewhere) until z turns up."""
+    once, widened = [], []
+    for seed in range(10):
+        for found, widening in ((once, 0.0), (widened, 0.5)):
+            lm = ScriptedLM(tree(STEPS), PROMPT, seed=seed)
+            result = mcts(lm, PROMPT, 2048, on_path, expand=2, step_tokens=16, widening=widening)
+            assert result.tokens <= 2048
+            found.append(result.answer == "zzz")
+    assert sum(once) <= 2 and sum(widened) >= 8  # measured: 0 and 9 of 10 seeds
+
+
 class Counting(ScriptedLM):
     """Counts every token the model generates: each sampled token, one per prefix scored."""
 
@@ -160,6 +174,9 @@ STRATEGIES = {
     "mcts": lambda lm, budget: mcts(
         lm, PROMPT, budget, on_path, expand=3, step_tokens=16, rollout_tokens=16
     ),
+    "mcts, widening": lambda lm, budget: mcts(
+        lm, PROMPT, budget, on_path, expand=3, step_tokens=16, rollout_tokens=16, widening=0.5
+    ),
 }
 
 
@@ -168,7 +185,7 @@ STRATEGIES = {
 def test_token_budgets_are_respected_and_counted_exactly(strategy: str, budget: int) -> None:
     lm = Counting(tree(STEPS), PROMPT, seed=budget)
     result = STRATEGIES[strategy](lm, budget)
-    assert result.strategy == strategy
+    assert result.strategy == strategy.split(",")[0]
     assert result.tokens == lm.generated <= budget
     if budget >= 200:
         assert result.candidates

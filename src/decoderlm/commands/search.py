@@ -29,6 +29,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--expand", type=int, default=4, help="steps sampled per expansion (step-beam, mcts)"
     )
     parser.add_argument(
+        "--widening",
+        type=float,
+        default=0.0,
+        metavar="ALPHA",
+        help="mcts: expand a node again while it has had fewer than visits^ALPHA expansions "
+        "(progressive widening, e.g. 0.5); 0 expands each node once (default)",
+    )
+    parser.add_argument(
         "--max-tokens",
         type=int,
         default=128,
@@ -65,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     problems = task.problems(args.problems, args.difficulty, args.seed, split="test")
     verifier = load_verifier(args.verifier, args.device) if args.verifier else None
     options = SearchOptions(
-        args.n, args.expand, args.max_tokens, args.temperature, args.oracle, verifier
+        args.n, args.expand, args.max_tokens, args.temperature, args.oracle, verifier, args.widening
     )
     engine = load_engine(args.checkpoint, args.cpu_kernels, args.device)
     lm = EngineLM(engine, seed=args.seed)

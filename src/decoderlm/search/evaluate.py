@@ -34,7 +34,8 @@ class SearchOptions:
     mcts), at most `max_tokens` a solution (or a step, for the step-level strategies), and
     best-of-n ranked by the exact checker (`oracle`), a `verifier` or mean log-probability. The
     step-level strategies are guided by `verifier`, else the task's process oracle
-    (`process_oracle`)."""
+    (`process_oracle`); MCTS widens its nodes progressively with exponent `widening` (0: expands
+    each node once)."""
 
     n: int | None = None
     expand: int = 4
@@ -42,6 +43,7 @@ class SearchOptions:
     temperature: float = 1.0
     oracle: bool = False
     verifier: Verifier | None = None
+    widening: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ def search(
             guide,
             expand=o.expand,
             step_tokens=o.max_tokens,
+            widening=o.widening,
             temperature=o.temperature,
             extract=extract,
         )

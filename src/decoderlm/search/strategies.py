@@ -376,12 +376,19 @@ class _Node:
     visits: int = 0
     value: float = 0.0  # the sum of the values backed up through it
     children: list[_Node] = field(default_factory=list)
-    expanded: bool = False
+    expansions: int = 0  # times `expand` next steps were sampled from it
 
-    @property
-    def open(self) -> bool:
-        """Whether some step below it is still to be expanded."""
-        return not self.complete and (not self.expanded or any(c.open for c in self.children))
+    def can_expand(self, widening: float) -> bool:
+        """Whether it may sample more next steps now: progressive widening (Couëtoux et al., 2011,
+        "Continuous Upper Confidence Trees") allows ⌈visits^widening⌉ expansions; 0: one."""
+        return not self.complete and self.expansions < math.ceil(max(self.visits, 1) ** widening)
+
+    def open(self, widening: float) -> bool:
+        """Whether some step below it may still be expanded (with widening, below any node that
+        is not complete)."""
+        if self.complete:
+            return False
+        return widening > 0 or not self.expansions or any(c.open(0) for c in self.children)
 
     def uct(self, c: float) -> float:
         parent = self.parent.visits if self.parent is not None else self.visits
@@ -405,34 +412,52 @@ def mcts(
     step_tokens: int = 64,
     rollout_tokens: int = 0,
     exploration: float = 1.0,
+    widening: float = 0.0,
     temperature: float = 1.0,
     extract: Extract = answer_line,
 ) -> SearchResult:
-    """MCTS over steps: select a leaf by UCT (`exploration` c), expand it by sampling `expand`
+    """MCTS over steps: select a node by UCT (`exploration` c), expand it by sampling `expand`
     next lines, evaluate each new child by the verifier, on the partial solution or, with
     `rollout_tokens` > 0, on a rollout sampled to the end of the solution, and back the value up.
-    Runs while an expansion (and its rollouts) fits the budget and something is left to expand;
-    the result is the best-valued complete solution (rollouts included)."""
+    With `widening` α > 0 a node is expanded again (new lines join its children, and a line
+    equal to an existing child adds a visit to it with its value) while it has had fewer than
+    ⌈visits^α⌉ expansions, or when all its children are complete (progressive widening); with 0
+    each node is expanded once, repeats merge, and the search ends when nothing is left to
+    expand. Runs while an expansion (and its rollouts) fits the budget; the result is
+    the best-valued complete solution (rollouts included)."""
     _check_positive(expand=expand, step_tokens=step_tokens)
+    if not widening >= 0:
+        raise DecoderLMError(f"widening={widening!r} must be ≥ 0 (0: each node expanded once)")
     spend = Budget(budget)
     root = _Node("", None, complete=False)
     found: list[Candidate] = []
     tokens: dict[str, int] = {"": 0}
-    while root.open and expand * (step_tokens + rollout_tokens) <= spend.left:
+    values: dict[str, float] = {}  # each child's value, by its text
+    while root.open(widening) and expand * (step_tokens + rollout_tokens) <= spend.left:
         node = root
-        while node.expanded:
-            node = max((c for c in node.children if c.open), key=lambda c: c.uct(exploration))
+        while not node.can_expand(widening):
+            live = [c for c in node.children if c.open(widening)]
+            if not live:  # every child complete: widen this node (only reached with widening)
+                break
+            node = max(live, key=lambda c: c.uct(exploration))
         group = spend.sample(lm, [prompt + node.text], expand, step_tokens, STEP_END, temperature)
         assert group is not None  # the loop's condition left room for it
-        node.expanded = True
-        children: dict[str, _Node] = {}
+        node.expansions += 1
+        known = {c.text: c for c in node.children}
+        new: list[_Node] = []
+        sampled: list[_Node] = []  # the child each sample reached, repeats included
         for sample in group[0]:
             text, complete = _step(node.text, sample)
-            tokens[text] = tokens[node.text] + sample.tokens
-            children.setdefault(text, _Node(text, node, complete))
-        node.children = list(children.values())
-        solutions = {c.text: c.text for c in node.children}
-        unfinished = [c.text for c in node.children if not c.complete] if rollout_tokens else []
+            if text not in known:
+                tokens[text] = tokens[node.text] + sample.tokens
+                known[text] = _Node(text, node, complete)
+                new.append(known[text])
+            sampled.append(known[text])
+        node.children = list(known.values())
+        if not any(s.tokens for s in group[0]):  # at the model's context: nothing follows it
+            node.complete = True
+        solutions = {c.text: c.text for c in new}
+        unfinished = [c.text for c in new if not c.complete] if rollout_tokens else []
         if unfinished:  # one batched call: a rollout of each unfinished child
             rollouts = spend.sample(
                 lm, [prompt + t for t in unfinished], 1, rollout_tokens, SOLUTION_END, temperature
@@ -441,10 +466,13 @@ def mcts(
             for text, (rollout,) in zip(unfinished, rollouts, strict=True):
                 solutions[text] = _cut(text + rollout.text)
                 tokens[solutions[text]] = tokens[text] + rollout.tokens
-        for child in node.children:
+        for child in new:
             solution = solutions[child.text]
-            value = verifier(prompt, solution)
+            values[child.text] = verifier(prompt, solution)
             if child.complete or rollout_tokens:
-                found.append(Candidate(solution, extract(solution), value, tokens[solution]))
-            child.backup(value)
+                found.append(
+                    Candidate(solution, extract(solution), values[child.text], tokens[solution])
+                )
+        for child in sampled if widening else new:  # widening: a repeat is a visit like any other
+            child.backup(values[child.text])
     return _best("mcts", tuple(found), spend)
