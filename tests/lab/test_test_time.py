@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from decoderlm.cli import main
+from decoderlm.errors import DecoderLMError
 from decoderlm.lab import test_time, test_time_report
 from decoderlm.lab.conclusions import ttc_accuracy
 
@@ -73,6 +74,11 @@ def test_the_policy_is_the_checkpoint_nearest_the_target_accuracy(study) -> None
     assert policy["chosen"] in policy["curve"]
     assert abs(policy["chosen"]["accuracy"] - target) == nearest
     assert (test_time.policy_dir(out, policy) / "model.safetensors").is_file()
+
+
+def test_a_policy_recorded_without_a_chosen_checkpoint_is_a_one_line_error(tmp_path: Path) -> None:
+    with pytest.raises(DecoderLMError, match=r"earlier version of the study.*--overwrite"):
+        test_time.policy_dir(tmp_path, {"steps": 525, "val_loss": 0.37})
 
 
 def test_oracle_best_of_n_equals_pass_at_n_and_bounds_every_verifier(study) -> None:

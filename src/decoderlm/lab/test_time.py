@@ -4,8 +4,8 @@ tokens for the search strategies of `decoderlm.search`, on a policy the study tr
 1. Policy: the README recipe (`decoderlm prepare --task arithmetic --difficulty 5`, llama-tiny,
    context 128, batch 32) into OUT/policy, a checkpoint every 25 steps; of those, the one whose
    greedy accuracy on held-out train-split problems is nearest 50% (`select_checkpoint`): this
-   model learns the scratchpad abruptly (0% to 80% within ~150 steps, where exactly varies with the
-   machine), so a fixed step count lands anywhere on that edge. `--quick`: a smaller one.
+   model learns the scratchpad abruptly, at a step that moves with the machine and the schedule,
+   so a fixed step count lands anywhere on that edge. `--quick`: a smaller one.
 2. Learned verifier: an outcome verifier (`decoderlm.search.verifier`) trained on the policy's
    samples of train problems labelled by the checker (`decoderlm.search.labelling`,
    `decoderlm.training.verifier`) into OUT/verifier.
@@ -42,6 +42,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from decoderlm import checkpoint, data
+from decoderlm.errors import DecoderLMError
 from decoderlm.files import write_json
 from decoderlm.lab.runner import RESULTS_FILE, environment, json_safe
 from decoderlm.lab.stats import summarise
@@ -248,6 +249,11 @@ def select_checkpoint(
 
 def policy_dir(out: Path, policy: dict[str, Any]) -> Path:
     """The chosen checkpoint's directory (a run directory of its own)."""
+    if "chosen" not in policy:
+        raise DecoderLMError(
+            f"{out / 'policy'} was trained by an earlier version of the study, which chose no "
+            "checkpoint: run again with --overwrite"
+        )
     return out / "policy" / policy["chosen"]["dir"]
 
 
