@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from decoderlm.lab.conclusions import ttc_accuracy, ttc_targets
@@ -165,7 +166,7 @@ def _accuracy_plot(results: dict[str, Any], out: Path) -> Path:
         if points:
             x, y, err = zip(*points, strict=True)
             style = "--" if name == "pass@N" else "-"
-            ax.errorbar(x, y, yerr=err, fmt=f"o{style}", color=f"C{i % 10}", label=name,
+            ax.errorbar(x, y, yerr=err, fmt=f"o{style}", color=colormaps["tab20"](i), label=name,
                         capsize=2, ms=3)  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set(xlabel="generated tokens a problem (log₂)", ylabel="accuracy", ylim=(-0.02, 1.02))
