@@ -388,7 +388,7 @@ class _Node:
         is not complete)."""
         if self.complete:
             return False
-        return widening > 0 or not self.expansions or any(c.open(0) for c in self.children)
+        return widening > 0 or not self.expansions or any(c.open(widening) for c in self.children)
 
     def uct(self, c: float) -> float:
         parent = self.parent.visits if self.parent is not None else self.visits
