@@ -37,11 +37,11 @@ import torch
 
 from decoderlm import DecoderLM, ModelConfig, generate
 from decoderlm.cpu.features import cpu_name, has_native_bf16
+from decoderlm.engine import engine as engine_module
+from decoderlm.engine import output as output_module
+from decoderlm.engine.engine import Engine
+from decoderlm.engine.types import RequestParams
 from decoderlm.inference.sampling import SamplingParams
-from decoderlm.serving import engine as engine_module
-from decoderlm.serving import output as output_module
-from decoderlm.serving.engine import Engine
-from decoderlm.serving.types import RequestParams
 from decoderlm.tokenizer import Tokenizer
 
 PHASES = ("schedule", "inputs", "model", "sample", "output", "other")

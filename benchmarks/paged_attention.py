@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from decoderlm import DecoderLM, ModelConfig
 from decoderlm.cpu.features import cpu_name
 from decoderlm.cpu.paged_attention import available, paged_decode_attention
+from decoderlm.engine.engine import Engine
+from decoderlm.engine.types import RequestParams
 from decoderlm.inference.sampling import SamplingParams
-from decoderlm.serving.engine import Engine
-from decoderlm.serving.types import RequestParams
 from decoderlm.tokenizer import Tokenizer
 
 ROWS, HEADS, HEAD_DIM, BLOCK = 16, 8, 64, 16

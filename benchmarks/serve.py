@@ -59,18 +59,18 @@ import torch
 from vllm_peer import add_peer_arguments, run_peer
 
 from decoderlm import DecoderLM, ModelConfig
+from decoderlm.chat_template import ChatTemplate
 from decoderlm.checkpoint import save_model
 from decoderlm.cpu.features import cpu_name
+from decoderlm.engine.engine import Engine
+from decoderlm.engine.engine_process import EngineProcess, EngineSpec
+from decoderlm.engine.kv_pool import blocks_for
+from decoderlm.engine.runner import ModelRunner
+from decoderlm.engine.types import RequestParams
 from decoderlm.hf import to_hf
 from decoderlm.inference.sampling import SamplingParams
-from decoderlm.serving.app import create_app
-from decoderlm.serving.chat import ChatTemplate
-from decoderlm.serving.engine import Engine
-from decoderlm.serving.engine_process import EngineProcess, EngineSpec
-from decoderlm.serving.http import Served
-from decoderlm.serving.kv_pool import blocks_for
-from decoderlm.serving.runner import ModelRunner
-from decoderlm.serving.types import RequestParams
+from decoderlm.server.app import create_app
+from decoderlm.server.http import Served
 from decoderlm.tokenizer import Tokenizer
 
 

@@ -44,11 +44,11 @@ from typing import Any
 import torch
 
 from decoderlm import DecoderLM, ModelConfig
+from decoderlm.engine.engine import Engine
+from decoderlm.engine.types import RequestParams
 from decoderlm.inference.generate import generate
 from decoderlm.inference.sampling import SamplingParams
 from decoderlm.inference.speculative import SpeculativeStats
-from decoderlm.serving.engine import Engine
-from decoderlm.serving.types import RequestParams
 from decoderlm.tokenizer import Tokenizer
 
 VOCAB = 512

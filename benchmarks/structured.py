@@ -26,11 +26,11 @@ import torch
 
 from decoderlm import DecoderLM, ModelConfig
 from decoderlm.cpu.features import cpu_name
+from decoderlm.engine import sampler
+from decoderlm.engine.engine import Engine
+from decoderlm.engine.types import RequestParams
 from decoderlm.inference import structured
 from decoderlm.inference.sampling import SamplingParams
-from decoderlm.serving import sampler
-from decoderlm.serving.engine import Engine
-from decoderlm.serving.types import RequestParams
 from decoderlm.tokenizer import Tokenizer
 
 SCHEMA = {  # ≥ 20 strings of ≥ 5 characters: open for well over --steps tokens

@@ -21,11 +21,11 @@ def test_import_decoderlm_loads_neither_serving_nor_cpu_paths_nor_the_compiler()
 
 
 def test_lazy_names_are_the_defining_modules_objects():
+    from decoderlm.engine.engine import Engine
+    from decoderlm.engine.types import RequestParams
     from decoderlm.inference.generate import generate
     from decoderlm.inference.sampling import SamplingParams
     from decoderlm.loading import load
-    from decoderlm.serving.engine import Engine
-    from decoderlm.serving.types import RequestParams
 
     assert decoderlm.generate is generate
     assert decoderlm.SamplingParams is SamplingParams

@@ -17,6 +17,8 @@ import torch
 from scripted_lm import EOT, ScriptedLM
 
 from decoderlm import DecoderLM, ModelConfig
+from decoderlm.engine.engine import Engine
+from decoderlm.engine.types import QueueFullError, TokenEvent
 from decoderlm.errors import DecoderLMError
 from decoderlm.search.lm import ClientLM, EngineLM
 from decoderlm.search.strategies import (
@@ -28,8 +30,6 @@ from decoderlm.search.strategies import (
     self_consistency,
     step_beam_search,
 )
-from decoderlm.serving.engine import Engine
-from decoderlm.serving.types import QueueFullError, TokenEvent
 from decoderlm.tokenizer import Tokenizer
 
 PROMPT = "Q\n"

@@ -16,11 +16,11 @@ from decoderlm.model.attention import scaled_dot_product_attention
 from decoderlm.model.flash import flash_attention
 
 if TYPE_CHECKING:
+    from decoderlm.engine.engine import Engine
+    from decoderlm.engine.types import RequestParams
     from decoderlm.inference.generate import generate
     from decoderlm.inference.sampling import SamplingParams
     from decoderlm.loading import load
-    from decoderlm.serving.engine import Engine
-    from decoderlm.serving.types import RequestParams
 
 __version__ = "0.1.0"
 
@@ -29,8 +29,8 @@ _LAZY = {
     "generate": "decoderlm.inference.generate",
     "SamplingParams": "decoderlm.inference.sampling",
     "load": "decoderlm.loading",
-    "Engine": "decoderlm.serving.engine",
-    "RequestParams": "decoderlm.serving.types",
+    "Engine": "decoderlm.engine.engine",
+    "RequestParams": "decoderlm.engine.types",
 }
 
 

@@ -24,8 +24,8 @@ from decoderlm.cpu.paged_attention import (
     static_available,
     static_decode_attention,
 )
+from decoderlm.engine.engine import Engine
 from decoderlm.inference.generate import generate
-from decoderlm.serving.engine import Engine
 from decoderlm.tokenizer import Tokenizer
 
 HAS_COMPILER = shutil.which(os.environ.get("CC", "cc")) is not None

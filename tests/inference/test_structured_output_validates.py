@@ -17,13 +17,13 @@ jsonschema = pytest.importorskip("jsonschema")
 import torch  # noqa: E402
 
 from decoderlm import DecoderLM, DecoderLMError, ModelConfig, generate, load  # noqa: E402
+from decoderlm.engine.engine import Engine  # noqa: E402
+from decoderlm.engine.types import RequestParams  # noqa: E402
 from decoderlm.inference.sampling import SamplingParams  # noqa: E402
 from decoderlm.inference.structured import (  # noqa: E402
     StructuredOutput,
     compile_structured,
 )
-from decoderlm.serving.engine import Engine  # noqa: E402
-from decoderlm.serving.types import RequestParams  # noqa: E402
 from decoderlm.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -74,8 +74,8 @@ def test_windowed_decoding_refuses_compile_with_one_line():
 
 
 def test_engine_serves_a_windowed_model_past_its_window_exactly():
-    from decoderlm.serving.engine import Engine
-    from decoderlm.serving.types import RequestParams
+    from decoderlm.engine.engine import Engine
+    from decoderlm.engine.types import RequestParams
     from decoderlm.tokenizer import Tokenizer
 
     model = windowed_model(sliding_window=12, context_length=40)  # the engine stops at the context

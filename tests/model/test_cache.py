@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from decoderlm import DecoderLM, DecoderLMError, ModelConfig
+from decoderlm.engine.kv_pool import PagedKVCache
 from decoderlm.model.cache import (
     BaseLayerCache,
     CacheStep,
@@ -13,7 +14,6 @@ from decoderlm.model.cache import (
     RingKVCache,
     StaticKVCache,
 )
-from decoderlm.serving.kv_pool import PagedKVCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

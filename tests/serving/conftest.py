@@ -106,9 +106,9 @@ def until(condition, timeout: float = 10.0) -> None:
 
 def make_served(run_dir: Path, loaded, **engine_kwargs):
     """A `Served` over a fresh engine on the session's model."""
-    from decoderlm.serving.chat import load_chat_template
-    from decoderlm.serving.engine import Engine
-    from decoderlm.serving.http import Served
+    from decoderlm.chat_template import load_chat_template
+    from decoderlm.engine.engine import Engine
+    from decoderlm.server.http import Served
 
     model, tokenizer = loaded
     return Served(
@@ -144,7 +144,7 @@ def server(request, run_dir, loaded) -> Iterator[tuple[str, object]]:
     """(base URL, Served) of a running server with room for many sequences at once; its engine
     runs in a thread of the test's process, or with `parametrize("server", ["process"],
     indirect=True)` in a process of its own."""
-    from decoderlm.serving.app import create_app
+    from decoderlm.server.app import create_app
 
     sizes = {"kv_cache_memory": "4MiB", "max_queue": 64}
     threads = torch.get_num_threads()

@@ -31,14 +31,14 @@ from conftest import (
     wait_healthy_process,
 )
 from decoderlm import DecoderLM, ModelConfig
+from decoderlm.chat_template import ChatTemplate
 from decoderlm.checkpoint import save_model
+from decoderlm.engine.engine import Engine
+from decoderlm.engine.sampler import SamplingState, sample
+from decoderlm.engine.types import RequestParams
 from decoderlm.inference.sampling import SamplingParams
-from decoderlm.serving.app import create_app
-from decoderlm.serving.chat import ChatTemplate
-from decoderlm.serving.engine import Engine
-from decoderlm.serving.limits import Limits
-from decoderlm.serving.sampler import SamplingState, sample
-from decoderlm.serving.types import RequestParams
+from decoderlm.server.app import create_app
+from decoderlm.server.limits import Limits
 from decoderlm.tokenizer import Tokenizer
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -21,11 +21,11 @@ from test_engine import (
 
 from decoderlm import DecoderLMError, generate
 from decoderlm.cpu import paged_attention, paged_step
+from decoderlm.engine.engine import Engine
+from decoderlm.engine.runner import ModelRunner
+from decoderlm.engine.scheduler import Sequence
+from decoderlm.engine.types import RequestParams
 from decoderlm.inference.generate import next_logits
-from decoderlm.serving.engine import Engine
-from decoderlm.serving.runner import ModelRunner
-from decoderlm.serving.scheduler import Sequence
-from decoderlm.serving.types import RequestParams
 from decoderlm.tokenizer import Tokenizer
 
 pytestmark = [

@@ -11,17 +11,17 @@ import pytest
 import torch
 
 from decoderlm import DecoderLM, DecoderLMError, ModelConfig, generate
-from decoderlm.inference.sampling import SamplingParams
-from decoderlm.model.cache import kv_cache_bytes_per_token
-from decoderlm.serving.engine import Engine
-from decoderlm.serving.kv_pool import BlockPool, parse_bytes, prefix_keys
-from decoderlm.serving.streams import stream_batches
-from decoderlm.serving.types import (
+from decoderlm.engine.engine import Engine
+from decoderlm.engine.kv_pool import BlockPool, parse_bytes, prefix_keys
+from decoderlm.engine.streams import stream_batches
+from decoderlm.engine.types import (
     EngineStoppedError,
     QueueFullError,
     RequestParams,
     TokenEvent,
 )
+from decoderlm.inference.sampling import SamplingParams
+from decoderlm.model.cache import kv_cache_bytes_per_token
 from decoderlm.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

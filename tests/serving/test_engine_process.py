@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from conftest import process_served, wait_healthy
+from decoderlm.engine.engine import Engine
+from decoderlm.engine.engine_process import EngineProcess, EngineSpec, build_engine
+from decoderlm.engine.types import EngineClient, EngineStoppedError, RequestParams
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.sampling import SamplingParams
-from decoderlm.serving.app import create_app
-from decoderlm.serving.engine import Engine
-from decoderlm.serving.engine_process import EngineProcess, EngineSpec, build_engine
-from decoderlm.serving.playground import _model_facts
-from decoderlm.serving.types import EngineClient, EngineStoppedError, RequestParams
+from decoderlm.server.app import create_app
+from decoderlm.server.playground import _model_facts
 
 GREEDY = SamplingParams(temperature=0)
 

@@ -1,4 +1,4 @@
-"""The serving engine over recurrent layers (`decoderlm.serving.state_pool`): hybrid and pure Gated
+"""The serving engine over recurrent layers (`decoderlm.engine.state_pool`): hybrid and pure Gated
 DeltaNet models give each request the greedy tokens of `decoderlm.generate` on its prompt alone,
 alone or in a crowd, prefilled in chunks or not, preempted or not; the state carried across prefill
 chunks equals the state of the whole prompt; the budget admits the sequences its rule says; what
@@ -15,6 +15,10 @@ import torch
 from conftest import make_served
 from decoderlm import DecoderLM, DecoderLMError, ModelConfig, generate
 from decoderlm.checkpoint import save_model
+from decoderlm.engine.engine import Engine
+from decoderlm.engine.kv_pool import blocks_for
+from decoderlm.engine.scheduler import Sequence
+from decoderlm.engine.types import RequestParams, TokenEvent
 from decoderlm.inference.sampling import SamplingParams
 from decoderlm.model.cache import (
     CacheStep,
@@ -22,11 +26,7 @@ from decoderlm.model.cache import (
     make_cache,
     recurrent_state_bytes,
 )
-from decoderlm.serving.app import create_app
-from decoderlm.serving.engine import Engine
-from decoderlm.serving.kv_pool import blocks_for
-from decoderlm.serving.scheduler import Sequence
-from decoderlm.serving.types import RequestParams, TokenEvent
+from decoderlm.server.app import create_app
 from decoderlm.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -22,9 +22,9 @@ import torch
 
 from conftest import make_served, wait_healthy
 from decoderlm import DecoderLM
-from decoderlm.serving.app import create_app
-from decoderlm.serving.playground import MAX_ATTENTION_TOKENS, STATIC
-from decoderlm.serving.security import Policy
+from decoderlm.server.app import create_app
+from decoderlm.server.playground import MAX_ATTENTION_TOKENS, STATIC
+from decoderlm.server.security import Policy
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 ARTIFACTS = Path(

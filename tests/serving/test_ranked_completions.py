@@ -1,4 +1,4 @@
-"""`best_of` and `use_beam_search` on /v1/completions and /v1/chat/completions (serving/ranked.py):
+"""`best_of` and `use_beam_search` on /v1/completions and /v1/chat/completions (server/ranked.py):
 best_of keeps the candidates of the highest mean log-probability and bills them all; beam search
 through the server equals `decoderlm.search`'s beam search and exhaustive search on a three-token
 vocabulary, for each length_penalty as vLLM defines it, and its logprobs are the float64 model's;
@@ -20,14 +20,14 @@ import torch
 from conftest import CONTEXT, live_server, make_served, paced, until, wait_healthy
 from decoderlm import DecoderLM, ModelConfig
 from decoderlm.checkpoint import save_model
+from decoderlm.engine.engine import Engine
 from decoderlm.search.lm import EngineLM
 from decoderlm.search.strategies import beam_search
-from decoderlm.serving.app import create_app, drain
-from decoderlm.serving.engine import Engine
+from decoderlm.server.app import create_app, drain
 from decoderlm.tokenizer import Tokenizer
 
 BOTH = pytest.mark.parametrize("server", ["thread", "process"], indirect=True)  # engine placement
-# The engine's log-probabilities come from float32 logits (serving/runner.py), a float64 model's
+# The engine's log-probabilities come from float32 logits (engine/runner.py), a float64 model's
 # too: against the float64 reference they agree to float32's rounding (~6e-8 relative).
 LOGPROB_TOL = 1e-6
 SCORE_TOL = 1e-4  # a ranking gap well above that rounding

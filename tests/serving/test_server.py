@@ -17,7 +17,7 @@ from test_engine import near_tie_gap
 
 import decoderlm
 from conftest import CONTEXT, TEXT, make_served, paced, until, wait_healthy
-from decoderlm.serving.app import create_app, drain
+from decoderlm.server.app import create_app, drain
 
 BOTH = pytest.mark.parametrize("server", ["thread", "process"], indirect=True)  # engine placement
 

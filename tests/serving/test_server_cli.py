@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from conftest import LONG_STREAM, free_port, wait_healthy_process
+from decoderlm.chat_template import ChatTemplate, load_chat_template
 from decoderlm.cli import main
 from decoderlm.errors import DecoderLMError
-from decoderlm.serving.chat import ChatTemplate, load_chat_template
 
 LLAMA2_STYLE = (
     "{{ bos_token }}{% for m in messages %}"

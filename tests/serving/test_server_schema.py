@@ -17,8 +17,8 @@ from schemathesis.checks import (
 )
 
 from conftest import live_server, make_served, wait_healthy
-from decoderlm.serving.app import create_app
-from decoderlm.serving.security import Policy
+from decoderlm.server.app import create_app
+from decoderlm.server.security import Policy
 
 CHECKS = [
     not_a_server_error,

@@ -12,8 +12,8 @@ import pytest
 from conftest import live_server, make_served, wait_healthy
 from decoderlm.commands.serve import policy
 from decoderlm.errors import DecoderLMError
-from decoderlm.serving.app import create_app
-from decoderlm.serving.security import LOOPBACK_HOSTS, Policy, allowed_hosts
+from decoderlm.server.app import create_app
+from decoderlm.server.security import LOOPBACK_HOSTS, Policy, allowed_hosts
 
 KEY = "sk-test-0123"
 PROTECTED = [

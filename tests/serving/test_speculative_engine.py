@@ -9,10 +9,10 @@ import torch
 
 from decoderlm import DecoderLM, DecoderLMError, ModelConfig, generate
 from decoderlm.cli import main
+from decoderlm.engine.engine import Engine
+from decoderlm.engine.types import RequestParams, TokenEvent
 from decoderlm.inference.sampling import SamplingParams
-from decoderlm.serving.engine import Engine
-from decoderlm.serving.metrics import Metrics
-from decoderlm.serving.types import RequestParams, TokenEvent
+from decoderlm.server.metrics import Metrics
 from decoderlm.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -225,7 +225,7 @@ def test_the_drafts_kv_is_exact_after_rejections_and_preemptions(tok, model, mon
     accepted drafts, rolled back over rejected ones, started over after a preemption) equal a
     forward pass of the draft over the whole sequence: float64 models, whose logits the runner
     hands on in float32, so to float32's rounding (1e-6; stale K/V differs by ~0.1)."""
-    from decoderlm.serving.draft import DraftProposer
+    from decoderlm.engine.draft import DraftProposer
 
     draft = tiny_model(tok)  # the target with noise on its head: accepted in part
     with torch.no_grad():
@@ -334,10 +334,10 @@ def test_a_draft_with_another_vocabulary_is_a_one_line_error(tok, model):
 def test_batched_verification_equals_each_sequences_own_pass(tok, dtype, window, atol):
     """`ragged.forward_rows` over rows of different starts and lengths gives each row the logits
     of its own pass, packed or padded; padding writes go nowhere a row reads."""
-    from decoderlm.serving.kv_pool import BlockPool
-    from decoderlm.serving.ragged import Row, forward_rows
-    from decoderlm.serving.runner import ModelRunner
-    from decoderlm.serving.scheduler import Sequence
+    from decoderlm.engine.kv_pool import BlockPool
+    from decoderlm.engine.ragged import Row, forward_rows
+    from decoderlm.engine.runner import ModelRunner
+    from decoderlm.engine.scheduler import Sequence
 
     layers = None if window is None else (0,)
     model = tiny_model(tok, sliding_window=window, sliding_window_layers=layers).to(dtype)
@@ -410,7 +410,7 @@ def test_float32_greedy_requests_with_speculation_give_the_plain_engines_tokens(
 def test_a_served_checkpoint_with_a_draft_directory_gives_its_plain_tokens(run_dir):
     """What `serve --draft RUN` builds (`engine_process.build_engine`): the draft loaded from its
     directory (here the target's own run), greedy tokens the plain engine's."""
-    from decoderlm.serving.engine_process import EngineSpec, build_engine
+    from decoderlm.engine.engine_process import EngineSpec, build_engine
 
     params = RequestParams(max_tokens=12, sampling=GREEDY, stop_at_eot=False)
     plain = build_engine(EngineSpec(str(run_dir), "float32"))

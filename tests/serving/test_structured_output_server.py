@@ -18,12 +18,12 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from conftest import live_server, make_served, process_served, wait_healthy  # noqa: E402
 from decoderlm import generate, load  # noqa: E402
+from decoderlm.engine.engine import Engine  # noqa: E402
+from decoderlm.engine.types import RequestParams  # noqa: E402
 from decoderlm.inference.sampling import SamplingParams  # noqa: E402
 from decoderlm.inference.structured import StructuredOutput  # noqa: E402
 from decoderlm.model.cache import kv_cache_bytes_per_token  # noqa: E402
-from decoderlm.serving.app import create_app  # noqa: E402
-from decoderlm.serving.engine import Engine  # noqa: E402
-from decoderlm.serving.types import RequestParams  # noqa: E402
+from decoderlm.server.app import create_app  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,6 +1,6 @@
 """`decoderlm chat`: a terminal chat with a checkpoint on the serving engine, streamed as it is generated.
 
-Each turn renders the conversation with the checkpoint's chat template (see decoderlm.serving.chat);
+Each turn renders the conversation with the checkpoint's chat template (see decoderlm.chat_template);
 when it outgrows the context, the oldest exchanges are dropped. `/reset` starts over, `/quit` (or
 end of input) leaves.
 """
@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from decoderlm.serving.protocol import ChatRequest
+    from decoderlm.server.protocol import ChatRequest
 
     check_engine_arguments(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _chat(served: Any, body: Any, system: list[dict[str, str]]) -> None:
-    from decoderlm.serving import protocol
+    from decoderlm.server import protocol
 
     messages = list(system)
     print(f"chatting with {served.model_name} — /reset starts over, /quit leaves")

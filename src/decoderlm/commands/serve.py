@@ -2,7 +2,7 @@
 
 The model loads after the server is up (GET /health answers 503 until it is ready). With --api-key
 the OpenAI routes need `Authorization: Bearer KEY`; a request whose Host is not one the server
-answers to gets 421 (serving/security.py). On SIGTERM the server stops accepting connections, lets
+answers to gets 421 (server/security.py). On SIGTERM the server stops accepting connections, lets
 running streams finish for --grace-period seconds, cancels what is left (those streams end with
 finish_reason "cancelled") and exits with status 0.
 
@@ -120,7 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "GIL its steps need) or in a thread of the server's process (one copy of the tokenizer, "
         "one process to debug)",
     )
-    from decoderlm.serving.limits import Limits
+    from decoderlm.server.limits import Limits
 
     limits = Limits()
     for field, (flag, bounds) in LIMIT_FLAGS.items():
@@ -163,11 +163,11 @@ def load_served(
     on_death: Callable[[str], None] | None = None,
 ) -> Any:
     """The `Served` of a checkpoint: its tokenizer, chat template and an engine, started in a
-    process of its own (`decoderlm.serving.engine_process`, which calls `on_death(why)` if it
+    process of its own (`decoderlm.engine.engine_process`, which calls `on_death(why)` if it
     dies) or, without `engine_process`, not yet started in this one."""
-    from decoderlm.serving.chat import load_chat_template
-    from decoderlm.serving.engine_process import EngineProcess, EngineSpec, build_engine
-    from decoderlm.serving.http import Served
+    from decoderlm.chat_template import load_chat_template
+    from decoderlm.engine.engine_process import EngineProcess, EngineSpec, build_engine
+    from decoderlm.server.http import Served
 
     options = {
         "kv_cache_memory": args.kv_cache_memory,
@@ -198,7 +198,7 @@ def load_served(
 
 def check_engine_arguments(args: argparse.Namespace) -> None:
     """Refuse bad sizes before anything loads."""
-    from decoderlm.serving.kv_pool import parse_bytes
+    from decoderlm.engine.kv_pool import parse_bytes
 
     if not Path(args.checkpoint).is_dir():
         raise DecoderLMError(f"no such checkpoint directory: {args.checkpoint}")
@@ -250,7 +250,7 @@ def announce_compile(args: argparse.Namespace) -> None:
 def policy(args: argparse.Namespace) -> Any:
     """The server's `Policy` from --api-key (or $DECODERLM_API_KEY), --host and --allowed-hosts;
     warns on stderr when a server bound to every address answers to any host."""
-    from decoderlm.serving.security import ENV_API_KEY, Policy, allowed_hosts
+    from decoderlm.server.security import ENV_API_KEY, Policy, allowed_hosts
 
     api_key = args.api_key if args.api_key is not None else os.environ.get(ENV_API_KEY)
     hosts = allowed_hosts(args.host, args.allowed_hosts)
@@ -267,8 +267,8 @@ def policy(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from decoderlm.serving.app import create_app, drain
-    from decoderlm.serving.limits import Limits
+    from decoderlm.server.app import create_app, drain
+    from decoderlm.server.limits import Limits
 
     check_engine_arguments(args)
     if not 0 <= args.port <= 65535:

@@ -24,17 +24,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from decoderlm.errors import DecoderLMError
-from decoderlm.inference.sampling import SamplingParams
-from decoderlm.serving.engine import Engine, decodable_ids
-from decoderlm.serving.streams import Collector
-from decoderlm.serving.types import (
+from decoderlm.engine.engine import Engine, decodable_ids
+from decoderlm.engine.streams import Collector
+from decoderlm.engine.types import (
     Completion,
     EngineClient,
     EngineStoppedError,
     QueueFullError,
     RequestParams,
 )
+from decoderlm.errors import DecoderLMError
+from decoderlm.inference.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ of its own, nothing in place, no rollback, no checkpoint); `LayerCaches` holds e
 The step (`step`): before each forward pass the caller fills one `CacheStep` — the new tokens'
 cache slots, the end of the keys attended, which new tokens are real — and hands it to the whole
 cache with `seek(step)`; every cache here has that one signature. (The paged pool of
-`decoderlm.serving.kv_pool` is seeked by block tables, whose positions differ per row.)
+`decoderlm.engine.kv_pool` is seeked by block tables, whose positions differ per row.)
 
 The caches: `static` (`StaticKVCache`: max_len slots per layer), `ring` (`RingKVCache`: W slots per
 windowed layer), `recurrent` (`HybridCache`: a recurrent layer's conv and matrix state, a static

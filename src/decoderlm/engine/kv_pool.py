@@ -236,7 +236,7 @@ class PagedLayerCache(BaseLayerCache):
 
 class PagedKVCache(LayerCaches):
     """The pools of the attention layers, indexed as `kv_caches[i]` by `DecoderLM.forward` (a
-    model with recurrent layers reaches them through `decoderlm.serving.state_pool.StatePool`).
+    model with recurrent layers reaches them through `decoderlm.engine.state_pool.StatePool`).
 
     dtype: the model's; kv_cache_dtype: None (pools in `dtype`) or "int8" (`Int8Buffer` pools,
     handing attention their K/V in `dtype`); in_place: `PagedLayerCache.attend_in_place` for the

@@ -19,13 +19,13 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 
+from decoderlm.chat_template import ChatTemplate, TemplateRenderError
+from decoderlm.engine.types import EngineClient, EngineStats
 from decoderlm.errors import DecoderLMError
-from decoderlm.serving import protocol
-from decoderlm.serving.chat import ChatTemplate, TemplateRenderError
-from decoderlm.serving.limits import Limits, Offload
-from decoderlm.serving.metrics import Metrics
-from decoderlm.serving.protocol import TokenizeRequest
-from decoderlm.serving.types import EngineClient, EngineStats
+from decoderlm.server import protocol
+from decoderlm.server.limits import Limits, Offload
+from decoderlm.server.metrics import Metrics
+from decoderlm.server.protocol import TokenizeRequest
 
 log = logging.getLogger("decoderlm.serve")
 

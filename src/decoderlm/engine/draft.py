@@ -28,16 +28,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from decoderlm.engine.kv_pool import parse_bytes
+from decoderlm.engine.ragged import Row, forward_rows
+from decoderlm.engine.runner import ModelRunner
+from decoderlm.engine.sampler import SamplingState, mask_undecodable
+from decoderlm.engine.scheduler import Sequence
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.sampling import draw, greedy_tokens, token_probs
 from decoderlm.inference.speculative import seen
 from decoderlm.model.cache import kv_cache_bytes_per_token
 from decoderlm.model.lm import DecoderLM
-from decoderlm.serving.kv_pool import parse_bytes
-from decoderlm.serving.ragged import Row, forward_rows
-from decoderlm.serving.runner import ModelRunner
-from decoderlm.serving.sampler import SamplingState, mask_undecodable
-from decoderlm.serving.scheduler import Sequence
 
 # A catch-up of more tokens than this (a prompt) runs in a pass of its own, not padded into the
 # ragged pass of the others' 1 or 2.

@@ -43,10 +43,10 @@ from typing import Any
 
 import torch
 
+from decoderlm.engine.engine import Engine
+from decoderlm.engine.streams import one_by_one, stream_batches
+from decoderlm.engine.types import EngineStats, EngineStoppedError, RequestParams, Sink, TokenEvent
 from decoderlm.errors import DecoderLMError
-from decoderlm.serving.engine import Engine
-from decoderlm.serving.streams import one_by_one, stream_batches
-from decoderlm.serving.types import EngineStats, EngineStoppedError, RequestParams, Sink, TokenEvent
 
 log = logging.getLogger(__name__)
 REPLY_TIMEOUT_S = 60.0  # a submit or call the child has not answered by then fails

@@ -43,6 +43,25 @@ import torch
 from torch import Tensor
 
 from decoderlm.cpu.paths import SpeedPaths
+from decoderlm.engine.draft import DraftProposer, check_draft, split_kv_budget
+from decoderlm.engine.inputs import InputProcessor
+from decoderlm.engine.kv_pool import BlockPool
+from decoderlm.engine.output import SequenceOutput, prompt_events
+from decoderlm.engine.ragged import SCRATCH_BLOCKS, Row, forward_rows
+from decoderlm.engine.runner import ModelRunner
+from decoderlm.engine.sampler import Sampled, SamplingState, sample, verify
+from decoderlm.engine.scheduler import Scheduler, Sequence
+from decoderlm.engine.state_pool import check_engine_options
+from decoderlm.engine.streams import Collector, one_by_one, stream_batches
+from decoderlm.engine.types import (
+    Completion,
+    EngineStats,
+    EngineStoppedError,
+    QueueFullError,
+    RequestParams,
+    Sink,
+    TokenEvent,
+)
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.speculative import (
     DEFAULT_NUM_SPECULATIVE_TOKENS,
@@ -53,25 +72,6 @@ from decoderlm.inference.speculative import (
 from decoderlm.inference.structured import StructuredGrammar
 from decoderlm.model.cache import check_kv_cache_dtype
 from decoderlm.model.lm import DecoderLM
-from decoderlm.serving.draft import DraftProposer, check_draft, split_kv_budget
-from decoderlm.serving.inputs import InputProcessor
-from decoderlm.serving.kv_pool import BlockPool
-from decoderlm.serving.output import SequenceOutput, prompt_events
-from decoderlm.serving.ragged import SCRATCH_BLOCKS, Row, forward_rows
-from decoderlm.serving.runner import ModelRunner
-from decoderlm.serving.sampler import Sampled, SamplingState, sample, verify
-from decoderlm.serving.scheduler import Scheduler, Sequence
-from decoderlm.serving.state_pool import check_engine_options
-from decoderlm.serving.streams import Collector, one_by_one, stream_batches
-from decoderlm.serving.types import (
-    Completion,
-    EngineStats,
-    EngineStoppedError,
-    QueueFullError,
-    RequestParams,
-    Sink,
-    TokenEvent,
-)
 
 log = logging.getLogger(__name__)
 RATE_WINDOW_S = 5.0  # EngineStats.tokens_per_s averages over this many seconds

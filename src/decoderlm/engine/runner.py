@@ -23,13 +23,13 @@ from torch import Tensor
 
 from decoderlm.cpu import paged_attention, paged_step
 from decoderlm.cpu.paths import SpeedPaths
+from decoderlm.engine.kv_pool import PagedKVCache, blocks_for
+from decoderlm.engine.scheduler import Sequence
+from decoderlm.engine.state_pool import StatePool, split_budget
+from decoderlm.engine.step_inputs import pass_inputs
 from decoderlm.inference.generate import evaluating, next_logits
 from decoderlm.model.cache import kv_cache_bytes_per_token
 from decoderlm.model.lm import DecoderLM
-from decoderlm.serving.kv_pool import PagedKVCache, blocks_for
-from decoderlm.serving.scheduler import Sequence
-from decoderlm.serving.state_pool import StatePool, split_budget
-from decoderlm.serving.step_inputs import pass_inputs
 
 log = logging.getLogger(__name__)
 # The compiled pass's rows: a wider compiled pass measured no faster than the eager one over

@@ -39,14 +39,14 @@ from collections.abc import Callable
 
 from fastapi.responses import JSONResponse
 
+from decoderlm.engine.output import SequenceOutput
+from decoderlm.engine.types import EngineStoppedError, RequestParams, TokenEvent, TopLogprob
 from decoderlm.search.lm import ClientLM, Sample
 from decoderlm.search.strategies import Candidate, SearchResult, beam_search, mean_logprob
-from decoderlm.serving import protocol
-from decoderlm.serving.http import APIError, Served, ServerState
-from decoderlm.serving.output import SequenceOutput
-from decoderlm.serving.protocol import GREEDY_BELOW, Generation
-from decoderlm.serving.responses import Format, RequestStream, collect, envelope, streams_usage
-from decoderlm.serving.types import EngineStoppedError, RequestParams, TokenEvent, TopLogprob
+from decoderlm.server import protocol
+from decoderlm.server.http import APIError, Served, ServerState
+from decoderlm.server.protocol import GREEDY_BELOW, Generation
+from decoderlm.server.responses import Format, RequestStream, collect, envelope, streams_usage
 
 STRUCTURED = (  # the fields that ask for a structured output
     "response_format",

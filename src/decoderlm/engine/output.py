@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from decoderlm.engine.types import RequestParams, TokenEvent, TopLogprob
 from decoderlm.inference.stream import IncrementalDecoder, StopMatcher
-from decoderlm.serving.types import RequestParams, TokenEvent, TopLogprob
 
 
 @dataclass(eq=False)

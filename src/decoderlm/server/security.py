@@ -24,8 +24,8 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from decoderlm.errors import DecoderLMError
-from decoderlm.serving.http import APIError
-from decoderlm.serving.openapi import error_response
+from decoderlm.server.http import APIError
+from decoderlm.server.openapi import error_response
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 WILDCARD_BINDS = frozenset({"", "0.0.0.0", "::"})

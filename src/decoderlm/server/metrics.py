@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from decoderlm.serving.types import EngineStats, EngineStoppedError
+from decoderlm.engine.types import EngineStats, EngineStoppedError
 
 PREFIX = "decoderlm"
 # Seconds: from a few milliseconds (a tiny model's step) to a minute (a long queue wait).

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from decoderlm.serving.scheduler import Sequence
+from decoderlm.engine.scheduler import Sequence
 
 
 def pass_inputs(

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from decoderlm.engine.kv_pool import BlockPool, PagedKVCache, blocks_for, parse_bytes
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.cache import (
     BaseLayerCache,
@@ -55,7 +56,6 @@ from decoderlm.model.cache import (
     recurrent_state_shapes,
 )
 from decoderlm.model.config import ModelConfig
-from decoderlm.serving.kv_pool import BlockPool, PagedKVCache, blocks_for, parse_bytes
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from decoderlm.serving.kv_pool import blocks_for
-from decoderlm.serving.runner import ModelRunner
+from decoderlm.engine.kv_pool import blocks_for
+from decoderlm.engine.runner import ModelRunner
 
 SCRATCH_BLOCKS = 1  # the pool's last block: the padding's K/V, never given to a sequence
 

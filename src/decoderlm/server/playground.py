@@ -1,4 +1,4 @@
-"""The playground's router: a web page at `/` (plain HTML, CSS, JS in serving/static, no build
+"""The playground's router: a web page at `/` (plain HTML, CSS, JS in server/static, no build
 step, no network) and the three JSON endpoints it reads besides the OpenAI ones. The page is open
 and holds no secret; on a server with an API key it asks for the key and sends it as a Bearer
 header on each of its requests.
@@ -32,7 +32,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.inference.attention_maps import attention_maps, check_index
 from decoderlm.model.cache import attention_kind, kv_cache_table
 from decoderlm.model.config import ModelConfig
-from decoderlm.serving.http import (
+from decoderlm.server.http import (
     APIError,
     ServerState,
     State,
@@ -40,8 +40,8 @@ from decoderlm.serving.http import (
     encode,
     request_text,
 )
-from decoderlm.serving.openapi import errors
-from decoderlm.serving.protocol import TokenizeRequest
+from decoderlm.server.openapi import errors
+from decoderlm.server.protocol import TokenizeRequest
 
 STATIC = Path(__file__).parent / "static"
 MAX_ATTENTION_TOKENS = 256  # 256² weights per head: a readable map and a JSON body of a few MB

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from decoderlm.engine.kv_pool import blocks_for
+from decoderlm.engine.types import RequestParams
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.prompts import prompt_rows
 from decoderlm.inference.structured import StructuredGrammar, compile_structured
-from decoderlm.serving.kv_pool import blocks_for
-from decoderlm.serving.types import RequestParams
 
 
 class InputProcessor:

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from decoderlm.engine.types import RequestParams
 from decoderlm.inference import speculative
 from decoderlm.inference.prompts import make_generator
 from decoderlm.inference.sampling import SamplingParams, greedy_tokens, sample_next
 from decoderlm.inference.structured import Matcher, StructuredGrammar, mask_logits
-from decoderlm.serving.types import RequestParams
 
 log = logging.getLogger(__name__)
 

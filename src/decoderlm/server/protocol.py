@@ -3,7 +3,7 @@
 Field names, ranges and defaults follow OpenAI's API reference for /v1/completions and
 /v1/chat/completions (`response_format` and the completions' `best_of` included), plus vLLM's
 extensions `top_k`, `repetition_penalty`, `ignore_eos`, `structured_outputs` (and its older
-`guided_*` fields), `use_beam_search` and `length_penalty` (serving/ranked.py runs those two and
+`guided_*` fields), `use_beam_search` and `length_penalty` (server/ranked.py runs those two and
 `best_of`, on chat completions too, as vLLM's chat endpoint takes them), and /tokenize,
 /detokenize. Unknown fields are ignored. `to_params` maps a body to the engine's `RequestParams`.
 """
@@ -14,10 +14,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from decoderlm.engine.types import RequestParams, TokenEvent
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.sampling import SamplingParams
 from decoderlm.inference.structured import StructuredOutput
-from decoderlm.serving.types import RequestParams, TokenEvent
 
 MAX_LOGPROBS = 20
 MAX_STOPS = 4

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from decoderlm.serving.http import retry_headers
+from decoderlm.server.http import retry_headers
 
 ERROR_SCHEMA = {  # the JSON schema of APIError's body
     "type": "object",

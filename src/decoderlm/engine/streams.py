@@ -13,7 +13,7 @@ import threading
 import weakref
 from collections.abc import AsyncIterator
 
-from decoderlm.serving.types import Completion, EngineClient, RequestParams, TokenEvent
+from decoderlm.engine.types import Completion, EngineClient, RequestParams, TokenEvent
 
 
 class _Mailbox:

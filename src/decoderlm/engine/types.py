@@ -2,8 +2,8 @@
 and `EngineClient`, the engine's interface as the HTTP app and `decoderlm chat` use it (vLLM's
 EngineClient protocol, which its AsyncLLM implements).
 
-The engine (`decoderlm.serving.engine`) takes token ids and `RequestParams` and yields `TokenEvent`s;
-the OpenAI-compatible app (`decoderlm.serving.app`) only translates JSON to these and back.
+The engine (`decoderlm.engine.engine`) takes token ids and `RequestParams` and yields `TokenEvent`s;
+the OpenAI-compatible app (`decoderlm.server.app`) only translates JSON to these and back.
 """
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from decoderlm.serving import protocol
-from decoderlm.serving.http import APIError, Served, ServerState
-from decoderlm.serving.streams import stream_batches
-from decoderlm.serving.types import RequestParams, TokenEvent
+from decoderlm.engine.streams import stream_batches
+from decoderlm.engine.types import RequestParams, TokenEvent
+from decoderlm.server import protocol
+from decoderlm.server.http import APIError, Served, ServerState
 
 
 class RequestStream:

@@ -17,7 +17,7 @@ tokens plus one more token (the K/V of its first generated token), so a new sequ
 first decode step without preempting anyone. A running sequence that needs a block when the pool
 is full preempts the newest running sequence: its blocks are freed and it goes back to the front
 of the queue, to be recomputed (prompt and tokens so far) when blocks free up. A model with
-recurrent layers keeps each sequence's state in pages (`decoderlm.serving.state_pool.StatePages`:
+recurrent layers keeps each sequence's state in pages (`decoderlm.engine.state_pool.StatePages`:
 KV blocks of the same pool, or slots of their own): admission also takes them, and a sequence
 leaving the running batch frees them.
 """
@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from decoderlm.serving.kv_pool import BlockPool, blocks_for, prefix_keys
-from decoderlm.serving.state_pool import StatePages
+from decoderlm.engine.kv_pool import BlockPool, blocks_for, prefix_keys
+from decoderlm.engine.state_pool import StatePages
 
 
 @dataclass(eq=False)

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP app: request JSON → `RequestParams` → engine → `TokenEvent`s → JSON or SSE.
 
 It only translates: tokenizing and chat templates here, the response shapes and server-sent events
-in serving/responses.py, scheduling and sampling in the engine. Each choice of a request (n per
+in server/responses.py, scheduling and sampling in the engine. Each choice of a request (n per
 prompt) is one engine stream with request id "<id>-<i>", queued before the response starts, so a
 full queue is a 429 and not a broken stream.
 
@@ -9,16 +9,16 @@ Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400
 or a prompt that leaves no room in the context, 404 for an unknown model, 413 for a body over the
 limit, 429 for a full queue, 503 while the model loads, the server drains or the engine has
 stopped, 500 for a request the engine failed; 401 without the API key and 421 for a foreign Host
-(serving/security.py, a middleware that answers before any route). A stream that fails after it
+(server/security.py, a middleware that answers before any route). A stream that fails after it
 started ends with an event `data: {"error": {...}}`, then `data: [DONE]`. What a request may cost
 is bounded by the server's `limits.Limits`, checked before any work; tokenizing, chat templates
 and waiting on the engine run off the event loop. A request's sequences are queued (or refused)
 before its prompts are scored for `echo` with `logprobs`. `max_tokens` beyond the context is cut to
 fit (finish_reason "length"); the i-th of n choices uses seed + i. `best_of` and
-`use_beam_search` rank candidates, on both endpoints (serving/ranked.py). `create_app` mounts this
-module's router and the playground's (serving/playground.py: /, /static, /v1/model_card,
-/v1/engine_stats, /v1/attention); what both use is in serving/http.py. Its OpenAPI document
-(/openapi.json, serving/openapi.py) declares these answers.
+`use_beam_search` rank candidates, on both endpoints (server/ranked.py). `create_app` mounts this
+module's router and the playground's (server/playground.py: /, /static, /v1/model_card,
+/v1/engine_stats, /v1/attention); what both use is in server/http.py. Its OpenAPI document
+(/openapi.json, server/openapi.py) declares these answers.
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from decoderlm.engine.types import EngineStoppedError, QueueFullError, TokenEvent
 from decoderlm.errors import DecoderLMError
-from decoderlm.serving import openapi, playground, protocol, ranked
-from decoderlm.serving.http import (
+from decoderlm.server import openapi, playground, protocol, ranked
+from decoderlm.server.http import (
     APIError,
     Served,
     ServerState,
@@ -49,8 +50,8 @@ from decoderlm.serving.http import (
     encode,
     request_text,
 )
-from decoderlm.serving.limits import BodySizeLimit, Limits, WorkTimeout, wait
-from decoderlm.serving.openapi import (
+from decoderlm.server.limits import BodySizeLimit, Limits, WorkTimeout, wait
+from decoderlm.server.openapi import (
     HEALTH,
     MODELS,
     STR,
@@ -60,21 +61,20 @@ from decoderlm.serving.openapi import (
     json_object,
     json_response,
 )
-from decoderlm.serving.protocol import (
+from decoderlm.server.protocol import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from decoderlm.serving.responses import (
+from decoderlm.server.responses import (
     ChatFormat,
     CompletionFormat,
     RequestStream,
     respond,
     start_all,
 )
-from decoderlm.serving.security import Guard, Policy
-from decoderlm.serving.types import EngineStoppedError, QueueFullError, TokenEvent
+from decoderlm.server.security import Guard, Policy
 
 log = logging.getLogger("decoderlm.serve")
 
@@ -391,7 +391,7 @@ def create_app(
 ) -> FastAPI:
     """The app; `load()` runs in a thread at startup (GET /health is 503 until it returns).
 
-    `policy` says which hosts it answers to and its API key (serving/security.py); without it,
+    `policy` says which hosts it answers to and its API key (server/security.py); without it,
     loopback names only and no key. `limits`: what one request may cost (`Limits()`'s defaults if
     None). The OpenAPI document is at /openapi.json; there is no /docs or /redoc, whose pages load
     their scripts from a CDN (blank offline).

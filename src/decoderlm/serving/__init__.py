@@ -1,1 +1,0 @@
-"""Serving: a continuous-batching engine over a paged KV pool, and an OpenAI-compatible HTTP app."""
