@@ -22,6 +22,7 @@ from test_engine import (
 from decoderlm import DecoderLMError, generate
 from decoderlm.cpu import paged_attention, paged_step
 from decoderlm.engine.engine import Engine
+from decoderlm.engine.passes import Row
 from decoderlm.engine.runner import ModelRunner
 from decoderlm.engine.scheduler import Sequence
 from decoderlm.engine.types import RequestParams
@@ -75,7 +76,7 @@ def prefilled(runner: ModelRunner, lengths: list[int]) -> list[Sequence]:
         seq = Sequence(torch.randint(0, 30, (n + 1,), generator=g).tolist(), n, 128)
         seq.blocks = [free.pop(0) for _ in range(-(-(n + 1) // BLOCK))]
         with runner.running():
-            runner.forward([seq], n)
+            runner.forward([Row.of(seq, n)])
         seq.n_computed = n
         seqs.append(seq)
     return seqs
@@ -88,10 +89,10 @@ def test_the_compiled_pass_gives_the_eager_logits_for_one_row_and_rows_of_differ
     assert runner.compile_s > 0
     seqs = prefilled(runner, lengths)
     with runner.running():
-        compiled = runner.forward(seqs, 1)  # (B, V)
+        compiled = runner.forward([Row.of(s, 1) for s in seqs])  # (B, V)
         step, runner.step = runner.step, None
         try:
-            eager = runner.forward(seqs, 1)
+            eager = runner.forward([Row.of(s, 1) for s in seqs])
         finally:
             runner.step = step
     assert compiled.shape == (len(lengths), runner.model.config.vocab_size)
@@ -103,7 +104,7 @@ def test_the_compiled_pass_writes_each_rows_slot_and_no_other(runner):
     pools = [p for layer in runner.cache.layers for p in (layer.k, layer.v)]
     before = [p.clone() for p in pools]
     with runner.running():
-        runner.forward(seqs, 1)
+        runner.forward([Row.of(s, 1) for s in seqs])
     written = torch.zeros(runner.num_blocks, BLOCK, dtype=torch.bool)
     for seq in seqs:
         written[seq.blocks[seq.n_computed // BLOCK], seq.n_computed % BLOCK] = True

@@ -13,6 +13,7 @@ import torch
 from decoderlm import DecoderLM, DecoderLMError, ModelConfig, generate
 from decoderlm.engine.engine import Engine
 from decoderlm.engine.kv_pool import BlockPool, parse_bytes, prefix_keys
+from decoderlm.engine.passes import DecodePass
 from decoderlm.engine.streams import stream_batches
 from decoderlm.engine.types import (
     EngineStoppedError,
@@ -540,11 +541,11 @@ def test_a_failing_request_ends_with_error_and_the_others_and_the_engine_go_on(t
     # A forward pass that raises ends the sequences in it; the next request runs normally.
     forward, calls = engine.runner.forward, []
 
-    def fail_once(seqs, n):
-        calls.append(len(seqs))
+    def fail_once(rows):
+        calls.append(len(rows))
         if len(calls) == 1:
             raise RuntimeError("out of memory")
-        return forward(seqs, n)
+        return forward(rows)
 
     engine.runner.forward = fail_once
     first, again = [], []
@@ -606,13 +607,14 @@ def test_under_64_decoding_streams_new_requests_share_the_step_budget_and_start_
     for prompt, events in zip(new, firsts, strict=True):
         engine.submit(prompt, params, on_event=events.append)
     for step in range(1, 7):
-        batches = engine.core.schedule()
-        assert sum(len(seqs) * n for seqs, n in batches) <= 96
+        passes = engine.core.schedule()
+        assert sum(len(p.seqs) * p.n for p in passes) <= 96
         with engine.runner.running():
-            logits = engine.core.run(batches)
-        for request, event in engine.core.outputs(batches, logits):
+            logits = engine.core.run(passes)
+        for request, event in engine.core.outputs(passes, logits):
             request.sink(event)
-        assert sum(len(seqs) for seqs, n in batches if n == 1) >= 64 - step  # decodes first
+        decoding = [p for p in passes if isinstance(p, DecodePass)]
+        assert sum(len(p.seqs) for p in decoding) >= 64 - step  # decodes first
     assert all(events for events in firsts)  # every first token within 6 steps
     while engine.step():
         pass

@@ -17,6 +17,7 @@ from decoderlm import DecoderLM, DecoderLMError, ModelConfig, generate
 from decoderlm.checkpoint import save_model
 from decoderlm.engine.engine import Engine
 from decoderlm.engine.kv_pool import blocks_for
+from decoderlm.engine.passes import Row
 from decoderlm.engine.scheduler import Sequence
 from decoderlm.engine.types import RequestParams, TokenEvent
 from decoderlm.inference.sampling import SamplingParams
@@ -161,7 +162,7 @@ def test_the_state_carried_across_prefill_chunks_equals_the_whole_prompts_state(
     seq.state_pages = pages.pool.allocate((), pages.per_sequence)[0]
     with runner.running():
         for n in (5, 1, 7):
-            runner.forward([seq], n)
+            runner.forward([Row.of(seq, n)])
             seq.n_computed += n
         cache = make_cache(model.config, 1, 64, torch.float64)
         cache.seek(CacheStep.span(0, len(prompt), "cpu"))

@@ -201,6 +201,7 @@ def test_best_of_and_beam_in_a_crowd_equal_their_results_alone(server):
         ({"use_beam_search": True, "ignore_eos": True}, "ignore_eos"),
         ({"use_beam_search": True, "response_format": {"type": "json_object"}}, "response_format"),
         ({"use_beam_search": True, "length_penalty": "long"}, "length_penalty"),
+        ({"use_beam_search": True, "length_penalty": 1000}, "length_penalty"),
     ],
 )
 def test_bad_best_of_and_beam_requests_are_400s_naming_the_field(server, extra, param):
@@ -339,12 +340,17 @@ def test_chat_beam_search_equals_completions_beam_over_the_rendered_prompt(serve
     assert [c["finish_reason"] for c in got["choices"]] == [
         c["finish_reason"] for c in want["choices"]
     ]
+    # The logprobs to float32's rounding: a beam step's prefixes are submitted one by one while
+    # the engine steps, so which of them share a prefill pass (and its matmul shapes) depends on
+    # the threads' timing.
     for mine, theirs in zip(got["choices"], want["choices"], strict=True):
         content = mine["logprobs"]["content"]
-        assert [t["logprob"] for t in content] == theirs["logprobs"]["token_logprobs"]
-        assert [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in content] == (
-            theirs["logprobs"]["top_logprobs"]
+        assert [t["logprob"] for t in content] == pytest.approx(
+            theirs["logprobs"]["token_logprobs"], abs=LOGPROB_TOL
         )
+        tops = [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in content]
+        for top, their_top in zip(tops, theirs["logprobs"]["top_logprobs"], strict=True):
+            assert top == pytest.approx(their_top, abs=LOGPROB_TOL)
     assert got["usage"] == want["usage"] and got["object"] == "chat.completion"
     python = python_beams(loaded, ids, 3, 8, 0.5, stop=tuple(stop))[0]
     assert [c["message"]["content"] for c in got["choices"]] == [c.text for c in python[:2]]

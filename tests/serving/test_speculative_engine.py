@@ -185,7 +185,7 @@ def test_greedy_requests_with_a_draft_model_give_their_plain_tokens(tok, model, 
     stats = engine.stats()
     assert stats.speculative_proposed > 0 and stats.speculative_verifications > 0
     assert stats.generated_tokens == 24 * len(requests) and stats.kv_blocks_used == 0
-    assert not engine.core.draft.held  # finished sequences are forgotten
+    assert not engine.core.proposer.held  # finished sequences are forgotten
     # Both pools in the default 256MiB: N blocks each, one kept for the padding, float64 K/V.
     per_token = 2 * 8 * (2 * 2 * 8 + 1 * 1 * 8)  # target: 2 layers, 2 K/V heads of 8; draft: 1, 1
     assert stats.kv_bytes_per_token == per_token
@@ -225,13 +225,13 @@ def test_the_drafts_kv_is_exact_after_rejections_and_preemptions(tok, model, mon
     accepted drafts, rolled back over rejected ones, started over after a preemption) equal a
     forward pass of the draft over the whole sequence: float64 models, whose logits the runner
     hands on in float32, so to float32's rounding (1e-6; stale K/V differs by ~0.1)."""
-    from decoderlm.engine.draft import DraftProposer
+    from decoderlm.engine.proposers import DraftModel
 
     draft = tiny_model(tok)  # the target with noise on its head: accepted in part
     with torch.no_grad():
         draft.head.weight.add_(0.1 * torch.randn(draft.head.weight.shape, dtype=torch.float64))
     checked = []
-    catch_up = DraftProposer._catch_up
+    catch_up = DraftModel._catch_up
 
     def checked_catch_up(self, seqs):
         logits = catch_up(self, seqs)  # (B, V)
@@ -240,7 +240,7 @@ def test_the_drafts_kv_is_exact_after_rejections_and_preemptions(tok, model, mon
             checked.append(float((row - whole).abs().max()))
         return logits
 
-    monkeypatch.setattr(DraftProposer, "_catch_up", checked_catch_up)
+    monkeypatch.setattr(DraftModel, "_catch_up", checked_catch_up)
     per_block = 4 * 2 * (2 * 2 * 2 * 8 * 8)  # 4 tokens of target and draft K/V, float64
     params = RequestParams(max_tokens=24, sampling=GREEDY, stop_at_eot=False)
     engine = Engine(model, tok, block_size=4, kv_cache_memory=21 * per_block, draft=draft)
@@ -332,35 +332,40 @@ def test_a_draft_with_another_vocabulary_is_a_one_line_error(tok, model):
     ],
 )
 def test_batched_verification_equals_each_sequences_own_pass(tok, dtype, window, atol):
-    """`ragged.forward_rows` over rows of different starts and lengths gives each row the logits
+    """`ModelRunner.forward_tokens` over rows of different starts and lengths gives each row the logits
     of its own pass, packed or padded; padding writes go nowhere a row reads."""
     from decoderlm.engine.kv_pool import BlockPool
-    from decoderlm.engine.ragged import Row, forward_rows
+    from decoderlm.engine.passes import Row
     from decoderlm.engine.runner import ModelRunner
     from decoderlm.engine.scheduler import Sequence
 
     layers = None if window is None else (0,)
     model = tiny_model(tok, sliding_window=window, sliding_window_layers=layers).to(dtype)
     runner = ModelRunner(
-        model, kv_cache_memory=2**20, block_size=4, kv_cache_dtype=None, cpu_kernels=True
+        model,
+        kv_cache_memory=2**20,
+        block_size=4,
+        kv_cache_dtype=None,
+        cpu_kernels=True,
+        ragged=True,
     )
     assert runner.cache.packable == (dtype == torch.float32)
-    pool = BlockPool(runner.num_blocks - 1, 4)
+    pool = BlockPool(runner.pool_blocks, 4)
     lengths, drafts = [3, 9, 6], [[1, 2], [5, 6, 7, 8], []]  # rows of 3, 5 and 1 tokens
     seqs = []
     with runner.running():
         for i, (n, d) in enumerate(zip(lengths, drafts, strict=True)):
             tokens = [(7 * i + j) % tok.vocab_size for j in range(n)]
             seq = Sequence(tokens, n, 64, pool.allocate([], 4)[0])
-            runner.forward([seq], n - 1)  # all but the last token computed
+            runner.forward([Row.of(seq, n - 1)])  # all but the last token computed
             seq.n_computed = n - 1
             seq.tokens += d
             seqs.append(seq)
         rows = [Row(s.blocks, s.n_computed, s.tokens[s.n_computed :]) for s in seqs]
-        batched = forward_rows(runner, rows)  # (n_b, V) each
+        batched = runner.forward_tokens(rows)  # (n_b, V) each
         for seq, got in zip(seqs, batched, strict=True):
             n = len(seq.tokens) - seq.n_computed
-            alone = runner.forward([seq], n, last_only=False)[0]  # (n, V)
+            alone = runner.forward_tokens([Row.of(seq, n)])[0]  # (n, V)
             assert got.shape == alone.shape
             assert torch.allclose(got, alone, rtol=0, atol=atol)
 
@@ -415,7 +420,7 @@ def test_a_served_checkpoint_with_a_draft_directory_gives_its_plain_tokens(run_d
     params = RequestParams(max_tokens=12, sampling=GREEDY, stop_at_eot=False)
     plain = build_engine(EngineSpec(str(run_dir), "float32"))
     fast = build_engine(EngineSpec(str(run_dir), "float32", {"draft": str(run_dir)}))
-    assert isinstance(fast.core.draft.runner.model, DecoderLM)
+    assert isinstance(fast.core.proposer.runner.model, DecoderLM)
     prompts = ["Hello there", "abc"]
     assert [c.token_ids for c in fast.generate(prompts, params)] == [
         c.token_ids for c in plain.generate(prompts, params)

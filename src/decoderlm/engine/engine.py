@@ -2,22 +2,17 @@
 2023, "Efficient Memory Management for LLM Serving with PagedAttention").
 
 `Engine` is the thread-safe front: requests in, events out to each request's sink, the background
-thread and shutdown. Each of its `step`s runs one step of its `EngineCore` (vLLM's EngineCore): the
-`Scheduler`'s plan, one forward pass decoding a token for every running sequence, then the planned
-prefill chunks, one forward pass each (`runner.ModelRunner`, the only part that runs the model);
-the logits become tokens in `sampler.sample` and tokens become `TokenEvent`s in
-`output.SequenceOutput`. Every sequence samples with its own `SamplingParams` and
-`torch.Generator` and is detokenized by its own `IncrementalDecoder` and `StopMatcher`, so a
-request's tokens do not depend on what else runs: greedy requests equal `decoderlm.generate` on
-their prompt alone, up to floating-point rounding of the batched kernels.
+thread and shutdown. Each of its `step`s runs one step of its `EngineCore` (`core`: schedule →
+run → sample → output over typed passes, `passes`): the decoding sequences' pass, then the planned
+prefill chunks, each pass one `runner.ModelRunner.forward` (the only part that runs the model);
+the logits become tokens in `sampler.sample` (or `sampler.verify` for speculative drafts) and
+tokens become `TokenEvent`s in `output.SequenceOutput`. Every sequence samples with its own
+`SamplingParams` and `torch.Generator` and is detokenized by its own `IncrementalDecoder` and
+`StopMatcher`, so a request's tokens do not depend on what else runs: greedy requests equal
+`decoderlm.generate` on their prompt alone, up to floating-point rounding of the batched kernels.
 
-With `draft="prompt-lookup"` or a draft model each decoding sequence proposes up to K tokens, by
-prompt lookup (`decoderlm.inference.speculative`) or with the draft in a KV pool of its own
-(`draft.DraftProposer`, every speculating sequence's draft passes batched), K adapted per
-sequence; the scheduler appends them to its tokens, and one target pass runs every speculating
-sequence's last token and drafts (`ragged.forward_rows`: rows of different lengths);
-`sampler.verify` accepts a prefix and chooses the next token, and the rejected ones are taken off
-again (their K/V is not counted in n_computed, so the next pass writes over it).
+With `draft="prompt-lookup"` or a draft model, each decoding sequence proposes up to K tokens a
+step through its `proposers.Proposer` (K adapted per sequence), verified in the decoding pass.
 
 Use it offline with `generate`, or `start()` a background thread that steps while there is work
 and consume `stream(...)` from asyncio (`streams`). Submitting, cancelling and stats are
@@ -29,28 +24,26 @@ others.
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import queue
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torch import Tensor
-
 from decoderlm.cpu.paths import SpeedPaths
-from decoderlm.engine.draft import DraftProposer, check_draft, split_kv_budget
+from decoderlm.engine.core import EngineCore, Request
 from decoderlm.engine.inputs import InputProcessor
-from decoderlm.engine.kv_pool import BlockPool
-from decoderlm.engine.output import SequenceOutput, prompt_events
-from decoderlm.engine.ragged import SCRATCH_BLOCKS, Row, forward_rows
+from decoderlm.engine.proposers import (
+    DraftModel,
+    PromptLookup,
+    Proposer,
+    check_draft,
+    split_kv_budget,
+)
 from decoderlm.engine.runner import ModelRunner
-from decoderlm.engine.sampler import Sampled, SamplingState, sample, verify
-from decoderlm.engine.scheduler import Scheduler, Sequence
+from decoderlm.engine.scheduler import Sequence
 from decoderlm.engine.state_pool import check_engine_options
 from decoderlm.engine.streams import Collector, one_by_one, stream_batches
 from decoderlm.engine.types import (
@@ -63,303 +56,9 @@ from decoderlm.engine.types import (
     TokenEvent,
 )
 from decoderlm.errors import DecoderLMError
-from decoderlm.inference.speculative import (
-    DEFAULT_NUM_SPECULATIVE_TOKENS,
-    PROMPT_LOOKUP,
-    AdaptiveK,
-    PromptLookup,
-)
-from decoderlm.inference.structured import StructuredGrammar
+from decoderlm.inference.speculative import DEFAULT_NUM_SPECULATIVE_TOKENS, PROMPT_LOOKUP
 from decoderlm.model.cache import check_kv_cache_dtype
 from decoderlm.model.lm import DecoderLM
-
-log = logging.getLogger(__name__)
-RATE_WINDOW_S = 5.0  # EngineStats.tokens_per_s averages over this many seconds
-
-
-@dataclass(eq=False)
-class _Request:
-    id: str
-    sink: Sink
-    seqs: list[Sequence] = field(default_factory=list)
-    n_open: int = 0
-
-
-@dataclass(eq=False)
-class _Live:
-    """A sequence that has not finished: its request, its sampler and its detokenizer."""
-
-    request: _Request
-    sampling: SamplingState
-    output: SequenceOutput
-    speculation: AdaptiveK | None  # how many tokens to propose next; None: no speculation
-
-
-class _Counters:
-    """What `Engine.stats` counts since the start (under the engine's lock), and the generated
-    tokens of the last RATE_WINDOW_S seconds."""
-
-    def __init__(self) -> None:
-        self.prompt_tokens = self.generated = self.max_running = 0
-        self.proposed = self.accepted = self.verifications = 0  # speculative decoding's
-        self._rate: deque[tuple[float, int]] = deque()  # (time, generated tokens so far)
-
-    def mark(self) -> None:
-        """A step ended: a sample of the rate."""
-        self._rate.append((self._prune(), self.generated))
-
-    def tokens_per_s(self) -> float:
-        now = self._prune()
-        t0, g0 = self._rate[0] if self._rate else (now, self.generated)
-        return (self.generated - g0) / (now - t0) if now > t0 else 0.0
-
-    def _prune(self) -> float:
-        """Forget the rate samples older than the window; returns the time now."""
-        now = time.monotonic()
-        while self._rate and now - self._rate[0][0] > RATE_WINDOW_S:
-            self._rate.popleft()
-        return now
-
-
-class EngineCore:
-    """The requests in flight and one step over them: schedule → run → sample → output, after
-    vLLM's EngineCore. Not thread-safe: `Engine` calls it under its lock, except `run` (the
-    forward passes, inside `runner.running()`)."""
-
-    def __init__(
-        self,
-        tokenizer: Any,
-        vocab_size: int,
-        runner: ModelRunner,
-        block_size: int,
-        prefill_chunk: int,
-        prefix_caching: bool,
-        num_speculative_tokens: int | None = None,
-        draft: DraftProposer | None = None,
-        max_batched_tokens: int | None = None,
-    ) -> None:
-        """num_speculative_tokens: K, each decoding sequence's proposals per step, by `draft`, or
-        by prompt lookup without one (`decoderlm.inference.speculative`); None: no speculation.
-        Speculation keeps the runner's last block out of the pool (`ragged.SCRATCH_BLOCKS`)."""
-        self.tokenizer, self.vocab_size, self.runner = tokenizer, vocab_size, runner
-        self.num_speculative_tokens = num_speculative_tokens
-        self.lookup, self.draft = PromptLookup(), draft
-        self.drafted: dict[Sequence, int] = {}  # this step's verifications: drafts per sequence
-        self.q: dict[Sequence, Tensor | None] = {}  # the draft model's q (k, V) of them
-        self.decodable = decodable_ids(tokenizer, vocab_size)
-        reserved = 0 if num_speculative_tokens is None else SCRATCH_BLOCKS
-        states = runner.states  # recurrent layers' (`state_pool`): no prefix sharing over them
-        self.pool = BlockPool(
-            runner.num_blocks - reserved, block_size, prefix_caching and states is None
-        )
-        pages = None if states is None else states.pages(self.pool)
-        self.scheduler = Scheduler(self.pool, prefill_chunk, pages, max_batched_tokens)
-        self.requests: dict[str, _Request] = {}
-        self.live: dict[Sequence, _Live] = {}  # the sequences that have not finished
-        self.counters = _Counters()
-
-    def add(
-        self,
-        request: _Request,
-        params: RequestParams,
-        ids: list[int],
-        max_len: int,
-        grammar: StructuredGrammar | None = None,
-    ) -> list[tuple[_Request, TokenEvent]]:
-        """Queue the request's `params.n` sequences of prompt `ids`, to end at `max_len` tokens,
-        each with its own matcher of `grammar`; the last events of those with nothing to generate
-        (max_tokens 0 or a full context)."""
-        self.requests[request.id] = request
-        self.counters.prompt_tokens += len(ids)
-        events = []
-        for index in range(params.n):
-            seq = Sequence(list(ids), len(ids), max_len)
-            sampling = SamplingState.create(
-                params, index, ids, self.vocab_size, self.runner.device, grammar
-            )
-            output = SequenceOutput.create(self.tokenizer, params, index, ids)
-            k = self.num_speculative_tokens  # a constrained sequence does not speculate: `verify`
-            speculation = None if k is None or grammar is not None else AdaptiveK(k)  # has no mask
-            self.live[seq] = _Live(request, sampling, output, speculation)
-            request.seqs.append(seq)
-            if max_len == len(ids):
-                events.append(self.end(seq, "length"))
-            else:
-                self.scheduler.add(seq)
-        return events
-
-    def schedule(self) -> list[tuple[list[Sequence], int]]:
-        """This step's forward passes, (sequences, tokens each): the decode rows, then each
-        prefill chunk."""
-        plan = self.scheduler.schedule()
-        counters = self.counters
-        counters.max_running = max(counters.max_running, len(self.scheduler.running))
-        self.drafted = {seq: k for seq in plan.decode if (k := self._speculate(seq))}
-        decode = [seq for seq in plan.decode if seq not in self.drafted]
-        if self.drafted:  # one pass: the plain rows, then the verifications (`ragged`)
-            batches = [(decode + list(self.drafted), max(self.drafted.values()) + 1)]
-        else:
-            batches = [(decode, 1)] if decode else []
-        chunks: dict[tuple[int, int], list[Sequence]] = {}  # one pass per (start, n): same shapes
-        for seq, n in plan.prefill:
-            chunks.setdefault((seq.n_computed, n), []).append(seq)
-        return batches + [(seqs, n) for (_, n), seqs in chunks.items()]
-
-    def _speculate(self, seq: Sequence) -> int:
-        """How many drafts decoding `seq` verifies this step: prompt lookup's, appended to its
-        tokens now, or the draft model's, for which room is made now (`run` proposes them)."""
-        schedule = self.live[seq].speculation
-        k = 0 if schedule is None else schedule.next()
-        if not k:
-            return 0
-        if self.draft is not None:
-            return self.scheduler.room(seq, self.draft.limit(seq, k))
-        drafts = self.lookup.propose(seq.tokens, k)[0]
-        if not drafts:  # nothing to propose counts as a proposal rejected: the lookup backs off
-            schedule.update(k, 0)
-            return 0
-        return self.scheduler.speculate(seq, drafts)
-
-    def run(self, batches: list[tuple[list[Sequence], int]]) -> list[Tensor | list[Tensor] | None]:
-        """Each pass's logits, (B, V), or for the pass with verifications each row's (n_b, V);
-        None for a pass that raised (logged)."""
-        return [
-            self._verification(seqs)
-            if seqs[-1] in self.drafted
-            else _isolated(self.runner.forward, seqs, n)
-            for seqs, n in batches
-        ]
-
-    def _verification(self, seqs: list[Sequence]) -> list[Tensor] | None:
-        """The draft model's proposals, if it proposes, then the pass over each sequence's tokens
-        not computed: a plain row's last token, a speculating one's last token and drafts."""
-        drafting = [seq for seq in seqs if seq in self.drafted]
-        if self.draft is not None:
-            ks = [self.drafted[seq] for seq in drafting]
-            states = [self.live[seq].sampling for seq in drafting]
-            qs = _isolated(self.draft.propose, drafting, ks, states, self.decodable)
-            if qs is None:
-                return None
-            self.q = dict(zip(drafting, qs, strict=True))
-        rows = [Row(seq.blocks, seq.n_computed, seq.tokens[seq.n_computed :]) for seq in seqs]
-        return _isolated(forward_rows, self.runner, rows)
-
-    def outputs(
-        self,
-        batches: list[tuple[list[Sequence], int]],
-        logits: list[Tensor | list[Tensor] | None],
-    ) -> list[tuple[_Request, TokenEvent]]:
-        """The events of the passes `run` ran."""
-        events = []
-        for (seqs, n), rows in zip(batches, logits, strict=True):
-            events += self._pass_events(seqs, n, rows)
-        self.counters.mark()
-        return events
-
-    def _pass_events(
-        self, seqs: list[Sequence], n: int, logits: Tensor | list[Tensor] | None
-    ) -> list[tuple[_Request, TokenEvent]]:
-        """The events of a forward pass that ran n tokens of `seqs`, whose logits (B, V) (for
-        the pass with verifications: each row's (n_b, V)) are None if it failed: then its
-        sequences end, and the other passes go on."""
-        if logits is None:
-            return [self.end(seq, "error") for seq in seqs if seq in self.live]
-        if seqs[-1] in self.drafted:  # logits: a list, each row's (n_b, V)
-            plain = len(seqs) - len(self.drafted)  # the plain rows come first
-            events = []
-            if plain:  # their last (only) token's logits: (B', V)
-                events += self._pass_events(seqs[:plain], 1, torch.stack(logits[:plain])[:, -1])
-            for seq, rows in zip(seqs[plain:], logits[plain:], strict=True):
-                events += self._verified(seq, self.drafted[seq], rows)
-            return events
-        ready = [seq in self.live and seq.n_pending == n for seq in seqs]  # at its last token
-        states = [self.live[s].sampling if r else None for s, r in zip(seqs, ready, strict=True)]
-        events = []
-        chosen = sample(logits, states, self.decodable)
-        for seq, is_ready, sampled in zip(seqs, ready, chosen, strict=True):
-            self.scheduler.computed(seq, n)
-            if is_ready:
-                event = None if sampled is None else _isolated(self._emit, seq, sampled)
-                events.append(self.end(seq, "error") if event is None else event)
-        return events
-
-    def _verified(self, seq: Sequence, k: int, logits: Tensor) -> list[tuple[_Request, TokenEvent]]:
-        """The events of the pass that ran `seq`'s last token and its k drafts, logits (k + 1, V):
-        the accepted drafts and the next token, one event each, until one finishes it."""
-        live = self.live[seq]
-        drafts = seq.tokens[-k:]
-        self.scheduler.reject(seq, k)  # they come back as they are accepted
-        q = self.q.pop(seq, None)
-        chosen = _isolated(verify, logits, live.sampling, seq.tokens, drafts, self.decodable, q)
-        if chosen is None:
-            return [self.end(seq, "error")]
-        n = len(chosen) - 1
-        if live.speculation is not None:
-            live.speculation.update(k, n)
-        if self.draft is not None:
-            self.draft.accepted(seq, n)
-        self.counters.proposed += k
-        self.counters.accepted += n
-        self.counters.verifications += 1
-        events = []
-        for sampled in chosen:
-            event = _isolated(self._emit, seq, sampled)
-            events.append(self.end(seq, "error") if event is None else event)
-            if seq not in self.live:
-                return events
-        self.scheduler.computed(seq, n + 1)  # the last token and the accepted drafts
-        return events
-
-    def _emit(self, seq: Sequence, sampled: Sampled) -> tuple[_Request, TokenEvent]:
-        """`seq` takes its sampled token; the event that reports it."""
-        seq.tokens.append(sampled.token)
-        self.counters.generated += 1
-        live = self.live[seq]
-        event = live.output.event(sampled.token, sampled.logprobs, len(seq.tokens) >= seq.max_len)
-        return self._finish(seq, event) if event.finish_reason else (live.request, event)
-
-    def end(self, seq: Sequence, reason: str) -> tuple[_Request, TokenEvent]:
-        """Take `seq` out with a last event that carries no token, finish_reason `reason`."""
-        return self._finish(seq, self.live[seq].output.ended(reason))
-
-    def _finish(self, seq: Sequence, event: TokenEvent) -> tuple[_Request, TokenEvent]:
-        """Take `seq` out (its blocks are freed); `event` is its last."""
-        self.scheduler.remove(seq)
-        if self.draft is not None:
-            self.draft.forget(seq)
-        request = self.live.pop(seq).request
-        request.n_open -= 1
-        if request.n_open == 0:
-            del self.requests[request.id]
-        return request, event
-
-    def prompt_events(self, ids: list[int], top: int) -> list[TokenEvent]:
-        """`Engine.score`'s events for prompt `ids`."""
-        lp = self.runner.prompt_logprobs(ids)[:, : self.decodable].log_softmax(-1)  # as `sample`
-        return prompt_events(self.tokenizer, ids, lp, top)
-
-    def stats(self) -> EngineStats:
-        """`Engine.stats`."""
-        counters = self.counters
-        return EngineStats(
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
-            kv_blocks_used=self.pool.num_used,
-            kv_blocks_total=self.pool.num_blocks,
-            kv_block_size=self.pool.block_size,
-            kv_bytes_per_token=self.runner.bytes_per_token  # the draft's pool's too, if any
-            + (0 if self.draft is None else self.draft.runner.bytes_per_token),
-            prompt_tokens=counters.prompt_tokens,
-            generated_tokens=counters.generated,
-            prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
-            max_running_seen=counters.max_running,
-            tokens_per_s=counters.tokens_per_s(),
-            preemptions=self.scheduler.preemptions,
-            speculative_proposed=counters.proposed,
-            speculative_accepted=counters.accepted,
-            speculative_verifications=counters.verifications,
-            **_state_stats(self.runner, self.scheduler),
-        )
 
 
 class Engine:
@@ -394,7 +93,7 @@ class Engine:
         step, all verified in one target pass (`decoderlm.inference.speculative`; the same tokens
         for greedy requests, the same distribution for sampled ones). A draft model's KV pool
         comes out of `kv_cache_memory` too: both pools get the same number of blocks
-        (`draft.split_kv_budget`); compile: the target's decode passes compiled ahead of time
+        (`proposers.split_kv_budget`); compile: the target's decode passes compiled ahead of time
         (`ModelRunner`'s `compile`), made now (the draft's run eagerly)."""
         check_kv_cache_dtype(kv_cache_dtype)
         check_engine_options(model.config, draft)
@@ -409,39 +108,26 @@ class Engine:
         self.max_sequence = model.config.context_length  # tokens per sequence
         k = _speculative_tokens(draft, num_speculative_tokens)
         pools = dict(block_size=block_size, kv_cache_dtype=kv_cache_dtype, cpu_kernels=cpu_kernels)
-        proposer = None
-        if isinstance(draft, DecoderLM):
-            check_draft(model, draft)
-            kv_cache_memory, draft_memory = split_kv_budget(
-                model, draft, kv_cache_memory, block_size, kv_cache_dtype
-            )
-            proposer = DraftProposer(ModelRunner(draft, kv_cache_memory=draft_memory, **pools))
-        self.runner = ModelRunner(model, kv_cache_memory=kv_cache_memory, compile=compile, **pools)
-        if k is not None and self.runner.num_blocks <= SCRATCH_BLOCKS:
-            raise DecoderLMError(
-                f"kv_cache_memory={kv_cache_memory!r} holds {self.runner.num_blocks} KV block; "
-                "speculative decoding needs at least 2"
-            )
-        vocab_size = model.config.vocab_size
+        self.runner, proposer = _runner_and_proposer(
+            model, draft, k, kv_cache_memory, pools, compile
+        )
         self.core = EngineCore(
             tokenizer,
-            vocab_size,
             self.runner,
             block_size,
             prefill_chunk,
             prefix_caching,
-            k,
-            proposer,
             max_batched_tokens,
+            proposer,
+            k,
         )
         self.inputs = InputProcessor(  # prompts hold only ids the tokenizer can decode
             tokenizer,
-            decodable_ids(tokenizer, vocab_size),
+            self.core.decodable,
             self.max_sequence,
             block_size,
             # the blocks one sequence may hold: beside its state's pages, without the scratch block
-            self.runner.budget.sequence_blocks
-            - (self.runner.num_blocks - self.core.pool.num_blocks),
+            self.runner.budget.sequence_blocks - (self.runner.num_blocks - self.runner.pool_blocks),
             max_queue,
         )
         self._lock = threading.Condition()  # guards everything below, and the core
@@ -479,7 +165,7 @@ class Engine:
                 raise QueueFullError(
                     f"the engine's waiting queue is full ({self.max_queue} sequences); retry later"
                 )
-            request = _Request(request_id, on_event, n_open=params.n)
+            request = Request(request_id, on_event, n_open=params.n)
             events = self.core.add(request, params, ids, max_len, grammar)
             self._lock.notify_all()
         self._deliver(events)
@@ -610,7 +296,7 @@ class Engine:
 
     def _fail(self) -> None:
         """After a step raised: refuse new requests and end every open one with "error"."""
-        events: list[tuple[_Request, TokenEvent]] = []
+        events: list[tuple[Request, TokenEvent]] = []
         with self._lock:
             self._closed = self._stopping = True
             self.failure = "an engine step failed; see the server log"
@@ -629,7 +315,7 @@ class Engine:
 
     def step(self) -> bool:
         """Run one engine step; False when there was nothing to run. Not while `start()`'s thread runs."""
-        events: list[tuple[_Request, TokenEvent]] = []
+        events: list[tuple[Request, TokenEvent]] = []
         with self._lock:
             for seq in self._cancels:
                 if seq in self.core.live:  # not finished meanwhile
@@ -650,7 +336,7 @@ class Engine:
         self._deliver(events)
         return bool(batches or calls)
 
-    def _deliver(self, events: list[tuple[_Request, TokenEvent]]) -> None:
+    def _deliver(self, events: list[tuple[Request, TokenEvent]]) -> None:
         for request, event in events:
             try:
                 request.sink(event)
@@ -662,45 +348,41 @@ class Engine:
             return self.core.stats()
 
 
-def decodable_ids(tokenizer: Any, vocab_size: int) -> int:
-    """How many of a model's `vocab_size` ids the tokenizer decodes: all of them, or the
-    tokenizer's size when the model's vocabulary is padded beyond it (GPT-2's 50257 → 50304).
-    DecoderLMError if the tokenizer is larger than the model's vocabulary: it could encode ids
-    the model has no embedding for."""
-    size = getattr(tokenizer, "vocab_size", None) or vocab_size
-    if size > vocab_size:
-        raise DecoderLMError(
-            f"the tokenizer has {size} tokens but the model's vocabulary only {vocab_size}: "
-            "it is not this model's tokenizer"
-        )
-    return size
-
-
 def _prompt_events(engine: Engine, ids: list[int], top: int) -> list[TokenEvent]:
     """`Engine.score`'s events for prompt `ids`, by `Engine.call`."""
     return engine.core.prompt_events(ids, top)
 
 
-def _isolated(fn: Callable[..., Any], *args: Any) -> Any:
-    """fn(*args), or None (logged) if it raised: one request's failure ends that request only."""
-    try:
-        return fn(*args)
-    except Exception:
-        log.exception("decoderlm engine: %s failed; its sequences end with 'error'", fn.__name__)
-        return None
-
-
-def _state_stats(runner: ModelRunner, scheduler: Scheduler) -> dict[str, int]:
-    """`EngineStats`' recurrent state fields (`state_pool`)."""
-    pages = scheduler.states
-    if pages is None:
-        return {}
-    return {
-        "state_bytes_per_sequence": runner.budget.state_bytes,
-        "state_pages_per_sequence": pages.per_sequence,
-        "state_pages_used": pages.per_sequence * len(scheduler.running),
-        "state_pages_total": pages.pool.num_blocks,
-    }
+def _runner_and_proposer(
+    model: DecoderLM,
+    draft: str | DecoderLM | None,
+    k: int | None,
+    kv_cache_memory: int | str,
+    pools: dict[str, Any],
+    compile: bool,
+) -> tuple[ModelRunner, Proposer | None]:
+    """The target's runner and speculation's proposer (None without a draft): a draft model's
+    runner takes its share of `kv_cache_memory` (`split_kv_budget`); with speculation both runners
+    keep a scratch block for padded verification passes (`ModelRunner`'s `ragged`)."""
+    ragged = k is not None
+    proposer: Proposer | None = PromptLookup() if draft == PROMPT_LOOKUP else None
+    if isinstance(draft, DecoderLM):
+        check_draft(model, draft)
+        kv_cache_memory, draft_memory = split_kv_budget(
+            model, draft, kv_cache_memory, pools["block_size"], pools["kv_cache_dtype"]
+        )
+        proposer = DraftModel(
+            ModelRunner(draft, kv_cache_memory=draft_memory, ragged=True, **pools)
+        )
+    runner = ModelRunner(
+        model, kv_cache_memory=kv_cache_memory, compile=compile, ragged=ragged, **pools
+    )
+    if ragged and runner.pool_blocks < 1:
+        raise DecoderLMError(
+            f"kv_cache_memory={kv_cache_memory!r} holds {runner.num_blocks} KV block; "
+            "speculative decoding needs at least 2"
+        )
+    return runner, proposer
 
 
 def _speculative_tokens(

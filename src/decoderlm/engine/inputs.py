@@ -67,3 +67,17 @@ class InputProcessor:
         if params.structured is None:
             return None
         return compile_structured(self.tokenizer, params.structured)
+
+
+def decodable_ids(tokenizer: Any, vocab_size: int) -> int:
+    """How many of a model's `vocab_size` ids the tokenizer decodes: all of them, or the
+    tokenizer's size when the model's vocabulary is padded beyond it (GPT-2's 50257 → 50304).
+    DecoderLMError if the tokenizer is larger than the model's vocabulary: it could encode ids
+    the model has no embedding for."""
+    size = getattr(tokenizer, "vocab_size", None) or vocab_size
+    if size > vocab_size:
+        raise DecoderLMError(
+            f"the tokenizer has {size} tokens but the model's vocabulary only {vocab_size}: "
+            "it is not this model's tokenizer"
+        )
+    return size

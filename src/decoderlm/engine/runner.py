@@ -1,15 +1,29 @@
-"""Sequences → model inputs → logits, after vLLM's ModelRunner (vllm/v1/worker/gpu_model_runner.py):
+"""Rows → model inputs → logits, after vLLM's ModelRunner (vllm/v1/worker/gpu_model_runner.py):
 the only part of the serving engine that runs the model and holds the paged KV cache.
 
-Each forward pass runs the same number of tokens of every sequence in it: the decode rows (one
-each; rows of different lengths attend their own blocks, read in place by
-`decoderlm.cpu.paged_attention` on the CPU, else gathered and padded under a key mask; a layer
-with a sliding window gathers only the keys inside it) or one prefill chunk. A model with
-recurrent layers keeps their states in pages of the same budget (`state_pool`), gathered for
-each pass and written back after it. With `compile`, a decode pass of up to COMPILED_ROWS rows
-runs the library compiled ahead of time (`decoderlm.cpu.paged_step`), made when the runner is;
-wider decode passes, prefill chunks, speculative verifications and models it does not take
-(recurrent layers among them) run eagerly.
+One forward over a pass's rows (`passes.Row`: each row's tokens, where they start, its blocks):
+
+- uniform rows (every row runs the same n tokens: a decode pass, a prefill chunk) are the fast
+  path: one (B, n) batch over the rows' block tables. Decode rows attend their own blocks, read in
+  place by `decoderlm.cpu.paged_attention` on the CPU, else gathered and padded under a key mask;
+  a layer with a sliding window gathers only the keys inside it. A model with recurrent layers
+  keeps their states in pages of the same budget (`state_pool`): gathered once for the pass,
+  written back after it. With `compile`, a decode pass of up to COMPILED_ROWS rows runs the
+  library compiled ahead of time (`decoderlm.cpu.paged_step`), made when the runner is; wider
+  decode passes, prefill chunks and models it does not take (recurrent layers among them) run
+  eagerly;
+- ragged rows (a speculative verification: some rows run their last token and k_b drafts, the
+  others one token; a draft model's catch-up) run packed, vLLM's layout, where every layer
+  attends in place (`PagedKVCache.packable`): all rows' tokens in one row of Σ n_b tokens, each
+  query attending its own sequence's keys up to itself (`PagedKVCache.seek_packed`), no padding;
+  else padded on the right to n = max n_b, in two passes (the one-token rows, the others):
+  queries after a row's real ones see the real keys, never the reverse (causal), so the padding
+  changes no real row's logits. The padding's K/V is written after the row's real tokens, into
+  its own blocks past what it has computed (written over before it is ever read), or, past its
+  blocks, into the runner's scratch block, which the engine's `BlockPool` never hands out
+  (`ragged=True` keeps it). `PagedKVCache.seek` reads such rows' keys left-padded, where
+  attention's bottom-right causal mask expects them. Recurrent states never run ragged: the
+  engine does not speculate over them (`state_pool.check_engine_options`).
 """
 
 from __future__ import annotations
@@ -24,7 +38,7 @@ from torch import Tensor
 from decoderlm.cpu import paged_attention, paged_step
 from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.engine.kv_pool import PagedKVCache, blocks_for
-from decoderlm.engine.scheduler import Sequence
+from decoderlm.engine.passes import Row
 from decoderlm.engine.state_pool import StatePool, split_budget
 from decoderlm.engine.step_inputs import pass_inputs
 from decoderlm.inference.generate import evaluating, next_logits
@@ -51,6 +65,7 @@ class ModelRunner:
         kv_cache_dtype: str | None,
         cpu_kernels: bool | SpeedPaths,
         compile: bool = False,
+        ragged: bool = False,
     ) -> None:
         """kv_cache_memory: the byte budget of the KV pool, which holds
         ⌊budget / (block_size · bytes per token)⌋ blocks (with recurrent layers, the blocks and
@@ -68,7 +83,9 @@ class ModelRunner:
         `decoderlm.cpu.paged_step.CompiledPagedStep` where it runs (the CPU, float32 or bfloat16
         pools, no sliding window, no recurrent layers), its library made now (compiled the
         first time on a machine, then loaded from the disk cache; `compile_s` says how long),
-        through the one-row linear kernels if the speed paths pack linears."""
+        through the one-row linear kernels if the speed paths pack linears. ragged: passes of
+        rows of different lengths will run (speculative decoding): the last block is kept out of
+        `pool_blocks` as the padding's scratch block."""
         self.model = model
         weight = model.tok_emb.weight
         self.device = weight.device
@@ -80,6 +97,7 @@ class ModelRunner:
             model.config, kv_cache_memory, block_size, weight.dtype, kv_cache_dtype
         )
         self.num_blocks = self.budget.num_blocks
+        self.scratch = self.num_blocks - 1 if ragged else None  # the padding's block, if any
         in_place = self.paths.paths.in_place_attention and paged_attention.available(
             weight.dtype, self.device
         )
@@ -126,29 +144,92 @@ class ModelRunner:
         with evaluating(self.model), self.paths:
             yield
 
-    def forward(self, seqs: list[Sequence], n: int, last_only: bool = True) -> Tensor:
-        """Run tokens [n_computed, n_computed + n) of each sequence; logits (B, V) of the last, or
-        (B, n, V) of every one (a speculative verification's)."""
-        if self.step is not None and n == 1 and last_only and len(seqs) <= self.step.max_batch:
-            return self._compiled(seqs)
-        dev = self.device
-        idx, start, table = pass_inputs(seqs, n, None, dev)  # (B, n), (B,), (B, n_blocks)
+    @property
+    def pool_blocks(self) -> int:
+        """The blocks a `BlockPool` may hand out: all but the scratch block."""
+        return self.num_blocks - (self.scratch is not None)
+
+    def forward(self, rows: list[Row]) -> Tensor:
+        """Run each row's tokens; logits (B, V) float32 of each row's last token."""
+        return self._run(rows, last_only=True)
+
+    def forward_tokens(self, rows: list[Row]) -> list[Tensor]:
+        """Run each row's tokens; logits (n_b, V) float32 of each of row b's n_b tokens."""
+        return self._run(rows, last_only=False)
+
+    def _run(self, rows: list[Row], last_only: bool) -> Tensor | list[Tensor]:
+        n = len(rows[0].tokens)
+        if all(len(row.tokens) == n for row in rows):
+            logits = self._uniform(rows, n, last_only)  # (B, V) or (B, n, V)
+            return logits if last_only else list(logits)
         if self.states is not None:
-            self.states.seek([s.state_pages for s in seqs], start)
+            raise RuntimeError("rows of different lengths cannot run over recurrent states")
+        per_row = self._packed(rows) if self.cache.packable else self._padded(rows)  # (n_b, V)
+        return torch.stack([logits[-1] for logits in per_row]) if last_only else per_row
+
+    def _uniform(self, rows: list[Row], n: int, last_only: bool) -> Tensor:
+        """Logits (B, V) of each row's last token, or (B, n, V) of every one."""
+        if self.step is not None and n == 1 and last_only and len(rows) <= self.step.max_batch:
+            token, start, table = pass_inputs(rows, self.width, self.device)  # (B, 1), (B,), (B, W)
+            return self.step(token, start[:, None], table)  # (B, V)
+        idx, start, table = pass_inputs(rows, None, self.device)  # (B, n), (B,), (B, n_blocks)
+        if self.states is not None:
+            self.states.seek([row.state_pages for row in rows], start)
         self.cache.seek(table, start, n)  # each layer cache supplies its own key mask
-        if self.states is not None:
-            self.states.seek([s.state_pages for s in seqs], start)
-        positions = start[:, None] + torch.arange(n, device=dev)  # (B, n)
+        positions = start[:, None] + torch.arange(n, device=self.device)  # (B, n)
         # (B, n|1, V)
         logits = self.model(idx, positions, None, self.layer_caches, last_only=last_only)
         if self.states is not None:
             self.states.store()
         return logits[:, -1].float() if last_only else logits.float()
 
-    def _compiled(self, seqs: list[Sequence]) -> Tensor:
-        """`forward` of one decode token per sequence by the compiled pass: logits (B, V)."""
-        token, start, table = pass_inputs(seqs, 1, self.width, self.device)  # (B, 1), (B,), (B, W)
-        return self.step(token, start[:, None], table)  # (B, V)
+    def _packed(self, rows: list[Row]) -> list[Tensor]:
+        """Logits (n_b, V) of each row's tokens, all rows' tokens in one row of Σ n_b."""
+        dev = self.device
+        width = max(len(row.blocks) for row in rows)
+        lengths = [len(row.tokens) for row in rows]
+        tables = torch.tensor(  # (N, width): each token's sequence's blocks
+            [row.blocks + [0] * (width - len(row.blocks)) for row in rows], device=dev
+        ).repeat_interleave(torch.tensor(lengths, device=dev), dim=0)
+        positions = torch.tensor(  # (N,)
+            [row.start + t for row in rows for t in range(len(row.tokens))], device=dev
+        )
+        idx = torch.tensor([[token for row in rows for token in row.tokens]], device=dev)  # (1, N)
+        self.cache.seek_packed(tables, positions)
+        logits = self.model(idx, positions[None], None, self.cache)[0].float()  # (N, V)
+        return list(logits.split(lengths))
+
+    def _padded(self, rows: list[Row]) -> list[Tensor]:
+        """Logits (n_b, V) of each row's tokens: the one-token rows in one pass, the others in
+        one padded to the longest."""
+        logits: list[Tensor | None] = [None] * len(rows)
+        for one in (True, False):
+            group = [i for i, row in enumerate(rows) if (len(row.tokens) == 1) == one]
+            if group:
+                out = self._padded_pass([rows[i] for i in group])  # (B', n, V)
+                for j, i in enumerate(group):
+                    logits[i] = out[j, : len(rows[i].tokens)]
+        return logits
+
+    def _padded_pass(self, rows: list[Row]) -> Tensor:
+        """Logits (B, n, V), n = the longest row; row b's first len(rows[b].tokens) positions
+        are its tokens', the rest padding, whose K/V past a row's blocks goes to the scratch block."""
+        if self.scratch is None:
+            raise RuntimeError("a padded pass needs the scratch block: build the runner ragged")
+        dev, size = self.device, self.cache.block_size
+        n = max(len(row.tokens) for row in rows)
+        width = max(max(len(row.blocks), blocks_for(row.start + n, size)) for row in rows)
+        table = torch.tensor(  # (B, width): each row's blocks, then the scratch block
+            [row.blocks + [self.scratch] * (width - len(row.blocks)) for row in rows], device=dev
+        )
+        start = torch.tensor([row.start for row in rows], device=dev)  # (B,)
+        idx = torch.tensor([row.tokens + [0] * (n - len(row.tokens)) for row in rows], device=dev)
+        self.cache.seek(table, start, n)
+        # (B, n); the padding's positions may pass the context: they are clamped, their logits unused.
+        positions = (start[:, None] + torch.arange(n, device=dev)).clamp(
+            max=self.model.config.context_length - 1
+        )
+        return self.model(idx, positions, None, self.cache).float()  # (B, n, V)
 
     def prompt_logprobs(self, ids: list[int]) -> Tensor:
         """Log-probabilities (T − 1, V) of prompt `ids`, in at least float32: row t is

@@ -119,13 +119,6 @@ class Scheduler:
                 self.pool.register(seq.blocks[i], keys[i])
             seq.n_registered = full
 
-    def speculate(self, seq: Sequence, drafts: list[int]) -> int:
-        """Append to decoding `seq` the first of `drafts` that `room` finds room for, so that its
-        next pass runs its last token and them, which verifies them; returns how many."""
-        k = self.room(seq, len(drafts))
-        seq.tokens += drafts[:k]
-        return k
-
     def room(self, seq: Sequence, k: int) -> int:
         """How many of k draft tokens fit after decoding `seq`'s tokens: before its max_len and in
         its blocks or free ones, which it takes (no one is preempted for them)."""

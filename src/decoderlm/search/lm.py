@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from decoderlm.engine.engine import Engine, decodable_ids
+from decoderlm.engine.engine import Engine
+from decoderlm.engine.inputs import decodable_ids
 from decoderlm.engine.streams import Collector
 from decoderlm.engine.types import (
     Completion,

@@ -22,6 +22,9 @@ from decoderlm.inference.structured import StructuredOutput
 MAX_LOGPROBS = 20
 MAX_STOPS = 4
 MAX_N = 16
+# |length_penalty| at most: L^α overflows a float once α·log2(L) > 1024 (at α = 1000 for any
+# L ≥ 3, a 500 before this bound); at 10 no context comes near it, and no beam search wants more.
+MAX_LENGTH_PENALTY = 10.0
 # The API's bounds, as vLLM's: sampling itself is safe at any positive value (it keeps the top token
 # and works in float64), but values this small only mean "greedy", which GREEDY_BELOW makes exact.
 GREEDY_BELOW = 1e-5
@@ -113,6 +116,8 @@ class Generation(_Body):
     )
     length_penalty: float = Field(
         1.0,
+        ge=-MAX_LENGTH_PENALTY,
+        le=MAX_LENGTH_PENALTY,
         description="beam search's score, as vLLM's: log-probability / L^length_penalty, "
         "L = prompt + generated tokens, less one if the last is end-of-text",
     )
