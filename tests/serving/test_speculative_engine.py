@@ -164,7 +164,7 @@ def test_serve_refuses_bad_speculation_flags_before_loading(tmp_path, capsys, fl
     assert err.startswith("decoderlm: error: --num-speculative-tokens=") and err.count("\n") == 1
 
 
-# A draft model in the batch (`serving.draft`).
+# A draft model in the batch (`engine.proposers.DraftModel`).
 
 
 def other_shape_draft(tok: Tokenizer) -> DecoderLM:

@@ -117,26 +117,29 @@ class ModelRunner:
             )
         self.layer_caches = self.cache if self.states is None else self.states.with_kv(self.cache)
         self.width = blocks_for(model.config.context_length, block_size)  # a table's most blocks
-        self.step: paged_step.CompiledPagedStep | None = None
-        self.compile_s = 0.0
-        if (
-            compile
-            and self.states is None
-            and kv_cache_dtype is None
+        self.step = self._compiled_step() if compile and kv_cache_dtype is None else None
+        self.compile_s = 0.0 if self.step is None else self.step.compile_s
+
+    def _compiled_step(self) -> paged_step.CompiledPagedStep | None:
+        """The compiled decode pass over this runner's pools, where it runs (else None)."""
+        model, weight = self.model, self.model.tok_emb.weight
+        if not (
+            self.states is None
             and self.num_blocks >= 2
             and paged_step.compiles(model, weight.dtype, self.device)
         ):
-            self.step = paged_step.CompiledPagedStep(
-                model,
-                [layer.k for layer in self.cache.layers],
-                [layer.v for layer in self.cache.layers],
-                next_logits,
-                width=self.width,
-                max_batch=COMPILED_ROWS,
-                linear_kernels=self.paths.paths.packed_linears,
-            )
-            self.compile_s = self.step.compile_s
-            log.info("decoderlm engine: the compiled decode pass took %.1f s", self.compile_s)
+            return None
+        step = paged_step.CompiledPagedStep(
+            model,
+            [layer.k for layer in self.cache.layers],
+            [layer.v for layer in self.cache.layers],
+            next_logits,
+            width=self.width,
+            max_batch=COMPILED_ROWS,
+            linear_kernels=self.paths.paths.packed_linears,
+        )
+        log.info("decoderlm engine: the compiled decode pass took %.1f s", step.compile_s)
+        return step
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:

@@ -101,7 +101,9 @@ class SpeculativeStats:
 
 
 class Proposer(Protocol):
-    """Guesses the next tokens of one row."""
+    """Guesses the next tokens of one row that `generate` decodes alone (B = 1, over its own
+    cache). The engine's proposers (`decoderlm.engine.proposers`) guess for every speculating
+    sequence of a batch at once, over the paged pool; their prompt lookup runs this one's."""
 
     def propose(self, tokens: list[int], k: int) -> tuple[list[int], Tensor | None]:
         """Up to k tokens to follow `tokens` (the row so far), and the distributions (k', V)

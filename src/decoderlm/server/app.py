@@ -183,8 +183,7 @@ async def _completions(state: ServerState, body: CompletionRequest) -> Response:
     if body.use_beam_search:
         return await _beam_completions(state, request_id, created, body, prompts, rooms)
     for p, ((ids, echo), max_tokens) in enumerate(zip(prompts, rooms, strict=True)):
-        params = protocol.to_params(body, max_tokens, body.logprobs)
-        params = ranked.sampled(params, body) if ranked.selects(body) else params
+        params = ranked.engine_params(protocol.to_params(body, max_tokens, body.logprobs), body)
         streams.append(RequestStream(state, f"{request_id}-{p}", ids, params, p * per_prompt))
         echoes += [echo] * body.n
     await start_all(state, streams)
@@ -248,8 +247,7 @@ async def _chat(state: ServerState, body: ChatRequest) -> Response:
             logprobs,
             lambda owners: ChatFormat(served, len(owners), logprobs is not None),
         )
-    params = ranked.sampled(params, body) if ranked.selects(body) else params
-    streams = [RequestStream(state, request_id, ids, params, 0)]
+    streams = [RequestStream(state, request_id, ids, ranked.engine_params(params, body), 0)]
     fmt = ChatFormat(served, body.n, logprobs is not None)
     await start_all(state, streams)
     if ranked.selects(body):

@@ -36,44 +36,61 @@ class _EngineCollector(Collector):
             return
         if stats is None:
             return
-        gauges = {
-            "requests_running": ("sequences decoding now", stats.running),
-            "requests_waiting": ("requests queued, not yet admitted", stats.waiting),
-            "kv_blocks_used": ("KV-cache blocks in use", stats.kv_blocks_used),
-            "kv_blocks_total": ("KV-cache blocks in the pool", stats.kv_blocks_total),
-            "state_pages_used": ("pages holding recurrent states", stats.state_pages_used),
-            "state_pages_total": ("pages recurrent states can take", stats.state_pages_total),
-            "max_running_seen": ("most sequences decoding at once", stats.max_running_seen),
-            "generation_tokens_per_second": ("recent generated tokens/s", stats.tokens_per_s),
-            "speculative_acceptance_rate": (
-                "accepted / proposed speculative tokens",
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        metrics = (  # (kind, name, help, value)
+            (gauge, "requests_running", "sequences decoding now", stats.running),
+            (gauge, "requests_waiting", "requests queued, not yet admitted", stats.waiting),
+            (gauge, "kv_blocks_used", "KV-cache blocks in use", stats.kv_blocks_used),
+            (gauge, "kv_blocks_total", "KV-cache blocks in the pool", stats.kv_blocks_total),
+            (gauge, "state_pages_used", "pages holding recurrent states", stats.state_pages_used),
+            (
+                gauge,
+                "state_pages_total",
+                "pages recurrent states can take",
+                stats.state_pages_total,
+            ),
+            (gauge, "max_running_seen", "most sequences decoding at once", stats.max_running_seen),
+            (
+                gauge,
+                "generation_tokens_per_second",
+                "recent generated tokens/s",
+                stats.tokens_per_s,
+            ),
+            (
+                gauge,
+                "speculative_acceptance_rate",
+                "accepted / proposed draft tokens",
                 stats.speculative_acceptance_rate,
             ),
-            "speculative_mean_accepted_length": (
-                "accepted speculative tokens per verification",
+            (
+                gauge,
+                "speculative_mean_accepted_length",
+                "accepted draft tokens per verification",
                 stats.speculative_mean_accepted_length,
             ),
-        }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
-        counters = {
-            "prompt_tokens": ("prompt tokens received", stats.prompt_tokens),
-            "generation_tokens": ("tokens generated", stats.generated_tokens),
-            "prefix_cache_hit_tokens": (
+            (counter, "prompt_tokens", "prompt tokens received", stats.prompt_tokens),
+            (counter, "generation_tokens", "tokens generated", stats.generated_tokens),
+            (
+                counter,
+                "prefix_cache_hit_tokens",
                 "prompt tokens served from cached KV blocks",
                 stats.prefix_cache_hit_tokens,
             ),
-            "speculative_proposed_tokens": (
-                "tokens proposed by prompt lookup",
+            (
+                counter,
+                "speculative_proposed_tokens",
+                "draft tokens proposed by speculative decoding (prompt lookup or a draft model)",
                 stats.speculative_proposed,
             ),
-            "speculative_accepted_tokens": (
-                "proposed tokens accepted",
+            (
+                counter,
+                "speculative_accepted_tokens",
+                "draft tokens the target accepted",
                 stats.speculative_accepted,
             ),
-        }
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        )
+        for kind, name, doc, value in metrics:
+            yield kind(f"{PREFIX}_{name}", doc, value=value)
 
 
 class Metrics:

@@ -108,8 +108,11 @@ def check(body: Generation) -> None:
         )
 
 
-def sampled(params: RequestParams, body: Generation) -> RequestParams:
-    """A best_of request's engine parameters: best_of sequences, with their log-probabilities."""
+def engine_params(params: RequestParams, body: Generation) -> RequestParams:
+    """A request's engine parameters: for a best_of that selects, best_of sequences with their
+    log-probabilities (what `best_of` ranks by); otherwise `params` as they are."""
+    if not selects(body):
+        return params
     logprobs = 0 if params.logprobs is None else params.logprobs
     return dataclasses.replace(params, n=candidates(body), logprobs=logprobs)
 
