@@ -110,6 +110,39 @@ class _Node:
             return False
         return widening > 0 or not self.expansions or any(c.open(widening) for c in self.children)
 
+    def select(self, widening: float, c: float) -> _Node:
+        """The node to expand: down from this one by UCT (exploration `c`) to a node that may be
+        expanded, or whose children are all complete (widened: reached only with widening)."""
+        node = self
+        while not node.can_expand(widening):
+            live = [child for child in node.children if child.open(widening)]
+            if not live:
+                break
+            node = max(live, key=lambda child: child.uct(c))
+        return node
+
+    def grow(
+        self, samples: list[Sample], tokens: dict[str, int]
+    ) -> tuple[list[_Node], list[_Node]]:
+        """Expand it by sampled next steps, a repeated line one child: (the new children, the
+        child each sample reached, repeats included); `tokens` gets each new child's generated
+        tokens along its path."""
+        self.expansions += 1
+        known = {child.text: child for child in self.children}
+        new: list[_Node] = []
+        sampled: list[_Node] = []
+        for sample in samples:
+            text, complete = _step(self.text, sample)
+            if text not in known:
+                tokens[text] = tokens[self.text] + sample.tokens
+                known[text] = _Node(text, self, complete)
+                new.append(known[text])
+            sampled.append(known[text])
+        self.children = list(known.values())
+        if not any(s.tokens for s in samples):  # at the model's context: nothing follows it
+            self.complete = True
+        return new, sampled
+
     def uct(self, c: float) -> float:
         parent = self.parent.visits if self.parent is not None else self.visits
         return self.value / self.visits + c * math.sqrt(math.log(parent) / self.visits)
@@ -154,28 +187,10 @@ def mcts(
     tokens: dict[str, int] = {"": 0}
     values: dict[str, float] = {}  # each child's value, by its text
     while root.open(widening) and expand * (step_tokens + rollout_tokens) <= spend.left:
-        node = root
-        while not node.can_expand(widening):
-            live = [c for c in node.children if c.open(widening)]
-            if not live:  # every child complete: widen this node (only reached with widening)
-                break
-            node = max(live, key=lambda c: c.uct(exploration))
+        node = root.select(widening, exploration)
         group = spend.sample(lm, [prompt + node.text], expand, step_tokens, STEP_END, temperature)
         assert group is not None  # the loop's condition left room for it
-        node.expansions += 1
-        known = {c.text: c for c in node.children}
-        new: list[_Node] = []
-        sampled: list[_Node] = []  # the child each sample reached, repeats included
-        for sample in group[0]:
-            text, complete = _step(node.text, sample)
-            if text not in known:
-                tokens[text] = tokens[node.text] + sample.tokens
-                known[text] = _Node(text, node, complete)
-                new.append(known[text])
-            sampled.append(known[text])
-        node.children = list(known.values())
-        if not any(s.tokens for s in group[0]):  # at the model's context: nothing follows it
-            node.complete = True
+        new, sampled = node.grow(group[0], tokens)
         solutions = {c.text: c.text for c in new}
         unfinished = [c.text for c in new if not c.complete] if rollout_tokens else []
         if unfinished:  # one batched call: a rollout of each unfinished child
