@@ -31,7 +31,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.model.cache.protocol import BaseLayerCache, LayerCaches
 from decoderlm.model.cache.static import StaticLayerCache
 from decoderlm.model.cache.step import CacheStep
-from decoderlm.model.cache.storage import kv_buffer
+from decoderlm.model.cache.storage import layer_kv_buffers
 from decoderlm.model.config import ModelConfig
 
 
@@ -128,13 +128,12 @@ class HybridCache(LayerCaches):
         device: torch.device | str = "cpu",
         kv_cache_dtype: str | None = None,
     ) -> None:
-        kv_shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
         state_dtype = recurrent_state_dtype(dtype)
         layers: list[StaticLayerCache | RecurrentLayerCache] = []
         for i in range(config.n_layers):
             kind = config.layer_type(i)
             if kind == "attention":
-                kv = (kv_buffer(kv_shape, dtype, device, kv_cache_dtype) for _ in "kv")
+                kv = layer_kv_buffers(config, batch_size, max_len, dtype, device, kv_cache_dtype)
                 layers.append(StaticLayerCache(*kv))
                 continue
             conv, state = recurrent_state_shapes(config, kind, batch_size)
