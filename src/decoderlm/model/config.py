@@ -457,7 +457,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         d_ff=768,
         tie_embeddings=True,
     ),
-    # ~55M: the shape of the decode benchmark (issue "Inference"), 8 query heads sharing 2 K/V heads.
+    # ~55M: the shape of the decode benchmark (benchmarks/decode.py), 8 query heads, 2 K/V heads.
     "llama-55m": dict(
         _LLAMA,
         vocab_size=32000,
