@@ -248,3 +248,17 @@ def test_the_recurrent_presets_build_and_run(name: str) -> None:
     kinds = [block.kind for block in m.blocks]
     assert kinds == list(config.layer_types)
     assert m(torch.randint(0, 2048, (1, 70))).shape == (1, 70, 2048)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
+def test_the_config_counts_what_the_model_builds(kind: str) -> None:
+    """n_attention_layers and recurrent_conv_channels, the one home of each count, are the
+    built model's: its attention blocks, its mixer's conv, and the cache's conv state."""
+    m = model(kind, n_layers=3, layer_types=(kind, "attention", kind))
+    config = m.config
+    assert config.n_attention_layers == 1 == sum(b.kind == "attention" for b in m.blocks)
+    conv = m.blocks[0].mixer.conv1d
+    channels = 2 * 2 * 6 + 4 * 5  # 2·H_k·d_k + H·d_v
+    assert conv.in_channels == config.recurrent_conv_channels == channels
+    cache = HybridCache(config, batch_size=3, max_len=8)
+    assert cache.layers[0].conv.shape == (3, channels, config.recurrent_conv - 1)

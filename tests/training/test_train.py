@@ -21,9 +21,11 @@ from safetensors.torch import load_file
 from decoderlm import ModelConfig, checkpoint, data, trainer_state
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.lm import DecoderLM
+from decoderlm.training.distributed import DistInfo
 from decoderlm.training.optim import clip_and_step, learning_rate, param_groups
 from decoderlm.training.run import resolve_run
 from decoderlm.training.runtime import resolve_dtype
+from decoderlm.training.stopping import stop_reason
 from decoderlm.training.train_config import TrainConfig
 from decoderlm.training.trainer import Trainer, train
 
@@ -421,3 +423,18 @@ def test_auto_threads_leave_out_the_cores_busy_right_now(monkeypatch):
     assert runtime.cpu_threads() == 1  # never fewer than one
     monkeypatch.setattr(runtime, "busy_cores", lambda: 0.0)
     assert runtime.cpu_threads() == 4
+
+
+def test_a_run_stops_at_its_step_limit_its_time_limit_or_on_request_which_wins() -> None:
+    one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    cfg = TrainConfig(max_steps=10, max_time=60.0)
+    assert stop_reason(cfg, 9, 59.9, False, one) is None
+    assert stop_reason(cfg, 10, 0.0, False, one) == "max_steps"
+    assert stop_reason(cfg, 3, 60.0, False, one) == "max_time"
+    assert stop_reason(cfg, 10, 60.0, True, one) == "interrupted"  # saved as a stop, not a limit
+    steps_only = TrainConfig(max_steps=10, max_time=0.0)
+    assert steps_only.time_limit == 0  # no time limit: the clock never stops it
+    assert stop_reason(steps_only, 9, 1e9, False, one) is None
+    time_only = TrainConfig(max_steps=0, max_time=60.0)
+    assert stop_reason(time_only, 10**9, 59.9, False, one) is None
+    assert stop_reason(time_only, 10**9, 60.0, False, one) == "max_time"

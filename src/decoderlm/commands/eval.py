@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from decoderlm.commands.generate import add_cpu_kernels_argument, add_kv_cache_dtype_argument
+from decoderlm.commands.generate import (
+    add_cpu_kernels_argument,
+    add_kv_cache_dtype_argument,
+    add_weights_arguments,
+    load_model_and_tokenizer,
+)
 
 HELP = "loss, perplexity and bits per byte of a checkpoint on a text file"
 
@@ -35,22 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="W",
         help="window positions per loss bucket in the per-position table (default: T/8)",
     )
-    parser.add_argument(
-        "--dtype", default=None, help="weights dtype: float32 (default), bfloat16, float16"
-    )
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    add_weights_arguments(parser)
     add_cpu_kernels_argument(parser)
     add_kv_cache_dtype_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from decoderlm.errors import DecoderLMError
     from decoderlm.inference.evaluate import evaluate_file
-    from decoderlm.loading import load
 
-    model, tokenizer = load(args.checkpoint, device=args.device, dtype=args.dtype)
-    if tokenizer is None:
-        raise DecoderLMError(f"{args.checkpoint} has no tokenizer.json, so text cannot be encoded")
+    model, tokenizer = load_model_and_tokenizer(args)
     result = evaluate_file(
         model,
         tokenizer,

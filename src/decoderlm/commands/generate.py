@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from decoderlm.data import read_text_file
 from decoderlm.errors import DecoderLMError
+
+if TYPE_CHECKING:
+    from decoderlm.model.lm import DecoderLM
+    from decoderlm.tokenizer import Tokenizer
 
 HELP = "generate text from a checkpoint, streamed to stdout as the tokens arrive"
 
@@ -52,10 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep generating past the context length: drop the oldest quarter, refill the cache",
     )
-    parser.add_argument(
-        "--dtype", default=None, help="weights dtype: float32 (default), bfloat16, float16"
-    )
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    add_weights_arguments(parser)
     parser.add_argument(
         "--compile",
         action="store_true",
@@ -75,6 +76,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="tokens proposed per step with --draft (default 4)",
     )
+
+
+def add_weights_arguments(parser: argparse.ArgumentParser) -> None:
+    """--dtype and --device: where `load_model_and_tokenizer` puts the weights (generate and eval)."""
+    parser.add_argument(
+        "--dtype", default=None, help="weights dtype: float32 (default), bfloat16, float16"
+    )
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+
+
+def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[DecoderLM, Tokenizer]:
+    """The model of --checkpoint, with --device and --dtype, and its tokenizer (which it must
+    have: the commands that call this encode text)."""
+    from decoderlm.loading import load
+
+    model, tokenizer = load(args.checkpoint, device=args.device, dtype=args.dtype)
+    if tokenizer is None:
+        raise DecoderLMError(f"{args.checkpoint} has no tokenizer.json, so text cannot be encoded")
+    return model, tokenizer
 
 
 def add_kv_cache_dtype_argument(parser: argparse.ArgumentParser) -> None:
@@ -100,15 +120,12 @@ def add_cpu_kernels_argument(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from decoderlm.inference.sampling import SamplingParams
     from decoderlm.inference.stream import stream
-    from decoderlm.loading import load
 
     prompt = _read_prompt(args)
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty)
     if args.num_samples < 1:
         raise DecoderLMError(f"--num-samples={args.num_samples} must be ≥ 1")
-    model, tokenizer = load(args.checkpoint, device=args.device, dtype=args.dtype)
-    if tokenizer is None:
-        raise DecoderLMError(f"{args.checkpoint} has no tokenizer.json, so text cannot be encoded")
+    model, tokenizer = load_model_and_tokenizer(args)
     max_new = args.max_new_tokens
     if max_new is None:  # the default stops where the context is full, unless it may slide
         room = model.config.context_length - len(tokenizer.encode(prompt))

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+    from decoderlm.model.config import ModelConfig
+    from decoderlm.model.lm import DecoderLM
 
 HELP = "parameters, FLOPs per token and KV-cache size (vs MHA and MQA) of a checkpoint or preset"
 
@@ -39,19 +42,28 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from decoderlm.dtypes import parse_dtype
-    from decoderlm.errors import DecoderLMError
     from decoderlm.loading import read_config
-    from decoderlm.model.cache import (
-        attention_kind,
-        kv_cache_table,
-        recurrent_state_bytes,
-    )
-    from decoderlm.model.cache.sizes import attention_layers
     from decoderlm.model.config import ModelConfig
     from decoderlm.model.lm import DecoderLM
 
     config = ModelConfig.from_preset(args.preset) if args.preset else read_config(args.checkpoint)
     dtype = "int8" if args.dtype == "int8" else str(parse_dtype(args.dtype)).removeprefix("torch.")
+    window, window_layers = _window(args, config)
+    with torch.device("meta"):  # shapes only: no memory, no initialisation cost
+        model = DecoderLM(config)
+    info = _info(args.preset or args.checkpoint, config, model, dtype, window, window_layers)
+    if args.json:
+        print(json.dumps(info))
+    else:
+        _print_table(info, config, _window_label(window, window_layers))
+    return 0
+
+
+def _window(args: argparse.Namespace, config: ModelConfig) -> tuple[int | None, int | None]:
+    """(window W or None, the number of windowed layers or None: all): --window W in every layer,
+    else the model's own sliding window."""
+    from decoderlm.errors import DecoderLMError
+
     window, window_layers = getattr(config, "sliding_window", None), None
     if window is not None and getattr(config, "sliding_window_layers", None) is not None:
         window_layers = len(config.sliding_window_layers)
@@ -59,10 +71,32 @@ def run(args: argparse.Namespace) -> int:
         if args.window < 1:
             raise DecoderLMError(f"--window={args.window} must be a number of tokens ≥ 1")
         window, window_layers = args.window, None
-    with torch.device("meta"):  # shapes only: no memory, no initialisation cost
-        model = DecoderLM(config)
-    info = {
-        "source": args.preset or args.checkpoint,
+    return window, window_layers
+
+
+def _window_label(window: int | None, window_layers: int | None) -> str | None:
+    """The table's name of the sliding window's rows; None without a window."""
+    if window is None:
+        return None
+    return f"window {window:,}" + (f" in {window_layers} layers" if window_layers else "")
+
+
+def _info(
+    source: str,
+    config: ModelConfig,
+    model: DecoderLM,
+    dtype: str,
+    window: int | None,
+    window_layers: int | None,
+) -> dict[str, Any]:
+    """What `--json` prints: the shape, parameters and FLOPs, and the cache's bytes in `dtype` and
+    in each of KV_DTYPES (the K/V at each of CONTEXTS, also in a sliding `window` of
+    `window_layers` layers (None: all); the recurrent states at any context)."""
+    from decoderlm.model.cache import attention_kind, kv_cache_table, recurrent_state_bytes
+
+    dtypes = dict.fromkeys((*KV_DTYPES, dtype))
+    return {
+        "source": source,
         "attention": attention_kind(config),
         "n_layers": config.n_layers,
         "n_heads": config.n_heads,
@@ -78,17 +112,18 @@ def run(args: argparse.Namespace) -> int:
         "kv_cache": kv_cache_table(config, CONTEXTS, _kv_dtype(dtype), window, window_layers),
         "kv_cache_by_dtype": {
             name: kv_cache_table(config, CONTEXTS, _kv_dtype(name), window, window_layers)
-            for name in dict.fromkeys((*KV_DTYPES, dtype))
+            for name in dtypes
         },
         # per sequence at any context: the recurrent layers' conv and matrix states
         "recurrent_state_bytes": {
-            name: recurrent_state_bytes(config, _state_dtype(name))
-            for name in dict.fromkeys((*KV_DTYPES, dtype))
+            name: recurrent_state_bytes(config, _state_dtype(name)) for name in dtypes
         },
     }
-    if args.json:
-        print(json.dumps(info))
-        return 0
+
+
+def _print_table(info: dict[str, Any], config: ModelConfig, window_label: str | None) -> None:
+    """The shape, parameters and FLOPs, then the cache's bytes per dtype: a row per attention
+    variant (this model's, MHA, MQA), with the window's row under each, and the recurrent state."""
     print(
         f"{info['source']}: {config.n_layers} layers, d_model {config.d_model}, "
         f"{config.n_heads} heads of {config.head_dim}, {info['attention']} with "
@@ -100,27 +135,27 @@ def run(args: argparse.Namespace) -> int:
         f"{_si(info['training_flops_per_token'])} training (at context {config.context_length:,})"
     )
     header = "".join(f"{_tokens(n):>12}" for n in CONTEXTS)
-    if window is not None:
-        layers = info["kv_cache_window_layers"]
-        window_label = f"window {window:,}" + (f" in {layers} layers" if window_layers else "")
     print("KV cache (batch 1)".ljust(30) + f"{'per token':>11}{header}")
     for name, rows in info["kv_cache_by_dtype"].items():
         print(f"  {name}{KV_DTYPE_NOTES.get(name, '')}")
         for row in rows:
-            heads = f"{row['n_kv_heads']} KV head" + ("s" if row["n_kv_heads"] > 1 else "")
-            label = f"{row['attention']}, {heads}" + (
-                " (this)" if row["variant"] == "model" else ""
-            )
-            sizes = "".join(f"{_bytes(row['bytes_at'][n]):>12}" for n in CONTEXTS)
-            print(f"    {label:<26}{_bytes(row['bytes_per_token']):>11}{sizes}")
-            if window is not None:
-                sizes = "".join(f"{_bytes(row['bytes_at_windowed'][n]):>12}" for n in CONTEXTS)
-                print(f"      {window_label:<24}{'':>11}{sizes}")
+            _print_cache_rows(row, window_label)
         if config.has_recurrent_layers:  # the same at every context
             state = _bytes(info["recurrent_state_bytes"][name])
-            label = f"recurrent state, {config.n_layers - attention_layers(config)} layers"
+            label = f"recurrent state, {config.n_layers - config.n_attention_layers} layers"
             print(f"    {label:<26}{'-':>11}" + f"{state:>12}" * len(CONTEXTS))
-    return 0
+
+
+def _print_cache_rows(row: dict[str, Any], window_label: str | None) -> None:
+    """One attention variant's cache bytes per token and at each context, and under it those of
+    the sliding window, when there is one (`window_label`)."""
+    heads = f"{row['n_kv_heads']} KV head" + ("s" if row["n_kv_heads"] > 1 else "")
+    label = f"{row['attention']}, {heads}" + (" (this)" if row["variant"] == "model" else "")
+    sizes = "".join(f"{_bytes(row['bytes_at'][n]):>12}" for n in CONTEXTS)
+    print(f"    {label:<26}{_bytes(row['bytes_per_token']):>11}{sizes}")
+    if window_label is not None:
+        sizes = "".join(f"{_bytes(row['bytes_at_windowed'][n]):>12}" for n in CONTEXTS)
+        print(f"      {window_label:<24}{'':>11}{sizes}")
 
 
 def _state_dtype(name: str) -> torch.dtype:

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ from decoderlm.inference.prompts import Prompt, make_generator, prompt_rows
 from decoderlm.inference.sampling import SamplingParams, sample_next, sampling_params
 from decoderlm.inference.speculative import DEFAULT_NUM_SPECULATIVE_TOKENS, Draft, SpeculativeStats
 from decoderlm.inference.structured import Matcher, StructuredGrammar, accept_tokens, mask_logits
-from decoderlm.model.cache import CacheStep, LayerCache
+from decoderlm.model.cache import CacheStep, LayerCache, LayerCaches
 from decoderlm.model.lm import DecoderLM
 
 # Rows stop being checked for end-of-text on every step (a host sync); `generate` looks every this many.
@@ -137,74 +138,134 @@ def decode_steps(
     options = DecodeOptions() if options is None else options
     cfg = model.config
     context = cfg.context_length
-    unbounded = cfg.decodes_past_context  # the ring never fills: no refill, no length limit
     options.check(model, rows, max_new_tokens)
-    compile, paths = options.compile, options.paths
-    n, max_len = _fill_lengths(rows, max_new_tokens, context, compile)
-    device = model.tok_emb.weight.device
+    n, max_len = _fill_lengths(rows, max_new_tokens, context, options.compile)
     cache = options.cache(model, len(rows), max_len)
-    step = None
-    if compile:
-        step = CompiledStep(
-            model,
-            cache,
-            next_logits,
-            linear_kernels=paths.linear_kernels,
-            in_place_attention=paths.in_place_attention,
-        )
-    seen = None
-    if params.repetition_penalty != 1.0:
-        seen = torch.zeros(len(rows), cfg.vocab_size, dtype=torch.bool, device=device)  # (B, V)
-        for b, row in enumerate(rows):
-            seen[b, row] = True
-
-    produced = 0
+    seen = _seen_tokens(rows, params, cfg.vocab_size, model.tok_emb.weight.device)
+    decoder = _Decoder(model, cache, options, params, generator, matchers, seen)
+    left = max_new_tokens
     while True:  # one pass per cache fill; more than one only with refill_past_context
+        new = yield from decoder.fill(rows, n, max_len, left)
+        left -= len(new)
+        if left == 0:
+            return
+        keep = context - max(1, context // 4)  # the refill: the newest 3/4 of the context
+        generated = torch.stack(new, dim=1).tolist()  # (B, n_new)
+        rows = [(row + extra)[-keep:] for row, extra in zip(rows, generated, strict=True)]
+        n = keep
+
+
+def _seen_tokens(
+    rows: list[list[int]], params: SamplingParams, vocab_size: int, device: torch.device
+) -> Tensor | None:
+    """(B, V): the tokens each row holds, which the repetition penalty lowers; None without one."""
+    if params.repetition_penalty == 1.0:
+        return None
+    seen = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)  # (B, V)
+    for b, row in enumerate(rows):
+        seen[b, row] = True
+    return seen
+
+
+@dataclass
+class _Decoder:
+    """What every cache fill of one `decode_steps` call shares: the model and its cache, the
+    compiled one-token step (with `compile`), how to pick tokens and what each row has seen."""
+
+    model: DecoderLM
+    cache: LayerCaches
+    options: DecodeOptions
+    params: SamplingParams
+    generator: torch.Generator | None
+    matchers: Sequence[Matcher | None] | None
+    seen: Tensor | None  # (B, V), for the repetition penalty
+    step: CompiledStep | None = field(init=False)  # the compiled one-token step, with `compile`
+    unbounded: bool = field(init=False)  # the ring never fills: no refill, no length limit
+
+    def __post_init__(self) -> None:
+        paths = self.options.paths
+        self.step = None
+        if self.options.compile:
+            self.step = CompiledStep(
+                self.model,
+                self.cache,
+                next_logits,
+                linear_kernels=paths.linear_kernels,
+                in_place_attention=paths.in_place_attention,
+            )
+        self.unbounded = self.model.config.decodes_past_context
+
+    def fill(
+        self, rows: list[list[int]], n: int, max_len: int, budget: int
+    ) -> Generator[Tensor, None, list[Tensor]]:
+        """Prefill the cache with `rows` left-padded to n tokens, then yield one new token per
+        row (B,) per step, into slots n, n + 1, …, until `budget` tokens or a full cache (never
+        when unbounded); returns the tokens yielded."""
+        logits, pad, filled, padded = self.prefill(rows, n, max_len)
+        new: list[Tensor] = []
+        slot = torch.zeros(1, dtype=torch.long, device=pad.device)  # (1,) the slot being written
+        while True:
+            token = self.pick(logits)  # (B,)
+            yield token
+            new.append(token)
+            if len(new) == budget:
+                return new
+            if self.seen is not None:
+                self.seen.scatter_(1, token[:, None], True)
+            if n == max_len and not self.unbounded:
+                return new  # the cache is full: slide the window
+            slot.fill_(n)
+            if self.step is not None:  # fixed shapes: attends the whole buffer, masked in the step
+                logits = self.step(token[:, None], slot, pad)
+            else:
+                logits = self.one_token(token, slot, n, pad, filled if padded else None)
+            n += 1
+
+    def prefill(
+        self, rows: list[list[int]], n: int, max_len: int
+    ) -> tuple[Tensor, Tensor, Tensor, bool]:
+        """Run `rows`, left-padded to n tokens, into the cache's first n slots: (logits (B, V) of
+        each row's next token, pad (B,) its padding, filled (B, S) the slots holding a real token,
+        whether any row is padded)."""
+        device = self.model.tok_emb.weight.device
+        compile, paths = self.options.compile, self.options.paths
         pad = torch.tensor([n - len(row) for row in rows], device=device)  # (B,) left padding
         slots = torch.arange(max_len, device=device)  # (S,)
         filled = slots[None, :] >= pad[:, None]  # (B, S) key mask: real tokens, not padding
         padded = bool(pad.any())
         idx = torch.tensor([[0] * (n - len(row)) + row for row in rows], device=device)  # (B, n)
         positions = (slots[None, :n] - pad[:, None]).clamp(min=0)  # (B, n): 0 at the 1st token
-        cache.seek(CacheStep.span(0, n, device, filled[:, :n] if padded else None))
+        self.cache.seek(CacheStep.span(0, n, device, filled[:, :n] if padded else None))
         prefill = compiled_prefill() if compile else next_logits
         with paths.linear(compile or n > 1, compiling=compile):
-            logits = prefill(model, cache, idx, positions, filled[:, :n] if padded else None)
+            logits = prefill(
+                self.model, self.cache, idx, positions, filled[:, :n] if padded else None
+            )
         filled &= slots < n  # from here on: the slots holding a real token
-        new: list[Tensor] = []
-        slot = torch.zeros(1, dtype=torch.long, device=device)  # (1,) the slot being written
-        while True:
-            if matchers is not None:
-                mask_logits(logits, matchers)
-            token = sample_next(logits, params, seen, generator)  # (B,)
-            if matchers is not None:
-                accept_tokens(matchers, token)
-            yield token
-            new.append(token)
-            produced += 1
-            if produced == max_new_tokens:
-                return
-            if seen is not None:
-                seen.scatter_(1, token[:, None], True)
-            if n == max_len and not unbounded:
-                break  # the cache is full: slide the window
-            slot.fill_(n)
-            if step is not None:  # fixed shapes: attends the whole buffer, masked in the step
-                logits = step(token[:, None], slot, pad)
-            else:
-                key_padding_mask = None  # rings hand attention their own key mask
-                if not unbounded:
-                    filled[:, n] = True
-                    key_padding_mask = filled[:, : n + 1] if padded else None
-                cache.seek(CacheStep(slot, n + 1))
-                logits = next_logits(
-                    model, cache, token[:, None], (slot - pad)[:, None], key_padding_mask
-                )
-            n += 1
-        keep = context - max(1, context // 4)
-        generated = torch.stack(new, dim=1).tolist()  # (B, n_new)
-        rows = [(row + extra)[-keep:] for row, extra in zip(rows, generated, strict=True)]
-        n = keep
+        return logits, pad, filled, padded
+
+    def one_token(
+        self, token: Tensor, slot: Tensor, n: int, pad: Tensor, filled: Tensor | None
+    ) -> Tensor:
+        """Logits (B, V) after token (B,) written into slot n (eager); `filled` (B, S) the slots
+        holding a real token, None when no row is padded."""
+        key_padding_mask = None  # rings hand attention their own key mask
+        if not self.unbounded and filled is not None:
+            filled[:, n] = True
+            key_padding_mask = filled[:, : n + 1]
+        self.cache.seek(CacheStep(slot, n + 1))
+        positions = (slot - pad)[:, None]  # (B, 1)
+        return next_logits(self.model, self.cache, token[:, None], positions, key_padding_mask)
+
+    def pick(self, logits: Tensor) -> Tensor:
+        """The next token (B,) of every row from its logits (B, V): masked by the row's grammar
+        (structured output), sampled, and taken by the grammar."""
+        if self.matchers is not None:
+            mask_logits(logits, self.matchers)
+        token = sample_next(logits, self.params, self.seen, self.generator)  # (B,)
+        if self.matchers is not None:
+            accept_tokens(self.matchers, token)
+        return token
 
 
 def generate(
@@ -260,58 +321,109 @@ def generate(
     rows = [row for row in prompt_rows(prompt, model.config.vocab_size) for _ in range(num_samples)]
     options = DecodeOptions.of(compile, cpu_kernels, kv_cache_dtype, refill_past_context)
     options.check(model, rows, max_new_tokens)
-    k = num_speculative_tokens
+    k = _speculative_tokens(model, draft, num_speculative_tokens, rows, max_new_tokens, options)
+    if max_new_tokens == 0:
+        return rows
+    generator = make_generator(seed, model.tok_emb.weight.device)
+    matchers, eos_id = _structured_matchers(structured, draft, rows, eos_id)
+    if draft is not None:
+        return _speculative_rows(
+            model,
+            rows,
+            max_new_tokens,
+            params,
+            draft,
+            k,
+            generator,
+            options,
+            eos_id,
+            speculative_stats,
+        )
+    with evaluating(model), options.paths.applied(model):
+        steps = decode_steps(model, rows, max_new_tokens, params, generator, options, matchers)
+        new = _until_every_row_ends(steps, eos_id, len(rows), model.tok_emb.weight.device)
+    generated = torch.stack(new, dim=1).tolist()  # (B, n_new): the only host copy of the tokens
+    return [row + _until(extra, eos_id) for row, extra in zip(rows, generated, strict=True)]
+
+
+def _speculative_tokens(
+    model: DecoderLM,
+    draft: Draft | None,
+    k: int | None,
+    rows: list[list[int]],
+    max_new_tokens: int,
+    options: DecodeOptions,
+) -> int | None:
+    """K, the tokens a draft proposes per step (default DEFAULT_NUM_SPECULATIVE_TOKENS), checked
+    with the draft; a K without a draft is an error."""
     if draft is not None:
         k = DEFAULT_NUM_SPECULATIVE_TOKENS if k is None else k
         speculative.check(model, draft, k, rows, max_new_tokens, options)
     elif k is not None:
         raise DecoderLMError("num_speculative_tokens needs a draft (a model or 'prompt-lookup')")
-    if max_new_tokens == 0:
-        return rows
-    generator = make_generator(seed, model.tok_emb.weight.device)
+    return k
+
+
+def _speculative_rows(
+    model: DecoderLM,
+    rows: list[list[int]],
+    max_new_tokens: int,
+    params: SamplingParams,
+    draft: Draft,
+    k: int,
+    generator: torch.Generator | None,
+    options: DecodeOptions,
+    eos_id: int | None,
+    stats: SpeculativeStats | None,
+) -> list[list[int]]:
+    """`speculative.speculative_rows`, every model in eval mode with its speed paths applied."""
+    drafter = [draft] if isinstance(draft, DecoderLM) and draft is not model else []
+    with ExitStack() as stack:
+        for m in [model, *drafter]:
+            stack.enter_context(evaluating(m))
+            stack.enter_context(options.paths.applied(m))
+        return speculative.speculative_rows(
+            model, rows, max_new_tokens, params, draft, k, generator, options, eos_id, stats
+        )
+
+
+def _structured_matchers(
+    structured: StructuredGrammar | None,
+    draft: Draft | None,
+    rows: list[list[int]],
+    eos_id: int | None,
+) -> tuple[list[Matcher | None] | None, int | None]:
+    """(one grammar matcher per row, eos_id defaulting to the grammar's stop token); (None,
+    eos_id) without `structured`."""
     if structured is not None and draft is not None:
         raise DecoderLMError(
             "structured output with speculative decoding is not supported yet: drop draft= or "
             "structured="
         )
-    matchers = None
-    if structured is not None:
-        if not isinstance(structured, StructuredGrammar):
-            raise DecoderLMError(
-                f"structured={structured!r:.80} must be compile_structured(tokenizer, spec)"
-            )
-        matchers = [structured.matcher() for _ in rows]
-        eos_id = structured.stop_id if eos_id is None else eos_id
-    if draft is not None:
-        drafter = [draft] if isinstance(draft, DecoderLM) and draft is not model else []
-        with ExitStack() as stack:  # every model in eval mode, its speed paths applied
-            for m in [model, *drafter]:
-                stack.enter_context(evaluating(m))
-                stack.enter_context(options.paths.applied(m))
-            return speculative.speculative_rows(
-                model,
-                rows,
-                max_new_tokens,
-                params,
-                draft,
-                k,
-                generator,
-                options,
-                eos_id,
-                speculative_stats,
-            )
+    if structured is None:
+        return None, eos_id
+    if not isinstance(structured, StructuredGrammar):
+        raise DecoderLMError(
+            f"structured={structured!r:.80} must be compile_structured(tokenizer, spec)"
+        )
+    matchers: list[Matcher | None] = [structured.matcher() for _ in rows]
+    return matchers, structured.stop_id if eos_id is None else eos_id
+
+
+def _until_every_row_ends(
+    steps: Iterator[Tensor], eos_id: int | None, batch: int, device: torch.device
+) -> list[Tensor]:
+    """The tokens (B,) of `steps` until they end or every row has generated `eos_id` (looked at
+    every EOS_CHECK_INTERVAL steps: each look waits for the device)."""
     new: list[Tensor] = []
-    with evaluating(model), options.paths.applied(model):
-        steps = decode_steps(model, rows, max_new_tokens, params, generator, options, matchers)
-        done = torch.zeros(len(rows), dtype=torch.bool, device=model.tok_emb.weight.device)
-        for i, token in enumerate(steps):
-            new.append(token)
-            if eos_id is not None:
-                done |= token == eos_id
-                if (i + 1) % EOS_CHECK_INTERVAL == 0 and bool(done.all()):
-                    break
-    generated = torch.stack(new, dim=1).tolist()  # (B, n_new): the only host copy of the tokens
-    return [row + _until(extra, eos_id) for row, extra in zip(rows, generated, strict=True)]
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    for i, token in enumerate(steps):
+        new.append(token)
+        if eos_id is not None:
+            done |= token == eos_id
+            if (i + 1) % EOS_CHECK_INTERVAL == 0 and bool(done.all()):
+                break
+    return new
 
 
 def _until(ids: list[int], eos_id: int | None) -> list[int]:

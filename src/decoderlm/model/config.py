@@ -233,8 +233,13 @@ class ModelConfig:
         return "attention" if self.layer_types is None else self.layer_types[layer]
 
     @property
+    def n_attention_layers(self) -> int:
+        """The layers that attend, keeping K/V (a recurrent layer keeps a fixed-size state)."""
+        return sum(self.layer_type(i) == "attention" for i in range(self.n_layers))
+
+    @property
     def has_recurrent_layers(self) -> bool:
-        return any(self.layer_type(i) != "attention" for i in range(self.n_layers))
+        return self.n_attention_layers < self.n_layers
 
     @property
     def recurrent_dims(self) -> tuple[int, int, int, int]:
@@ -246,6 +251,13 @@ class ModelConfig:
             self.recurrent_key_dim or self.head_dim,
             self.recurrent_value_dim or self.head_dim,
         )
+
+    @property
+    def recurrent_conv_channels(self) -> int:
+        """The channels of a recurrent layer's short convolution, 2·H_k·d_k + H·d_v: GDN convolves
+        q, k and v; Mamba-2 B, C (H_k = n_groups, d_k = state_size) and x."""
+        heads, key_heads, d_k, d_v = self.recurrent_dims
+        return 2 * key_heads * d_k + heads * d_v
 
     @property
     def decodes_past_context(self) -> bool:
@@ -445,7 +457,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         d_ff=768,
         tie_embeddings=True,
     ),
-    # ~55M: the shape of the decode benchmark (issue "Inference"), 8 query heads sharing 2 K/V heads.
+    # ~55M: the shape of the decode benchmark (benchmarks/decode.py), 8 query heads, 2 K/V heads.
     "llama-55m": dict(
         _LLAMA,
         vocab_size=32000,

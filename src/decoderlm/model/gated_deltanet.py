@@ -40,7 +40,7 @@ class GatedDeltaNet(RecurrentMixer):
         self.heads, self.key_heads, self.d_k, self.d_v = config.recurrent_dims
         self.chunk = config.recurrent_chunk
         self.key_dim, self.value_dim = self.key_heads * self.d_k, self.heads * self.d_v
-        channels = 2 * self.key_dim + self.value_dim
+        channels = config.recurrent_conv_channels  # q, k, v
         k = config.recurrent_conv
         self.conv1d = nn.Conv1d(channels, channels, k, groups=channels, padding=k - 1, bias=False)
         self.in_proj_qkv = nn.Linear(d, channels, bias=False)

@@ -133,8 +133,7 @@ class DecoderLM(nn.Module):
         cfg = self.config
         t = cfg.context_length if seq_len is None else seq_len
         n_matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        n_attention = sum(cfg.layer_type(i) == "attention" for i in range(cfg.n_layers))
-        forward = 2 * n_matmul + 4 * n_attention * cfg.n_heads * cfg.head_dim * t
+        forward = 2 * n_matmul + 4 * cfg.n_attention_layers * cfg.n_heads * cfg.head_dim * t
         return 3 * forward if training else forward
 
 

@@ -45,7 +45,7 @@ class Mamba2(RecurrentMixer):
         self.heads, self.groups, self.d_state, self.head_dim = config.recurrent_dims
         self.chunk = config.recurrent_chunk
         self.d_inner = self.heads * self.head_dim
-        channels = self.d_inner + 2 * self.groups * self.d_state
+        channels = config.recurrent_conv_channels  # x, B, C
         k = config.recurrent_conv
         self.conv1d = nn.Conv1d(channels, channels, k, groups=channels, padding=k - 1)
         self.in_proj = nn.Linear(d, self.d_inner + channels + self.heads, bias=config.bias)

@@ -11,7 +11,7 @@ arguments) into a `Run`:
 - overwriting: a new run never writes over what OUT holds unless `overwrite` (which also drops
   OUT's checkpoints and re-prepares OUT/data);
 - `init_from`: a run whose model and weights a new run starts from (fine-tuning);
-- data: a prepared data directory, or inputs prepared into OUT/data, or the Python standard
+- data (`decoderlm.training.run_data`): a prepared data directory, or inputs prepared into OUT/data, or the Python standard
   library (the main job). When resuming, or when OUT/data is already there, the inputs, tokenizer
   and vocabulary size given must be those its meta.json recorded, so that the same command plus
   `--resume` continues the run exactly;
@@ -37,11 +37,10 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.files import refuse_overwrite
 from decoderlm.model.config import ModelConfig
 from decoderlm.training import distributed
+from decoderlm.training.run_data import PREPARED_DIR, prepare_data, resumed_data
 from decoderlm.training.train_config import TrainConfig
 
 DEFAULT_PRESET = "llama-tiny"  # the main job's model: RoPE, GQA, RMSNorm, SwiGLU (`ModelConfig`)
-DEFAULT_TOKENIZER = "bpe"
-DEFAULT_VOCAB_SIZE = 8192
 # What the main job's samples continue (its corpus is Python source). No trailing space: byte-level
 # BPE joins a space to the word after it (" foo"), so "def " would make the model start a new word.
 MAIN_JOB_PROMPT = "def"
@@ -112,11 +111,11 @@ def resolve_run(
     if data_dir is not None:
         found = Path(data_dir)
     elif ckpt is not None:
-        found = _resumed_data(out, Path(state["data_dir"]), inputs, tokenizer, vocab_size)
+        found = resumed_data(out, Path(state["data_dir"]), inputs, tokenizer, vocab_size)
     else:
 
         def prepare() -> Path:
-            return _prepare(out, inputs, tokenizer, vocab_size, progress, overwrite)
+            return prepare_data(out, inputs, tokenizer, vocab_size, progress, overwrite)
 
         found = distributed.run_on_main(prepare, info)  # a failure stops every rank
         if not info.is_main:  # rank 0 has prepared it: this only finds it
@@ -196,7 +195,7 @@ def _started(out: Path) -> bool:
     try:
         return "train" in checkpoint.read_run_config(out)
     except DecoderLMError:
-        return (out / "data").is_dir() and not (out / checkpoint.CONFIG_FILE).exists()
+        return (out / PREPARED_DIR).is_dir() and not (out / checkpoint.CONFIG_FILE).exists()
 
 
 def _say(message: str) -> None:
@@ -204,85 +203,6 @@ def _say(message: str) -> None:
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for every rank
         sys.stderr.write(f"decoderlm: {message}\n")
         sys.stderr.flush()
-
-
-def _resumed_data(
-    out: Path,
-    saved: Path,
-    inputs: Sequence[str | Path] | None,
-    tokenizer: str | None,
-    vocab_size: int | None,
-) -> Path:
-    """The data a resumed run continues on: OUT/data when inputs are given (where they were
-    prepared), else the directory the checkpoint names; what was given must match it."""
-    if inputs is None:
-        _check_same_source(saved, None, tokenizer, vocab_size)
-        return saved
-    prepared = out / "data"
-    if not (prepared / data.META_FILE).is_file():
-        raise DecoderLMError(
-            f"cannot resume with inputs: {prepared} holds no prepared data (this run trained on "
-            f"{saved}); resume without --input"
-        )
-    _check_same_source(prepared, inputs, tokenizer, vocab_size)
-    return prepared
-
-
-def _prepare(
-    out: Path,
-    inputs: Sequence[str | Path] | None,
-    tokenizer: str | None,
-    vocab_size: int | None,
-    progress: bool,
-    overwrite: bool,
-) -> Path:
-    """A new run's data: the cached standard library, or `inputs` prepared into OUT/data (or
-    found there, from an attempt that stopped before its first checkpoint, unless `overwrite`)."""
-    if inputs is None:
-        return data.prepare_default_corpus(
-            tokenizer or DEFAULT_TOKENIZER, vocab_size or DEFAULT_VOCAB_SIZE, progress=progress
-        )
-    prepared = out / "data"
-    if (prepared / data.META_FILE).is_file() and not overwrite:  # meta.json is written last
-        _check_same_source(prepared, inputs, tokenizer, vocab_size)
-        return prepared
-    tokenizer, vocab_size = tokenizer or DEFAULT_TOKENIZER, vocab_size or DEFAULT_VOCAB_SIZE
-    data.prepare(list(inputs), prepared, tokenizer, vocab_size, progress=progress)
-    return prepared
-
-
-def _check_same_source(
-    data_dir: Path,
-    inputs: Sequence[str | Path] | None,
-    tokenizer: str | None,
-    vocab_size: int | None,
-) -> None:
-    """A one-line error unless the given inputs, tokenizer and vocab_size (None: not given) are
-    those `data_dir` was prepared from, as its meta.json recorded them."""
-    source = data.read_meta(data_dir).get("source", {})
-    recorded_inputs = source.get("inputs", [])
-    if inputs is not None and _resolved(inputs) != _resolved(recorded_inputs):
-        raise DecoderLMError(
-            f"inputs {' '.join(map(str, inputs))} differ from {' '.join(recorded_inputs)}, "
-            f"which {data_dir} was prepared from: give the run's inputs or a new --out"
-        )
-    recorded_tokenizer = source.get("tokenizer")
-    if tokenizer is not None and _resolved([tokenizer]) != _resolved([recorded_tokenizer or ""]):
-        raise DecoderLMError(
-            f"tokenizer {tokenizer!r} differs from {recorded_tokenizer!r}, which {data_dir} was "
-            "prepared with: give the run's tokenizer or a new --out"
-        )
-    recorded_vocab = source.get("vocab_size")  # recorded for BPE only
-    if vocab_size is not None and recorded_vocab is not None and vocab_size != recorded_vocab:
-        raise DecoderLMError(
-            f"vocab_size={vocab_size} differs from {recorded_vocab}, which {data_dir} was "
-            "prepared with: give the run's vocab_size or a new --out"
-        )
-
-
-def _resolved(paths: Sequence[str | Path]) -> list[Path]:
-    """Absolute paths ("bpe" and "char" stay distinct from each other and from any file)."""
-    return [Path(p).resolve() for p in paths]
 
 
 def _model_config(

@@ -43,7 +43,7 @@ from decoderlm.tokenizer import Tokenizer
 from decoderlm.training import distributed
 from decoderlm.training.run import Run
 from decoderlm.training.train_config import TrainConfig
-from decoderlm.training.trainer import Trainer
+from decoderlm.training.trainer import Trainer, train_run
 
 VAL_SHARE = 10  # every 10th problem's texts are validation texts
 IGNORE = -1.0  # the target of a position the loss skips
@@ -168,8 +168,6 @@ class VerifierTrainer(Trainer):
         self.model.train()
         y = torch.tensor(targets)
         loss = float(F.binary_cross_entropy_with_logits(s, y)) if len(rows) else math.nan
-        if math.isfinite(loss) and (self.best_val_loss is None or loss < self.best_val_loss):
-            self.best_val_loss = loss
         accuracy = float(((s > 0) == (y > 0.5)).float().mean()) if len(rows) else math.nan
         return {"val_loss": loss, "val_accuracy": accuracy}
 
@@ -225,8 +223,4 @@ def train_verifier(
         info=distributed.init_distributed(train_config.device),
         init_from=policy,
     )
-    trainer = VerifierTrainer(run, progress=progress)
-    try:
-        return trainer.fit()
-    finally:
-        trainer.close()
+    return train_run(run, progress=progress, trainer_class=VerifierTrainer)

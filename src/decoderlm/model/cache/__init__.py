@@ -27,6 +27,7 @@ from decoderlm.model.cache.recurrent import (
     HybridCache,
     RecurrentLayerCache,
     recurrent_state_bytes,
+    recurrent_state_dtype,
     recurrent_state_shapes,
 )
 from decoderlm.model.cache.ring import RingKVCache, RingLayerCache
@@ -68,5 +69,6 @@ __all__ = [
     "kv_cache_table",
     "make_cache",
     "recurrent_state_bytes",
+    "recurrent_state_dtype",
     "recurrent_state_shapes",
 ]

@@ -31,7 +31,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.model.cache.protocol import BaseLayerCache, LayerCaches
 from decoderlm.model.cache.static import StaticLayerCache
 from decoderlm.model.cache.step import CacheStep
-from decoderlm.model.cache.storage import kv_buffer
+from decoderlm.model.cache.storage import layer_kv_buffers
 from decoderlm.model.config import ModelConfig
 
 
@@ -39,19 +39,22 @@ def recurrent_state_shapes(
     config: ModelConfig, layer_type: str, batch_size: int
 ) -> tuple[tuple[int, ...] | None, tuple[int, ...]]:
     """(conv state shape or None, matrix state shape) of one recurrent layer of `layer_type`."""
-    heads, key_heads, d_k, d_v = config.recurrent_dims
+    heads, _, d_k, d_v = config.recurrent_dims
     b, k = batch_size, config.recurrent_conv
     if layer_type == "linear_attention":  # no conv; the normaliser z is S's last column
         return None, (b, heads, d_k, d_v + 1)
-    # GDN convolves q, k, v; Mamba-2 convolves x, B, C (H_k = n_groups, d_k = state_size).
-    channels = 2 * key_heads * d_k + heads * d_v
-    return (b, channels, k - 1), (b, heads, d_k, d_v)
+    return (b, config.recurrent_conv_channels, k - 1), (b, heads, d_k, d_v)
+
+
+def recurrent_state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The matrix states' dtype beside conv states in `dtype`: float32 at least (the scans')."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def recurrent_state_bytes(config: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
     """Bytes of every recurrent layer's state for one sequence: the conv states in `dtype`, the
-    matrix states in float32 at least (the scans' precision). Independent of the context."""
-    state_dtype = torch.promote_types(dtype, torch.float32)
+    matrix states in `recurrent_state_dtype(dtype)`. Independent of the context."""
+    state_dtype = recurrent_state_dtype(dtype)
     total = 0
     for i in range(config.n_layers):
         if config.layer_type(i) == "attention":
@@ -125,13 +128,12 @@ class HybridCache(LayerCaches):
         device: torch.device | str = "cpu",
         kv_cache_dtype: str | None = None,
     ) -> None:
-        kv_shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
-        state_dtype = torch.promote_types(dtype, torch.float32)
+        state_dtype = recurrent_state_dtype(dtype)
         layers: list[StaticLayerCache | RecurrentLayerCache] = []
         for i in range(config.n_layers):
             kind = config.layer_type(i)
             if kind == "attention":
-                kv = (kv_buffer(kv_shape, dtype, device, kv_cache_dtype) for _ in "kv")
+                kv = layer_kv_buffers(config, batch_size, max_len, dtype, device, kv_cache_dtype)
                 layers.append(StaticLayerCache(*kv))
                 continue
             conv, state = recurrent_state_shapes(config, kind, batch_size)

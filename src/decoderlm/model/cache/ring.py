@@ -28,7 +28,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.model.cache.protocol import BaseLayerCache, LayerCaches
 from decoderlm.model.cache.static import StaticLayerCache
 from decoderlm.model.cache.step import CacheStep, check_rollback
-from decoderlm.model.cache.storage import Int8Buffer, kv_buffer
+from decoderlm.model.cache.storage import Int8Buffer, layer_kv_buffers
 from decoderlm.model.config import ModelConfig
 
 
@@ -130,9 +130,8 @@ class RingKVCache(LayerCaches):
             )
         self.window = config.sliding_window  # W: slots of every ring
 
-        def buffers(length: int) -> list[Tensor | Int8Buffer]:  # K and V, (B, Hkv, length, hd)
-            shape = (batch_size, config.n_kv_heads, length, config.head_dim)
-            return [kv_buffer(shape, dtype, device, kv_cache_dtype) for _ in "kv"]
+        def buffers(length: int) -> tuple[Tensor | Int8Buffer, Tensor | Int8Buffer]:
+            return layer_kv_buffers(config, batch_size, length, dtype, device, kv_cache_dtype)
 
         valid = torch.zeros(batch_size, self.window, dtype=torch.bool, device=device)  # (B, W)
         self.plan = RingPlan(torch.zeros(1, dtype=torch.long, device=device), None, valid, valid)

@@ -15,12 +15,6 @@ from decoderlm.model.config import ModelConfig
 KVDtype = torch.dtype | str
 
 
-def attention_layers(config: ModelConfig) -> int:
-    """The layers that keep K/V: the attention layers (`config.layer_types`; recurrent layers keep
-    a fixed-size state instead, `decoderlm.model.cache.recurrent_state_bytes`)."""
-    return sum(config.layer_type(i) == "attention" for i in range(config.n_layers))
-
-
 def kv_cache_bytes_per_token(config: ModelConfig, dtype: KVDtype = torch.float32) -> int:
     """Bytes the cache stores per token and sequence: 2 (K and V) · attention layers · n_kv_heads ·
     (head_dim · size + scale), scale = 4 bytes for "int8" (its float32 scale), else 0."""
@@ -28,7 +22,7 @@ def kv_cache_bytes_per_token(config: ModelConfig, dtype: KVDtype = torch.float32
         element, scale = 1, KV_SCALE_DTYPE.itemsize
     else:
         element, scale = torch.empty((), dtype=dtype).element_size(), 0
-    return 2 * attention_layers(config) * config.n_kv_heads * (config.head_dim * element + scale)
+    return 2 * config.n_attention_layers * config.n_kv_heads * (config.head_dim * element + scale)
 
 
 def kv_cache_bytes(
@@ -59,7 +53,7 @@ def kv_cache_table(
     tokens in `window_layers` of the layers (None: all), "bytes_at_windowed" holds what a cache
     keeps at context n: per layer and token bytes · (L_w · min(n, W) + (n_layers − L_w) · n).
     """
-    n_layers = attention_layers(config)
+    n_layers = config.n_attention_layers  # the layers that keep K/V
     n_windowed = n_layers if window_layers is None else window_layers
     variants = {"model": config.n_kv_heads, "MHA": config.n_heads, "MQA": 1}
     rows = []

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from decoderlm.model.cache.protocol import BaseLayerCache, LayerCaches
 from decoderlm.model.cache.step import CacheStep, check_rollback
-from decoderlm.model.cache.storage import Int8Buffer, kv_buffer
+from decoderlm.model.cache.storage import Int8Buffer, layer_kv_buffers
 from decoderlm.model.config import ModelConfig
 
 
@@ -78,12 +78,9 @@ class StaticKVCache(LayerCaches):
         kv_cache_dtype: str | None = None,
     ) -> None:
         self.max_len = max_len
-        shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
+        buffers = (config, batch_size, max_len, dtype, device, kv_cache_dtype)
         super().__init__(
-            [
-                StaticLayerCache(*(kv_buffer(shape, dtype, device, kv_cache_dtype) for _ in "kv"))
-                for _ in range(config.n_layers)
-            ]
+            [StaticLayerCache(*layer_kv_buffers(*buffers)) for _ in range(config.n_layers)]
         )
 
     def seek(self, step: CacheStep) -> None:

@@ -11,7 +11,8 @@ or 4 · head_dim (float32); `decoderlm.model.cache.kv_cache_bytes_per_token(conf
 counts both. K/V are quantized as they are written and the attended slots come back dequantized
 in the model's dtype, so attention itself is unchanged: the saving is the memory the cache holds
 between steps; each step dequantizes the keys/values it attends (there is no int8 kernel).
-Every cache takes its storage from `kv_buffer`, so int8 is a storage choice, not a cache type.
+Every cache takes its storage from `kv_buffer` (an attention layer's K and V from
+`layer_kv_buffers`), so int8 is a storage choice, not a cache type.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor
 
 from decoderlm.errors import DecoderLMError
+from decoderlm.model.config import ModelConfig
 
 # The `kv_cache_dtype` values besides None (= the model's own dtype).
 KV_CACHE_DTYPES = ("int8",)
@@ -115,3 +117,18 @@ class Int8Buffer:
         viewed.dtype, viewed.values = self.dtype, self.values.view(*shape)
         viewed.scales = self.scales.view(*shape[:-1], 1)
         return viewed
+
+
+def layer_kv_buffers(
+    config: ModelConfig,
+    batch_size: int,
+    length: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    kv_cache_dtype: str | None = None,
+) -> tuple[Tensor | Int8Buffer, Tensor | Int8Buffer]:
+    """One attention layer's zeroed K and V buffers of `length` slots, (B, Hkv, length, hd) each
+    (`kv_buffer`)."""
+    shape = (batch_size, config.n_kv_heads, length, config.head_dim)
+    k, v = (kv_buffer(shape, dtype, device, kv_cache_dtype) for _ in "kv")
+    return k, v
