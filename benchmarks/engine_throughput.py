@@ -71,7 +71,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-cache-memory", default="1GiB")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 and 4 streams, 8 tokens")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: 1 and 4 streams, 8 tokens"
+    )
     args = parser.parse_args()
     if args.quick:
         args.streams, args.new_tokens, args.prompt_tokens, args.rounds = [1, 4], 8, 16, 1

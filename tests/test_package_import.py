@@ -13,7 +13,7 @@ def test_import_decoderlm_loads_neither_serving_nor_cpu_paths_nor_the_compiler()
         "import sys, decoderlm; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('fastapi', 'uvicorn', 'transformers', 'matplotlib') or m.startswith("
-        "('decoderlm.serving', 'decoderlm.cpu', 'decoderlm.inference', 'decoderlm.training', "
+        "('decoderlm.engine', 'decoderlm.server', 'decoderlm.cpu', 'decoderlm.inference', 'decoderlm.training', "
         "'torch._dynamo', 'torch._inductor'))))"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -1,4 +1,4 @@
-"""`decoderlm serve`: an OpenAI-compatible HTTP server for a checkpoint (logic in decoderlm.serving).
+"""`decoderlm serve`: an OpenAI-compatible HTTP server for a checkpoint (logic in decoderlm.server and decoderlm.engine).
 
 The model loads after the server is up (GET /health answers 503 until it is ready). With --api-key
 the OpenAI routes need `Authorization: Bearer KEY`; a request whose Host is not one the server
@@ -7,7 +7,7 @@ running streams finish for --grace-period seconds, cancels what is left (those s
 finish_reason "cancelled") and exits with status 0.
 
 What one request may cost is bounded before any work (--max-request-bytes, --max-prompts-per-request,
---max-tokens-per-request, --max-template-chars, --template-timeout; `serving.limits`).
+--max-tokens-per-request, --max-template-chars, --template-timeout; `server.limits`).
 
 If the engine's process dies (killed, out of memory, a crash), the server does not restart it: its
 requests in flight end with an error (503), it answers 503 while it shuts down, and it exits with
@@ -36,7 +36,7 @@ HELP = (
 )
 
 
-# What one request may cost: each `serving.limits.Limits` field's flag and what it bounds (the
+# What one request may cost: each `server.limits.Limits` field's flag and what it bounds (the
 # defaults are Limits()'s).
 LIMIT_FLAGS = {
     "max_request_bytes": (

@@ -4,11 +4,11 @@ over the static cache of the compiled one-token step.
 
 A decode step has one query per row, out = softmax(q Kᵀ · scale) V over the row's own keys, which
 lie in blocks scattered over the pool. Without a kernel for that, each layer first gathers every
-row's blocks into a padded (B, Hkv, Tk, hd) tensor (`serving.kv_pool.PagedLayerCache.update`) and
+row's blocks into a padded (B, Hkv, Tk, hd) tensor (`engine.kv_pool.PagedLayerCache.update`) and
 then runs SDPA over it: the K/V bytes are read twice and written once. `paged_decode_attention`
 reads each key and value once, where it lies (`paged_attention.c`; the measurements in
 benchmarks/README.md). It runs on torch's OpenMP threads, in float32 for bfloat16 pools as SDPA
-does, and is used by `serving.Engine(cpu_kernels=True)` for the decode rows of its layers without
+does, and is used by `engine.Engine(cpu_kernels=True)` for the decode rows of its layers without
 a window.
 
 The compiled one-token step (`decoderlm.cpu.decode.CompiledStep`) attends its static cache

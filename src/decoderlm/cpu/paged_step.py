@@ -13,7 +13,7 @@ vLLM captures CUDA graphs for a few padded batch sizes because a graph has fixed
 AOTInductor library can leave the batch dimension symbolic instead, so two libraries cover every
 batch size with no padding rows: one row (traced with the one-row linear kernels of
 `decoderlm.cpu.gemv`) and 2..`max_batch` rows (the engine takes the first only: COMPILED_ROWS in
-`serving.runner`). They are made with `CompiledPagedStep` (the engine's start): the first start on
+`engine.runner`). They are made with `CompiledPagedStep` (the engine's start): the first start on
 a machine compiles them (minutes on 2 cores), later ones load them from the disk cache.
 """
 

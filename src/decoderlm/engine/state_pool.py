@@ -53,6 +53,7 @@ from decoderlm.model.cache import (
     RecurrentLayerCache,
     kv_cache_bytes_per_token,
     recurrent_state_bytes,
+    recurrent_state_dtype,
     recurrent_state_shapes,
 )
 from decoderlm.model.config import ModelConfig
@@ -150,7 +151,7 @@ class StatePool:
         device: torch.device,
         kv: PagedKVCache,
     ) -> None:
-        state_dtype = torch.promote_types(dtype, torch.float32)  # as `HybridCache`
+        state_dtype = recurrent_state_dtype(dtype)
         # Where each state lies in a row of s bytes: (layer, "conv" or "state", shape (1, ...),
         # dtype, byte offset); the matrix states first, then the conv states, so that every
         # part starts at a multiple of its element size and is viewed in place.
