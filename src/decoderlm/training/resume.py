@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,9 +23,6 @@ from decoderlm.model.config import ModelConfig
 from decoderlm.training import distributed
 from decoderlm.training.runtime import rng_state, set_rng_state
 from decoderlm.training.train_config import TrainConfig
-
-if TYPE_CHECKING:
-    from decoderlm.training.trainer import Trainer
 
 
 def write_run_files(
@@ -39,8 +36,9 @@ def write_run_files(
     atomic_write(out / checkpoint.TOKENIZER_FILE, lambda tmp: shutil.copyfile(tokenizer_file, tmp))
 
 
-def restore_checkpoint(trainer: Trainer, ckpt: Path, state: dict[str, Any]) -> None:
-    """Continue `trainer` from `ckpt` and its trainer `state`: weights, optimizer, counters, data
+def restore_checkpoint(trainer: Any, ckpt: Path, state: dict[str, Any]) -> None:
+    """Continue `trainer` (a `decoderlm.training.trainer.Trainer`, untyped here: the trainer
+    imports this module) from `ckpt` and its trainer `state`: weights, optimizer, counters, data
     position and RNG states."""
     weights = checkpoint.read_weights(ckpt / checkpoint.WEIGHTS_FILE)
     if trainer.model_config.tie_embeddings:
@@ -81,7 +79,7 @@ def check_optimizer_state(model: nn.Module, ckpt: Path, saved: dict[str, Any]) -
                 )
 
 
-def save_checkpoint(trainer: Trainer, val_loss: float | None) -> Path | None:
+def save_checkpoint(trainer: Any, val_loss: float | None) -> Path | None:
     """Write `trainer`'s checkpoint of its current step and rotate old ones; returns its directory
     (rank 0; None on the other ranks, which only gather their shards). A failed write stops every
     rank with its one-line error, the previous checkpoint intact."""
