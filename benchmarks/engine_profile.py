@@ -147,7 +147,7 @@ def main() -> None:
     print(f"CPU: {cpu_name()} ({torch.get_num_threads()} threads), torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}, llama-55m GQA-2 {dtype_name}, prompt "
           f"{args.prompt_tokens}, {args.new_tokens} new tokens (greedy)")  # fmt: skip
-    params = RequestParams(args.new_tokens, SamplingParams(temperature=0), stop_at_eot=False)
+    params = RequestParams(args.new_tokens, SamplingParams(temperature=0), ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     header = " | ".join(f"{p} ms (%)" for p in PHASES)
     print(f"| compiled | running | step ms | {header} | tok/s | TTFT p99 ms |")

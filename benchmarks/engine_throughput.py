@@ -55,7 +55,7 @@ def tokens_per_s(engine: Engine, streams: int, prompt: int, new: int) -> float:
     g = torch.Generator().manual_seed(streams)
     vocab = engine.model.config.vocab_size
     prompts = [torch.randint(0, vocab, (prompt,), generator=g).tolist() for _ in range(streams)]
-    params = RequestParams(new, SamplingParams(temperature=0), stop_at_eot=False)
+    params = RequestParams(new, SamplingParams(temperature=0), ignore_eos=True)
     start = time.perf_counter()
     done = engine.generate(prompts, params)
     seconds = time.perf_counter() - start

@@ -138,7 +138,7 @@ def grounded_prompt(file: torch.Tensor, at: int, g: torch.Generator) -> list[int
 
 def engine_seconds(engine: Engine, prompts: list[list[int]], n: int) -> float:
     """CPU time of this process for `engine` to generate n greedy tokens after each prompt."""
-    params = RequestParams(n, SamplingParams(temperature=0), stop_at_eot=False)
+    params = RequestParams(n, SamplingParams(temperature=0), ignore_eos=True)
     start = time.process_time()
     engine.generate(prompts, params)
     return time.process_time() - start
@@ -163,7 +163,7 @@ def compare_engine(
             num_speculative_tokens=args.k,
         ),
     }
-    params = RequestParams(args.new_tokens, SamplingParams(temperature=0), stop_at_eot=False)
+    params = RequestParams(args.new_tokens, SamplingParams(temperature=0), ignore_eos=True)
     outputs = {side: engine.generate(prompts, params) for side, engine in engines.items()}
     plain, fast = ([c.token_ids for c in outputs[side]] for side in ("plain", "spec"))
     assert fast == plain, f"{name}: speculative output differs from plain greedy"

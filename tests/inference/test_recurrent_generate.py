@@ -99,7 +99,7 @@ def test_a_hybrid_is_bounded_by_its_context_unless_it_refills() -> None:
 def test_stream_and_evaluate_run_on_a_hybrid() -> None:
     tokenizer = Tokenizer.train_char(["abcdefghij klmnop"])
     model = tiny("hybrid", vocab_size=tokenizer.vocab_size)
-    text = "".join(stream(model, tokenizer, "abc", 6, temperature=0, stop_at_eot=False))
+    text = "".join(stream(model, tokenizer, "abc", 6, temperature=0, ignore_eos=True))
     ids = tokenizer.encode("abc")
     expected = greedy_reference(model, ids, 6)[len(ids) :]
     assert tokenizer.encode(text) == expected

@@ -83,7 +83,7 @@ def test_engine_serves_a_windowed_model_past_its_window_exactly():
     engine = Engine(model, tokenizer, kv_cache_memory="1MiB")
     assert engine.max_sequence == model.config.context_length
     greedy = decoderlm.SamplingParams(temperature=0)
-    params = RequestParams(max_tokens=20, sampling=greedy, stop_at_eot=False)  # as the reference
+    params = RequestParams(max_tokens=20, sampling=greedy, ignore_eos=True)  # as the reference
     prompts = [[3, 17, 5], [9, 30, 2, 11, 7]]
     for prompt, completion in zip(prompts, engine.generate(prompts, params), strict=True):
         assert len(prompt) + len(completion.token_ids) == len(prompt) + 20  # past the window

@@ -160,7 +160,7 @@ def test_the_engine_runs_one_call_per_step_so_scoring_takes_turns(loaded):
     # between each: one request's scoring cannot hold the engine's thread for all its prompts.
     model, tokenizer = loaded
     engine = Engine(model, tokenizer, kv_cache_memory="1MiB")
-    params = RequestParams(CONTEXT - 2, GREEDY, stop_at_eot=False)
+    params = RequestParams(CONTEXT - 2, GREEDY, ignore_eos=True)
     engine.submit("a", params, on_event=lambda event: None)
     engine.step()  # its prefill and first token
     futures = [engine.call(_generated) for _ in range(4)]  # starts the engine's thread

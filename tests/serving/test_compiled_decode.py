@@ -118,7 +118,7 @@ def test_compiled_engine_greedy_requests_equal_their_solo_generate(tok, runner):
     engine = Engine(model, tok, kv_cache_memory="64KiB", block_size=BLOCK, compile=True)
     assert engine.runner.step is not None
     prompts = random_prompts(6, tok.vocab_size, (3, 20))
-    requests = [(p, RequestParams(12, GREEDY, stop_at_eot=False)) for p in prompts]
+    requests = [(p, RequestParams(12, GREEDY, ignore_eos=True)) for p in prompts]
     for (prompt, params), got in zip(requests, run_staggered(engine, requests), strict=True):
         solo = generate(model, [prompt], params.max_tokens, temperature=0)[0][len(prompt) :]
         assert token_ids(got) == solo

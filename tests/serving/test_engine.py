@@ -139,7 +139,7 @@ def test_admission_under_one_budget_scales_with_the_kv_heads(tok, n_kv_heads):
 def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_get_a_token_every_step(tok):
     model = tiny_model(tok)
     engine = Engine(model, tok, block_size=4, prefill_chunk=8)
-    params = RequestParams(max_tokens=30, sampling=GREEDY, stop_at_eot=False)
+    params = RequestParams(max_tokens=30, sampling=GREEDY, ignore_eos=True)
     short = [[] for _ in range(3)]
     for i, prompt in enumerate(random_prompts(3, tok.vocab_size, (2, 3))):
         engine.submit(prompt, params, on_event=short[i].append)
@@ -161,7 +161,7 @@ def test_a_stop_string_across_tokens_is_held_back_and_never_emitted(tok):
     engine = Engine(model, tok)
     # Seeded sampling: varied text (greedy decoding of this model repeats one character), and
     # the same text again in the second run.
-    params = RequestParams(max_tokens=24, seed=7, stop_at_eot=False)
+    params = RequestParams(max_tokens=24, seed=7, ignore_eos=True)
     free = engine.generate([[0, 1, 2]], params)[0]
     pieces = [tok.decode([t]) for t in free.token_ids]
     text = "".join(pieces)
@@ -179,7 +179,7 @@ def test_a_stop_string_across_tokens_is_held_back_and_never_emitted(tok):
 
 def test_cancelling_frees_the_blocks_and_ends_with_cancelled(tok):
     engine = Engine(tiny_model(tok), tok, block_size=4)
-    params = RequestParams(max_tokens=40, sampling=GREEDY, stop_at_eot=False)
+    params = RequestParams(max_tokens=40, sampling=GREEDY, ignore_eos=True)
     a, b = [], []
     engine.submit([1] * 10, params, request_id="a", on_event=a.append)
     engine.submit([2] * 6, params, request_id="b", on_event=b.append)
@@ -257,7 +257,7 @@ def test_int8_engine_requests_equal_their_solo_int8_generate_in_float64(tok):
 
 def test_generation_ends_at_the_context_with_length(tok):
     model = tiny_model(tok, context_length=32)
-    (done,) = Engine(model, tok).generate([[3] * 28], RequestParams(100, GREEDY, stop_at_eot=False))
+    (done,) = Engine(model, tok).generate([[3] * 28], RequestParams(100, GREEDY, ignore_eos=True))
     assert len(done.token_ids) == 4 and done.finish_reason == "length"
 
 
@@ -271,7 +271,7 @@ def mixed_requests(tok: Tokenizer, n: int) -> list[tuple[list[int], RequestParam
     prompts[1::4] = [shared + p for p in prompts[1::4]]
     sizes = torch.randint(5, 25, (n,), generator=torch.Generator().manual_seed(3)).tolist()
     return [
-        (p, RequestParams(m, GREEDY, stop_at_eot=False))
+        (p, RequestParams(m, GREEDY, ignore_eos=True))
         for p, m in zip(prompts, sizes, strict=True)
     ]
 
@@ -350,9 +350,9 @@ def test_a_seeded_sampled_request_equals_its_solo_run_in_a_crowd(tok):
     model = tiny_model(tok)
     sampling = SamplingParams(temperature=0.9, top_k=12, top_p=0.95, repetition_penalty=1.3)
     prompt = [4, 8, 15, 16, 23]
-    mine = RequestParams(30, sampling, seed=1234, stop_at_eot=False, n=2)
+    mine = RequestParams(30, sampling, seed=1234, ignore_eos=True, n=2)
     crowd = [
-        (p, RequestParams(20, sampling, stop_at_eot=False)) for p in random_prompts(6, 31, (1, 20))
+        (p, RequestParams(20, sampling, ignore_eos=True)) for p in random_prompts(6, 31, (1, 20))
     ]
     engine = Engine(model, tok, block_size=4, prefill_chunk=8)
     events = run_staggered(engine, [*crowd[:3], (prompt, mine), *crowd[3:]])[3]
@@ -388,10 +388,10 @@ def test_rows_of_one_batch_get_the_tokens_and_logprobs_each_gets_alone(tok):
     greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=9)
     penalised = SamplingParams(temperature=0, repetition_penalty=1.4)
     requests = [
-        ([3, 1, 4], RequestParams(12, greedy, logprobs=2, stop_at_eot=False)),
-        ([1, 5], RequestParams(12, greedy, stop_at_eot=False)),
-        ([9, 2, 6, 5], RequestParams(12, sampled, seed=7, logprobs=1, stop_at_eot=False)),
-        ([3, 5, 8], RequestParams(12, penalised, logprobs=0, stop_at_eot=False)),
+        ([3, 1, 4], RequestParams(12, greedy, logprobs=2, ignore_eos=True)),
+        ([1, 5], RequestParams(12, greedy, ignore_eos=True)),
+        ([9, 2, 6, 5], RequestParams(12, sampled, seed=7, logprobs=1, ignore_eos=True)),
+        ([3, 5, 8], RequestParams(12, penalised, logprobs=0, ignore_eos=True)),
     ]
     together = run_staggered(Engine(model, tok, block_size=4), requests)
     for (prompt, params), events in zip(requests, together, strict=True):
@@ -408,7 +408,7 @@ def test_score_gives_each_prompt_token_its_logprob_between_steps_of_a_running_ba
     prompt = [5, 6, 7, 8, 9]
     with torch.inference_mode():
         ref = torch.log_softmax(model(torch.tensor([prompt]))[0], -1)  # (T, V), float64
-    params = RequestParams(40, GREEDY, stop_at_eot=False)
+    params = RequestParams(40, GREEDY, ignore_eos=True)
     done = []
     engine.submit([1, 2, 3], params, on_event=done.append)  # a sequence decoding meanwhile
     future = engine.score(prompt, top=2)  # starts the engine's thread
@@ -433,7 +433,7 @@ def test_score_gives_each_prompt_token_its_logprob_between_steps_of_a_running_ba
 def test_streams_run_concurrently_on_the_thread_and_an_abandoned_one_is_cancelled(tok):
     model = tiny_model(tok)
     engine = Engine(model, tok, block_size=4)
-    params = RequestParams(12, GREEDY, stop_at_eot=False)
+    params = RequestParams(12, GREEDY, ignore_eos=True)
 
     async def main() -> tuple[list[TokenEvent], list[TokenEvent]]:
         async def collect(prompt: list[int], limit: int) -> list[TokenEvent]:
@@ -459,7 +459,7 @@ def test_streams_run_concurrently_on_the_thread_and_an_abandoned_one_is_cancelle
 def test_a_consumer_behind_the_engine_gets_the_tokens_that_arrived_meanwhile_in_one_batch(tok):
     model = tiny_model(tok)
     engine = Engine(model, tok, block_size=4)  # not started: the test steps it
-    params = RequestParams(12, GREEDY, stop_at_eot=False)
+    params = RequestParams(12, GREEDY, ignore_eos=True)
 
     async def main() -> list[list[TokenEvent]]:
         batches = []
@@ -481,7 +481,7 @@ def test_a_consumer_behind_the_engine_gets_the_tokens_that_arrived_meanwhile_in_
 def test_shutdown_lets_running_requests_finish_and_cancels_the_waiting(tok):
     engine = Engine(tiny_model(tok), tok, block_size=4)
     first, second = [], []
-    params = RequestParams(4, GREEDY, stop_at_eot=False)
+    params = RequestParams(4, GREEDY, ignore_eos=True)
     engine.submit([1, 2, 3], params, on_event=first.append)
     engine.step()
     engine.submit([4, 5, 6], params, on_event=second.append)
@@ -493,7 +493,7 @@ def test_shutdown_lets_running_requests_finish_and_cancels_the_waiting(tok):
 def test_generate_on_the_background_thread_equals_generate_stepped_inline(tok):
     model = tiny_model(tok)
     requests = mixed_requests(tok, 6)
-    params = RequestParams(10, GREEDY, stop_at_eot=False)
+    params = RequestParams(10, GREEDY, ignore_eos=True)
     inline = Engine(model, tok, block_size=4).generate([p for p, _ in requests], params)
     threaded = Engine(model, tok, block_size=4, max_queue=2)  # also: more prompts than the queue
     threaded.start()
@@ -506,7 +506,7 @@ def test_generate_on_the_background_thread_equals_generate_stepped_inline(tok):
 def test_end_of_text_ends_with_stop_and_is_the_last_token_id(tok):
     model = tiny_model(tok)
     prompts = random_prompts(40, tok.vocab_size, (1, 10))
-    free = Engine(model, tok).generate(prompts, RequestParams(40, GREEDY, stop_at_eot=False))
+    free = Engine(model, tok).generate(prompts, RequestParams(40, GREEDY, ignore_eos=True))
     # A prompt whose free continuation contains <|endoftext|>: with stop_at_eot it ends there.
     i, cut = next(
         (i, c.token_ids.index(tok.eot_id) + 1)
@@ -521,7 +521,7 @@ def test_end_of_text_ends_with_stop_and_is_the_last_token_id(tok):
 def test_a_failing_request_ends_with_error_and_the_others_and_the_engine_go_on(tok):
     model = tiny_model(tok)
     engine = Engine(model, tok, block_size=4)
-    params = RequestParams(8, GREEDY, stop_at_eot=False)
+    params = RequestParams(8, GREEDY, ignore_eos=True)
     broken, healthy = [], []
     engine.submit([1, 2, 3], params, request_id="broken", on_event=broken.append)
     engine.submit([4, 5, 6], params, on_event=healthy.append)
@@ -593,7 +593,7 @@ def test_under_64_decoding_streams_new_requests_share_the_step_budget_and_start_
         model, tok, block_size=4, prefill_chunk=16, max_batched_tokens=96, max_queue=128,
         kv_cache_memory=128 * 48 * kv_cache_bytes_per_token(model.config, torch.float64),
     )  # fmt: skip
-    params = RequestParams(max_tokens=40, sampling=GREEDY, stop_at_eot=False)
+    params = RequestParams(max_tokens=40, sampling=GREEDY, ignore_eos=True)
     for prompt in random_prompts(64, tok.vocab_size, (2, 4)):
         engine.submit(prompt, params, on_event=lambda event: None)
     while (

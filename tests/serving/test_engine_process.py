@@ -114,7 +114,7 @@ def test_a_dead_engine_process_ends_open_streams_with_error_and_refuses_new_work
         with lock:
             events.append(event)
 
-    params = RequestParams(90, SamplingParams(temperature=1.0), stop_at_eot=False, n=2)
+    params = RequestParams(90, SamplingParams(temperature=1.0), ignore_eos=True, n=2)
     ids = [child.submit("a", params, on_event=sink) for _ in range(8)]  # 16 sequences
     until(lambda: events)
     child._process.kill()

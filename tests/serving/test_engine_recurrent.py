@@ -83,7 +83,7 @@ def solo(model: DecoderLM, prompt: list[int], n: int) -> list[int]:
 def run(engine: Engine, requests: list[list[int]], max_tokens: int = 12) -> list[list[int]]:
     """Submit one request per step (each arrives while the earlier ones decode); tokens of each."""
     events: list[list[TokenEvent]] = [[] for _ in requests]
-    params = RequestParams(max_tokens, GREEDY, stop_at_eot=False)
+    params = RequestParams(max_tokens, GREEDY, ignore_eos=True)
     for i, prompt in enumerate(requests):
         engine.submit(prompt, params, on_event=events[i].append)
         engine.step()
@@ -181,7 +181,7 @@ def test_a_preempted_sequence_frees_its_pages_and_recomputes_its_state_to_the_sa
     engine = Engine(model, tok, prefill_chunk=8)
     requests = prompts(3, tok.vocab_size, seed=3)
     events: list[list[TokenEvent]] = [[] for _ in requests]
-    params = RequestParams(12, GREEDY, stop_at_eot=False)
+    params = RequestParams(12, GREEDY, ignore_eos=True)
     for prompt, sink in zip(requests, events, strict=True):
         engine.submit(prompt, params, on_event=sink.append)
     for _ in range(8):  # every prompt prefilled, a few tokens decoded
@@ -254,7 +254,7 @@ def test_a_pure_recurrent_model_admits_budget_over_state_bytes_at_any_context(to
         assert kv_cache_bytes_per_token(model.config) == 0
         engine = Engine(model, tok, kv_cache_memory=5 * state + state // 2, max_queue=16)
         for prompt in prompts(9, tok.vocab_size):
-            engine.submit(prompt, RequestParams(8, stop_at_eot=False), on_event=lambda e: None)
+            engine.submit(prompt, RequestParams(8, ignore_eos=True), on_event=lambda e: None)
         engine.step()
         stats = engine.stats()
         admitted.append((stats.running, stats.waiting, stats.state_pages_total))
@@ -277,7 +277,7 @@ def test_a_hybrid_admits_as_many_sequences_as_their_blocks_and_states_take(
     assert engine.runner.cache.nbytes == 17 * block  # the states live in these bytes
     for prompt in prompts(7, tok.vocab_size):
         prompt = (prompt * prompt_tokens)[:prompt_tokens]
-        engine.submit(prompt, RequestParams(8, stop_at_eot=False), on_event=lambda e: None)
+        engine.submit(prompt, RequestParams(8, ignore_eos=True), on_event=lambda e: None)
     engine.step()
     stats = engine.stats()
     assert (stats.running, stats.waiting) == (admitted, 7 - admitted)

@@ -77,7 +77,7 @@ def token_ids(events: list[TokenEvent]) -> list[int]:
 
 @pytest.mark.parametrize("block_size", [16, 4])
 def test_greedy_requests_with_prompt_lookup_give_their_plain_tokens(tok, model, block_size):
-    params = RequestParams(max_tokens=24, sampling=GREEDY, stop_at_eot=False)
+    params = RequestParams(max_tokens=24, sampling=GREEDY, ignore_eos=True)
     engine = Engine(
         model, tok, block_size=block_size, draft="prompt-lookup", num_speculative_tokens=4
     )
@@ -102,7 +102,7 @@ def test_greedy_requests_with_prompt_lookup_give_their_plain_tokens(tok, model, 
 def test_a_windowed_model_with_prompt_lookup_gives_its_plain_tokens(tok):
     """Windows of 6 tokens, blocks of 4: rejected drafts inside and past the window."""
     model = tiny_model(tok, sliding_window=6)
-    params = RequestParams(max_tokens=24, sampling=GREEDY, stop_at_eot=False)
+    params = RequestParams(max_tokens=24, sampling=GREEDY, ignore_eos=True)
     engine = Engine(model, tok, block_size=4, draft="prompt-lookup")
     requests = prompts(model)
     events = run(engine, requests, params)
@@ -116,7 +116,7 @@ def test_speculation_keeps_log_probabilities_and_stop_strings(tok, model):
     text = tok.decode(generate(model, [requests[0]], 24, temperature=0)[0][len(requests[0]) :])
     stop = text[10:12]  # inside the continuation: the output ends before it
     params = RequestParams(
-        max_tokens=24, sampling=GREEDY, stop_at_eot=False, logprobs=2, stop=(stop,)
+        max_tokens=24, sampling=GREEDY, ignore_eos=True, logprobs=2, stop=(stop,)
     )
     plain = run(Engine(model, tok), requests, params)
     fast = run(Engine(model, tok, draft="prompt-lookup"), requests, params)
@@ -174,7 +174,7 @@ def other_shape_draft(tok: Tokenizer) -> DecoderLM:
 
 @pytest.mark.parametrize("block_size", [16, 4])
 def test_greedy_requests_with_a_draft_model_give_their_plain_tokens(tok, model, block_size):
-    params = RequestParams(max_tokens=24, sampling=GREEDY, stop_at_eot=False)
+    params = RequestParams(max_tokens=24, sampling=GREEDY, ignore_eos=True)
     draft = other_shape_draft(tok)
     engine = Engine(model, tok, block_size=block_size, draft=draft, num_speculative_tokens=3)
     requests = prompts(model)
@@ -195,7 +195,7 @@ def test_greedy_requests_with_a_draft_model_give_their_plain_tokens(tok, model, 
 def test_a_draft_with_a_shorter_context_stops_proposing_at_its_end(tok, model):
     """Learned positions of 32: the draft proposes only while its drafts' positions fit."""
     draft = tiny_model(tok, 1, d_model=16, n_layers=1, position="learned", context_length=32)
-    params = RequestParams(max_tokens=24, sampling=GREEDY, stop_at_eot=False)
+    params = RequestParams(max_tokens=24, sampling=GREEDY, ignore_eos=True)
     engine = Engine(model, tok, block_size=4, draft=draft, num_speculative_tokens=4)
     requests = prompts(model)  # two of 36 and 34 tokens: past the draft's context at once
     events = run(engine, requests, params)
@@ -209,7 +209,7 @@ def test_preempted_sequences_with_a_draft_give_their_plain_tokens(tok, model):
     and their draft K/V with them (a new block table starts the draft over). The draft is a copy
     of the target, so stale draft K/V would show as a rejected draft."""
     per_block = 4 * 2 * (2 * 2 * 2 * 8 * 8)  # 4 tokens of target and draft K/V, float64
-    params = RequestParams(max_tokens=24, sampling=GREEDY, stop_at_eot=False)
+    params = RequestParams(max_tokens=24, sampling=GREEDY, ignore_eos=True)
     engine = Engine(model, tok, block_size=4, kv_cache_memory=21 * per_block, draft=tiny_model(tok))
     requests = prompts(model)
     events = run(engine, requests, params)
@@ -242,7 +242,7 @@ def test_the_drafts_kv_is_exact_after_rejections_and_preemptions(tok, model, mon
 
     monkeypatch.setattr(DraftModel, "_catch_up", checked_catch_up)
     per_block = 4 * 2 * (2 * 2 * 2 * 8 * 8)  # 4 tokens of target and draft K/V, float64
-    params = RequestParams(max_tokens=24, sampling=GREEDY, stop_at_eot=False)
+    params = RequestParams(max_tokens=24, sampling=GREEDY, ignore_eos=True)
     engine = Engine(model, tok, block_size=4, kv_cache_memory=21 * per_block, draft=draft)
     run(engine, prompts(model), params)
     stats = engine.stats()
@@ -267,7 +267,7 @@ def test_a_draft_equal_to_the_target_is_always_accepted(tok, model):
     """The draft's own KV (caught up, rolled back after rejections, or none: always accepted here)
     is exact: a copy of the target proposes the target's greedy tokens, every one accepted."""
     twin = tiny_model(tok)
-    params = RequestParams(max_tokens=20, sampling=GREEDY, stop_at_eot=False)
+    params = RequestParams(max_tokens=20, sampling=GREEDY, ignore_eos=True)
     engine = Engine(model, tok, block_size=4, draft=twin, num_speculative_tokens=4)
     requests = prompts(model)
     events = run(engine, requests, params)
@@ -279,9 +279,9 @@ def test_a_draft_equal_to_the_target_is_always_accepted(tok, model):
 
 def test_under_concurrency_a_greedy_request_with_a_draft_equals_its_output_alone(tok, model):
     draft = other_shape_draft(tok)
-    greedy = RequestParams(max_tokens=20, sampling=GREEDY, stop_at_eot=False)
+    greedy = RequestParams(max_tokens=20, sampling=GREEDY, ignore_eos=True)
     sampled = RequestParams(
-        max_tokens=20, sampling=SamplingParams(temperature=1.0), seed=3, stop_at_eot=False
+        max_tokens=20, sampling=SamplingParams(temperature=1.0), seed=3, ignore_eos=True
     )
     requests = prompts(model)
     engine = Engine(model, tok, block_size=4, draft=draft, num_speculative_tokens=3)
@@ -309,7 +309,7 @@ def test_sampling_with_a_draft_equal_to_the_target_accepts_every_draft(tok, mode
     distribution at d's position and the draft a copy of the target, q = p (to float64 rounding),
     so every draft is accepted; a q at the wrong position, or one-hot q, would reject some."""
     params = RequestParams(
-        max_tokens=20, sampling=SamplingParams(temperature=0.8), seed=7, stop_at_eot=False
+        max_tokens=20, sampling=SamplingParams(temperature=0.8), seed=7, ignore_eos=True
     )
     engine = Engine(model, tok, block_size=4, draft=tiny_model(tok), num_speculative_tokens=3)
     run(engine, prompts(model), params)
@@ -401,7 +401,7 @@ def test_float32_greedy_requests_with_speculation_give_the_plain_engines_tokens(
     attending in place; the tokens equal the plain engine's."""
     layers = None if window is None else (0,)
     model = tiny_model(tok, sliding_window=window, sliding_window_layers=layers).float()
-    params = RequestParams(max_tokens=24, sampling=GREEDY, stop_at_eot=False)
+    params = RequestParams(max_tokens=24, sampling=GREEDY, ignore_eos=True)
     requests = prompts(model)
     plain = run(Engine(model, tok, block_size=4), requests, params)
     for draft in ("prompt-lookup", other_shape_draft(tok).float()):
@@ -417,7 +417,7 @@ def test_a_served_checkpoint_with_a_draft_directory_gives_its_plain_tokens(run_d
     directory (here the target's own run), greedy tokens the plain engine's."""
     from decoderlm.engine.engine_process import EngineSpec, build_engine
 
-    params = RequestParams(max_tokens=12, sampling=GREEDY, stop_at_eot=False)
+    params = RequestParams(max_tokens=12, sampling=GREEDY, ignore_eos=True)
     plain = build_engine(EngineSpec(str(run_dir), "float32"))
     fast = build_engine(EngineSpec(str(run_dir), "float32", {"draft": str(run_dir)}))
     assert isinstance(fast.core.proposer.runner.model, DecoderLM)
@@ -429,7 +429,7 @@ def test_a_served_checkpoint_with_a_draft_directory_gives_its_plain_tokens(run_d
 
 
 def test_int8_kv_with_a_draft_model_gives_the_plain_int8_engines_tokens(tok, model):
-    params = RequestParams(max_tokens=20, sampling=GREEDY, stop_at_eot=False)
+    params = RequestParams(max_tokens=20, sampling=GREEDY, ignore_eos=True)
     requests = prompts(model)
     plain = run(Engine(model, tok, block_size=4, kv_cache_dtype="int8"), requests, params)
     engine = Engine(model, tok, block_size=4, kv_cache_dtype="int8", draft=other_shape_draft(tok))

@@ -176,7 +176,7 @@ def test_unconstrained_requests_in_a_batch_with_constrained_ones_equal_their_sol
     model, tok = load(json_run, dtype=torch.float64)
     engine = Engine(model, tok, kv_cache_memory="16MiB")
     prompts = ["Say:", "Once upon", '{"name', "x"]
-    free = RequestParams(24, SamplingParams(temperature=0), stop_at_eot=False)
+    free = RequestParams(24, SamplingParams(temperature=0), ignore_eos=True)
     constrained = RequestParams(
         200,
         SamplingParams(temperature=1.0),

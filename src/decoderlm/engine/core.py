@@ -137,10 +137,10 @@ class EngineCore:
         events = []
         for index in range(params.n):
             seq = Sequence(list(ids), len(ids), max_len)
-            sampling = SamplingState.create(
-                params, index, ids, self.vocab_size, self.runner.device, grammar
-            )
             output = SequenceOutput.create(self.tokenizer, params, index, ids)
+            sampling = SamplingState.create(
+                params, index, ids, self.vocab_size, self.runner.device, grammar, output.stop_ids
+            )
             k = self.num_speculative_tokens  # a constrained sequence does not speculate: `verify`
             speculation = None if k is None or grammar is not None else AdaptiveK(k)  # has no mask
             self.live[seq] = _Live(request, sampling, output, speculation)

@@ -24,37 +24,48 @@ class SequenceOutput:
     logprobs: int | None  # None: none; k ≥ 0: the chosen token's logprob and the top k
     decoder: IncrementalDecoder
     matcher: StopMatcher
-    eot: int | None  # the end-of-text token that ends it, if it stops there
+    stop_ids: frozenset[int]  # the ids that end it: the model's (`eos_ids`) and the request's
+    eos_ids: frozenset[int]  # the model's own among them (reported with stop_reason None)
+    min_tokens: int  # no stop id or string ends it before this many tokens
+    generated: int = 0
 
     @classmethod
     def create(
         cls, tokenizer: Any, params: RequestParams, index: int, prompt_ids: list[int]
     ) -> SequenceOutput:
-        stops = params.stop_at_eot or params.structured is not None  # a grammar ends at eot
-        eot = getattr(tokenizer, "eot_id", None) if stops else None
-        decoder = IncrementalDecoder(tokenizer, prompt_ids)
-        return cls(tokenizer, index, params.logprobs, decoder, StopMatcher(params.stop), eot)
+        model_stops = getattr(tokenizer, "stop_ids", ())
+        # ignore_eos goes on past the model's stop ids; a grammar ends at them (its stop tokens)
+        eos = frozenset(() if params.ignore_eos and params.structured is None else model_stops)
+        decoder = IncrementalDecoder(tokenizer, prompt_ids, params.skip_special_tokens)
+        matcher = StopMatcher(params.stop, params.include_stop_str_in_output)
+        stops = eos | frozenset(params.stop_token_ids)
+        return cls(
+            tokenizer, index, params.logprobs, decoder, matcher, stops, eos, params.min_tokens
+        )
 
     def event(self, token: int, lp: Tensor | None, full: bool) -> TokenEvent:
         """The event of a new `token`: the text it releases, its logprob and top tokens from the
-        row's log-probabilities lp (V,), and finish_reason "stop" (end-of-text or a stop string)
-        or, when the sequence is `full` (max_tokens or the context), "length"."""
+        row's log-probabilities lp (V,), and finish_reason "stop" (a stop id or string, with
+        `stop_reason` the request's stop id or string; None for the model's own) or, when the
+        sequence is `full` (max_tokens or the context), "length"."""
+        self.generated += 1
         logprob, top = None, ()
         if self.logprobs is not None:
             logprob, top = float(lp[token]), top_logprobs(self.tokenizer, lp, self.logprobs)
-        finish = None
-        if token == self.eot:
+        finish, reason, armed = None, None, self.generated >= self.min_tokens
+        if token in self.stop_ids and armed:  # (the sampler masks them before min_tokens)
             text, finish = "", "stop"
+            reason = None if token in self.eos_ids else token
         else:
-            text = self.matcher.feed(self.decoder.add(token))
+            text = self.matcher.feed(self.decoder.add(token), armed)
             if self.matcher.stopped:
-                finish = "stop"
+                finish, reason = "stop", self.matcher.stopped_at
             elif full:
                 finish = "length"
         if finish is not None and not self.matcher.stopped:
-            text += self.matcher.feed(self.decoder.flush())
+            text += self.matcher.feed(self.decoder.flush(), armed)
             text += "" if self.matcher.stopped else self.matcher.flush()
-        return TokenEvent(token, text, logprob, top, finish, self.index)
+        return TokenEvent(token, text, logprob, top, finish, self.index, reason)
 
     def ended(self, reason: str) -> TokenEvent:
         """The last event of a sequence that ends without a token ("length", "cancelled", "error")."""

@@ -6,7 +6,8 @@ row's token and log-probabilities. It is the one place where tokens are chosen:
 - logits are masked at the top of `sample`, before any token is chosen: the ids past the
   tokenizer's vocabulary (a model's padded embedding rows, which cannot be decoded) are never
   chosen; logit processors go there too: a structured output's grammar masks the tokens it
-  forbids next (`decoderlm.inference.structured`), row by row;
+  forbids next (`decoderlm.inference.structured`), row by row, and a request's stop ids are
+  masked until its min_tokens are generated (`SamplingState.hold`);
 - a chosen token is accepted in `SamplingState.accept`, where it joins the sequence's sampler
   state and advances its grammar's matcher: speculative decoding's acceptance of draft tokens goes
   there.
@@ -18,7 +19,7 @@ depend on what else is in the batch.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -41,6 +42,9 @@ class SamplingState:
     seen: Tensor | None  # (1, V) bool: tokens in the sequence, for the repetition penalty
     logprobs: bool  # whether its tokens report log-probabilities
     grammar: Matcher | None = None  # its structured output's place in its grammar
+    held: list[int] = field(default_factory=list)  # ids masked until min_tokens are generated
+    min_tokens: int = 0
+    generated: int = 0  # tokens accepted so far
 
     @classmethod
     def create(
@@ -51,9 +55,12 @@ class SamplingState:
         vocab_size: int,
         device: torch.device,
         grammar: StructuredGrammar | None = None,
+        stop_ids: frozenset[int] = frozenset(),
     ) -> SamplingState:
         """Sample `index` of a request draws from seed + index: sample 0 equals a solo run with
-        `seed`. Each sample has its own matcher of `grammar`."""
+        `seed`. Each sample has its own matcher of `grammar`. `stop_ids` (the ids that end the
+        sequence) are masked until `params.min_tokens` tokens are generated, as vLLM's
+        min_tokens logits processor does."""
         seed = None if params.seed is None else (params.seed + index) % 2**64
         seen = None
         if params.sampling.repetition_penalty != 1.0:
@@ -61,7 +68,9 @@ class SamplingState:
             seen[0, prompt_ids] = True
         generator = make_generator(seed, device)
         matcher = None if grammar is None else grammar.matcher()
-        return cls(params.sampling, generator, seen, params.logprobs is not None, matcher)
+        held = sorted(stop_ids) if params.min_tokens else []
+        logprobs = params.logprobs is not None
+        return cls(params.sampling, generator, seen, logprobs, matcher, held, params.min_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -71,10 +80,17 @@ class SamplingState:
     def accept(self, token: int) -> None:
         """`token` joins the sequence: the repetition penalty counts it from now on, and its
         grammar's matcher advances (DecoderLMError if the grammar forbids it)."""
+        self.generated += 1
         if self.seen is not None:
             self.seen[0, token] = True
         if self.grammar is not None:
             self.grammar.accept(token)
+
+    def hold(self, logits: Tensor, ahead: int = 0) -> None:
+        """Mask, in place, the held stop ids of logits (V,) of the token `ahead` tokens after the
+        next, while fewer than min_tokens are generated before it."""
+        if self.held and self.generated + ahead < self.min_tokens:
+            logits[self.held] = float("-inf")
 
 
 @dataclass(frozen=True)
@@ -107,6 +123,9 @@ def sample(
     """
     mask_undecodable(logits, decodable)
     mask_logits(logits, [None if state is None else state.grammar for state in states])
+    for i, state in enumerate(states):
+        if state is not None and state.held:
+            state.hold(logits[i])
     greedy = [state is not None and state.greedy for state in states]
     wants_lp = [state is not None and state.logprobs for state in states]
     tokens = greedy_tokens(logits).tolist() if any(greedy) else [None] * len(states)  # (B,)
@@ -147,6 +166,8 @@ def verify(
     sequence, what it comes to without its arithmetic: the drafts up to the first that is not the
     argmax, then the argmax)."""
     mask_undecodable(logits, decodable)
+    for ahead, row in enumerate(logits):
+        state.hold(row, ahead)
     if state.greedy:  # p one-hot at the argmax: d_i is accepted iff it is the argmax
         best = greedy_tokens(logits).tolist()  # (k + 1,)
         n = next((i for i, d in enumerate(drafts) if d != best[i]), len(drafts))

@@ -27,9 +27,16 @@ class RequestParams:
     stop: tuple[str, ...] = ()  # text stop strings: the output ends before the first one
     seed: int | None = None  # its own torch.Generator: the same text alone or in a crowd
     logprobs: int | None = None  # None: none; k ≥ 0: the chosen token's logprob and the top-k
-    stop_at_eot: bool = True  # end at the tokenizer's end-of-text token
     n: int = 1  # completions of the prompt, separate sequences; sample j draws from seed + j
     structured: StructuredOutput | None = None  # the grammar its text follows, to its end
+    # Stopping, as vLLM's SamplingParams: the model's own stop ids (`Tokenizer.stop_ids`, from its
+    # files) end the output unless ignore_eos; stop_token_ids end it too; neither these ids nor
+    # the stop strings end it before min_tokens tokens (the ids are masked until then).
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False  # the stop string ends the text (else cut before)
+    skip_special_tokens: bool = True  # special tokens' text is left out of the reply text
 
     def __post_init__(self) -> None:
         checks = (
@@ -48,6 +55,14 @@ class RequestParams:
                 "a tuple of strings",
                 isinstance(self.stop, tuple) and all(isinstance(s, str) for s in self.stop),
             ),
+            (
+                "stop_token_ids",
+                self.stop_token_ids,
+                "a tuple of token ids ≥ 0",
+                isinstance(self.stop_token_ids, tuple)
+                and all(_is_int(t, 0) for t in self.stop_token_ids),
+            ),
+            ("min_tokens", self.min_tokens, "an integer ≥ 0", _is_int(self.min_tokens, 0)),
             (
                 "sampling",
                 self.sampling,
@@ -84,7 +99,7 @@ class TokenEvent:
     """One step of one sequence: the new token, the text it releases (possibly ""), and, last, why it ended.
 
     `text` is UTF-8 safe and never holds a partial stop string; `finish_reason` is None until the
-    last event of the sequence, then "stop" (end-of-text or a stop string), "length"
+    last event of the sequence, then "stop" (a stop id or a stop string), "length"
     (max_tokens or the context), "cancelled", or "error" (the engine failed; it takes no more
     requests). `index` is the sequence's number among the request's `n`.
     """
@@ -95,6 +110,9 @@ class TokenEvent:
     top_logprobs: tuple[TopLogprob, ...] = ()
     finish_reason: str | None = None
     index: int = 0
+    # with finish_reason "stop": the request's stop token id or stop string that ended it; None
+    # for the model's own stop ids (vLLM's stop_reason)
+    stop_reason: int | str | None = None
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,14 @@ class IncrementalDecoder:
     It decodes a short window of recent ids and emits what it adds to the previous window's text,
     holding back while the text ends in U+FFFD (an incomplete UTF-8 sequence); the prompt's last
     ids seed the window so tokenizers that strip a leading space decode the first piece right.
+    With `skip_special_tokens` the special tokens' text is left out (vLLM's default).
     """
 
-    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self, tokenizer: Any, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = False
+    ) -> None:
         self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
         self.ids = list(prompt_ids[-4:])
         self.prefix = 0  # start of the decoding window
         self.read = len(self.ids)  # ids before this have been emitted
@@ -41,9 +45,14 @@ class IncrementalDecoder:
     def flush(self) -> str:
         return self._emit(final=True)
 
+    def _decode(self, ids: list[int]) -> str:
+        if self.skip:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids)
+
     def _emit(self, final: bool) -> str:
-        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
-        text = self.tokenizer.decode(self.ids[self.prefix :])
+        before = self._decode(self.ids[self.prefix : self.read])
+        text = self._decode(self.ids[self.prefix :])
         if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
@@ -51,22 +60,30 @@ class IncrementalDecoder:
 
 
 class StopMatcher:
-    """Cuts a stream of text pieces at the first stop string, holding back a possible partial match."""
+    """Cuts a stream of text pieces at the first stop string (after it, with `include`), holding
+    back a possible partial match; `stopped_at` is the stop string that ended it."""
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.include = include
         self.pending = ""
         self.stopped = False
+        self.stopped_at: str | None = None
 
-    def feed(self, piece: str) -> str:
-        """The text that is safe to emit now; sets `stopped` once a stop string is complete."""
+    def feed(self, piece: str, armed: bool = True) -> str:
+        """The text that is safe to emit now; sets `stopped` once a stop string is complete
+        (never while not `armed`: before a request's min_tokens, stop strings are plain text)."""
         if self.stopped:
             return ""
         text = self.pending + piece
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if not armed:
+            self.pending = ""
+            return text
+        hits = [(i, s) for s in self.stops if (i := text.find(s)) >= 0]
         if hits:
-            self.stopped, self.pending = True, ""
-            return text[: min(hits)]
+            at, stop = min(hits)
+            self.stopped, self.stopped_at, self.pending = True, stop, ""
+            return text[: at + len(stop)] if self.include else text[:at]
         hold = next(
             (
                 k
@@ -92,7 +109,7 @@ def stream(
     *,
     seed: int | None = None,
     stop: Sequence[str] = (),
-    stop_at_eot: bool = True,
+    ignore_eos: bool = False,
     refill_past_context: bool = False,
     compile: bool = False,
     cpu_kernels: bool | SpeedPaths = True,
@@ -101,8 +118,9 @@ def stream(
 ) -> Iterator[str]:
     """An iterator over the continuation of `prompt`, as text pieces while they are generated.
 
-    Stops after `max_new_tokens`, at the tokenizer's end-of-text token (unless `stop_at_eot` is
-    False) or before the first of the `stop` strings (which is not yielded). Bad arguments raise
+    Stops after `max_new_tokens`, at one of the model's stop ids (`Tokenizer.stop_ids`, unless
+    `ignore_eos`) or before the first of the `stop` strings (which is not yielded); special
+    tokens' text is left out. Bad arguments raise
     here, before anything is generated. Sampling (`params` and/or its fields as keywords), `seed`,
     `refill_past_context`, `compile`, `cpu_kernels` and `kv_cache_dtype` are those of
     `decoderlm.inference.generate.generate`; the model is in eval mode (with the speed paths of
@@ -115,11 +133,14 @@ def stream(
     rows = prompt_rows([ids], model.config.vocab_size)
     options = DecodeOptions.of(compile, cpu_kernels, kv_cache_dtype, refill_past_context)
     options.check(model, rows, max_new_tokens)
-    eot = getattr(tokenizer, "eot_id", None) if stop_at_eot else None
+    stops = frozenset(() if ignore_eos else getattr(tokenizer, "stop_ids", ()))
     generator = make_generator(seed, model.tok_emb.weight.device)
     steps = decode_steps(model, rows, max_new_tokens, params, generator, options)
-    decoder, matcher = IncrementalDecoder(tokenizer, ids), StopMatcher(stop)
-    return _text_pieces(model, steps, decoder, matcher, eot, options.paths)
+    decoder, matcher = (
+        IncrementalDecoder(tokenizer, ids, skip_special_tokens=True),
+        StopMatcher(stop),
+    )
+    return _text_pieces(model, steps, decoder, matcher, stops, options.paths)
 
 
 def _text_pieces(
@@ -127,13 +148,13 @@ def _text_pieces(
     steps: Iterator[Tensor],
     decoder: IncrementalDecoder,
     matcher: StopMatcher,
-    eot: int | None,
+    stops: frozenset[int],
     paths: SpeedPaths,
 ) -> Iterator[str]:
     with evaluating(model), paths.applied(model):
         for token in steps:
             token_id = int(token[0])  # streaming needs each token on the host
-            if token_id == eot:
+            if token_id in stops:
                 break
             piece = matcher.feed(decoder.add(token_id))
             if piece:

@@ -142,7 +142,7 @@ class EngineLM:
             max_tokens=1,
             sampling=SamplingParams(temperature=0),
             logprobs=min(k, self.vocab),
-            stop_at_eot=False,
+            ignore_eos=True,
         )
         done = self._generate([list(p) for p in prefixes], params)
         return [[(t.token_id, t.logprob) for t in c.top_logprobs[0]] if c.top_logprobs else []
