@@ -1,10 +1,13 @@
-"""`decoderlm info`: parameters, FLOPs per token and KV-cache memory of a checkpoint or preset."""
+"""`decoderlm info`: parameters, FLOPs per token and KV-cache memory of a checkpoint or preset,
+at 4k, 32k and 128k tokens and at the model's own context."""
 
 from __future__ import annotations
 
 import argparse
 import json
 from typing import TYPE_CHECKING
+
+from decoderlm.commands import CHECKPOINT_HELP
 
 if TYPE_CHECKING:
     import torch
@@ -19,7 +22,7 @@ KV_DTYPE_NOTES = {"int8": " (int8 K/V + a float32 scale per token and head)"}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", metavar="DIR", help="run or Hugging Face directory")
+    source.add_argument("--checkpoint", metavar="PATH", help=CHECKPOINT_HELP)
     source.add_argument("--preset", metavar="NAME", help="a ModelConfig preset, e.g. llama-55m")
     parser.add_argument(
         "--dtype",
@@ -61,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         window, window_layers = args.window, None
     with torch.device("meta"):  # shapes only: no memory, no initialisation cost
         model = DecoderLM(config)
+    contexts = tuple(sorted({*CONTEXTS, config.context_length}))  # and the model's own
     info = {
         "source": args.preset or args.checkpoint,
         "attention": attention_kind(config),
@@ -75,9 +79,9 @@ def run(args: argparse.Namespace) -> int:
         "kv_cache_dtype": dtype,
         "kv_cache_window": window,
         "kv_cache_window_layers": config.n_layers if window_layers is None else window_layers,
-        "kv_cache": kv_cache_table(config, CONTEXTS, _kv_dtype(dtype), window, window_layers),
+        "kv_cache": kv_cache_table(config, contexts, _kv_dtype(dtype), window, window_layers),
         "kv_cache_by_dtype": {
-            name: kv_cache_table(config, CONTEXTS, _kv_dtype(name), window, window_layers)
+            name: kv_cache_table(config, contexts, _kv_dtype(name), window, window_layers)
             for name in dict.fromkeys((*KV_DTYPES, dtype))
         },
         # per sequence at any context: the recurrent layers' conv and matrix states
@@ -99,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         f"FLOPs per token    {_si(info['forward_flops_per_token'])} forward, "
         f"{_si(info['training_flops_per_token'])} training (at context {config.context_length:,})"
     )
-    header = "".join(f"{_tokens(n):>12}" for n in CONTEXTS)
+    header = "".join(f"{_tokens(n):>12}" for n in contexts)
     if window is not None:
         layers = info["kv_cache_window_layers"]
         window_label = f"window {window:,}" + (f" in {layers} layers" if window_layers else "")
@@ -111,15 +115,15 @@ def run(args: argparse.Namespace) -> int:
             label = f"{row['attention']}, {heads}" + (
                 " (this)" if row["variant"] == "model" else ""
             )
-            sizes = "".join(f"{_bytes(row['bytes_at'][n]):>12}" for n in CONTEXTS)
+            sizes = "".join(f"{_bytes(row['bytes_at'][n]):>12}" for n in contexts)
             print(f"    {label:<26}{_bytes(row['bytes_per_token']):>11}{sizes}")
             if window is not None:
-                sizes = "".join(f"{_bytes(row['bytes_at_windowed'][n]):>12}" for n in CONTEXTS)
+                sizes = "".join(f"{_bytes(row['bytes_at_windowed'][n]):>12}" for n in contexts)
                 print(f"      {window_label:<24}{'':>11}{sizes}")
         if config.has_recurrent_layers:  # the same at every context
             state = _bytes(info["recurrent_state_bytes"][name])
             label = f"recurrent state, {config.n_layers - attention_layers(config)} layers"
-            print(f"    {label:<26}{'-':>11}" + f"{state:>12}" * len(CONTEXTS))
+            print(f"    {label:<26}{'-':>11}" + f"{state:>12}" * len(contexts))
     return 0
 
 
