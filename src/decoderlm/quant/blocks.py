@@ -23,6 +23,7 @@ writes the same bytes.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from decoderlm.quant.linear import QuantizedLinear
@@ -38,6 +39,7 @@ BLOCK_TYPES = {
     "Q5_1": (32, 24),
 }
 _BITS = torch.arange(8, dtype=torch.uint8)
+CHUNK_WEIGHTS = 2**22  # weights a product dequantizes at a time: 16 MiB of float32
 
 
 def row_bytes(ggml_type: str, k: int) -> int:
@@ -65,6 +67,16 @@ def dequantize_rows(blocks: Tensor, ggml_type: str, k: int) -> Tensor:
         return (d * q.float() + _half(b, 2)).view(n, k)  # w = d·q + m
     zero = 8 if ggml_type == "Q4_0" else 16
     return (d * (q.to(torch.int8) - zero).float()).view(n, k)  # w = d·(q − 8) or d·(q − 16)
+
+
+def dequantize(blocks: Tensor, ggml_type: str, k: int, dtype: torch.dtype) -> Tensor:
+    """All rows (N, k) in `dtype`, decoded CHUNK_WEIGHTS at a time (the float32 temporaries of a
+    vocabulary-sized table stay small)."""
+    rows = max(1, CHUNK_WEIGHTS // k)
+    out = torch.empty(blocks.shape[0], k, dtype=dtype, device=blocks.device)
+    for i in range(0, blocks.shape[0], rows):
+        out[i : i + rows] = dequantize_rows(blocks[i : i + rows], ggml_type, k)
+    return out
 
 
 def _half(b: Tensor, at: int) -> Tensor:
@@ -118,7 +130,20 @@ class BlockLinear(QuantizedLinear):
         return cls(d, n, embedding.ggml_type, blocks=embedding.blocks)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        return dequantize_rows(self.blocks, self.ggml_type, self.in_features).to(dtype)
+        return dequantize(self.blocks, self.ggml_type, self.in_features, dtype)
+
+    def matmul(self, x: Tensor) -> Tensor:
+        """x·Ŵᵀ (..., in_features) → (..., out_features), Ŵ dequantized CHUNK_WEIGHTS at a time
+        (a vocabulary-sized head would otherwise be made whole, in floats, at every step)."""
+        rows = max(1, CHUNK_WEIGHTS // self.in_features)
+        if rows >= self.out_features:
+            return F.linear(x, self.dequantized(x.dtype))
+        k, kind = self.in_features, self.ggml_type
+        chunks = [
+            F.linear(x, dequantize_rows(self.blocks[i : i + rows], kind, k).to(x.dtype))
+            for i in range(0, self.out_features, rows)
+        ]  # each (..., rows)
+        return torch.cat(chunks, dim=-1)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, ggml_type={self.ggml_type}"
@@ -152,9 +177,7 @@ class BlockEmbedding(nn.Module):
     def weight(self) -> Tensor:
         """The whole table dequantized (num_embeddings, embedding_dim), made anew on each access:
         for callers that read `tok_emb.weight`'s device and dtype."""
-        return dequantize_rows(self.blocks, self.ggml_type, self.embedding_dim).to(
-            self.float_dtype.dtype
-        )
+        return dequantize(self.blocks, self.ggml_type, self.embedding_dim, self.float_dtype.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, ggml_type={self.ggml_type}"
