@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import gguf
 import torch
 from gguf_builders import CORPUS, SAMPLES
 
@@ -94,3 +95,18 @@ def test_the_loaded_model_stays_near_the_file_size(smollm2_file):
     )
     sizes = json.loads(out.stdout)
     assert sizes["model"] < 1.5 * sizes["file"], sizes
+
+
+def test_written_back_it_holds_the_files_bytes_and_metadata(smollm2, smollm2_file, tmp_path):
+    from test_gguf_write import tensors
+
+    from decoderlm.gguf import export_gguf
+
+    model, tokenizer = smollm2
+    template = load_chat_template(smollm2_file).source
+    out = export_gguf(model, tokenizer, tmp_path / "copy.gguf", chat_template=template)
+    assert tensors(out) == tensors(smollm2_file)  # 272 tensors: Q4_1, Q8_0, F32, byte for byte
+    original, copy = (gguf.GGUFReader(p).fields for p in (smollm2_file, out))
+    same = [k for k in original if k.startswith(("llama.", "tokenizer.")) and k in copy]
+    assert all(original[k].contents() == copy[k].contents() for k in same)
+    assert len(same) >= len([k for k in original if k.startswith("llama.")]) + 10

@@ -10,8 +10,8 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.files import ANY_ENTRY, add_overwrite_argument, refuse_overwrite
 
 HELP = (
-    "convert checkpoints: --from-hf DIR, --to-hf RUN, --from-gguf FILE, or --to-gqa G RUN "
-    "(mean-pooled K/V heads)"
+    "convert checkpoints: --from-hf DIR, --to-hf RUN, --from-gguf FILE, --to-gguf RUN, or "
+    "--to-gqa G RUN (mean-pooled K/V heads)"
 )
 
 
@@ -28,6 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "smollm2-135m-instruct",
     )
     mode.add_argument(
+        "--to-gguf",
+        metavar="RUN",
+        help="export a checkpoint (a run, a Hugging Face directory, a GGUF file or a model name) "
+        "as the GGUF file --out",
+    )
+    mode.add_argument(
         "--to-gqa",
         metavar="G",
         type=int,
@@ -35,7 +41,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     # dest `gqa_run`: `args.run` is taken by the CLI's dispatch (decoderlm.cli).
     parser.add_argument("gqa_run", nargs="?", metavar="RUN", help="the run directory for --to-gqa")
-    parser.add_argument("--out", required=True, help="output directory (must be new or empty)")
+    parser.add_argument(
+        "--out", required=True, help="output directory (must be new or empty); --to-gguf: a file"
+    )
+    parser.add_argument(
+        "--type",
+        metavar="NAME",
+        help="--to-gguf: the 2-D weights' type, f32, f16, bf16, q8_0, q4_0 or q4_1 (default: "
+        "ggml blocks a model holds as they are, float weights f32)",
+    )
     parser.add_argument(
         "--allow-pickle",
         action="store_true",
@@ -54,6 +68,10 @@ def run(args: argparse.Namespace) -> int:
     from decoderlm.dtypes import parse_dtype
     from decoderlm.loading import resolve_checkpoint
 
+    if args.type is not None and not args.to_gguf:
+        raise DecoderLMError("--type applies to --to-gguf only")
+    if args.to_gguf:
+        return _to_gguf(Path(resolve_checkpoint(args.to_gguf)), Path(args.out), args)
     if args.from_gguf:  # a model's name: its installed file
         args.from_gguf = str(resolve_checkpoint(args.from_gguf))
     source = args.from_hf or args.to_hf or args.from_gguf or args.gqa_run
@@ -78,6 +96,27 @@ def run(args: argparse.Namespace) -> int:
     else:
         out = gqa.convert_run(args.gqa_run, args.out, args.to_gqa)
     print(f"wrote {out}")
+    return 0
+
+
+def _to_gguf(source: Path, out: Path, args: argparse.Namespace) -> int:
+    """--to-gguf: the checkpoint, its tokenizer and chat template as one GGUF file."""
+    from decoderlm.chat_template import DEFAULT_CHAT_TEMPLATE, load_chat_template
+    from decoderlm.gguf import export_gguf
+    from decoderlm.gguf.writer import check_type
+    from decoderlm.loading import load
+
+    check_type(args.type)
+    if out.exists() and source.exists() and out.resolve() == source.resolve():
+        raise DecoderLMError(f"--out {out} is the source; choose a new file")
+    refuse_overwrite(out, overwrite=args.overwrite)
+    model, tokenizer = load(source)
+    if tokenizer is None:
+        raise DecoderLMError(f"{source} has no tokenizer.json; a GGUF file needs a tokenizer")
+    template = load_chat_template(source).source
+    template = None if template == DEFAULT_CHAT_TEMPLATE else template
+    name = source.stem if source.is_file() else source.resolve().name
+    print(f"wrote {export_gguf(model, tokenizer, out, args.type, name, template)}")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The tokenizer a GGUF file describes (`tokenizer.ggml.*`), as a `tokenizers.Tokenizer`, and back.
+"""The tokenizer a GGUF file describes (`tokenizer.ggml.*`), as a `tokenizers.Tokenizer`, and back
+(`tokenizer_metadata`, for byte-level BPE).
 
 Two models, as llama.cpp (`llama-vocab.cpp`) and transformers' GGUF loader
 (`transformers/integrations/gguf/gguf_tokenizer_mapping.py`) read them:
@@ -19,6 +20,7 @@ is the chat template's text, which writes its own BOS.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.gguf.reader import GGUFFile, open_gguf
 from decoderlm.tokenizer import SpecialIds, Tokenizer
 
-CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types (SentencePiece's, 1 normal … 6 byte)
+NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # llama.cpp's token types (SentencePiece's; 6 byte)
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -227,3 +229,57 @@ def read_chat_template(path: str | Path) -> tuple[str | None, str, str]:
 
     source = file.get("tokenizer.chat_template")
     return (source if isinstance(source, str) else None), text("bos_token_id"), text("eos_token_id")
+
+
+def tokenizer_metadata(tokenizer: Tokenizer) -> dict[str, Any]:
+    """The `tokenizer.ggml.*` metadata of a byte-level BPE tokenizer (decoderlm's own, or one
+    read from a gpt2-model GGUF file or a GPT-2/Llama 3/Qwen2-style tokenizer.json): its
+    pre-tokenizer named by PRE_TOKENIZERS, its tokens in id order, their types (special added
+    tokens control, other added ones user-defined) and merges; DecoderLMError for another kind."""
+    backend = tokenizer.backend
+    model = json.loads(backend.to_str())["model"]
+    pre = _pre_tokenizer_name(backend)
+    if model.get("type") != "BPE" or pre is None:
+        raise DecoderLMError(
+            "cannot export this tokenizer to GGUF: decoderlm writes byte-level BPE tokenizers "
+            f"whose pre-tokenizer is one of {', '.join(PRE_TOKENIZERS)}"
+        )
+    vocab = backend.get_vocab(with_added_tokens=True)
+    tokens = sorted(vocab, key=vocab.get)
+    if [vocab[t] for t in tokens] != list(range(len(tokens))):
+        raise DecoderLMError("cannot export a tokenizer whose ids have gaps to GGUF")
+    added = {t.content: t.special for t in backend.get_added_tokens_decoder().values()}
+    types = [(CONTROL if added[t] else USER_DEFINED) if t in added else NORMAL for t in tokens]
+    special = tokenizer.special
+    eos = special.eos if special.eos is not None else tokenizer.eot_id
+    meta: dict[str, Any] = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": [
+            m if isinstance(m, str) else " ".join(m) for m in model["merges"]
+        ],
+        "tokenizer.ggml.add_bos_token": special.bos is not None
+        and tokenizer.encode_prompt("x")[:1] == [special.bos],
+    }
+    for key, value in (
+        ("bos_token_id", special.bos),
+        ("eos_token_id", eos),
+        ("eot_token_id", special.end_of_turn),
+        ("padding_token_id", special.pad),
+    ):
+        if value is not None:
+            meta[f"tokenizer.ggml.{key}"] = value
+    return meta
+
+
+def _pre_tokenizer_name(backend: tokenizers.Tokenizer) -> str | None:
+    """The name in PRE_TOKENIZERS of `backend`'s pre-tokenizer (None: none of them)."""
+    ours = json.loads(backend.to_str()).get("pre_tokenizer")
+    for name, make in PRE_TOKENIZERS.items():
+        probe = tokenizers.Tokenizer(models.BPE())
+        probe.pre_tokenizer = make()
+        if json.loads(probe.to_str())["pre_tokenizer"] == ours:
+            return name
+    return None
