@@ -122,6 +122,21 @@ def test_a_tensor_whose_shape_contradicts_the_metadata_is_refused(good):
     )
 
 
+def test_more_layers_than_tensors_are_refused_before_a_layer_is_built(good):
+    patch(good, kv_value_offset(good, "llama.block_count"), "<I", 10**9)
+    refused(good, r"declares 1000000000 layers but holds \d+ tensors")
+
+
+def test_a_metadata_value_of_the_wrong_type_is_refused(good):
+    patch(
+        good,
+        kv_value_offset(good, "tokenizer.ggml.bos_token_id") - 4,
+        "<I",
+        gguf.GGUFValueType.FLOAT32,
+    )
+    refused(good, "metadata 'tokenizer.ggml.bos_token_id' is a float; decoderlm expects an integer")
+
+
 def test_an_unknown_architecture_lists_the_supported_ones(good, tmp_path):
     reader = gguf.GGUFReader(good)
     field = reader.fields["general.architecture"]

@@ -71,7 +71,7 @@ def model_type(file: GGUFFile) -> str:
             f"{file.path}: architecture {arch!r} is not supported; supported: "
             f"{', '.join(ARCHITECTURES)} (and mistral, written as llama)"
         )
-    if arch == "llama" and "mistral" in str(file.get("general.name", "")).lower():
+    if arch == "llama" and "mistral" in file.get("general.name", "", kind=str).lower():
         return "mistral"
     return arch
 
@@ -81,7 +81,7 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
     arch, kind = file.architecture, model_type(file)
     hf: dict[str, Any] = {"model_type": kind}
     for key, theirs in FIELDS[arch]:
-        value = file.get(f"{arch}.{key}")
+        value = file.get(f"{arch}.{key}", kind=(int, float))
         if value is not None:
             hf[theirs] = value
     names = file.tensors
@@ -95,7 +95,7 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
         hf["mlp_bias"] = "blk.0.ffn_up.bias" in names
     if kind == "mistral":
         hf.setdefault("sliding_window", None)  # llama.cpp's llama attends to the whole context
-    rope_dims = file.get(f"{arch}.rope.dimension_count")
+    rope_dims = file.get(f"{arch}.rope.dimension_count", kind=int)
     head_dim = hf.get("head_dim") or (rope_dims if arch == "llama" else None)
     if head_dim is None and "hidden_size" in hf and "num_attention_heads" in hf:
         head_dim = hf["hidden_size"] // hf["num_attention_heads"]
@@ -107,7 +107,7 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
 
 
 def _rope_scaling(file: GGUFFile, arch: str, hf: dict[str, Any]) -> dict[str, Any] | None:
-    kind = file.get(f"{arch}.rope.scaling.type")
+    kind = file.get(f"{arch}.rope.scaling.type", kind=str)
     if ROPE_FREQS in file.tensors:
         factors = torch.from_numpy(np.array(file.tensors[ROPE_FREQS].data, dtype=np.float64))
         return llama3_scaling(factors, hf["head_dim"], hf.get("rope_theta", 10000.0), file.path)
@@ -118,9 +118,10 @@ def _rope_scaling(file: GGUFFile, arch: str, hf: dict[str, Any]) -> dict[str, An
             f"{file.path}: rope.scaling.type={kind!r} is not supported; supported: "
             f"none, {', '.join(_ROPE_SCALING)} (and Llama 3's rope_freqs)"
         )
-    scaling = {"rope_type": kind, "factor": file.get(f"{arch}.rope.scaling.factor", 1.0)}
+    factor = file.get(f"{arch}.rope.scaling.factor", 1.0, kind=(int, float))
+    scaling = {"rope_type": kind, "factor": factor}
     if kind == "yarn":
-        original = file.get(f"{arch}.rope.scaling.original_context_length")
+        original = file.get(f"{arch}.rope.scaling.original_context_length", kind=int)
         scaling["original_max_position_embeddings"] = original
     return scaling
 

@@ -35,7 +35,7 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.files import atomic_write, write_json
 from decoderlm.gguf.config import ROPE_FREQS, read_config
 from decoderlm.gguf.reader import GGUFFile, open_gguf
-from decoderlm.gguf.tensors import Rule, llama_rows, part_heads, qkv_rows, rules
+from decoderlm.gguf.tensors import Rule, rules, to_ours, to_theirs
 from decoderlm.gguf.tokenizer import read_chat_template, tokenizer_from_gguf
 from decoderlm.model.config import ModelConfig
 from decoderlm.model.lm import DecoderLM
@@ -101,6 +101,10 @@ def build_model(file: GGUFFile, config: ModelConfig) -> DecoderLM:
     """The DecoderLM of `config` holding the file's tensors (see the module docstring)."""
     tensors = file.tensors
     _check_types(file, tensors)
+    if config.n_layers > len(tensors):  # before a module is made for each declared layer
+        raise DecoderLMError(
+            f"{file.path} declares {config.n_layers} layers but holds {len(tensors)} tensors"
+        )
     with torch.device("meta"):  # shapes only: the file holds the weights
         model = DecoderLM(config)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -120,9 +124,10 @@ def build_model(file: GGUFFile, config: ModelConfig) -> DecoderLM:
             and isinstance(module, nn.Linear | nn.Embedding)
             and kind in KEPT_TYPES
         ):
-            _swap(model, module_name, module, kind, _join(rule, [_raw(p) for p in parts], config))
+            blocks = to_ours(rule, [_raw(p) for p in parts], config)
+            _swap(model, module_name, module, kind, blocks)
         else:
-            floats[rule.ours] = _join(rule, [_floats(p) for p in parts], config)
+            floats[rule.ours] = to_ours(rule, [_floats(p) for p in parts], config)
             dequantized.update(
                 p.tensor_type.name for p in parts if p.tensor_type.name in DEQUANTIZED_TYPES
             )
@@ -165,11 +170,13 @@ def _shape(t: Any) -> tuple[int, ...]:
 def _check_shapes(
     file: GGUFFile, rule: Rule, parts: list[Any], ours: tuple[int, ...], config: ModelConfig
 ) -> None:
-    wants = [ours] if rule.kind == "copy" else [(n, *ours[1:]) for n in qkv_rows(config)]
+    """Each part's shape is the one our tensor's shape implies (sent through the same rule)."""
+    wants = to_theirs(rule, torch.empty(ours, device="meta"), config)
     for name, part, want in zip(rule.theirs, parts, wants, strict=True):
-        if _shape(part) != want:
+        if _shape(part) != tuple(want.shape):
             raise DecoderLMError(
-                f"{file.path}: tensor {name!r} has shape {_shape(part)}; the metadata implies {want}"
+                f"{file.path}: tensor {name!r} has shape {_shape(part)}; the metadata implies "
+                f"{tuple(want.shape)}"
             )
 
 
@@ -188,17 +195,6 @@ def _floats(t: Any) -> Tensor:
     if kind in KEPT_TYPES:
         return dequantize_rows(_raw(t), kind, shape[-1]).view(shape)
     return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)).view(shape)
-
-
-def _join(rule: Rule, parts: list[Tensor], config: ModelConfig) -> Tensor:
-    """Our tensor from the GGUF parts (rows: blocks or floats): one as it is, or q, k, v joined,
-    llama's q and k rows put back in rotate-half order."""
-    if rule.kind == "copy":
-        return parts[0]
-    if rule.permuted:  # q and k: GGUF row r is our row llama_rows[r]
-        for i, heads in enumerate(part_heads(config)[:2]):
-            parts[i] = parts[i][torch.argsort(llama_rows(heads, config.head_dim))]
-    return torch.cat(parts, dim=0)
 
 
 def _swap(model: DecoderLM, name: str, module: nn.Module, kind: str, blocks: Tensor) -> None:

@@ -40,6 +40,15 @@ _ITEM_BYTES = {
 }
 
 
+_KIND_NAMES = {
+    int: "an integer",
+    float: "a float",
+    bool: "a boolean",
+    str: "a string",
+    list: "an array",
+}
+
+
 class _Refused(Exception):
     """A declared size the file cannot hold (the message says which)."""
 
@@ -114,25 +123,33 @@ class GGUFFile:
 
     @property
     def architecture(self) -> str:
-        return self.require("general.architecture")
+        return self.require("general.architecture", str)
 
     @property
     def tensors(self) -> dict[str, Any]:
         """name → gguf ReaderTensor (`.tensor_type`, `.shape` fastest-moving first, `.data`)."""
         return {t.name: t for t in self.reader.tensors}
 
-    def get(self, key: str, default: Any = None) -> Any:
-        """The value of a metadata key (a scalar, a string or a list), `default` if absent."""
+    def get(self, key: str, default: Any = None, kind: type | tuple[type, ...] = object) -> Any:
+        """The value of a metadata key (a scalar, a string or a list), `default` if absent;
+        DecoderLMError if it is not of `kind`."""
         field = self.reader.fields.get(key)
         if field is None:
             return default
         try:
-            return field.contents()
+            value = field.contents()
         except UnicodeDecodeError:
             raise DecoderLMError(f"{self.path}: metadata {key!r} is not valid UTF-8") from None
+        numbers = kind in (int, float, (int, float))
+        if not isinstance(value, kind) or (numbers and isinstance(value, bool)):
+            raise DecoderLMError(
+                f"{self.path}: metadata {key!r} is {_KIND_NAMES.get(type(value), 'another kind')}; "
+                f"decoderlm expects {_KIND_NAMES.get(kind, 'a number')}"
+            )
+        return value
 
-    def require(self, key: str) -> Any:
-        value = self.get(key)
+    def require(self, key: str, kind: type | tuple[type, ...] = object) -> Any:
+        value = self.get(key, kind=kind)
         if value is None:
             raise DecoderLMError(f"{self.path} has no metadata {key!r}")
         return value

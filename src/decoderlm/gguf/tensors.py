@@ -87,10 +87,29 @@ def _split_qkv(ours: str, layer: int, bias: bool, permuted: bool) -> list[Rule]:
     ]
 
 
-def qkv_rows(config: ModelConfig) -> tuple[int, int, int]:
-    """The rows of q, k and v in our fused projection."""
+def to_ours(rule: Rule, parts: list[Tensor], config: ModelConfig) -> Tensor:
+    """Our tensor from the GGUF parts (rows of floats or of blocks): the one part as it is, or
+    q, k and v joined, llama's q and k rows put back in rotate-half order."""
+    if rule.kind == "copy":
+        return parts[0]
+    q, k, v = parts
+    if rule.permuted:  # GGUF row r is our row llama_rows[r]
+        q_rows, k_rows = _llama_orders(config)
+        q, k = q[torch.argsort(q_rows)], k[torch.argsort(k_rows)]
+    return torch.cat([q, k, v], dim=0)
+
+
+def to_theirs(rule: Rule, tensor: Tensor, config: ModelConfig) -> list[Tensor]:
+    """The GGUF parts of our tensor: itself, or its q, k and v rows, llama's q and k rows in
+    interleaved order."""
+    if rule.kind == "copy":
+        return [tensor]
     kv = config.n_kv_heads * config.head_dim
-    return config.n_heads * config.head_dim, kv, kv
+    q, k, v = tensor.split([config.n_heads * config.head_dim, kv, kv], dim=0)
+    if rule.permuted:
+        q_rows, k_rows = _llama_orders(config)
+        q, k = q[q_rows], k[k_rows]
+    return [q, k, v]
 
 
 def llama_rows(heads: int, head_dim: int) -> Tensor:
@@ -99,6 +118,8 @@ def llama_rows(heads: int, head_dim: int) -> Tensor:
     return torch.arange(heads * head_dim).view(heads, 2, head_dim // 2).transpose(1, 2).flatten()
 
 
-def part_heads(config: ModelConfig) -> tuple[int, int, int]:
-    """The heads of q, k and v (the permutation works head by head)."""
-    return config.n_heads, config.n_kv_heads, config.n_kv_heads
+def _llama_orders(config: ModelConfig) -> tuple[Tensor, Tensor]:
+    """llama_rows of q (n_heads heads) and of k (n_kv_heads heads)."""
+    return llama_rows(config.n_heads, config.head_dim), llama_rows(
+        config.n_kv_heads, config.head_dim
+    )

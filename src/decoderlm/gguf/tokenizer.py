@@ -81,15 +81,15 @@ _IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")  # a whole-word token wins 
 
 def tokenizer_from_gguf(file: GGUFFile) -> Tokenizer:
     """decoderlm's Tokenizer for the file's `tokenizer.ggml.*` metadata."""
-    kind = file.require("tokenizer.ggml.model")
-    tokens = file.require("tokenizer.ggml.tokens")
-    types = file.get("tokenizer.ggml.token_type") or []
+    kind = file.require("tokenizer.ggml.model", str)
+    tokens = _strings(file, "tokenizer.ggml.tokens")
+    types = file.get("tokenizer.ggml.token_type", [], kind=list)
     if kind == "gpt2":
         backend = _byte_level(file, tokens)
-        add_bos = bool(file.get("tokenizer.ggml.add_bos_token", False))
+        add_bos = file.get("tokenizer.ggml.add_bos_token", False, kind=bool)
     elif kind == "llama":
         backend = _sentencepiece(file, tokens)
-        add_bos = bool(file.get("tokenizer.ggml.add_bos_token", True))  # llama.cpp's default
+        add_bos = file.get("tokenizer.ggml.add_bos_token", True, kind=bool)  # llama.cpp's default
     else:
         raise DecoderLMError(
             f"{file.path}: tokenizer.ggml.model={kind!r} is not supported; supported: gpt2, llama"
@@ -101,13 +101,13 @@ def tokenizer_from_gguf(file: GGUFFile) -> Tokenizer:
         end_of_turn=_token_id(file, "eot_token_id", len(tokens)),
         pad=_token_id(file, "padding_token_id", len(tokens)),
     )
-    add_eos = bool(file.get("tokenizer.ggml.add_eos_token", False))
+    add_eos = file.get("tokenizer.ggml.add_eos_token", False, kind=bool)
     backend.post_processor = _template(tokens, ids, add_bos, add_eos)
     return Tokenizer(backend, ids)
 
 
 def _token_id(file: GGUFFile, key: str, vocab: int) -> int | None:
-    value = file.get(f"tokenizer.ggml.{key}")
+    value = file.get(f"tokenizer.ggml.{key}", kind=int)
     if value is not None and not 0 <= value < vocab:
         raise DecoderLMError(
             f"{file.path}: tokenizer.ggml.{key}={value} is outside the {vocab} tokens"
@@ -116,7 +116,7 @@ def _token_id(file: GGUFFile, key: str, vocab: int) -> int | None:
 
 
 def _byte_level(file: GGUFFile, tokens: list[str]) -> tokenizers.Tokenizer:
-    pre = file.get("tokenizer.ggml.pre", "default")
+    pre = file.get("tokenizer.ggml.pre", "default", kind=str)
     if pre not in PRE_TOKENIZERS:
         raise DecoderLMError(
             f"{file.path}: tokenizer.ggml.pre={pre!r} is not supported; supported: "
@@ -126,11 +126,25 @@ def _byte_level(file: GGUFFile, tokens: list[str]) -> tokenizers.Tokenizer:
         t if set(t) <= GPT2_ALPHABET else "".join(GPT2_BYTES[b] for b in t.encode()): i
         for i, t in enumerate(tokens)
     }
-    merges = [tuple(m.split(" ", 1)) for m in file.get("tokenizer.ggml.merges") or []]
+    merges = _merges(file)
     backend = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in _IGNORE_MERGES))
     backend.pre_tokenizer = PRE_TOKENIZERS[pre]()
     backend.decoder = decoders.ByteLevel()
     return backend
+
+
+def _merges(file: GGUFFile) -> list[tuple[str, str]]:
+    """`tokenizer.ggml.merges`: "left right" strings, as pairs."""
+    merges = _strings(file, "tokenizer.ggml.merges", required=False)
+    return [tuple(m.split(" ", 1)) for m in merges]
+
+
+def _strings(file: GGUFFile, key: str, required: bool = True) -> list[str]:
+    """A metadata array of strings ([] when absent and not `required`)."""
+    value = file.require(key, list) if required else file.get(key, [], kind=list)
+    if not all(isinstance(v, str) for v in value):
+        raise DecoderLMError(f"{file.path}: metadata {key!r} is not an array of strings")
+    return value
 
 
 def _gpt2_bytes() -> dict[int, str]:
@@ -148,16 +162,13 @@ GPT2_ALPHABET = frozenset(GPT2_BYTES.values())
 
 
 def _sentencepiece(file: GGUFFile, tokens: list[str]) -> tokenizers.Tokenizer:
-    scores = file.get("tokenizer.ggml.scores")
-    if scores is None and file.get("tokenizer.ggml.merges") is None:
-        raise DecoderLMError(f"{file.path}: a llama tokenizer needs tokenizer.ggml.scores")
     vocab = {t: i for i, t in enumerate(tokens)}
-    if file.get("tokenizer.ggml.merges") is not None:
-        merges = [tuple(m.split(" ", 1)) for m in file.get("tokenizer.ggml.merges")]
-    else:
+    merges = _merges(file)
+    if not merges:  # SentencePiece files give scores, from which the merges follow
+        scores = file.require("tokenizer.ggml.scores", list)
         merges = _merges_from_scores(vocab, dict(zip(tokens, scores, strict=False)))
     backend = tokenizers.Tokenizer(models.BPE(vocab, merges, fuse_unk=True, byte_fallback=True))
-    prefix = bool(file.get("tokenizer.ggml.add_space_prefix", True))
+    prefix = file.get("tokenizer.ggml.add_space_prefix", True, kind=bool)
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
         replacement="▁", prepend_scheme="first" if prefix else "never", split=False
     )
@@ -221,14 +232,14 @@ def _template(
 def read_chat_template(path: str | Path) -> tuple[str | None, str, str]:
     """(the file's `tokenizer.chat_template` or None, the BOS text, the EOS text)."""
     file = open_gguf(path)
-    tokens = file.get("tokenizer.ggml.tokens") or []
+    tokens = _strings(file, "tokenizer.ggml.tokens", required=False)
 
     def text(key: str) -> str:
-        index = file.get(f"tokenizer.ggml.{key}")
-        return tokens[index] if isinstance(index, int) and 0 <= index < len(tokens) else ""
+        index = _token_id(file, key, len(tokens))
+        return "" if index is None else tokens[index]
 
-    source = file.get("tokenizer.chat_template")
-    return (source if isinstance(source, str) else None), text("bos_token_id"), text("eos_token_id")
+    source = file.get("tokenizer.chat_template", kind=str)
+    return source, text("bos_token_id"), text("eos_token_id")
 
 
 def tokenizer_metadata(tokenizer: Tokenizer) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType as T
 from decoderlm.errors import DecoderLMError
 from decoderlm.files import atomic_write
 from decoderlm.gguf.config import ROPE_FREQS, gguf_metadata
-from decoderlm.gguf.tensors import llama_rows, part_heads, qkv_rows, rules
+from decoderlm.gguf.tensors import rules, to_theirs
 from decoderlm.gguf.tokenizer import tokenizer_metadata
 from decoderlm.model.lm import DecoderLM
 from decoderlm.quant.blocks import BlockEmbedding, BlockLinear
@@ -121,20 +121,8 @@ def _tensors(model: DecoderLM, arch: str, kind: T | None) -> Any:
                 )
         else:
             source, held = state[rule.ours].detach().float(), None
-        for name, part in zip(rule.theirs, _parts(rule, source, model), strict=True):
+        for name, part in zip(rule.theirs, to_theirs(rule, source, model.config), strict=True):
             yield name, *_encode(name, part, held, kind)
-
-
-def _parts(rule: Any, tensor: torch.Tensor, model: DecoderLM) -> list[torch.Tensor]:
-    """Our tensor (rows of floats or of blocks) as the GGUF parts: itself, or q, k, v with
-    llama's q and k rows in interleaved order."""
-    if rule.kind == "copy":
-        return [tensor]
-    parts = list(tensor.split(qkv_rows(model.config), dim=0))
-    if rule.permuted:
-        for i, heads in enumerate(part_heads(model.config)[:2]):
-            parts[i] = parts[i][llama_rows(heads, model.config.head_dim)]
-    return parts
 
 
 def _encode(name: str, part: torch.Tensor, held: T | None, kind: T | None) -> tuple[Any, T]:
