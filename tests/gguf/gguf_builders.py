@@ -1,7 +1,8 @@
 """GGUF files written in the tests as llama.cpp's `convert_hf_to_gguf.py` writes them, from tiny
 random `transformers` models: gguf-py's own HF → GGUF name map (`gguf.get_tensor_name_map`),
 llama's q/k rows permuted (`LlamaModel.permute`), GPT-2's Conv1D weights transposed and its head
-written out, 2-D weights quantized by gguf-py, norms and biases F32; and the vocabularies:
+written out, Mamba-2's tensors reshaped (`Mamba2Model.modify_tensors`), 2-D weights quantized by
+gguf-py, norms and biases F32; and the vocabularies:
 byte-level BPE (trained here) and SentencePiece-style (pieces with scores, byte tokens).
 Independent of decoderlm's own mapping, which the tests check against transformers' GGUF loader.
 """
@@ -119,12 +120,11 @@ def write_gguf(
     arch: str,
     vocab: Vocab,
     qtype: T = T.F32,
-    types: dict[str, T] | None = None,
     name: str = "tiny",
     extra: dict[str, np.ndarray] | None = None,
     raw: dict[str, tuple[np.ndarray, T]] | None = None,
 ) -> Path:
-    """`hf_model` as llama.cpp's converter writes it: 2-D weights in `qtype` (or `types[name]`),
+    """`hf_model` as llama.cpp's converter writes it: 2-D weights in `qtype`,
     the rest F32; the `extra` tensors (F32), such as llama.cpp's `rope_freqs`; and in place of a
     tensor, `raw[name]`: its rows of blocks (bytes) of a type (K-quants, which gguf-py cannot
     quantize)."""
@@ -132,7 +132,18 @@ def write_gguf(
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
     w.add_block_count(cfg.num_hidden_layers)
-    if arch == "gpt2":
+    if arch == "mamba2":  # llama.cpp's Mamba2Model.set_gguf_parameters
+        w.add_context_length(2**20)
+        w.add_embedding_length(cfg.hidden_size)
+        w.add_feed_forward_length(0)
+        w.add_head_count(0)
+        w.add_ssm_conv_kernel(cfg.conv_kernel)
+        w.add_ssm_inner_size(cfg.num_heads * cfg.head_dim)
+        w.add_ssm_state_size(cfg.state_size)
+        w.add_ssm_time_step_rank(cfg.num_heads)
+        w.add_ssm_group_count(cfg.n_groups)
+        w.add_layer_norm_rms_eps(cfg.layer_norm_epsilon)
+    elif arch == "gpt2":
         w.add_context_length(cfg.n_positions)
         w.add_embedding_length(cfg.n_embd)
         w.add_feed_forward_length(cfg.n_inner or 4 * cfg.n_embd)
@@ -160,17 +171,21 @@ def write_gguf(
             (".attn.bias", "masked_bias")
         ):
             continue
-        base, suffix = hf_name.rsplit(".", 1)
-        new = f"{names.get_name(base)}.{suffix}"
         data = tensor.detach().float().numpy()
+        kind = qtype
+        if data.ndim != 2 or data.shape[-1] % 32:  # llama.cpp quantizes the 2-D weights only
+            kind = T.F32
+        if arch == "mamba2":
+            hf_name, data = mamba2_tensor(hf_name, data, cfg)
+        base, suffix = hf_name.rsplit(".", 1)
+        new = (
+            f"{names.get_name(base)}.{suffix}" if names.get_name(base) else names.get_name(hf_name)
+        )
         if arch == "gpt2" and hf_name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
             data = data.T  # Conv1D (in, out) → (out, in)
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
             data = permute(data, heads)
-        kind = (types or {}).get(new, qtype)
-        if data.ndim != 2 or data.shape[-1] % 32:
-            kind = T.F32
         if new in (raw or {}):
             blocks, kind = raw[new]
             w.add_tensor(new, blocks, raw_dtype=kind)
@@ -183,6 +198,22 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def mamba2_tensor(name: str, data: np.ndarray, cfg) -> tuple[str, np.ndarray]:
+    """llama.cpp's `Mamba2Model.modify_tensors`: dt_bias as `dt_proj.bias`, the conv weight
+    squeezed, A stored as −exp(A_log) and D as columns, the gated norm's gain by groups."""
+    if name.endswith(".dt_bias"):
+        return name.replace(".dt_bias", ".dt_proj.bias"), data
+    if name.endswith("conv1d.weight"):
+        return name, data.squeeze(1)
+    if name.endswith(".A_log"):
+        return name, -np.exp(data)[:, None]
+    if name.endswith(".D"):
+        return name, data[:, None]
+    if name.endswith("mixer.norm.weight"):
+        return name, data.reshape(cfg.n_groups, -1)
+    return name, data
 
 
 def permute(weights: np.ndarray, heads: int) -> np.ndarray:

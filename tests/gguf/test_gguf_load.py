@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -134,3 +135,31 @@ def test_a_llama_named_mistral_is_mistral_without_a_window(tiny_gguf):
     _, path = tiny_gguf("mistral", T.Q8_0)
     config = read_gguf_config(path)
     assert config.extra["hf_model_type"] == "mistral" and config.sliding_window is None
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # transformers: no mamba_ssm kernels on a CPU
+@pytest.mark.parametrize("qtype", [T.F32, T.Q8_0])
+def test_mamba2_files_give_transformers_mamba2s_logits(tmp_path, vocab, qtype):
+    """transformers' GGUF loader reads no Mamba-2, so the reference is the HF model the file was
+    written from (llama.cpp's Mamba2Model layout), its quantized weights rounded as the file's."""
+    config = transformers.Mamba2Config(
+        vocab_size=len(vocab.tokens), hidden_size=64, num_hidden_layers=2, num_heads=4,
+        head_dim=32, state_size=16, n_groups=2, chunk_size=16, **NO_SPECIALS,
+    )  # fmt: skip
+    hf = randomize(transformers.Mamba2ForCausalLM(config))
+    with torch.no_grad():
+        for layer in hf.backbone.layers:
+            layer.mixer.A_log.uniform_(-1, 1)  # A = −exp(A_log): decays of every speed
+    path = write_gguf(tmp_path / "mamba2.gguf", hf, "mamba2", vocab, qtype)
+    with torch.no_grad():  # the weights as the file holds them
+        for p in hf.parameters():
+            if p.dim() == 2 and p.shape[-1] % 32 == 0:
+                quantized = gguf.quants.quantize(p.numpy(), qtype)
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(quantized, qtype)))
+    ours, _ = decoderlm.load(path)
+    assert ours.config.layer_types == ("mamba2", "mamba2") and ours.config.recurrent_key_heads == 2
+    ids = torch.randint(0, len(vocab.tokens), (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, atol=LOGITS_ATOL, rtol=0)
+    if qtype != T.F32:
+        assert isinstance(ours.blocks[0].mixer.in_proj, BlockLinear)

@@ -116,3 +116,30 @@ def test_what_gguf_cannot_hold_is_a_one_line_error(tmp_path, run):
         == 2
     )
     assert not (tmp_path / "c.gguf").exists() and not (tmp_path / "x").exists()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_mamba2_file_written_back_reads_the_same(tmp_path, vocab):
+    import transformers
+    from gguf_builders import randomize, write_gguf
+
+    from conftest import NO_SPECIALS
+
+    config = transformers.Mamba2Config(
+        vocab_size=len(vocab.tokens), hidden_size=64, num_hidden_layers=2, num_heads=4,
+        head_dim=32, state_size=16, n_groups=2, **NO_SPECIALS,
+    )  # fmt: skip
+    path = write_gguf(tmp_path / "m.gguf", randomize(transformers.Mamba2ForCausalLM(config)),
+                      "mamba2", vocab, T.Q8_0)  # fmt: skip
+    assert main(["convert", "--to-gguf", str(path), "--out", str(tmp_path / "copy.gguf")]) == 0
+    original, copy = tensors(path), tensors(tmp_path / "copy.gguf")
+    assert original.keys() == copy.keys()
+    for name, (kind, shape, data) in original.items():
+        assert copy[name][:2] == (kind, shape), name
+        if not name.endswith("ssm_a"):  # A = −exp(ln(−A)): equal within a rounding
+            assert copy[name][2] == data, name
+    model, _ = decoderlm.load(path)
+    again, _ = decoderlm.load(tmp_path / "copy.gguf")
+    ids = torch.randint(0, len(vocab.tokens), (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids), model(ids), atol=1e-5, rtol=0)

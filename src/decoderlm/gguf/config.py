@@ -11,7 +11,8 @@ metadata gives no size. Where llama.cpp states more than transformers reads, it 
 linear and YaRN scaling (`rope.scaling.*`), and Llama 3's scaling, which llama.cpp writes as the
 `rope_freqs` tensor (a divisor of each RoPE frequency, `LlamaModel.generate_extra_tensors`)
 rather than as metadata: `llama3_scaling` recovers its parameters from it, and refuses divisors
-that Llama 3's formula does not reproduce.
+that Llama 3's formula does not reproduce. Mamba-2 files (llama.cpp's `Mamba2Model`), which
+transformers' GGUF loader does not read, map onto `mamba2`'s config.json the same way.
 """
 
 from __future__ import annotations
@@ -51,11 +52,24 @@ _GPT2_FIELDS = (
     ("attention.head_count", "n_head"),
     ("attention.layer_norm_epsilon", "layer_norm_epsilon"),
 )
+# Mamba-2 (llama.cpp's Mamba2Model): ssm.inner_size is num_heads · head_dim, and llama.cpp writes
+# an arbitrary context_length (a recurrent state has none): neither is in the table.
+_MAMBA2_FIELDS = (
+    ("vocab_size", "vocab_size"),
+    ("embedding_length", "hidden_size"),
+    ("block_count", "num_hidden_layers"),
+    ("ssm.conv_kernel", "conv_kernel"),
+    ("ssm.state_size", "state_size"),
+    ("ssm.time_step_rank", "num_heads"),
+    ("ssm.group_count", "n_groups"),
+    ("attention.layer_norm_rms_epsilon", "layer_norm_epsilon"),
+)
 FIELDS = {
     "llama": _LLAMA_FIELDS,
     "qwen2": _LLAMA_FIELDS,
     "qwen3": _LLAMA_FIELDS,
     "gpt2": _GPT2_FIELDS,
+    "mamba2": _MAMBA2_FIELDS,
 }
 ARCHITECTURES = tuple(FIELDS)
 ROPE_FREQS = "rope_freqs.weight"
@@ -89,6 +103,13 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
     if "vocab_size" not in hf and "tokenizer.ggml.tokens" in file.reader.fields:
         hf["vocab_size"] = len(file.reader.fields["tokenizer.ggml.tokens"].data)
     if arch == "gpt2":
+        return hf
+    if arch == "mamba2":
+        inner = file.get("mamba2.ssm.inner_size", kind=int)
+        if inner is not None and hf.get("num_heads"):
+            hf["head_dim"] = inner // hf["num_heads"]
+        hf["use_bias"] = "blk.0.ssm_in.bias" in names
+        hf["use_conv_bias"] = "blk.0.ssm_conv1d.bias" in names
         return hf
     if kind in ("llama", "mistral", "qwen3"):  # one bias switch for attention, one for the MLP
         hf["attention_bias"] = "blk.0.attn_q.bias" in names
@@ -183,8 +204,9 @@ def frequency_factors(scaling: dict[str, Any], head_dim: int, theta: float) -> t
 
 def read_config(file: GGUFFile) -> ModelConfig:
     """The ModelConfig of the file: its config.json through `decoderlm.hf.config_from_hf`."""
+    hf = hf_config(file)
     try:
-        return config_from_hf(hf_config(file))
+        return config_from_hf(hf)
     except DecoderLMError as exc:
         raise DecoderLMError(f"{file.path}: {exc}") from None
 
@@ -215,7 +237,14 @@ def gguf_metadata(
     }
     meta["general.name"] = name
     rope_freqs = None
-    if arch != "gpt2":
+    if arch == "mamba2":  # as llama.cpp's Mamba2Model writes them
+        meta |= {
+            "mamba2.ssm.inner_size": hf["num_heads"] * hf["head_dim"],
+            "mamba2.context_length": config.context_length,
+            "mamba2.feed_forward_length": 0,
+            "mamba2.attention.head_count": 0,
+        }
+    elif arch != "gpt2":
         meta[f"{arch}.rope.dimension_count"] = config.rope_dim
         meta[f"{arch}.attention.value_length"] = config.head_dim
         scaling = hf.get("rope_scaling")

@@ -10,6 +10,11 @@ interleaved order (x_{2i} with x_{2i+1}, as its rope kernel reads them):
 `LlamaModel.permute`, `reshape(heads, 2, d/2).swapaxes(1, 2)`. `llama_rows` is that permutation,
 undone on reading; whole rows move, so it applies to quantized blocks as to floats. Qwen2 and
 Qwen3 run NeoX-style RoPE in llama.cpp: no permutation.
+
+Mamba-2 (llama.cpp's `Mamba2Model.modify_tensors`): its mixer's tensors under `ssm_*` names, the
+conv weight (C, 1, K) squeezed to (C, K) ("conv"), D as a column (H, 1) ("column"), the gated
+norm's gain as (groups, d_inner / groups) ("grouped"), and A stored as A = −exp(A_log), a column
+("a_log"; read back as A_log = ln(−A)).
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ from decoderlm.model.config import ModelConfig
 
 @dataclass(frozen=True)
 class Rule:
-    """Our tensor `ours` ↔ GGUF tensors `theirs`: "copy", or "split" (our fused qkv rows are the
-    concatenation of theirs, q, k, v); `permuted` says llama's q and k rows are permuted."""
+    """Our tensor `ours` ↔ GGUF tensors `theirs`: "copy", "split" (our fused qkv rows are the
+    concatenation of theirs, q, k, v; `permuted`: llama's q and k rows are permuted), or one of
+    Mamba-2's reshapes (see the module docstring)."""
 
     ours: str
     theirs: tuple[str, ...]
@@ -39,8 +45,10 @@ def _name(tensor: MODEL_TENSOR, layer: int | None = None) -> str:
 
 
 def rules(config: ModelConfig, arch: str) -> list[Rule]:
-    """The rules of `arch` ("llama", "qwen2", "qwen3" or "gpt2") for our config."""
+    """The rules of `arch` ("llama", "qwen2", "qwen3", "gpt2" or "mamba2") for our config."""
     c, gpt2 = config, arch == "gpt2"
+    if arch == "mamba2":
+        return _mamba2_rules(c)
     out = [Rule("tok_emb.weight", (f"{_name(MODEL_TENSOR.TOKEN_EMBD)}.weight",))]
     if gpt2:
         out.append(Rule("pos_emb.weight", (f"{_name(MODEL_TENSOR.POS_EMBD)}.weight",)))
@@ -65,13 +73,36 @@ def rules(config: ModelConfig, arch: str) -> list[Rule]:
         for ours, theirs, bias in parts:
             suffixes = ("weight", "bias") if bias else ("weight",)
             out += [Rule(f"blocks.{i}.{ours}.{s}", (f"{_name(theirs, i)}.{s}",)) for s in suffixes]
-    norm = f"{_name(MODEL_TENSOR.OUTPUT_NORM)}"
-    out += [
-        Rule(f"norm.{s}", (f"{norm}.{s}",)) for s in (("weight", "bias") if gpt2 else ("weight",))
-    ]
+    return out + _final(c, ("weight", "bias") if gpt2 else ("weight",))
+
+
+def _final(c: ModelConfig, norm: tuple[str, ...]) -> list[Rule]:
+    """The final norm (`norm` its parameters) and an untied head."""
+    out = [Rule(f"norm.{s}", (f"{_name(MODEL_TENSOR.OUTPUT_NORM)}.{s}",)) for s in norm]
     if not c.tie_embeddings:
         out.append(Rule("head.weight", (f"{_name(MODEL_TENSOR.OUTPUT)}.weight",)))
     return out
+
+
+def _mamba2_rules(c: ModelConfig) -> list[Rule]:
+    out = [Rule("tok_emb.weight", (f"{_name(MODEL_TENSOR.TOKEN_EMBD)}.weight",))]
+    for i in range(c.n_layers):
+        mixer = f"blocks.{i}.mixer"
+        out += [
+            Rule(f"blocks.{i}.norm1.weight", (f"{_name(MODEL_TENSOR.ATTN_NORM, i)}.weight",)),
+            Rule(
+                f"{mixer}.conv1d.weight", (f"{_name(MODEL_TENSOR.SSM_CONV1D, i)}.weight",), "conv"
+            ),
+            Rule(f"{mixer}.conv1d.bias", (f"{_name(MODEL_TENSOR.SSM_CONV1D, i)}.bias",)),
+            Rule(f"{mixer}.dt_bias", (f"{_name(MODEL_TENSOR.SSM_DT, i)}.bias",)),
+            Rule(f"{mixer}.A_log", (_name(MODEL_TENSOR.SSM_A, i),), "a_log"),
+            Rule(f"{mixer}.D", (_name(MODEL_TENSOR.SSM_D, i),), "column"),
+            Rule(f"{mixer}.norm.weight", (f"{_name(MODEL_TENSOR.SSM_NORM, i)}.weight",), "grouped"),
+        ]
+        for ours, theirs in (("in_proj", MODEL_TENSOR.SSM_IN), ("out_proj", MODEL_TENSOR.SSM_OUT)):
+            suffixes = ("weight", "bias") if c.bias else ("weight",)
+            out += [Rule(f"{mixer}.{ours}.{s}", (f"{_name(theirs, i)}.{s}",)) for s in suffixes]
+    return out + _final(c, ("weight",))
 
 
 def _split_qkv(ours: str, layer: int, bias: bool, permuted: bool) -> list[Rule]:
@@ -90,6 +121,8 @@ def _split_qkv(ours: str, layer: int, bias: bool, permuted: bool) -> list[Rule]:
 def to_ours(rule: Rule, parts: list[Tensor], config: ModelConfig) -> Tensor:
     """Our tensor from the GGUF parts (rows of floats or of blocks): the one part as it is, or
     q, k and v joined, llama's q and k rows put back in rotate-half order."""
+    if rule.kind in _RESHAPES:
+        return _RESHAPES[rule.kind][0](parts[0])
     if rule.kind == "copy":
         return parts[0]
     q, k, v = parts
@@ -102,6 +135,8 @@ def to_ours(rule: Rule, parts: list[Tensor], config: ModelConfig) -> Tensor:
 def to_theirs(rule: Rule, tensor: Tensor, config: ModelConfig) -> list[Tensor]:
     """The GGUF parts of our tensor: itself, or its q, k and v rows, llama's q and k rows in
     interleaved order."""
+    if rule.kind in _RESHAPES:
+        return [_RESHAPES[rule.kind][1](tensor, config.recurrent_dims[1])]
     if rule.kind == "copy":
         return [tensor]
     kv = config.n_kv_heads * config.head_dim
@@ -110,6 +145,15 @@ def to_theirs(rule: Rule, tensor: Tensor, config: ModelConfig) -> list[Tensor]:
         q_rows, k_rows = _llama_orders(config)
         q, k = q[q_rows], k[k_rows]
     return [q, k, v]
+
+
+# Mamba-2's kinds: (GGUF tensor → ours, (ours, groups) → GGUF tensor).
+_RESHAPES = {
+    "conv": (lambda t: t.unsqueeze(1), lambda t, g: t.squeeze(1)),  # (C, K) ↔ (C, 1, K)
+    "column": (lambda t: t.flatten(), lambda t, g: t[:, None]),  # (H, 1) ↔ (H,)
+    "grouped": (lambda t: t.flatten(), lambda t, g: t.view(g, -1)),  # (G, d/G) ↔ (d,)
+    "a_log": (lambda t: (-t).log().flatten(), lambda t, g: -t.exp()[:, None]),  # A = −exp(A_log)
+}
 
 
 def llama_rows(heads: int, head_dim: int) -> Tensor:

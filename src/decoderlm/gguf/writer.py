@@ -3,10 +3,11 @@
 The metadata is the architecture's (`config.gguf_metadata`: our config's config.json through the
 same field table the reader uses), the tokenizer's (`tokenizer.tokenizer_metadata`) and the chat
 template; the tensors go through the reader's rules the other way (q, k and v split, llama's q and
-k rows permuted back to interleaved order). As llama.cpp's converter does, 1-D tensors (norms,
-biases) are F32 and the 2-D weights take the file type: `TYPES`, quantized by gguf-py. Weights the
-model already holds in ggml blocks (a model loaded from a GGUF file) are written as they are, byte
-for byte, unless another type is asked for; then they are dequantized and quantized again.
+k rows permuted back to interleaved order). As llama.cpp's converter does, norms, biases and
+Mamba-2's small tensors are F32 and the weights of the linear layers and the embedding take the
+file type: `TYPES`, quantized by gguf-py. Weights the model already holds in ggml blocks (a model
+loaded from a GGUF file) are written as they are, byte for byte, unless another type is asked
+for; then they are dequantized and quantized again.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
+from torch import nn
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.files import atomic_write
@@ -31,6 +33,7 @@ from decoderlm.quant.blocks import BlockEmbedding, BlockLinear
 from decoderlm.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+_WEIGHTS = (nn.Linear, nn.Embedding, BlockLinear, BlockEmbedding)  # what --type applies to
 
 # --type → (the 2-D weights' ggml type, general.file_type)
 TYPES = {
@@ -107,31 +110,31 @@ def _add(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
 
 
 def _tensors(model: DecoderLM, arch: str, kind: T | None) -> Any:
-    """(GGUF name, data, ggml type) of every tensor: our tensors through the rules."""
+    """(GGUF name, data, ggml type) of every tensor: our tensors through the rules; the weights
+    of linear layers and the embedding in `kind` (the others F32, as llama.cpp writes them)."""
     state = model.state_dict()
     for rule in rules(model.config, arch):
         module_name, _, param = rule.ours.rpartition(".")
         module = model.get_submodule(module_name)
-        if param == "weight" and isinstance(module, BlockLinear | BlockEmbedding):
+        weight = param == "weight" and isinstance(module, _WEIGHTS)
+        if weight and isinstance(module, BlockLinear | BlockEmbedding):
             source, held = module.blocks, T[module.ggml_type]
             if kind not in (None, held):  # another type asked for: through floats
-                source, held = (
-                    module.dequantized() if isinstance(module, BlockLinear) else module.weight,
-                    None,
-                )
+                table = module.dequantized() if isinstance(module, BlockLinear) else module.weight
+                source, held = table, None
         else:
             source, held = state[rule.ours].detach().float(), None
         for name, part in zip(rule.theirs, to_theirs(rule, source, model.config), strict=True):
-            yield name, *_encode(name, part, held, kind)
+            yield name, *_encode(name, part, held, kind if weight else None)
 
 
 def _encode(name: str, part: torch.Tensor, held: T | None, kind: T | None) -> tuple[Any, T]:
-    """(data, ggml type): blocks as they are; floats 1-D in F32, 2-D in `kind` (F32 when None,
-    or when the rows do not split into its blocks)."""
+    """(data, ggml type): blocks as they are, floats in `kind` (F32 when None, or when the rows
+    do not split into its blocks)."""
     if held is not None:
         return part.contiguous().numpy(), held
     values = np.ascontiguousarray(part.numpy(), dtype=np.float32)
-    target = T.F32 if kind is None or values.ndim != 2 else kind
+    target = T.F32 if kind is None else kind
     block = gguf.GGML_QUANT_SIZES[target][0]
     if values.shape[-1] % block:
         log.warning(f"{name}: rows of {values.shape[-1]} are not {target.name} blocks; written F32")
