@@ -102,29 +102,33 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
     hf["tie_word_embeddings"] = "output.weight" not in names
     if "vocab_size" not in hf and "tokenizer.ggml.tokens" in file.reader.fields:
         hf["vocab_size"] = len(file.reader.fields["tokenizer.ggml.tokens"].data)
-    if arch == "gpt2":
-        return hf
     if arch == "mamba2":
         inner = file.get("mamba2.ssm.inner_size", kind=int)
         if inner is not None and hf.get("num_heads"):
             hf["head_dim"] = inner // hf["num_heads"]
         hf["use_bias"] = "blk.0.ssm_in.bias" in names
         hf["use_conv_bias"] = "blk.0.ssm_conv1d.bias" in names
-        return hf
+    elif arch != "gpt2":
+        _attention_fields(file, arch, hf)
+    return hf
+
+
+def _attention_fields(file: GGUFFile, arch: str, hf: dict[str, Any]) -> None:
+    """The Llama family's biases (from the tensors present), head_dim, RoPE and window."""
+    names, kind = file.tensors, hf["model_type"]
     if kind in ("llama", "mistral", "qwen3"):  # one bias switch for attention, one for the MLP
         hf["attention_bias"] = "blk.0.attn_q.bias" in names
         hf["mlp_bias"] = "blk.0.ffn_up.bias" in names
     if kind == "mistral":
         hf.setdefault("sliding_window", None)  # llama.cpp's llama attends to the whole context
     rope_dims = file.get(f"{arch}.rope.dimension_count", kind=int)
-    head_dim = hf.get("head_dim") or (rope_dims if arch == "llama" else None)
+    head_dim = hf.get("head_dim") or (rope_dims if arch == "llama" else None)  # transformers'
     if head_dim is None and "hidden_size" in hf and "num_attention_heads" in hf:
         head_dim = hf["hidden_size"] // hf["num_attention_heads"]
     hf["head_dim"] = head_dim
     if rope_dims is not None and head_dim:
         hf["partial_rotary_factor"] = rope_dims / head_dim
     hf["rope_scaling"] = _rope_scaling(file, arch, hf)
-    return hf
 
 
 def _rope_scaling(file: GGUFFile, arch: str, hf: dict[str, Any]) -> dict[str, Any] | None:
@@ -174,9 +178,8 @@ def llama3_scaling(
             f"{source}: rope_freqs has fewer than two frequencies between 1 and {factor}, too few "
             "to recover Llama 3's scaling from"
         )
-    s = (1 / factors[between] - 1 / factor) / (
-        1 - 1 / factor
-    )  # s = L/((high − low)·λ) − low/(high − low)
+    # s = (1/d − 1/factor) / (1 − 1/factor) = L/((high − low)·λ) − low/(high − low)
+    s = (1 / factors[between] - 1 / factor) / (1 - 1 / factor)
     slope, intercept = np.polyfit((1 / wavelen[between]).numpy(), s.numpy(), 1)
     length = LLAMA3_ORIGINAL_LENGTH
     low = round(float(-intercept * length / slope), 6)

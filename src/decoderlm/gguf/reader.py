@@ -27,10 +27,10 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.files import require_file
 
 GGML_MAX_DIMS = 4
-_TENSOR_ENTRY_BYTES = (
-    8 + 4 + 8 + 4 + 8
-)  # a one-dimension entry: name length, n_dims, dim, type, offset
-_KV_ENTRY_BYTES = 8 + 4 + 1  # key length, value type, the smallest value
+# The fewest bytes a tensor entry (name length, n_dims, one dim, type, offset) and a metadata
+# entry (key length, value type, the smallest value) take.
+_TENSOR_ENTRY_BYTES = 8 + 4 + 8 + 4 + 8
+_KV_ENTRY_BYTES = 8 + 4 + 1
 # The fewest bytes one array item of a value type takes: a scalar its width, a string its length
 # field, an array its type and count.
 _ITEM_BYTES = {

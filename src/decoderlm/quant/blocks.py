@@ -101,9 +101,8 @@ def _rows(blocks: Tensor | None, n: int, k: int, ggml_type: str) -> Tensor:
     if blocks is None:
         return torch.zeros(shape, dtype=torch.uint8)
     if blocks.dtype != torch.uint8 or tuple(blocks.shape) != shape:
-        raise ValueError(
-            f"{ggml_type} blocks of {n}×{k} weights are uint8 {shape}, not {blocks.dtype} {tuple(blocks.shape)}"
-        )
+        got = f"{blocks.dtype} {tuple(blocks.shape)}"
+        raise ValueError(f"{ggml_type} blocks of {n}×{k} weights are uint8 {shape}, not {got}")
     return blocks
 
 
