@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from decoderlm.commands import CHECKPOINT_HELP
 from decoderlm.commands.generate import (
     add_cpu_kernels_argument,
     add_kv_cache_dtype_argument,
@@ -16,9 +17,7 @@ HELP = "loss, perplexity and bits per byte of a checkpoint on a text file"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--checkpoint", required=True, metavar="DIR", help="run or Hugging Face directory"
-    )
+    parser.add_argument("--checkpoint", required=True, metavar="PATH", help=CHECKPOINT_HELP)
     parser.add_argument("--input", required=True, metavar="PATH", help="UTF-8 text file")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(

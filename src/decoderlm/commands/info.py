@@ -1,10 +1,13 @@
-"""`decoderlm info`: parameters, FLOPs per token and KV-cache memory of a checkpoint or preset."""
+"""`decoderlm info`: parameters, FLOPs per token and KV-cache memory of a checkpoint or preset,
+at 4k, 32k and 128k tokens and at the model's own context."""
 
 from __future__ import annotations
 
 import argparse
 import json
 from typing import TYPE_CHECKING, Any
+
+from decoderlm.commands import CHECKPOINT_HELP
 
 if TYPE_CHECKING:
     import torch
@@ -22,7 +25,7 @@ KV_DTYPE_NOTES = {"int8": " (int8 K/V + a float32 scale per token and head)"}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", metavar="DIR", help="run or Hugging Face directory")
+    source.add_argument("--checkpoint", metavar="PATH", help=CHECKPOINT_HELP)
     source.add_argument("--preset", metavar="NAME", help="a ModelConfig preset, e.g. llama-55m")
     parser.add_argument(
         "--dtype",
@@ -90,11 +93,12 @@ def _info(
     window_layers: int | None,
 ) -> dict[str, Any]:
     """What `--json` prints: the shape, parameters and FLOPs, and the cache's bytes in `dtype` and
-    in each of KV_DTYPES (the K/V at each of CONTEXTS, also in a sliding `window` of
-    `window_layers` layers (None: all); the recurrent states at any context)."""
+    in each of KV_DTYPES (the K/V at each of CONTEXTS and the model's own context, also in a
+    sliding `window` of `window_layers` layers (None: all); the recurrent states at any context)."""
     from decoderlm.model.cache import attention_kind, kv_cache_table, recurrent_state_bytes
 
     dtypes = dict.fromkeys((*KV_DTYPES, dtype))
+    contexts = _contexts(config)
     return {
         "source": source,
         "attention": attention_kind(config),
@@ -109,9 +113,9 @@ def _info(
         "kv_cache_dtype": dtype,
         "kv_cache_window": window,
         "kv_cache_window_layers": config.n_layers if window_layers is None else window_layers,
-        "kv_cache": kv_cache_table(config, CONTEXTS, _kv_dtype(dtype), window, window_layers),
+        "kv_cache": kv_cache_table(config, contexts, _kv_dtype(dtype), window, window_layers),
         "kv_cache_by_dtype": {
-            name: kv_cache_table(config, CONTEXTS, _kv_dtype(name), window, window_layers)
+            name: kv_cache_table(config, contexts, _kv_dtype(name), window, window_layers)
             for name in dtypes
         },
         # per sequence at any context: the recurrent layers' conv and matrix states
@@ -134,27 +138,35 @@ def _print_table(info: dict[str, Any], config: ModelConfig, window_label: str | 
         f"FLOPs per token    {_si(info['forward_flops_per_token'])} forward, "
         f"{_si(info['training_flops_per_token'])} training (at context {config.context_length:,})"
     )
-    header = "".join(f"{_tokens(n):>12}" for n in CONTEXTS)
+    contexts = _contexts(config)
+    header = "".join(f"{_tokens(n):>12}" for n in contexts)
     print("KV cache (batch 1)".ljust(30) + f"{'per token':>11}{header}")
     for name, rows in info["kv_cache_by_dtype"].items():
         print(f"  {name}{KV_DTYPE_NOTES.get(name, '')}")
         for row in rows:
-            _print_cache_rows(row, window_label)
+            _print_cache_rows(row, window_label, contexts)
         if config.has_recurrent_layers:  # the same at every context
             state = _bytes(info["recurrent_state_bytes"][name])
             label = f"recurrent state, {config.n_layers - config.n_attention_layers} layers"
-            print(f"    {label:<26}{'-':>11}" + f"{state:>12}" * len(CONTEXTS))
+            print(f"    {label:<26}{'-':>11}" + f"{state:>12}" * len(contexts))
 
 
-def _print_cache_rows(row: dict[str, Any], window_label: str | None) -> None:
+def _contexts(config: ModelConfig) -> tuple[int, ...]:
+    """The contexts the cache's bytes are shown at: CONTEXTS and the model's own."""
+    return tuple(sorted({*CONTEXTS, config.context_length}))
+
+
+def _print_cache_rows(
+    row: dict[str, Any], window_label: str | None, contexts: tuple[int, ...]
+) -> None:
     """One attention variant's cache bytes per token and at each context, and under it those of
     the sliding window, when there is one (`window_label`)."""
     heads = f"{row['n_kv_heads']} KV head" + ("s" if row["n_kv_heads"] > 1 else "")
     label = f"{row['attention']}, {heads}" + (" (this)" if row["variant"] == "model" else "")
-    sizes = "".join(f"{_bytes(row['bytes_at'][n]):>12}" for n in CONTEXTS)
+    sizes = "".join(f"{_bytes(row['bytes_at'][n]):>12}" for n in contexts)
     print(f"    {label:<26}{_bytes(row['bytes_per_token']):>11}{sizes}")
     if window_label is not None:
-        sizes = "".join(f"{_bytes(row['bytes_at_windowed'][n]):>12}" for n in CONTEXTS)
+        sizes = "".join(f"{_bytes(row['bytes_at_windowed'][n]):>12}" for n in contexts)
         print(f"      {window_label:<24}{'':>11}{sizes}")
 
 
