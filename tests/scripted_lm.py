@@ -25,8 +25,8 @@ class ScriptedLM:
         self.calls = 0
 
     @property
-    def eot_id(self) -> int:
-        return self.vocab[EOT]
+    def stop_ids(self) -> frozenset[int]:
+        return frozenset({self.vocab[EOT]})
 
     def encode(self, text: str) -> list[int]:
         return [self.vocab[c] for c in text]

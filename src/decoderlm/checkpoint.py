@@ -34,6 +34,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from decoderlm import generation_config
 from decoderlm.errors import DecoderLMError
 from decoderlm.files import atomic_path, atomic_write, fsync_dir, write_json
 from decoderlm.model.config import ModelConfig
@@ -125,12 +126,16 @@ def save_model(
     tokenizer: Any | None = None,
     train_config: dict[str, Any] | None = None,
 ) -> Path:
-    """Write config.json, model.safetensors and (if given) tokenizer.json into `run_dir`."""
+    """Write config.json, model.safetensors and (if given) tokenizer.json and the tokenizer's
+    generation_config.json (the ids that end a generation) into `run_dir`."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_weights(run_dir / WEIGHTS_FILE, model)
     if tokenizer is not None:
         atomic_write(run_dir / TOKENIZER_FILE, lambda tmp: tokenizer.save(str(tmp)))
+        generation = getattr(tokenizer, "generation", None)
+        if generation is not None:
+            generation_config.write(run_dir, generation)
     config: dict[str, Any] = {"model": model.config.to_dict()}
     if train_config is not None:
         config["train"] = train_config

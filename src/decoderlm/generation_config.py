@@ -75,14 +75,19 @@ def read(path: str | Path, tokenizer: Any) -> GenerationConfig:
         found = _guess(tokenizer)
     unique = list(dict.fromkeys(found))  # the first source of each id
     defaults = {k: generation[k] for k in SAMPLING_FIELDS if _number(generation.get(k))}
+    if defaults.get("top_k", 1) < 1:  # 0 or -1: no top-k, as Hugging Face and vLLM read it
+        del defaults["top_k"]
     return GenerationConfig(
         tuple(i for i, _ in unique), tuple(source for _, source in unique), defaults
     )
 
 
-def write(folder: str | Path, stop_ids: tuple[int, ...]) -> None:
-    """Record a run's stop ids in FOLDER/generation_config.json, as Hugging Face writes it."""
-    write_json(Path(folder) / FILE, {"eos_token_id": list(stop_ids)})
+def write(folder: str | Path, config: GenerationConfig) -> None:
+    """Record `config` (its stop ids and sampling defaults) in FOLDER/generation_config.json, as
+    Hugging Face writes it; nothing when it has neither."""
+    if config.stop_ids or config.defaults:
+        content: dict[str, Any] = {"eos_token_id": list(config.stop_ids)} | config.defaults
+        write_json(Path(folder) / FILE, content)
 
 
 def _json(file: Path) -> dict[str, Any]:

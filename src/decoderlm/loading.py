@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from decoderlm import checkpoint
+from decoderlm import checkpoint, generation_config
 from decoderlm.dtypes import parse_dtype
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.config import ModelConfig
@@ -74,13 +74,23 @@ def load(
     dtype: torch.dtype | str | None = None,
 ) -> tuple[DecoderLM, Tokenizer | None]:
     """(model in eval mode, tokenizer or None if the directory has none) from a run or HF
-    directory, a GGUF file or a model name.
+    directory, a GGUF file or a model name; the tokenizer carries the checkpoint's generation
+    config (`decoderlm.generation_config`: the ids that end a generation, sampling defaults).
 
     dtype None keeps the stored float32 weights; "bfloat16" halves the memory and the bytes read
     per decoded token (a GGUF file's quantized blocks stay as they are).
     """
     path = checkpoint_path(path)
     dtype = None if dtype is None else parse_dtype(dtype)
+    model, tokenizer = _load(path, device, dtype)
+    if tokenizer is not None:
+        tokenizer.generation = generation_config.read(path, tokenizer)
+    return model, tokenizer
+
+
+def _load(
+    path: Path, device: str | torch.device, dtype: torch.dtype | None
+) -> tuple[DecoderLM, Tokenizer | None]:
     if not path.is_dir():
         from decoderlm.gguf import load_gguf
 
@@ -101,6 +111,25 @@ def load(
     from decoderlm.tokenizer import Tokenizer
 
     return model, Tokenizer.from_file(tokenizer_file)
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer | None:
+    """The tokenizer of a checkpoint with its generation config (`load`'s), without the weights;
+    None if it has none."""
+    path = checkpoint_path(path)
+    from decoderlm.tokenizer import Tokenizer
+
+    if not path.is_dir():
+        from decoderlm.gguf import open_gguf
+        from decoderlm.gguf.tokenizer import tokenizer_from_gguf
+
+        tokenizer = tokenizer_from_gguf(open_gguf(path))
+    elif (path / checkpoint.TOKENIZER_FILE).is_file():
+        tokenizer = Tokenizer.from_file(path / checkpoint.TOKENIZER_FILE)
+    else:
+        return None
+    tokenizer.generation = generation_config.read(path, tokenizer)
+    return tokenizer
 
 
 def load_draft(

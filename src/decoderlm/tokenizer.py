@@ -14,8 +14,10 @@ Every kind is a `tokenizers.Tokenizer` underneath, so every run and data directo
 documents are separated explicitly by `eot_id`. `encode_prompt` applies the tokenizer's own
 template (its post-processor: a BOS first where the model's tokenizer adds one), for the text of a
 completion prompt, as vLLM does; a chat prompt is the chat template's text, which writes its own.
-`decode` keeps special tokens, so decode(encode(x)) == x also for text that contains
-`<|endoftext|>`.
+`decode` keeps special tokens (unless asked to skip them), so decode(encode(x)) == x also for
+text that contains `<|endoftext|>`. `stop_ids`, the ids that end a generation, are the model's
+own (`generation`, set by `decoderlm.load` from the checkpoint's files), not `eot_id`, the
+separator of documents in training data.
 
 The special tokens a model file names (a GGUF file's metadata, a `tokenizer_config.json` beside a
 `tokenizer.json`) stay on the tokenizer as `special` (`SpecialIds`: BOS, EOS, end of turn, pad).
@@ -33,6 +35,7 @@ from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.files import require_file
+from decoderlm.generation_config import GenerationConfig
 
 # End-of-text / end-of-sequence tokens of common tokenizer.json files, in order of preference:
 # ours and GPT-2's, Llama 3's, Llama 2's and Mistral's, Gemma's, Llama 3's chat turn end.
@@ -62,6 +65,10 @@ class Tokenizer:
         # Ids are in range(vocab_size); a file may leave holes, so this is max id + 1, not len().
         self._vocab_size = max(vocab.values()) + 1 if vocab else 0
         self._eot_id = next((vocab[t] for t in EOT_CANDIDATES if t in vocab), None)
+        # What ends a generation: until a checkpoint's own files say (`decoderlm.load` reads
+        # them, `decoderlm.generation_config`), the end-of-text token this tokenizer has.
+        eot = () if self._eot_id is None else (self._eot_id,)
+        self.generation = GenerationConfig(eot, ("the tokenizer's end-of-text token",) * len(eot))
 
     @classmethod
     def train_bpe(cls, texts: Iterable[str], vocab_size: int = 8192) -> Tokenizer:
@@ -121,8 +128,14 @@ class Tokenizer:
 
     @property
     def eot_id(self) -> int | None:
-        """Id of `<|endoftext|>` (or the file's end-of-text/eos token), None if it has none."""
+        """Id of `<|endoftext|>` (or the file's end-of-text/eos token), None if it has none: the
+        separator of documents in training data (what ends a generation is `stop_ids`)."""
         return self._eot_id
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end a generation: the model's own, from its files (`generation`)."""
+        return self.generation.stop_ids
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
@@ -143,13 +156,14 @@ class Tokenizer:
             raise self._encode_error(texts, exc) from None
         return [e.ids for e in encodings]
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The text of `ids`; special tokens' text left out with `skip_special_tokens`."""
         bad = [i for i in ids if not 0 <= int(i) < self._vocab_size]
         if bad:
             raise DecoderLMError(
                 f"token id {bad[0]} is out of range for a vocabulary of {self._vocab_size}"
             )
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def save(self, path: str | Path) -> None:
         """Write the tokenizer as a Hugging Face `tokenizer.json`."""

@@ -101,8 +101,7 @@ def test_an_unknown_tensor_type_is_refused(good):
 def test_an_unsupported_tensor_type_names_it_and_the_supported_ones(tmp_path, vocab):
     import transformers
     from gguf_builders import randomize, write_gguf
-
-    from conftest import hf_config
+    from gguf_reference import hf_config
 
     hf = randomize(
         transformers.AutoModelForCausalLM.from_config(hf_config("llama", len(vocab.tokens)))

@@ -13,9 +13,9 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as T
 from gguf_builders import randomize, write_gguf
+from gguf_reference import NO_SPECIALS
 
 import decoderlm
-from conftest import NO_SPECIALS
 from decoderlm.gguf import DEQUANTIZED_TYPES, KEPT_TYPES
 from decoderlm.quant.blocks import BlockLinear, dequantize_rows, row_bytes
 

@@ -89,8 +89,8 @@ def test_completion_prompts_get_the_bos_the_file_asks_for(tmp_path, capsys):
     start with BOS, as llama.cpp and vLLM do; the chat template's text is encoded as it is."""
     import transformers
     from gguf_builders import randomize, spm_vocab, write_gguf
+    from gguf_reference import NO_SPECIALS
 
-    from conftest import NO_SPECIALS
     from decoderlm.engine.engine import Engine
 
     vocab = spm_vocab()

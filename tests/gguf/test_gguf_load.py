@@ -13,9 +13,9 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as T
 from gguf_builders import randomize, write_gguf
+from gguf_reference import NO_SPECIALS, reference
 
 import decoderlm
-from conftest import NO_SPECIALS, reference
 from decoderlm.gguf import read_gguf_config
 from decoderlm.quant import BlockEmbedding, BlockLinear
 

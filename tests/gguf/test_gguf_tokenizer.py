@@ -8,9 +8,9 @@ import pytest
 import transformers
 from gguf import GGMLQuantizationType as T
 from gguf_builders import CHATML, CORPUS, SAMPLES, bpe_vocab, randomize, spm_vocab, write_gguf
+from gguf_reference import NO_SPECIALS
 
 import decoderlm
-from conftest import NO_SPECIALS
 from decoderlm.chat_template import load_chat_template
 from decoderlm.errors import DecoderLMError
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf_builders import CORPUS, SAMPLES
+from gguf_reference import reference
 from test_gguf_load import LOGITS_ATOL, llama_cpp_rope_freqs
 
 import decoderlm
-from conftest import reference
 from decoderlm import DecoderLM, ModelConfig
 from decoderlm.checkpoint import save_model
 from decoderlm.cli import main
@@ -122,8 +122,7 @@ def test_what_gguf_cannot_hold_is_a_one_line_error(tmp_path, run):
 def test_a_mamba2_file_written_back_reads_the_same(tmp_path, vocab):
     import transformers
     from gguf_builders import randomize, write_gguf
-
-    from conftest import NO_SPECIALS
+    from gguf_reference import NO_SPECIALS
 
     config = transformers.Mamba2Config(
         vocab_size=len(vocab.tokens), hidden_size=64, num_hidden_layers=2, num_heads=4,

@@ -134,6 +134,7 @@ def process_served(run_dir: Path, **engine_kwargs):
         draft=None,
         num_speculative_tokens=None,
         compile=False,
+        generation_config="auto",
         **engine_kwargs,
     )
     return load_served(args, engine_process=True)

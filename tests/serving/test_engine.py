@@ -271,8 +271,7 @@ def mixed_requests(tok: Tokenizer, n: int) -> list[tuple[list[int], RequestParam
     prompts[1::4] = [shared + p for p in prompts[1::4]]
     sizes = torch.randint(5, 25, (n,), generator=torch.Generator().manual_seed(3)).tolist()
     return [
-        (p, RequestParams(m, GREEDY, ignore_eos=True))
-        for p, m in zip(prompts, sizes, strict=True)
+        (p, RequestParams(m, GREEDY, ignore_eos=True)) for p, m in zip(prompts, sizes, strict=True)
     ]
 
 

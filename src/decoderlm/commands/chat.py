@@ -21,6 +21,7 @@ from decoderlm.commands.serve import (
 from decoderlm.errors import DecoderLMError
 
 HELP = "chat with a checkpoint in the terminal (streamed replies; /reset, /quit)"
+DEFAULT_TEMPERATURE = 0.8  # a chat's, where the model's files give none
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,13 +33,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="longest reply (default: the rest of the context)",
     )
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        help=f"0 = greedy (default: the model's, else {DEFAULT_TEMPERATURE})",
+    )
     parser.add_argument(
         "--top-k", type=int, metavar="K", help="sample from the K most likely tokens"
     )
     parser.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling, P in (0, 1]")
     parser.add_argument(
-        "--repetition-penalty", type=float, default=1.0, metavar="R", help="> 1 discourages repeats"
+        "--repetition-penalty", type=float, metavar="R", help="> 1 discourages repeats (default 1)"
     )
     parser.add_argument("--seed", type=int, help="seed for reproducible replies")
 
@@ -103,7 +108,8 @@ async def _chat(served: Any, body: Any, system: list[dict[str, str]]) -> None:
             continue
         room = served.context_length - len(ids)
         max_tokens = room if body.max_tokens is None else min(body.max_tokens, room)
-        params = protocol.to_params(body, max_tokens, None, served.chat_template.stop)
+        defaults = {"temperature": DEFAULT_TEMPERATURE} | served.sampling_defaults
+        params = protocol.to_params(body, max_tokens, None, served.chat_template.stop, defaults)
         reply = []
         async for event in served.engine.stream(ids, params):
             print(event.text, end="", flush=True)
@@ -115,7 +121,7 @@ async def _chat(served: Any, body: Any, system: list[dict[str, str]]) -> None:
 def _fit(served: Any, messages: list[dict[str, str]], keep: int) -> list[int]:
     """The prompt ids of `messages`, dropping the oldest exchanges (after the first `keep`) to fit."""
     while True:
-        ids = served.tokenizer.encode(served.chat_template.render(messages))
+        ids = served.tokenizer.encode(served.chat_template.render(messages))  # the template's BOS
         if len(ids) < served.context_length:
             return ids
         if len(messages) - keep <= 1:

@@ -11,6 +11,7 @@ from decoderlm.data import read_text_file
 from decoderlm.errors import DecoderLMError
 
 if TYPE_CHECKING:
+    from decoderlm.inference.sampling import SamplingParams
     from decoderlm.model.lm import DecoderLM
     from decoderlm.tokenizer import Tokenizer
 
@@ -31,14 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"tokens to generate (default: {DEFAULT_MAX_NEW_TOKENS}, or up to the context length)",
     )
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
-    parser.add_argument(
-        "--top-k", type=int, metavar="K", help="sample from the K most likely tokens"
-    )
-    parser.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling, P in (0, 1]")
-    parser.add_argument(
-        "--repetition-penalty", type=float, default=1.0, metavar="R", help="> 1 discourages repeats"
-    )
+    add_sampling_arguments(parser)
     parser.add_argument("--seed", type=int, help="seed for reproducible sampling")
     parser.add_argument(
         "--num-samples", type=int, default=1, metavar="N", help="samples to draw (default 1)"
@@ -49,6 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="STR",
         help="stop before this text (repeatable)",
+    )
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="go on past the model's stop ids (its end-of-sequence and end-of-turn tokens)",
     )
     parser.add_argument(
         "--refill-past-context",
@@ -75,6 +74,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="tokens proposed per step with --draft (default 4)",
     )
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """--temperature, --top-k, --top-p, --repetition-penalty, and --generation-config: whether
+    the ones left out take the model's defaults (`sampling_from_args`)."""
+    parser.add_argument(
+        "--temperature", type=float, help="0 = greedy (default: the model's, or 1.0)"
+    )
+    parser.add_argument(
+        "--top-k", type=int, metavar="K", help="sample from the K most likely tokens"
+    )
+    parser.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling, P in (0, 1]")
+    parser.add_argument(
+        "--repetition-penalty", type=float, metavar="R", help="> 1 discourages repeats (default 1)"
+    )
+    add_generation_config_argument(parser)
+
+
+def add_generation_config_argument(parser: argparse.ArgumentParser) -> None:
+    """--generation-config auto|vllm, as vLLM's."""
+    parser.add_argument(
+        "--generation-config",
+        choices=("auto", "vllm"),
+        default="auto",
+        help="auto (default): sampling options left out take the model's generation_config.json "
+        "defaults; vllm: they take the built-in ones (temperature 1, no top-k/top-p, penalty 1)",
+    )
+
+
+def sampling_from_args(args: argparse.Namespace, tokenizer: Any) -> SamplingParams:
+    """The sampling flags, those left out taken from the model's generation config (unless
+    --generation-config vllm), then the built-in defaults."""
+    from decoderlm.inference.sampling import SamplingParams
+
+    defaults = {} if args.generation_config == "vllm" else tokenizer.generation.defaults
+    given = {
+        name: getattr(args, name)
+        for name in ("temperature", "top_k", "top_p", "repetition_penalty")
+        if getattr(args, name) is not None
+    }
+    return SamplingParams(**(defaults | given))
 
 
 def add_weights_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,14 +157,13 @@ def add_cpu_kernels_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from decoderlm.inference.sampling import SamplingParams
     from decoderlm.inference.stream import stream
 
     prompt = _read_prompt(args)
-    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty)
     if args.num_samples < 1:
         raise DecoderLMError(f"--num-samples={args.num_samples} must be ≥ 1")
     model, tokenizer = load_model_and_tokenizer(args)
+    params = sampling_from_args(args, tokenizer)
     max_new = args.max_new_tokens
     if max_new is None:  # the default stops where the context is full, unless it may slide
         room = model.config.context_length - len(tokenizer.encode_prompt(prompt))
@@ -146,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
             params,
             seed=None if args.seed is None else args.seed + i,
             stop=args.stop,
+            ignore_eos=args.ignore_eos,
             refill_past_context=args.refill_past_context,
             compile=args.compile,
             cpu_kernels=args.cpu_kernels,
@@ -178,7 +218,7 @@ def _speculate(
     if draft != PROMPT_LOOKUP:
         draft = load_draft(args.draft, model, tokenizer, args.dtype)
     ids = tokenizer.encode_prompt(prompt)
-    eot = getattr(tokenizer, "eot_id", None)
+    stops = () if args.ignore_eos else tokenizer.stop_ids
     stats = SpeculativeStats()
     for i in range(args.num_samples):
         if args.num_samples > 1:
@@ -189,7 +229,7 @@ def _speculate(
             max_new,
             params,
             seed=None if args.seed is None else args.seed + i,
-            eos_id=eot,
+            eos_id=stops,
             refill_past_context=args.refill_past_context,
             compile=args.compile,
             cpu_kernels=args.cpu_kernels,
@@ -198,8 +238,8 @@ def _speculate(
             num_speculative_tokens=args.num_speculative_tokens,
             speculative_stats=stats,
         )[0]
-        new = [t for t in row[len(ids) :] if t != eot]
-        text = tokenizer.decode(new)
+        new = [t for t in row[len(ids) :] if t not in stops]
+        text = tokenizer.decode(new, skip_special_tokens=True)
         end = min((text.find(stop) for stop in args.stop if stop in text), default=len(text))
         print(prompt + text[:end], flush=True)
     print(stats, file=sys.stderr)

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from decoderlm.dtypes import parse_dtype
-    from decoderlm.loading import read_config
+    from decoderlm.loading import load_tokenizer, read_config
     from decoderlm.model.config import ModelConfig
     from decoderlm.model.lm import DecoderLM
 
@@ -55,11 +55,37 @@ def run(args: argparse.Namespace) -> int:
     with torch.device("meta"):  # shapes only: no memory, no initialisation cost
         model = DecoderLM(config)
     info = _info(args.preset or args.checkpoint, config, model, dtype, window, window_layers)
+    tokenizer = None if args.preset else load_tokenizer(args.checkpoint)
+    if tokenizer is not None:
+        info["generation"] = _generation(tokenizer)
     if args.json:
         print(json.dumps(info))
     else:
         _print_table(info, config, _window_label(window, window_layers))
+        if tokenizer is not None:
+            _print_generation(info["generation"])
     return 0
+
+
+def _generation(tokenizer: Any) -> dict[str, Any]:
+    """The checkpoint's stop ids (each with its text and where it was read from) and sampling
+    defaults (`decoderlm.generation_config`)."""
+    generation = tokenizer.generation
+    stops = [
+        {"id": i, "token": tokenizer.decode([i]), "source": source}
+        for i, source in zip(generation.stop_ids, generation.sources, strict=True)
+    ]
+    return {"stop_ids": stops, "sampling_defaults": generation.defaults}
+
+
+def _print_generation(generation: dict[str, Any]) -> None:
+    stops = generation["stop_ids"]
+    print("stops at" + ("" if stops else "            nothing (no stop id)"))
+    for stop in stops:
+        print(f"    {stop['id']:>8}  {stop['token']!r:<20} {stop['source']}")
+    defaults = generation["sampling_defaults"]
+    shown = ", ".join(f"{k} {v}" for k, v in defaults.items()) or "none (the built-in ones)"
+    print(f"sampling defaults  {shown}")
 
 
 def _window(args: argparse.Namespace, config: ModelConfig) -> tuple[int | None, int | None]:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from decoderlm.commands import CHECKPOINT_HELP
-from decoderlm.commands.generate import add_kv_cache_dtype_argument
+from decoderlm.commands.generate import add_generation_config_argument, add_kv_cache_dtype_argument
 from decoderlm.errors import DecoderLMError
 
 HELP = (
@@ -61,8 +61,10 @@ LIMIT_FLAGS = {
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options `serve` and `chat` share: the checkpoint and the engine's sizes."""
+    """The options `serve` and `chat` share: the checkpoint, the engine's sizes, and whether
+    requests take the model's sampling defaults."""
     parser.add_argument("--checkpoint", required=True, metavar="PATH", help=CHECKPOINT_HELP)
+    add_generation_config_argument(parser)
     parser.add_argument(
         "--dtype",
         default="auto",
@@ -184,14 +186,18 @@ def load_served(
     else:
         engine = build_engine(spec)
         tokenizer, vocab_size = engine.tokenizer, engine.inputs.vocab_size
-    eot = "" if tokenizer.eot_id is None else tokenizer.decode([tokenizer.eot_id])
+    eos = tokenizer.special.eos if tokenizer.special.eos is not None else tokenizer.eot_id
+    eos_text = "" if eos is None else tokenizer.decode([eos])
     return Served(
         engine=engine,
         tokenizer=tokenizer,
         model_name=Path(args.checkpoint).resolve().name,
         context_length=engine.max_sequence,
         vocab_size=vocab_size,
-        chat_template=load_chat_template(args.checkpoint, eos_token=eot),
+        chat_template=load_chat_template(args.checkpoint, eos_token=eos_text),
+        sampling_defaults={}
+        if args.generation_config == "vllm"
+        else dict(tokenizer.generation.defaults),
     )
 
 

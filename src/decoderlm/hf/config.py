@@ -209,16 +209,20 @@ def _sliding_window_reasons(c: ModelConfig, family: str) -> list[tuple[bool, str
 
 
 def config_to_hf(
-    config: ModelConfig, dtype: str = "float32", eos_token_id: int | None = None
+    config: ModelConfig,
+    dtype: str = "float32",
+    eos_token_id: int | list[int] | None = None,
+    bos_token_id: int | None = None,
 ) -> dict[str, Any]:
-    """An HF config.json dict for our config (v4 layout, which v5 also reads)."""
+    """An HF config.json dict for our config (v4 layout, which v5 also reads); eos_token_id: the
+    ids that end a generation (one, or a list), bos_token_id: the document separator."""
     c, model_type = config, hf_model_type(config)
     common = {
         "architectures": [_ARCHITECTURES.get(model_type)],
         "model_type": model_type,
         "vocab_size": c.vocab_size,
         "tie_word_embeddings": c.tie_embeddings,
-        "bos_token_id": eos_token_id,
+        "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
         "torch_dtype": dtype,
     }

@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from decoderlm import checkpoint
+from decoderlm import checkpoint, generation_config
 from decoderlm.errors import DecoderLMError
 from decoderlm.files import atomic_write, write_json
 from decoderlm.hf.config import config_from_hf, config_to_hf
@@ -156,12 +156,12 @@ def import_hf(
 
 
 def to_hf(
-    model: DecoderLM, eos_token_id: int | None = None
+    model: DecoderLM, eos_token_id: int | list[int] | None = None, bos_token_id: int | None = None
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """(HF config.json dict, HF state dict) for our model; DecoderLMError if no HF family fits."""
     config = model.config
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    hf_config = config_to_hf(config, dtype=dtype, eos_token_id=eos_token_id)
+    hf_config = config_to_hf(config, dtype, eos_token_id, bos_token_id)
     return hf_config, state_dict_to_hf(checkpoint.model_state_dict(model), config)
 
 
@@ -178,35 +178,40 @@ def export_hf(source: str | Path | DecoderLM, out_dir: str | Path) -> Path:
     else:
         model = checkpoint.load_model(source)
         tokenizer_file = Path(source) / checkpoint.TOKENIZER_FILE
-    eot = _eot_token(tokenizer_file)
-    hf_config, state = to_hf(model, eos_token_id=eot[1] if eot else None)
+    tokenizer = _run_tokenizer(source, tokenizer_file)
+    stop_ids = () if tokenizer is None else tokenizer.generation.stop_ids
+    eos = stop_ids[0] if len(stop_ids) == 1 else list(stop_ids) or None
+    hf_config, state = to_hf(model, eos, None if tokenizer is None else tokenizer.eot_id)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(
         out_dir / SAFETENSORS, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"})
     )
-    if tokenizer_file is not None and tokenizer_file.is_file():
+    if tokenizer is not None:
         _copy_file(tokenizer_file, out_dir / TOKENIZER)
         tok_config: dict[str, Any] = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "model_max_length": model.config.context_length,
         }
-        if eot:
-            tok_config["eos_token"] = tok_config["bos_token"] = eot[0]
+        if stop_ids:
+            tok_config["eos_token"] = tokenizer.backend.id_to_token(stop_ids[0])
+        if tokenizer.eot_id is not None:
+            tok_config["bos_token"] = tokenizer.backend.id_to_token(tokenizer.eot_id)
         write_json(out_dir / TOKENIZER_CONFIG, tok_config)
+        generation_config.write(out_dir, tokenizer.generation)
     write_json(out_dir / "config.json", hf_config)
     return out_dir
 
 
-def _eot_token(tokenizer_file: Path | None) -> tuple[str, int] | None:
-    """(text, id) of the tokenizer's end-of-text token, if it has one."""
+def _run_tokenizer(source: Any, tokenizer_file: Path | None) -> Any:
+    """The run's tokenizer with its generation config (the ids that end a generation), or None
+    when it has no tokenizer.json."""
     if tokenizer_file is None or not tokenizer_file.is_file():
         return None
     from decoderlm.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_file(tokenizer_file)
-    if tokenizer.eot_id is None:
-        return None
-    return tokenizer.backend.id_to_token(tokenizer.eot_id), tokenizer.eot_id
+    tokenizer.generation = generation_config.read(source, tokenizer)
+    return tokenizer
 
 
 def _copy_file(src: Path, dst: Path) -> None:

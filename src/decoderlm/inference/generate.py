@@ -275,7 +275,7 @@ def generate(
     params: SamplingParams | None = None,
     *,
     seed: int | None = None,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     num_samples: int = 1,
     refill_past_context: bool = False,
     compile: bool = False,
@@ -291,7 +291,8 @@ def generate(
 
     prompt: a (B, T) LongTensor, or a list of token-id lists of different lengths (left-padded
     internally). Each returned list is the row's prompt ids followed by its new ids, ending at
-    (and including) `eos_id` if that was generated. With `num_samples` > 1, each prompt gives that
+    (and including) the first of `eos_id` generated: one id or several (a loaded model's
+    `tokenizer.stop_ids`, its end-of-sequence and end-of-turn ids). With `num_samples` > 1, each prompt gives that
     many rows, in order (prompt 0 sample 0, prompt 0 sample 1, ...).
 
     Sampling: `params`, and/or its fields as keywords (`temperature=0.8, top_k=50`; they win over
@@ -306,8 +307,8 @@ def generate(
     keeps the cache in int8 with a scale per token and head (`decoderlm.model.cache.storage`: half
     the bytes of a bfloat16 cache, plus the scales); not with `compile`. `structured`: a
     `StructuredOutput` compiled for the tokenizer (`compile_structured(tokenizer, spec)`) that
-    every row's new text follows, each row with its own matcher; `eos_id` defaults to its
-    end-of-text token, which ends a complete output.
+    every row's new text follows, each row with its own matcher; `eos_id` defaults to its stop
+    ids, which end a complete output.
 
     Speculative decoding (`decoderlm.inference.speculative`): `draft` a DecoderLM with the same
     vocabulary, or "prompt-lookup"; `num_speculative_tokens` K ≥ 1 proposed per step (default 4);
@@ -325,7 +326,7 @@ def generate(
     if max_new_tokens == 0:
         return rows
     generator = make_generator(seed, model.tok_emb.weight.device)
-    matchers, eos_id = _structured_matchers(structured, draft, rows, eos_id)
+    matchers, stops = _structured_matchers(structured, draft, rows, _stop_ids(eos_id))
     if draft is not None:
         return _speculative_rows(
             model,
@@ -336,14 +337,14 @@ def generate(
             k,
             generator,
             options,
-            eos_id,
+            stops,
             speculative_stats,
         )
     with evaluating(model), options.paths.applied(model):
         steps = decode_steps(model, rows, max_new_tokens, params, generator, options, matchers)
-        new = _until_every_row_ends(steps, eos_id, len(rows), model.tok_emb.weight.device)
+        new = _until_every_row_ends(steps, stops, len(rows))
     generated = torch.stack(new, dim=1).tolist()  # (B, n_new): the only host copy of the tokens
-    return [row + _until(extra, eos_id) for row, extra in zip(rows, generated, strict=True)]
+    return [row + _until(extra, stops) for row, extra in zip(rows, generated, strict=True)]
 
 
 def _speculative_tokens(
@@ -373,7 +374,7 @@ def _speculative_rows(
     k: int,
     generator: torch.Generator | None,
     options: DecodeOptions,
-    eos_id: int | None,
+    stops: tuple[int, ...],
     stats: SpeculativeStats | None,
 ) -> list[list[int]]:
     """`speculative.speculative_rows`, every model in eval mode with its speed paths applied."""
@@ -383,7 +384,7 @@ def _speculative_rows(
             stack.enter_context(evaluating(m))
             stack.enter_context(options.paths.applied(m))
         return speculative.speculative_rows(
-            model, rows, max_new_tokens, params, draft, k, generator, options, eos_id, stats
+            model, rows, max_new_tokens, params, draft, k, generator, options, stops, stats
         )
 
 
@@ -391,43 +392,53 @@ def _structured_matchers(
     structured: StructuredGrammar | None,
     draft: Draft | None,
     rows: list[list[int]],
-    eos_id: int | None,
-) -> tuple[list[Matcher | None] | None, int | None]:
-    """(one grammar matcher per row, eos_id defaulting to the grammar's stop token); (None,
-    eos_id) without `structured`."""
+    stops: tuple[int, ...],
+) -> tuple[list[Matcher | None] | None, tuple[int, ...]]:
+    """(one grammar matcher per row, the stop ids defaulting to the grammar's); (None, stops)
+    without `structured`."""
     if structured is not None and draft is not None:
         raise DecoderLMError(
             "structured output with speculative decoding is not supported yet: drop draft= or "
             "structured="
         )
     if structured is None:
-        return None, eos_id
+        return None, stops
     if not isinstance(structured, StructuredGrammar):
         raise DecoderLMError(
             f"structured={structured!r:.80} must be compile_structured(tokenizer, spec)"
         )
     matchers: list[Matcher | None] = [structured.matcher() for _ in rows]
-    return matchers, structured.stop_id if eos_id is None else eos_id
+    return matchers, stops or structured.stop_ids
+
+
+def _stop_ids(eos_id: int | Sequence[int] | None) -> tuple[int, ...]:
+    """`generate`'s eos_id as a tuple of ids (none for None); DecoderLMError for anything else."""
+    ids = () if eos_id is None else (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise DecoderLMError(f"eos_id={eos_id!r} must be a token id, a sequence of them, or None")
+    return ids
 
 
 def _until_every_row_ends(
-    steps: Iterator[Tensor], eos_id: int | None, batch: int, device: torch.device
+    steps: Iterator[Tensor], stops: tuple[int, ...], batch: int
 ) -> list[Tensor]:
-    """The tokens (B,) of `steps` until they end or every row has generated `eos_id` (looked at
-    every EOS_CHECK_INTERVAL steps: each look waits for the device)."""
+    """The tokens (B,) of `steps` until they end or every row has generated one of `stops`
+    (looked at every EOS_CHECK_INTERVAL steps: each look waits for the device)."""
     new: list[Tensor] = []
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    done, stop = None, None
     for i, token in enumerate(steps):
         new.append(token)
-        if eos_id is not None:
-            done |= token == eos_id
+        if stops:
+            if stop is None:
+                stop = torch.tensor(stops, device=token.device)
+                done = torch.zeros(batch, dtype=torch.bool, device=token.device)
+            done |= torch.isin(token, stop)
             if (i + 1) % EOS_CHECK_INTERVAL == 0 and bool(done.all()):
                 break
     return new
 
 
-def _until(ids: list[int], eos_id: int | None) -> list[int]:
-    """ids up to and including the first eos_id."""
-    if eos_id is not None and eos_id in ids:
-        return ids[: ids.index(eos_id) + 1]
-    return ids
+def _until(ids: list[int], stops: tuple[int, ...]) -> list[int]:
+    """ids up to and including the first of `stops`."""
+    end = next((i for i, token in enumerate(ids) if token in stops), None)
+    return ids if end is None else ids[: end + 1]

@@ -321,10 +321,10 @@ def speculative_rows(
     num_speculative_tokens: int,
     generator: torch.Generator | None = None,
     options: DecodeOptions | None = None,
-    eos_id: int | None = None,
+    stops: tuple[int, ...] = (),
     stats: SpeculativeStats | None = None,
 ) -> list[list[int]]:
-    """Each row followed by its up to `max_new_tokens` new ids (ending at `eos_id` if generated),
+    """Each row followed by its up to `max_new_tokens` new ids (ending at the first of `stops`),
     decoded speculatively row by row; `stats` (when given) counts proposals and acceptances.
 
     Call it under `torch.inference_mode()` with the models in eval mode and `options.paths`
@@ -352,7 +352,7 @@ def speculative_rows(
             stats,
         ):
             new.append(token)
-            if token == eos_id:
+            if token in stops:
                 break
         out.append(row + new)
     logger.info("%s", stats)

@@ -7,7 +7,7 @@ expression, one of a few strings, or an EBNF (GBNF) grammar. `compile_structured
 one tokenizer's vocabulary (cached by tokenizer and spec) into a `StructuredGrammar`, which makes
 one `Matcher` per sequence. Each step, `mask_logits` fills one bitmask row per constrained
 sequence and sets the logits of the tokens the grammar forbids to -inf; the sampled token advances
-that sequence's matcher (`Matcher.accept`). A complete output allows only the end-of-text token,
+that sequence's matcher (`Matcher.accept`). A complete output allows only the model's stop ids,
 which ends the sequence ("stop"). JSON is compact (no free whitespace: separators "," and ":"),
 so a constrained answer ends instead of looping on spaces. Where xgrammar's grammars admit what
 no parser reads (UTF-16 surrogates in UTF-8, control characters in JSON strings), the
@@ -104,12 +104,12 @@ class Vocabulary:
 
     compiler: Any  # xgrammar.GrammarCompiler
     size: int  # the tokenizer's ids, which a bitmask covers
-    stop_id: int  # the end-of-text token: the only one allowed once an output is complete
+    stop_ids: tuple[int, ...]  # the model's stop ids: the only ones allowed once it is complete
     valid: Tensor  # no surrogate inside the token
     printable: Tensor  # valid, and no control character
     after_ed: Tensor  # not starting with A0–BF: may follow a token that ends in the lead byte ED
     ends_in_ed: frozenset[int]  # the tokens that end in ED
-    stop: Tensor  # the end-of-text token alone
+    stop: Tensor  # the stop ids alone
 
 
 @dataclass(frozen=True, eq=False)
@@ -125,8 +125,8 @@ class StructuredGrammar:
         return self.vocab.size
 
     @property
-    def stop_id(self) -> int:
-        return self.vocab.stop_id
+    def stop_ids(self) -> tuple[int, ...]:
+        return self.vocab.stop_ids
 
     def matcher(self) -> Matcher:
         """A fresh matcher, at the start of the output."""
@@ -143,14 +143,14 @@ class Matcher:
 
     @property
     def terminated(self) -> bool:
-        """The output is complete and its end-of-text token was accepted (or it dead-ended)."""
+        """The output is complete and its stop id was accepted (or it dead-ended)."""
         return self._ended or self._state.is_terminated()
 
     def fill(self, bitmask: Tensor, row: int) -> None:
         """Row `row` of an int32 bitmask (B, ⌈V / 32⌉): bit t set iff token t may come next.
 
         At a dead end, where no token of the vocabulary spells what the grammar needs next (a
-        character the tokenizer lacks), only the end-of-text token: the output ends there, as a
+        character the tokenizer lacks), only the stop ids: the output ends there, as a
         prefix of the grammar's language (logged), rather than sample from nothing."""
         self._dead_end = not self.spellable(bitmask, row)
         if self._dead_end:
@@ -167,7 +167,7 @@ class Matcher:
 
     def accept(self, token: int) -> None:
         """`token` was sampled: advance. DecoderLMError if the grammar forbids it."""
-        if self._dead_end and token == self.grammar.stop_id:
+        if self._dead_end and token in self.grammar.stop_ids:
             self._ended = True
             return
         if not self._state.accept_token(token):
@@ -203,8 +203,8 @@ def compile_structured(tokenizer: Any, spec: StructuredOutput) -> StructuredGram
     """`spec` compiled for `tokenizer` (a `decoderlm.tokenizer.Tokenizer`), cached by both.
 
     DecoderLMError, one line naming the problem, if it cannot compile (an unsupported or invalid
-    schema, a bad regex or grammar), if xgrammar is not installed, or if the tokenizer has no
-    end-of-text token to end the output with."""
+    schema, a bad regex or grammar), if xgrammar is not installed, or if the model has no stop
+    id to end the output with."""
     if not isinstance(spec, StructuredOutput):
         raise DecoderLMError(f"structured={spec!r:.80} must be a StructuredOutput")
     return _compiled(tokenizer, spec)
@@ -243,24 +243,26 @@ def _compiled(tokenizer: Any, spec: StructuredOutput) -> StructuredGrammar:
 def vocabulary(tokenizer: Any) -> Vocabulary:
     """The `Vocabulary` of a `decoderlm.tokenizer.Tokenizer`, whose kind (raw characters,
     byte-level BPE, byte fallback) xgrammar reads from its tokenizer.json as from a Hugging Face
-    tokenizer's. DecoderLMError if xgrammar is missing or the tokenizer has no end-of-text token
-    to end an output with."""
+    tokenizer's; an output ends at one of the model's stop ids (`Tokenizer.stop_ids`).
+    DecoderLMError if xgrammar is missing or the model has no stop id to end an output with."""
     xgr = _xgrammar()
     backend = getattr(tokenizer, "backend", None)
     if backend is None:
         raise DecoderLMError(
             f"structured output needs a decoderlm Tokenizer (got {type(tokenizer).__name__})"
         )
-    if tokenizer.eot_id is None:
+    stop_ids = tuple(tokenizer.stop_ids)
+    if not stop_ids:
         raise DecoderLMError(
-            "structured output needs a tokenizer with an end-of-text token to end the output"
+            "structured output needs a model with a stop id (an end-of-sequence token) to end "
+            "the output"
         )
     from transformers import PreTrainedTokenizerFast  # an xgrammar dependency
 
     info = xgr.TokenizerInfo.from_huggingface(
         PreTrainedTokenizerFast(tokenizer_object=backend),
         vocab_size=tokenizer.vocab_size,
-        stop_token_ids=[tokenizer.eot_id],
+        stop_token_ids=list(stop_ids),
     )
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # _compiled caches
     tokens = info.decoded_vocab
@@ -272,12 +274,12 @@ def vocabulary(tokenizer: Any) -> Vocabulary:
     return Vocabulary(
         compiler,
         tokenizer.vocab_size,
-        tokenizer.eot_id,
+        stop_ids,
         _pack_bits(valid),
         _pack_bits(printable),
         _pack_bits(after_ed),
         frozenset(i for i, t in enumerate(tokens) if t.endswith(b"\xed")),
-        _pack_bits([i == tokenizer.eot_id for i in range(len(tokens))]),
+        _pack_bits([i in stop_ids for i in range(len(tokens))]),
     )
 
 

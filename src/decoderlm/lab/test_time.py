@@ -312,7 +312,7 @@ class _Pool:
 
     def __init__(self, lm: EngineLM, samples: list[Sample]) -> None:
         self.lm, self.samples, self.used = lm, samples, 0
-        self.encode, self.decode, self.eot_id = lm.encode, lm.decode, lm.eot_id
+        self.encode, self.decode, self.stop_ids = lm.encode, lm.decode, lm.stop_ids
 
     def sample(self, prompts: Sequence[str], n: int, *args: Any) -> list[list[Sample]]:
         drawn, self.used = self.samples[self.used : self.used + n], self.used + n

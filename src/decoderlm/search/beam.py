@@ -68,7 +68,7 @@ def beam_search(
     def score(beam: _Beam) -> float:
         counted = len(beam.ids)
         if length == "sequence":  # an empty prompt's lone end-of-text counts one, not zero
-            counted = max(len(prompt_ids) + counted - (beam.ids[-1] == lm.eot_id), 1)
+            counted = max(len(prompt_ids) + counted - (beam.ids[-1] in lm.stop_ids), 1)
         return beam.logprob / counted**alpha
 
     for _ in range(max_tokens):
@@ -96,9 +96,9 @@ def beam_search(
 
 
 def _ends(lm: SearchLM, ids: tuple[int, ...], stop: tuple[str, ...]) -> bool:
-    return ids[-1] == lm.eot_id or any(end in lm.decode(ids) for end in stop)
+    return ids[-1] in lm.stop_ids or any(end in lm.decode(ids) for end in stop)
 
 
 def _solution_text(lm: SearchLM, ids: tuple[int, ...], stop: tuple[str, ...]) -> str:
     """The text of generated ids, without end-of-text and cut before the first stop string."""
-    return cut_at_stop(lm.decode([t for t in ids if t != lm.eot_id]), stop)
+    return cut_at_stop(lm.decode([t for t in ids if t not in lm.stop_ids]), stop)

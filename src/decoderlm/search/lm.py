@@ -67,8 +67,8 @@ class SearchLM(Protocol):
         ...
 
     @property
-    def eot_id(self) -> int | None:
-        """The end-of-text token, if the vocabulary has one."""
+    def stop_ids(self) -> frozenset[int]:
+        """The ids that end a sample: the model's end-of-sequence (and end-of-turn) tokens."""
         ...
 
     def sample(
@@ -108,8 +108,8 @@ class EngineLM:
         return self.tokenizer.decode(list(ids))
 
     @property
-    def eot_id(self) -> int | None:
-        return self.tokenizer.eot_id
+    def stop_ids(self) -> frozenset[int]:
+        return frozenset(self.tokenizer.stop_ids)
 
     def sample(
         self,
@@ -158,7 +158,7 @@ class EngineLM:
     def _sample(self, completion: Completion) -> Sample:
         ids = tuple(completion.token_ids)
         finish = completion.finish_reason
-        if finish == "stop" and ids and ids[-1] == self.eot_id:
+        if finish == "stop" and ids and ids[-1] in self.stop_ids:
             finish = "eot"
         return Sample(completion.text, ids, tuple(completion.logprobs or ()), finish)
 

@@ -102,6 +102,24 @@ def _room(served: Served, ids: list[int], requested: int | None, param: str) -> 
     return room if requested is None else min(requested, room)
 
 
+def _check_stopping(served: Served, body: protocol.Generation, requested: int | None) -> None:
+    """400s naming the field: a stop token id outside the vocabulary, min_tokens past the
+    max_tokens asked for."""
+    bad = [t for t in body.stop_token_ids or () if not 0 <= t < served.vocab_size]
+    if bad:
+        raise APIError(
+            400,
+            f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {served.vocab_size})",
+            param="stop_token_ids",
+        )
+    if requested is not None and body.min_tokens > requested:
+        raise APIError(
+            400,
+            f"min_tokens={body.min_tokens} must be at most max_tokens={requested}",
+            param="min_tokens",
+        )
+
+
 def _check_stream_options(body: protocol.Generation) -> bool:
     if body.stream_options is not None and not body.stream:
         raise APIError(
@@ -171,6 +189,7 @@ async def _completions(state: ServerState, body: CompletionRequest) -> Response:
     ranked.check(body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     requested = body.max_tokens or DEFAULT_COMPLETION_TOKENS
+    _check_stopping(served, body, requested)
     streams, echoes, prompt_events = [], [], None
     several = isinstance(body.prompt, list) and isinstance(body.prompt[0], str | list)
     per_prompt = ranked.candidates(body)  # sequences a prompt: n, or best_of
@@ -183,7 +202,8 @@ async def _completions(state: ServerState, body: CompletionRequest) -> Response:
     if body.use_beam_search:
         return await _beam_completions(state, request_id, created, body, prompts, rooms)
     for p, ((ids, echo), max_tokens) in enumerate(zip(prompts, rooms, strict=True)):
-        params = ranked.engine_params(protocol.to_params(body, max_tokens, body.logprobs), body)
+        params = protocol.to_params(body, max_tokens, body.logprobs, (), served.sampling_defaults)
+        params = ranked.engine_params(params, body)
         streams.append(RequestStream(state, f"{request_id}-{p}", ids, params, p * per_prompt))
         echoes += [echo] * body.n
     await start_all(state, streams)
@@ -229,12 +249,15 @@ async def _chat(state: ServerState, body: ChatRequest) -> Response:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     ranked.check(body)
+    _check_stopping(served, body, body.max_completion_tokens or body.max_tokens)
     text = await chat_prompt(state, served, body.messages, body.add_generation_prompt)
     ids = await state.work(encode, served, text, "messages", what="tokenizing")
     _check_counts(state, 1, len(ids), ranked.candidates(body), "messages")
     max_tokens = _room(served, ids, body.max_completion_tokens or body.max_tokens, "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    params = protocol.to_params(body, max_tokens, logprobs, served.chat_template.stop)
+    params = protocol.to_params(
+        body, max_tokens, logprobs, served.chat_template.stop, served.sampling_defaults
+    )
     if body.use_beam_search:
         return await ranked.beam(
             state,

@@ -40,6 +40,9 @@ class Served:
     context_length: int
     vocab_size: int
     chat_template: ChatTemplate = field(default_factory=ChatTemplate)
+    # what a request that leaves a sampling field out gets: the model's generation config's
+    # (`decoderlm serve --generation-config auto`), or none (`vllm`)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def token_text(self, token_id: int) -> str:

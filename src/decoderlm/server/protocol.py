@@ -22,6 +22,7 @@ from decoderlm.inference.structured import StructuredOutput
 MAX_LOGPROBS = 20
 MAX_STOPS = 4
 MAX_N = 16
+MAX_STOP_TOKEN_IDS = 64
 # |length_penalty| at most: L^α overflows a float once α·log2(L) > 1024 (at α = 1000 for any
 # L ≥ 3, a 500 before this bound); at 10 no context comes near it, and no beam search wants more.
 MAX_LENGTH_PENALTY = 10.0
@@ -96,7 +97,24 @@ class Generation(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(
-        False, description="go on past the end-of-text token, until max_tokens or a stop string"
+        False,
+        description="go on past the model's stop ids (its end-of-sequence and end-of-turn "
+        "tokens), until max_tokens, a stop string or stop_token_ids",
+    )
+    stop_token_ids: Annotated[list[StrictInt], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
+        None, description="more token ids that end the output (vLLM's)"
+    )
+    min_tokens: StrictInt = Field(
+        0, ge=0, description="no stop id or stop string ends the output before this many tokens"
+    )
+    skip_special_tokens: bool = Field(True, description="leave special tokens out of the text")
+    spaces_between_special_tokens: bool = Field(
+        True,
+        description="vLLM's option for slow tokenizers; decoderlm's fast tokenizers join the "
+        "pieces as their decoder does, whatever it says",
+    )
+    include_stop_str_in_output: bool = Field(
+        False, description="end the text with the stop string that ended it (else cut before)"
     )
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -211,16 +229,24 @@ class DetokenizeRequest(_Body):
 
 
 def to_params(
-    body: Generation, max_tokens: int, logprobs: int | None, stop: tuple[str, ...] = ()
+    body: Generation,
+    max_tokens: int,
+    logprobs: int | None,
+    stop: tuple[str, ...] = (),
+    defaults: dict[str, Any] | None = None,
 ) -> RequestParams:
-    """The engine's parameters for a request (its n sequences; sequence j draws from seed + j)."""
-    temperature = 1.0 if body.temperature is None else body.temperature
-    sampling = SamplingParams(
-        temperature=0.0 if temperature < GREEDY_BELOW else temperature,
-        top_k=body.top_k,
-        top_p=body.top_p,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-    )
+    """The engine's parameters for a request (its n sequences; sequence j draws from seed + j);
+    the sampling fields it leaves out take `defaults` (the model's generation config), then the
+    API's (temperature 1, no top-k or top-p, no repetition penalty)."""
+    given = {
+        name: getattr(body, name)
+        for name in ("temperature", "top_k", "top_p", "repetition_penalty")
+        if getattr(body, name) is not None
+    }
+    chosen = {"temperature": 1.0} | (defaults or {}) | given
+    if chosen["temperature"] < GREEDY_BELOW:
+        chosen["temperature"] = 0.0
+    sampling = SamplingParams(**chosen)
     return RequestParams(
         max_tokens=max_tokens,
         sampling=sampling,
@@ -228,8 +254,12 @@ def to_params(
         seed=body.seed,
         logprobs=logprobs,
         n=body.n,
-        stop_at_eot=not body.ignore_eos,
         structured=body.structured(),
+        ignore_eos=body.ignore_eos,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        min_tokens=body.min_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
     )
 
 

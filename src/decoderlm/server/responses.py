@@ -193,6 +193,7 @@ class CompletionFormat(Format):
             "text": self.echoes[i] + text if whole else text,
             "logprobs": logprobs,
             "finish_reason": events[-1].finish_reason if events else None,
+            "stop_reason": events[-1].stop_reason if events else None,
         }
 
 
@@ -212,6 +213,7 @@ class ChatFormat(Format):
             ("message" if whole else "delta"): message if whole or text else {},
             "logprobs": logprobs,
             "finish_reason": events[-1].finish_reason if events else None,
+            "stop_reason": events[-1].stop_reason if events else None,
         }
 
 

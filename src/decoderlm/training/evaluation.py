@@ -53,7 +53,8 @@ def sample_texts(
     model: DecoderLM, tokenizer: Tokenizer, cfg: TrainConfig, max_new_tokens: int, n: int = 1
 ) -> list[str]:
     """`n` continuations of `cfg.sample_prompt` (none: from end-of-text, or a newline), sampled
-    with the config's temperature, top-k and seed, without a final end-of-text."""
+    with the config's temperature, top-k and seed, each up to one of the model's stop ids (not
+    shown)."""
     eot = tokenizer.eot_id
     prompt = tokenizer.encode(cfg.sample_prompt) if cfg.sample_prompt else []
     if not prompt:
@@ -65,14 +66,14 @@ def sample_texts(
         temperature=cfg.temperature,
         top_k=cfg.top_k or None,
         seed=cfg.seed,
-        eos_id=eot,
+        eos_id=tokenizer.stop_ids,
         num_samples=n,
         refill_past_context=True,
     )
     start = 1 if prompt == [eot] else 0
-    return [tokenizer.decode(_strip(row[start:], eot)) for row in rows]
+    return [tokenizer.decode(_strip(row[start:], tokenizer.stop_ids)) for row in rows]
 
 
-def _strip(ids: list[int], eot: int | None) -> list[int]:
-    """ids without a final end-of-text token (where a sample stopped)."""
-    return ids[:-1] if ids and ids[-1] == eot else ids
+def _strip(ids: list[int], stops: tuple[int, ...]) -> list[int]:
+    """ids without a final stop id (where a sample stopped)."""
+    return ids[:-1] if ids and ids[-1] in stops else ids

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from decoderlm import checkpoint
+from decoderlm import checkpoint, generation_config
 from decoderlm.errors import DecoderLMError
 from decoderlm.files import atomic_write, write_json
 from decoderlm.model.config import ModelConfig
+from decoderlm.tokenizer import Tokenizer
 from decoderlm.training import distributed
 from decoderlm.training.runtime import rng_state, set_rng_state
 from decoderlm.training.train_config import TrainConfig
@@ -28,12 +29,20 @@ from decoderlm.training.train_config import TrainConfig
 def write_run_files(
     out: Path, model_config: ModelConfig, train_config: TrainConfig, data_dir: Path
 ) -> None:
-    """OUT/config.json (the model and training configs) and OUT/tokenizer.json (the data's)."""
+    """OUT/config.json (the model and training configs), OUT/tokenizer.json (the data's) and
+    OUT/generation_config.json: the data's, when it was prepared from a checkpoint's tokenizer,
+    else its tokenizer's end-of-text token (what a model trained on its documents learns to end
+    with)."""
     out.mkdir(parents=True, exist_ok=True)
     config = {"model": model_config.to_dict(), "train": train_config.to_dict()}
     write_json(out / checkpoint.CONFIG_FILE, config)
     tokenizer_file = data_dir / checkpoint.TOKENIZER_FILE
     atomic_write(out / checkpoint.TOKENIZER_FILE, lambda tmp: shutil.copyfile(tokenizer_file, tmp))
+    generation = data_dir / generation_config.FILE
+    if generation.is_file():
+        atomic_write(out / generation_config.FILE, lambda tmp: shutil.copyfile(generation, tmp))
+    else:
+        generation_config.write(out, Tokenizer.from_file(tokenizer_file).generation)
 
 
 def restore_checkpoint(trainer: Any, ckpt: Path, state: dict[str, Any]) -> None:
