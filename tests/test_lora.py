@@ -30,17 +30,8 @@ MERGE_ATOL = 1e-5
 
 def _model(seed: int = 0, **fields: object) -> DecoderLM:
     torch.manual_seed(seed)
-    config = ModelConfig.from_preset(
-        "llama-tiny",
-        vocab_size=64,
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        context_length=16,
-        d_ff=64,
-        **fields,
-    )
+    shape = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, context_length=16, d_ff=64)
+    config = ModelConfig.from_preset("llama-tiny", vocab_size=64, **{**shape, **fields})
     return DecoderLM(config).eval()
 
 
@@ -133,4 +124,4 @@ def test_adapters_of_another_shape_are_refused_with_one_line(tmp_path: Path) -> 
     apply_lora(model, rank=4, alpha=8)
     save_adapters(model, tmp_path)
     with pytest.raises(DecoderLMError, match="has shape"):
-        load_adapters(_model(d_model=64, n_heads=4), tmp_path)
+        load_adapters(_model(d_model=64), tmp_path)
