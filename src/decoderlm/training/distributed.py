@@ -219,13 +219,17 @@ def load_full_state_dicts(
     model_sd: dict[str, Any],
     optim_sd: dict[str, Any],
     info: DistInfo,
+    strict: bool = True,
 ) -> None:
     """Load full state dicts (as made by `full_state_dicts`, on any number of ranks) into every rank.
 
     Collective. With several processes only rank 0's dicts are used: rank 0 broadcasts each tensor
     and every rank keeps its own part (FSDP2) or a full copy (DDP); other ranks may pass {}.
+    strict=False: `model_sd` may hold some of the model's tensors only (a LoRA run's adapters).
     """
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=info.distributed)
+    options = StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=info.distributed, strict=strict
+    )
     # Two calls, not set_state_dict: that one skips the model on a rank whose model dict is empty.
     # The optimizer goes first: materialising its state runs a zero-lr step on the parameters.
     set_optimizer_state_dict(wrapped, optimizer, optim_sd, options=options)
