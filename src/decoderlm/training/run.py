@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from decoderlm import checkpoint, data, trainer_state
+from decoderlm.data.chat import read_conversations
 from decoderlm.errors import DecoderLMError
 from decoderlm.files import refuse_overwrite
 from decoderlm.loading import read_config
@@ -111,6 +112,9 @@ def resolve_run(
     """
     if data_dir is not None and inputs is not None:
         raise DecoderLMError("give either a data directory or inputs to prepare, not both")
+    chat_data = data_dir is not None and is_chat_file(data_dir)
+    if chat_data:  # a malformed chat file fails before --overwrite clears anything in OUT
+        read_conversations(data_dir)
     out = Path(out_dir) if out_dir is not None else latest_run() if resume else default_run_dir()
     ckpt, state = _resume_point(out, resume, overwrite)
     saved_config = checkpoint.read_run_config(ckpt) if ckpt is not None else {}
@@ -124,7 +128,7 @@ def resolve_run(
     _check_lora(train_config, init_from, ckpt)
     source = ckpt if ckpt is not None else init_from
 
-    if data_dir is not None and is_chat_file(data_dir):
+    if chat_data:
         if source is None:
             raise DecoderLMError(
                 "chat data is rendered with the chat template of the model it fine-tunes: "

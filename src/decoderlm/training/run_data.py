@@ -86,8 +86,9 @@ def chat_files(base: str | Path) -> tuple[Tokenizer, ChatTemplate, dict[str, Any
     if (base / TOKENIZER_CONFIG_FILE).is_file():
         config = json.loads((base / TOKENIZER_CONFIG_FILE).read_text(encoding="utf-8"))
     config["chat_template"] = template.source  # also where the base kept it in a .jinja file
-    config.setdefault("bos_token", template.bos_token)
-    config.setdefault("eos_token", template.eos_token)
+    for key, token in (("bos_token", template.bos_token), ("eos_token", template.eos_token)):
+        if token:
+            config.setdefault(key, token)
     return tokenizer, template, config
 
 
