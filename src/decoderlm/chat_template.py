@@ -1,7 +1,7 @@
 """Chat templates: a list of messages rendered to one prompt string, as Hugging Face renders them.
 
 A checkpoint's template is the `chat_template` of the `tokenizer_config.json` beside it (or its
-`chat_template.jinja` file), a Jinja2 program run in a sandboxed environment with the globals that
+`chat_template.jinja` file; a GGUF file's `tokenizer.chat_template`), a Jinja2 program run in a sandboxed environment with the globals that
 `transformers`' `apply_chat_template` provides: `messages`, `bos_token`, `eos_token`,
 `add_generation_prompt`, `raise_exception(message)` and the `tojson` filter.
 
@@ -104,11 +104,19 @@ class ChatTemplate:
 
 
 def load_chat_template(checkpoint_dir: str | Path, eos_token: str = "") -> ChatTemplate:
-    """The chat template beside a checkpoint, or the default one if there is none.
+    """The chat template of a checkpoint (a directory or a GGUF file), or the default one if it
+    has none.
 
     `eos_token` is used where tokenizer_config.json names none (ours: "<|endoftext|>").
     """
     directory = Path(checkpoint_dir)
+    if directory.is_file():  # a GGUF file
+        from decoderlm.gguf import read_chat_template
+
+        source, bos, eos = read_chat_template(directory)
+        if source is None:
+            return ChatTemplate(eos_token=eos or eos_token)
+        return ChatTemplate(source, bos, eos, stop=())
     config: dict[str, Any] = {}
     config_file = directory / TOKENIZER_CONFIG_FILE
     if config_file.is_file():

@@ -47,6 +47,7 @@ TOKENIZER_FILE = "tokenizer.json"
 METRICS_FILE = "metrics.jsonl"  # one JSON object per logged training step
 CHECKPOINTS_DIR = "checkpoints"
 _STEP_DIR = re.compile(r"step_(\d+)")
+TIED_HEAD = ("head.weight", "head.blocks")  # what a tied head shares with the embedding
 
 
 def model_state_dict(model: DecoderLM) -> dict[str, torch.Tensor]:
@@ -57,11 +58,10 @@ def model_state_dict(model: DecoderLM) -> dict[str, torch.Tensor]:
 def weights_to_store(
     state: dict[str, torch.Tensor], config: ModelConfig
 ) -> dict[str, torch.Tensor]:
-    """A model state dict as stored: detached, contiguous, without a tied head's second copy."""
-    state = {k: v.detach().contiguous() for k, v in state.items()}
-    if config.tie_embeddings:
-        state.pop("head.weight", None)
-    return state
+    """A model state dict as stored: detached, contiguous, without a tied head's second copy
+    (its weight, or the embedding's ggml blocks it reads)."""
+    tied = TIED_HEAD if config.tie_embeddings else ()
+    return {k: v.detach().contiguous() for k, v in state.items() if k not in tied}
 
 
 def save_weights(path: str | Path, model: DecoderLM) -> None:
@@ -80,6 +80,13 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
 
 def load_weights(model: DecoderLM, path: str | Path) -> None:
     """Load safetensors weights into `model`, with a one-line error naming any missing/misshaped tensor."""
+    state = check_weights(model, path)
+    model.load_state_dict(state, strict=not model.config.tie_embeddings)
+
+
+def check_weights(model: DecoderLM, path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, checked to be `model`'s (every one, of its shape); a
+    one-line error naming any missing, unexpected or misshaped tensor."""
     state = read_weights(path)
     expected = model_state_dict(model)
     missing = sorted(set(expected) - set(state))
@@ -94,7 +101,7 @@ def load_weights(model: DecoderLM, path: str | Path) -> None:
                 f"tensor {name!r} in {path} has shape {tuple(tensor.shape)}, "
                 f"the config needs {tuple(expected[name].shape)}"
             )
-    model.load_state_dict(state, strict=not model.config.tie_embeddings)
+    return state
 
 
 def read_run_config(run_dir: str | Path) -> dict[str, Any]:

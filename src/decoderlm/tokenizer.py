@@ -11,13 +11,21 @@ Every kind is a `tokenizers.Tokenizer` underneath, so every run and data directo
   a `DecoderLMError` naming it (no silent unknown token: it would corrupt the text without a word).
 
 `encode` never adds a BOS/EOS template (a loaded Llama tokenizer would otherwise prepend `<s>`):
-documents are separated explicitly by `eot_id`. `decode` keeps special tokens, so
-decode(encode(x)) == x also for text that contains `<|endoftext|>`.
+documents are separated explicitly by `eot_id`. `encode_prompt` applies the tokenizer's own
+template (its post-processor: a BOS first where the model's tokenizer adds one), for the text of a
+completion prompt, as vLLM does; a chat prompt is the chat template's text, which writes its own.
+`decode` keeps special tokens, so decode(encode(x)) == x also for text that contains
+`<|endoftext|>`.
+
+The special tokens a model file names (a GGUF file's metadata, a `tokenizer_config.json` beside a
+`tokenizer.json`) stay on the tokenizer as `special` (`SpecialIds`: BOS, EOS, end of turn, pad).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import tokenizers
@@ -29,6 +37,17 @@ from decoderlm.files import require_file
 # End-of-text / end-of-sequence tokens of common tokenizer.json files, in order of preference:
 # ours and GPT-2's, Llama 3's, Llama 2's and Mistral's, Gemma's, Llama 3's chat turn end.
 EOT_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
+TOKENIZER_CONFIG = "tokenizer_config.json"  # Hugging Face's: the special tokens' texts
+
+
+@dataclass(frozen=True)
+class SpecialIds:
+    """The ids of the special tokens a model file names (None: it names none)."""
+
+    bos: int | None = None
+    eos: int | None = None
+    end_of_turn: int | None = None  # a chat turn's end, where it differs from eos (GGUF's eot)
+    pad: int | None = None
 
 
 class Tokenizer:
@@ -36,8 +55,9 @@ class Tokenizer:
 
     EOT = "<|endoftext|>"
 
-    def __init__(self, backend: tokenizers.Tokenizer) -> None:
+    def __init__(self, backend: tokenizers.Tokenizer, special: SpecialIds | None = None) -> None:
         self.backend = backend  # the wrapped `tokenizers.Tokenizer`, for anything not wrapped here
+        self.special = special or SpecialIds()
         vocab = backend.get_vocab(with_added_tokens=True)
         # Ids are in range(vocab_size); a file may leave holes, so this is max id + 1, not len().
         self._vocab_size = max(vocab.values()) + 1 if vocab else 0
@@ -88,10 +108,11 @@ class Tokenizer:
             raise DecoderLMError(f"no such tokenizer file: {path}")
         require_file(path)  # a FIFO or a device: the error says so
         try:
-            return cls(tokenizers.Tokenizer.from_file(str(path)))
+            backend = tokenizers.Tokenizer.from_file(str(path))
         except Exception as exc:  # the Rust side raises a bare Exception for every parse error
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise DecoderLMError(f"{path} is not a valid tokenizer.json: {reason}") from None
+        return cls(backend, _special_ids(path.with_name(TOKENIZER_CONFIG), backend))
 
     @property
     def vocab_size(self) -> int:
@@ -105,6 +126,14 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a completion prompt: the tokenizer's template applied (a BOS first where
+        the model's tokenizer adds one)."""
+        try:
+            return self.backend.encode(text, add_special_tokens=True).ids
+        except Exception as exc:
+            raise self._encode_error([text], exc) from None
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text (in parallel in Rust), without any BOS/EOS template."""
@@ -141,3 +170,23 @@ class Tokenizer:
     def __repr__(self) -> str:
         kind = type(self.backend.model).__name__
         return f"Tokenizer({kind}, vocab_size={self._vocab_size}, eot_id={self._eot_id})"
+
+
+def _special_ids(config_file: Path, backend: tokenizers.Tokenizer) -> SpecialIds:
+    """BOS, EOS and pad of a `tokenizer_config.json` (their texts, or {"content": text}), as ids of
+    `backend`; none when there is no such file or it is not JSON."""
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return SpecialIds()
+    if not isinstance(config, dict):
+        return SpecialIds()
+
+    def token_id(key: str) -> int | None:
+        token = config.get(key)
+        token = token.get("content") if isinstance(token, dict) else token
+        return backend.token_to_id(token) if isinstance(token, str) else None
+
+    return SpecialIds(
+        bos=token_id("bos_token"), eos=token_id("eos_token"), pad=token_id("pad_token")
+    )

@@ -160,7 +160,7 @@ def test_load_returns_the_saved_model_and_tokenizer(run_dir, tokenizer):
     assert loaded_tokenizer.encode("All:") == tokenizer.encode("All:")
     model16, _ = load(run_dir, dtype="bf16")
     assert model16.tok_emb.weight.dtype == torch.bfloat16
-    with pytest.raises(DecoderLMError, match="no such checkpoint directory"):
+    with pytest.raises(DecoderLMError, match=r"no such checkpoint: .*nope; give a run or Hugging"):
         load(run_dir / "nope")
     with pytest.raises(DecoderLMError, match="dtype='float8'"):
         load(run_dir, dtype="float8")
@@ -227,7 +227,9 @@ def test_commands_reject_an_unknown_checkpoint(capsys, tmp_path, text_file):
         ["info", "--checkpoint", tmp_path / "none"],
     ):
         code, _, err = cli(capsys, *argv)
-        assert code == 2 and err == f"decoderlm: error: no such checkpoint directory: {argv[2]}\n"
+        kinds = "a run or Hugging Face directory, a .gguf file, or a model name"
+        assert code == 2 and err.startswith(f"decoderlm: error: no such checkpoint: {argv[2]}; ")
+        assert kinds in err and err.count("\n") == 1
 
 
 def test_eval_command_reports_what_the_library_computes(capsys, run_dir, text_file):

@@ -1,33 +1,47 @@
-"""What the fine-tuning tests build on: a character tokenizer with ChatML's two special tokens,
-SmolLM2's chat template (its default system prompt shortened), arithmetic conversations answered
-in one JSON shape (the fixtures in conftest.py make the model and the chat file)."""
+"""Fixtures of the fine-tuning tests (`pytest_plugins = ["chat_fixtures"]`): `chat_base`, a random
+2-layer chat model (a run directory with the ChatML template), and `chat_file`, 60 conversations."""
 
 from __future__ import annotations
 
-from decoderlm.tokenizer import Tokenizer
+import json
+import random
+from pathlib import Path
 
-CHATML = (
-    "{% for message in messages %}"
-    "{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\nYou are terse.<|im_end|>\\n' }}{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-CHARACTERS = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789{}\":,.?!'\n_"
+import pytest
+import torch
+from chat_helpers import CHATML, chat_tokenizer, conversation
 
-
-def chat_tokenizer() -> Tokenizer:
-    """One token per character, and <|im_start|>, <|im_end|> one token each."""
-    backend = Tokenizer.train_char([CHARACTERS]).backend
-    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    return Tokenizer(backend)
+from decoderlm import DecoderLM, ModelConfig, checkpoint
+from decoderlm.chat_template import TOKENIZER_CONFIG_FILE
 
 
-def conversation(a: int, b: int) -> dict:
-    return {
-        "messages": [
-            {"role": "user", "content": f"add {a} and {b}"},
-            {"role": "assistant", "content": f'{{"sum": {a + b}}}'},
-        ]
-    }
+@pytest.fixture(scope="session")
+def chat_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run directory: the random tiny model, its tokenizer and the ChatML template."""
+    out = tmp_path_factory.mktemp("chat") / "base"
+    tokenizer = chat_tokenizer()
+    torch.manual_seed(0)
+    config = ModelConfig.from_preset(
+        "llama-tiny",
+        vocab_size=tokenizer.vocab_size,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=64,
+        context_length=128,
+    )
+    checkpoint.save_model(out, DecoderLM(config), tokenizer)
+    template = {"chat_template": CHATML, "eos_token": "<|im_end|>"}
+    (out / TOKENIZER_CONFIG_FILE).write_text(json.dumps(template))
+    return out
+
+
+@pytest.fixture(scope="session")
+def chat_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """60 conversations."""
+    path = tmp_path_factory.mktemp("chat") / "chat.jsonl"
+    rng = random.Random(0)
+    rows = [conversation(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(60)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path

@@ -9,13 +9,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-from chat_fixtures import chat_tokenizer, conversation
+from chat_helpers import chat_tokenizer, conversation
 
 from decoderlm import checkpoint
 from decoderlm.chat_template import load_chat_template
 from decoderlm.cli import main
 from decoderlm.data.chat import encode_conversation, load_chat_split
 from decoderlm.data.chat_batches import ChatBatches
+
+pytest_plugins = ["chat_fixtures"]  # the fixtures chat_base and chat_file
 
 # A multi-turn conversation with a system prompt and a tool turn.
 MESSAGES = [

@@ -23,6 +23,8 @@ from decoderlm.chat_template import load_chat_template
 from decoderlm.cli import main
 from decoderlm.lora import ADAPTER_FILE, load_adapters
 
+pytest_plugins = ["chat_fixtures"]  # the fixtures chat_base and chat_file
+
 # 54 train conversations, 4 a step: step 3 is mid-epoch. Dropout on the adapters, so the resume
 # must restore the RNG too.
 FLAGS = [

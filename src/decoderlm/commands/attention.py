@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from decoderlm.commands import CHECKPOINT_HELP
 from decoderlm.errors import DecoderLMError
 from decoderlm.files import add_overwrite_argument, refuse_overwrite
 
@@ -12,9 +13,7 @@ HELP = "draw the attention weights of a prompt (one head, or all heads of a laye
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--checkpoint", required=True, metavar="DIR", help="run or Hugging Face directory"
-    )
+    parser.add_argument("--checkpoint", required=True, metavar="PATH", help=CHECKPOINT_HELP)
     parser.add_argument("--prompt", required=True, metavar="TEXT", help="the text to look at")
     parser.add_argument("--layer", type=int, default=0, metavar="L", help="layer (default 0)")
     parser.add_argument(

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
+from decoderlm.commands import CHECKPOINT_HELP
 from decoderlm.data import read_text_file
 from decoderlm.errors import DecoderLMError
 
@@ -20,9 +21,7 @@ DEFAULT_MAX_NEW_TOKENS = 256
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--checkpoint", required=True, metavar="DIR", help="run or Hugging Face directory"
-    )
+    parser.add_argument("--checkpoint", required=True, metavar="PATH", help=CHECKPOINT_HELP)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", metavar="TEXT", help="the text to continue")
     source.add_argument("--prompt-file", metavar="FILE", help="read the prompt from a UTF-8 file")
@@ -128,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model_and_tokenizer(args)
     max_new = args.max_new_tokens
     if max_new is None:  # the default stops where the context is full, unless it may slide
-        room = model.config.context_length - len(tokenizer.encode(prompt))
+        room = model.config.context_length - len(tokenizer.encode_prompt(prompt))
         max_new = (
             DEFAULT_MAX_NEW_TOKENS
             if args.refill_past_context
@@ -178,7 +177,7 @@ def _speculate(
     draft = args.draft
     if draft != PROMPT_LOOKUP:
         draft = load_draft(args.draft, model, tokenizer, args.dtype)
-    ids = tokenizer.encode(prompt)
+    ids = tokenizer.encode_prompt(prompt)
     eot = getattr(tokenizer, "eot_id", None)
     stats = SpeculativeStats()
     for i in range(args.num_samples):

@@ -74,6 +74,11 @@ def _window(args: argparse.Namespace, config: ModelConfig) -> tuple[int | None, 
     return window, window_layers
 
 
+def _contexts(config: ModelConfig) -> tuple[int, ...]:
+    """The contexts the cache's bytes are shown at: CONTEXTS and the model's own."""
+    return tuple(sorted({*CONTEXTS, config.context_length}))
+
+
 def _window_label(window: int | None, window_layers: int | None) -> str | None:
     """The table's name of the sliding window's rows; None without a window."""
     if window is None:
@@ -90,7 +95,7 @@ def _info(
     window_layers: int | None,
 ) -> dict[str, Any]:
     """What `--json` prints: the shape, parameters and FLOPs, and the cache's bytes in `dtype` and
-    in each of KV_DTYPES (the K/V at each of CONTEXTS, also in a sliding `window` of
+    in each of KV_DTYPES (the K/V at each of `_contexts`, also in a sliding `window` of
     `window_layers` layers (None: all); the recurrent states at any context)."""
     from decoderlm.model.cache import attention_kind, kv_cache_table, recurrent_state_bytes
 
@@ -109,9 +114,11 @@ def _info(
         "kv_cache_dtype": dtype,
         "kv_cache_window": window,
         "kv_cache_window_layers": config.n_layers if window_layers is None else window_layers,
-        "kv_cache": kv_cache_table(config, CONTEXTS, _kv_dtype(dtype), window, window_layers),
+        "kv_cache": kv_cache_table(
+            config, _contexts(config), _kv_dtype(dtype), window, window_layers
+        ),
         "kv_cache_by_dtype": {
-            name: kv_cache_table(config, CONTEXTS, _kv_dtype(name), window, window_layers)
+            name: kv_cache_table(config, _contexts(config), _kv_dtype(name), window, window_layers)
             for name in dtypes
         },
         # per sequence at any context: the recurrent layers' conv and matrix states
@@ -134,7 +141,7 @@ def _print_table(info: dict[str, Any], config: ModelConfig, window_label: str | 
         f"FLOPs per token    {_si(info['forward_flops_per_token'])} forward, "
         f"{_si(info['training_flops_per_token'])} training (at context {config.context_length:,})"
     )
-    header = "".join(f"{_tokens(n):>12}" for n in CONTEXTS)
+    header = "".join(f"{_tokens(n):>12}" for n in _contexts(config))
     print("KV cache (batch 1)".ljust(30) + f"{'per token':>11}{header}")
     for name, rows in info["kv_cache_by_dtype"].items():
         print(f"  {name}{KV_DTYPE_NOTES.get(name, '')}")
@@ -143,7 +150,7 @@ def _print_table(info: dict[str, Any], config: ModelConfig, window_label: str | 
         if config.has_recurrent_layers:  # the same at every context
             state = _bytes(info["recurrent_state_bytes"][name])
             label = f"recurrent state, {config.n_layers - config.n_attention_layers} layers"
-            print(f"    {label:<26}{'-':>11}" + f"{state:>12}" * len(CONTEXTS))
+            print(f"    {label:<26}{'-':>11}" + f"{state:>12}" * len(_contexts(config)))
 
 
 def _print_cache_rows(row: dict[str, Any], window_label: str | None) -> None:
@@ -151,10 +158,10 @@ def _print_cache_rows(row: dict[str, Any], window_label: str | None) -> None:
     the sliding window, when there is one (`window_label`)."""
     heads = f"{row['n_kv_heads']} KV head" + ("s" if row["n_kv_heads"] > 1 else "")
     label = f"{row['attention']}, {heads}" + (" (this)" if row["variant"] == "model" else "")
-    sizes = "".join(f"{_bytes(row['bytes_at'][n]):>12}" for n in CONTEXTS)
+    sizes = "".join(f"{_bytes(b):>12}" for b in row["bytes_at"].values())
     print(f"    {label:<26}{_bytes(row['bytes_per_token']):>11}{sizes}")
     if window_label is not None:
-        sizes = "".join(f"{_bytes(row['bytes_at_windowed'][n]):>12}" for n in CONTEXTS)
+        sizes = "".join(f"{_bytes(b):>12}" for b in row["bytes_at_windowed"].values())
         print(f"      {window_label:<24}{'':>11}{sizes}")
 
 

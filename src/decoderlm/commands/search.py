@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from decoderlm.commands import CHECKPOINT_HELP
 from decoderlm.commands.generate import add_cpu_kernels_argument
 from decoderlm.search import STRATEGY_NAMES
 from decoderlm.tasks import TASK_NAMES
@@ -13,7 +14,7 @@ HELP = "accuracy of a search strategy (self-consistency, best-of-N, beam, MCTS) 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True, metavar="DIR", help="a run directory")
+    parser.add_argument("--checkpoint", required=True, metavar="PATH", help=CHECKPOINT_HELP)
     parser.add_argument("--task", required=True, choices=TASK_NAMES)
     parser.add_argument("--strategy", required=True, choices=STRATEGY_NAMES)
     parser.add_argument(

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from decoderlm.commands import CHECKPOINT_HELP
 from decoderlm.commands.generate import add_kv_cache_dtype_argument
 from decoderlm.errors import DecoderLMError
 
@@ -61,9 +62,7 @@ LIMIT_FLAGS = {
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The options `serve` and `chat` share: the checkpoint and the engine's sizes."""
-    parser.add_argument(
-        "--checkpoint", required=True, metavar="DIR", help="run or Hugging Face directory"
-    )
+    parser.add_argument("--checkpoint", required=True, metavar="PATH", help=CHECKPOINT_HELP)
     parser.add_argument(
         "--dtype",
         default="auto",
@@ -199,9 +198,9 @@ def load_served(
 def check_engine_arguments(args: argparse.Namespace) -> None:
     """Refuse bad sizes before anything loads."""
     from decoderlm.engine.kv_pool import parse_bytes
+    from decoderlm.loading import checkpoint_path
 
-    if not Path(args.checkpoint).is_dir():
-        raise DecoderLMError(f"no such checkpoint directory: {args.checkpoint}")
+    args.checkpoint = str(checkpoint_path(args.checkpoint))  # a model's name: its file
     args.dtype_chosen = args.dtype == "auto"  # said by `announce_dtype` once every check passed
     args.dtype = serving_dtype(args.dtype)
     parse_bytes(args.kv_cache_memory)

@@ -37,7 +37,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise DecoderLMError("empty prompt: give some text to continue")
-            prompt = self.tokenizer.encode(prompt)
+            prompt = self.tokenizer.encode_prompt(prompt)  # BOS where the tokenizer adds one
         ids = prompt_rows([list(prompt)], self.vocab_size)[0]
         if len(ids) > self.max_sequence:
             raise DecoderLMError(

@@ -15,12 +15,15 @@ from typing import Any
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.hf.fields import (
-    context_length,
-    max_positions_to_hf,
+    GPT2_DEFAULTS,
+    GPT2_FIELDS,
+    fields_from_hf,
+    fields_to_hf,
+    llama_like_from_hf,
+    llama_like_to_hf,
     no_equivalent,
     partial_rotary_factor,
     require_hf,
-    rope_from_hf,
     rope_to_hf,
 )
 from decoderlm.hf.recurrent import (
@@ -70,20 +73,12 @@ def _gpt2_config(hf: dict[str, Any]) -> ModelConfig:
     require_hf(hf, "scale_attn_weights", True)
     require_hf(hf, "scale_attn_by_inverse_layer_idx", False)
     require_hf(hf, "add_cross_attention", False)
-    d_model = hf["n_embd"]
     return ModelConfig(
-        vocab_size=hf["vocab_size"],
-        context_length=hf["n_positions"],
-        d_model=d_model,
-        n_layers=hf["n_layer"],
-        n_heads=hf["n_head"],
-        d_ff=hf.get("n_inner") or 4 * d_model,
+        **fields_from_hf(hf, GPT2_FIELDS, GPT2_DEFAULTS),
         mlp=_GPT2_ACTIVATIONS[act],
         norm="layernorm",
-        norm_eps=hf.get("layer_norm_epsilon", 1e-5),
         position="learned",
         bias=True,
-        tie_embeddings=hf.get("tie_word_embeddings", True),
         dropout=0.0,
         extra={"hf_model_type": "gpt2"},
     )
@@ -104,35 +99,21 @@ def _llama_config(hf: dict[str, Any], model_type: str) -> ModelConfig:
                 "linear layer (only q/k/v biases can be set apart)"
             )
         qkv_bias = bias
-    d_model, n_heads = hf["hidden_size"], hf["num_attention_heads"]
-    rope_theta, rope_scaling = rope_from_hf(hf)
     if partial_rotary_factor(hf) != 1.0:
         raise DecoderLMError(
             "partial_rotary_factor != 1 is not supported (RoPE on every dimension)"
         )
     window, window_layers = _sliding_window_from_hf(hf, model_type)
     return ModelConfig(
-        vocab_size=hf["vocab_size"],
-        context_length=context_length(hf, rope_scaling),
-        d_model=d_model,
-        n_layers=hf["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim") or d_model // n_heads,
+        **llama_like_from_hf(hf),
         mlp="swiglu",
-        d_ff=hf["intermediate_size"],
         norm="rmsnorm",
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
         position="rope",
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
         bias=bias,
         qkv_bias=qkv_bias,
         qk_norm=model_type == "qwen3",
         sliding_window=window,
         sliding_window_layers=window_layers,
-        tie_embeddings=hf.get("tie_word_embeddings", False),
-        dropout=0.0,
         extra={"hf_model_type": model_type},
     )
 
@@ -246,31 +227,17 @@ def config_to_hf(
     if model_type == "gpt2":
         return {
             **common,
-            "n_positions": c.context_length,
-            "n_embd": c.d_model,
-            "n_layer": c.n_layers,
-            "n_head": c.n_heads,
-            "n_inner": c.d_ff,
+            **fields_to_hf(c, GPT2_FIELDS),
             "activation_function": "gelu_new" if c.mlp == "gelu_tanh" else "gelu",
-            "layer_norm_epsilon": c.norm_eps,
             "resid_pdrop": c.dropout,
             "embd_pdrop": c.dropout,
             "attn_pdrop": c.dropout,
         }
     hf = {
         **common,
-        "max_position_embeddings": max_positions_to_hf(c),
-        "hidden_size": c.d_model,
-        "num_hidden_layers": c.n_layers,
-        "num_attention_heads": c.n_heads,
-        "num_key_value_heads": c.n_kv_heads,
-        "head_dim": c.head_dim,
-        "intermediate_size": c.d_ff,
-        "hidden_act": "silu",
-        "rms_norm_eps": c.norm_eps,
+        **llama_like_to_hf(c),
         "rope_theta": c.rope_theta,
         "rope_scaling": rope_to_hf(c.rope_scaling),
-        "attention_dropout": c.dropout,
     }
     if model_type in ("llama", "qwen3"):
         hf["attention_bias"] = c.bias

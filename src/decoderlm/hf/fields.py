@@ -1,15 +1,106 @@
-"""Hugging Face config.json fields that every family reads or writes alike: the context length,
-RoPE (v5 `rope_parameters` or v4 `rope_theta` + `rope_scaling`), required values, and the export
-refusal."""
+"""Hugging Face config.json fields that every family reads or writes alike: the shape of the
+Llama-like families (one table, `LLAMA_LIKE_FIELDS`, read by `llama_like_from_hf` and written by
+`llama_like_to_hf`), the context length, RoPE (v5 `rope_parameters` or v4 `rope_theta` +
+`rope_scaling`), required values, and the export refusal."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.config import ROPE_SCALING_KEYS, ModelConfig
 
 ROPE_TYPES = ("default", *ROPE_SCALING_KEYS)
+
+# ModelConfig field ↔ config.json key: the one place each family's plain renames are written, read
+# by `fields_from_hf` and written by `fields_to_hf`. The Llama-like families (Llama, Mistral, Qwen2,
+# Qwen3, Bamba, Qwen3.5) share one table; their context and RoPE go through the functions below.
+LLAMA_LIKE_FIELDS = (
+    ("vocab_size", "vocab_size"),
+    ("d_model", "hidden_size"),
+    ("n_layers", "num_hidden_layers"),
+    ("n_heads", "num_attention_heads"),
+    ("n_kv_heads", "num_key_value_heads"),
+    ("head_dim", "head_dim"),
+    ("d_ff", "intermediate_size"),
+    ("norm_eps", "rms_norm_eps"),
+    ("tie_embeddings", "tie_word_embeddings"),
+)
+GPT2_FIELDS = (
+    ("vocab_size", "vocab_size"),
+    ("context_length", "n_positions"),
+    ("d_model", "n_embd"),
+    ("n_layers", "n_layer"),
+    ("n_heads", "n_head"),
+    ("d_ff", "n_inner"),
+    ("norm_eps", "layer_norm_epsilon"),
+    ("tie_embeddings", "tie_word_embeddings"),
+)
+# transformers' defaults for keys a config.json may leave out: a value, or one computed from the
+# fields read before it.
+Default = Any | Callable[[dict[str, Any]], Any]
+GPT2_DEFAULTS: dict[str, Default] = {
+    "d_ff": lambda f: 4 * f["d_model"],
+    "norm_eps": 1e-5,
+    "tie_embeddings": True,
+}
+
+
+def llama_like_defaults(norm_eps: float) -> dict[str, Default]:
+    """transformers' defaults of the Llama-like families, whose RMSNorm ε differs by family."""
+    return {
+        "n_kv_heads": lambda f: f["n_heads"],
+        "head_dim": lambda f: f["d_model"] // f["n_heads"],
+        "norm_eps": norm_eps,
+        "tie_embeddings": False,
+    }
+
+
+def fields_from_hf(
+    hf: dict[str, Any], table: tuple[tuple[str, str], ...], defaults: dict[str, Default]
+) -> dict[str, Any]:
+    """ModelConfig keyword arguments for `table`'s (ours, theirs) pairs: config.json's value, else
+    the default; KeyError naming the key where there is neither."""
+    fields: dict[str, Any] = {}
+    for ours, theirs in table:
+        if hf.get(theirs) is not None:
+            fields[ours] = hf[theirs]
+        elif ours in defaults:
+            default = defaults[ours]
+            fields[ours] = default(fields) if callable(default) else default
+        else:
+            raise KeyError(theirs)
+    return fields
+
+
+def fields_to_hf(config: ModelConfig, table: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    """The config.json keys of `table` for our config."""
+    return {theirs: getattr(config, ours) for ours, theirs in table}
+
+
+def llama_like_from_hf(hf: dict[str, Any], norm_eps: float = 1e-6) -> dict[str, Any]:
+    """ModelConfig keyword arguments a Llama-like config.json gives alike: LLAMA_LIKE_FIELDS, the
+    context length and RoPE; dropout off (imported models are for use)."""
+    rope_theta, rope_scaling = rope_from_hf(hf)
+    return {
+        **fields_from_hf(hf, LLAMA_LIKE_FIELDS, llama_like_defaults(norm_eps)),
+        "context_length": context_length(hf, rope_scaling),
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "dropout": 0.0,
+    }
+
+
+def llama_like_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The config.json keys of LLAMA_LIKE_FIELDS, the context, the SiLU activation and the
+    attention dropout for our config; each family adds its RoPE layout and its own keys."""
+    return {
+        **fields_to_hf(config, LLAMA_LIKE_FIELDS),
+        "max_position_embeddings": max_positions_to_hf(config),
+        "hidden_act": "silu",
+        "attention_dropout": config.dropout,
+    }
 
 
 def context_length(hf: dict[str, Any], rope_scaling: dict[str, Any] | None) -> int:

@@ -18,12 +18,11 @@ from typing import Any
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.hf.fields import (
-    context_length,
-    max_positions_to_hf,
+    llama_like_from_hf,
+    llama_like_to_hf,
     no_equivalent,
     partial_rotary_factor,
     require_hf,
-    rope_from_hf,
     rope_to_hf,
 )
 from decoderlm.model.config import ModelConfig
@@ -107,11 +106,8 @@ def _bamba_config(hf: dict[str, Any]) -> ModelConfig:
             "bamba with attention_bias, mlp_bias and mamba_proj_bias not all equal is not "
             "supported: decoderlm's bias covers every linear layer"
         )
-    d_model, n_heads, n_layers = (
-        hf["hidden_size"],
-        hf["num_attention_heads"],
-        hf["num_hidden_layers"],
-    )
+    fields = llama_like_from_hf(hf, norm_eps=1e-5)
+    d_model, n_layers = fields["d_model"], fields["n_layers"]
     attention = set(hf.get("attn_layer_indices") or ())
     if len(attention) >= n_layers:
         raise DecoderLMError("bamba without Mamba-2 layers is not supported (use llama)")
@@ -122,28 +118,14 @@ def _bamba_config(hf: dict[str, Any]) -> ModelConfig:
         raise DecoderLMError(
             f"bamba mamba_n_heads·mamba_d_head={m_heads * m_head_dim} ≠ mamba_expand·hidden_size"
         )
-    head_dim = hf.get("head_dim") or d_model // n_heads
-    rope_theta, rope_scaling = rope_from_hf(hf)
     # transformers' Bamba overrides any partial_rotary_factor with 0.5.
     return ModelConfig(
-        vocab_size=hf["vocab_size"],
-        context_length=context_length(hf, rope_scaling),
-        d_model=d_model,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=head_dim,
+        **fields,
         mlp="swiglu",
-        d_ff=hf["intermediate_size"],
         norm="rmsnorm",
-        norm_eps=hf.get("rms_norm_eps", 1e-5),
         position="rope",
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        rotary_dim=head_dim // 2,
+        rotary_dim=fields["head_dim"] // 2,
         bias=bias,
-        tie_embeddings=hf.get("tie_word_embeddings", False),
-        dropout=0.0,
         layer_types=tuple("attention" if i in attention else "mamba2" for i in range(n_layers)),
         recurrent_heads=m_heads,
         recurrent_key_heads=hf.get("mamba_n_groups", 1),
@@ -160,7 +142,7 @@ def _qwen3_5_config(hf: dict[str, Any]) -> ModelConfig:
         raise DecoderLMError(
             "qwen3_5 with attention_bias=True is not supported (its MLP has no biases)"
         )
-    n_layers, n_heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    n_layers = hf["num_hidden_layers"]
     kinds = hf.get("layer_types") or [
         "full_attention"
         if (i + 1) % hf.get("full_attention_interval", 4) == 0
@@ -170,30 +152,17 @@ def _qwen3_5_config(hf: dict[str, Any]) -> ModelConfig:
     unknown = sorted(set(kinds) - set(_QWEN3_5_LAYERS))
     if unknown:
         raise DecoderLMError(f"qwen3_5 layer type {unknown[0]!r} is not supported")
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
-    rope_theta, rope_scaling = rope_from_hf(hf)
-    rotary_dim = int(head_dim * partial_rotary_factor(hf, default=0.25))  # transformers' default
+    fields = llama_like_from_hf(hf)
+    rotary_dim = int(fields["head_dim"] * partial_rotary_factor(hf, default=0.25))  # transformers'
     return ModelConfig(
-        vocab_size=hf["vocab_size"],
-        context_length=context_length(hf, rope_scaling),
-        d_model=hf["hidden_size"],
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=head_dim,
+        **fields,
         mlp="swiglu",
-        d_ff=hf["intermediate_size"],
         norm="rmsnorm_1p",
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
         position="rope",
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
         rotary_dim=rotary_dim,
         bias=False,
         qk_norm=True,
         attn_output_gate=True,
-        tie_embeddings=hf.get("tie_word_embeddings", False),
-        dropout=0.0,
         layer_types=tuple(_QWEN3_5_LAYERS[kind] for kind in kinds),
         recurrent_heads=hf.get("linear_num_value_heads", 32),
         recurrent_key_heads=hf.get("linear_num_key_heads", 16),
@@ -265,11 +234,12 @@ def recurrent_config_to_hf(
     """The config.json of `family` for our config, `common` (vocabulary, tokens, dtype) included."""
     c = config
     heads, key_heads, key_dim, value_dim = c.recurrent_dims
-    hf = {**common, "architectures": [_ARCHITECTURES[family]], "hidden_size": c.d_model}
-    hf["num_hidden_layers"] = c.n_layers
+    hf = {**common, "architectures": [_ARCHITECTURES[family]]}
     if family == "mamba2":
         return {
             **hf,
+            "hidden_size": c.d_model,
+            "num_hidden_layers": c.n_layers,
             "num_heads": heads,
             "head_dim": value_dim,
             "expand": heads * value_dim // c.d_model,
@@ -283,16 +253,7 @@ def recurrent_config_to_hf(
             "residual_in_fp32": False,  # ours adds the residual in the model's dtype
             "hidden_act": "silu",
         }
-    hf.update(
-        max_position_embeddings=max_positions_to_hf(c),
-        num_attention_heads=c.n_heads,
-        num_key_value_heads=c.n_kv_heads,
-        head_dim=c.head_dim,
-        intermediate_size=c.d_ff,
-        hidden_act="silu",
-        rms_norm_eps=c.norm_eps,
-        attention_dropout=c.dropout,
-    )
+    hf.update(llama_like_to_hf(c))
     scaling = rope_to_hf(c.rope_scaling) or {"rope_type": "default"}
     rope = {**scaling, "rope_theta": c.rope_theta}
     if family == "bamba":

@@ -111,7 +111,7 @@ def stream(
     params = sampling_params(params, sampling)
     if not prompt:
         raise DecoderLMError("empty prompt: give some text to continue")
-    ids = tokenizer.encode(prompt)
+    ids = tokenizer.encode_prompt(prompt)  # a BOS first where the model's tokenizer adds one
     rows = prompt_rows([ids], model.config.vocab_size)
     options = DecodeOptions.of(compile, cpu_kernels, kv_cache_dtype, refill_past_context)
     options.check(model, rows, max_new_tokens)

@@ -32,17 +32,7 @@ class DecoderLM(nn.Module):
             self.pos_emb = LearnedPositions(config.context_length, d)
         elif config.position == "sinusoidal":
             self.pos_emb = SinusoidalPositions(config.context_length, d)
-        self.rope = (
-            RotaryEmbedding(
-                config.context_length,
-                config.rope_dim,
-                config.rope_theta,
-                config.rope_scaling,
-                unbounded=config.decodes_past_context,
-            )
-            if config.position == "rope"
-            else None
-        )
+        self.rope = rotary_embedding(config)
         # Vaswani et al. (2017), §3.4: embeddings are multiplied by √d_model before adding the fixed
         # sinusoids, so that the table (values in [−1, 1]) does not drown the 0.02-scale embeddings.
         self.emb_scale = math.sqrt(d) if config.position == "sinusoidal" else 1.0
@@ -135,6 +125,20 @@ class DecoderLM(nn.Module):
         n_matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         forward = 2 * n_matmul + 4 * cfg.n_attention_layers * cfg.n_heads * cfg.head_dim * t
         return 3 * forward if training else forward
+
+
+def rotary_embedding(config: ModelConfig) -> RotaryEmbedding | None:
+    """The RoPE tables of `config` (None without RoPE): non-persistent buffers, which a model built
+    on the meta device gets back from here."""
+    if config.position != "rope":
+        return None
+    return RotaryEmbedding(
+        config.context_length,
+        config.rope_dim,
+        config.rope_theta,
+        config.rope_scaling,
+        unbounded=config.decodes_past_context,
+    )
 
 
 def next_token_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:

@@ -7,6 +7,8 @@ in floating point (weight-only quantization, as in gpt-fast's `WeightOnlyInt8Qua
 llama.cpp's Q8_0 / Q4 formats; Dettmers et al., 2022, and Frantar et al., 2023, on its accuracy).
 
 - `linear`: `Int8Linear`, `Int4Linear` and `Bf16Linear`, the modules holding the quantized weights;
+- `blocks`: `BlockLinear` and `BlockEmbedding`, weights in ggml's block formats (Q8_0, Q4_0, Q4_1,
+  Q5_0, Q5_1, F16, BF16) as a GGUF file stores them (`decoderlm.gguf` loads them);
 - `apply`: `quantize(model, to, group_size)`, which swaps a model's nn.Linear modules from outside;
 - `io`: quantized run directories (`save_quantized`, `load_quantized`).
 
@@ -17,11 +19,14 @@ llama.cpp's Q8_0 / Q4 formats; Dettmers et al., 2022, and Frantar et al., 2023, 
 """
 
 from decoderlm.quant.apply import quantization_of, quantize
+from decoderlm.quant.blocks import BlockEmbedding, BlockLinear
 from decoderlm.quant.io import load_quantized, save_quantized
 from decoderlm.quant.linear import Bf16Linear, Int4Linear, Int8Linear
 
 __all__ = [
     "Bf16Linear",
+    "BlockEmbedding",
+    "BlockLinear",
     "Int4Linear",
     "Int8Linear",
     "load_quantized",

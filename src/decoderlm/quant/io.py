@@ -6,8 +6,11 @@
                            uint8 with two int4 values per byte), ….scale, ….offset (int4), ….bias
     RUN/tokenizer.json     copied from the source
 
-`decoderlm.load` builds the float model, swaps in empty quantized layers and loads the file into
-them, so generate, eval and serve take a quantized run like any other.
+A run converted from a GGUF file keeps its ggml blocks: {"to": "gguf", "types": {"tok_emb":
+"Q8_0", "blocks.0.attn.qkv": "Q4_1", …}} and the modules' `blocks` (uint8) in model.safetensors.
+
+`decoderlm.load` builds the model on the meta device, swaps in empty quantized layers and assigns
+the file's tensors to them, so generate, eval and serve take a quantized run like any other.
 """
 
 from __future__ import annotations
@@ -23,7 +26,14 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.files import atomic_write, write_json
 from decoderlm.model.config import ModelConfig
 from decoderlm.model.lm import DecoderLM
-from decoderlm.quant.apply import check_settings, quantization_of, swap_empty
+from decoderlm.quant.apply import (
+    GGUF,
+    check_settings,
+    materialize,
+    quantization_of,
+    swap_blocks,
+    swap_empty,
+)
 
 QUANTIZATION_KEY = "quantization"
 
@@ -35,6 +45,13 @@ def read_quantization(run_config: dict[str, Any]) -> dict[str, Any] | None:
         return None
     if not isinstance(section, dict) or "to" not in section:
         raise DecoderLMError(f"config.json's {QUANTIZATION_KEY!r} section needs a 'to' field")
+    if section["to"] == GGUF:
+        types = section.get("types")
+        if not isinstance(types, dict) or not all(isinstance(v, str) for v in types.values()):
+            raise DecoderLMError(
+                f"config.json's {QUANTIZATION_KEY!r} section needs 'types': {{module: ggml type}}"
+            )
+        return {"to": GGUF, "types": types}
     return {
         "to": section["to"],
         "group_size": check_settings(section["to"], section.get("group_size")),
@@ -72,8 +89,12 @@ def load_quantized(
     weights = Path(run_dir) / checkpoint.WEIGHTS_FILE
     if not weights.is_file():
         raise DecoderLMError(f"{run_dir} has no {checkpoint.WEIGHTS_FILE}")
-    model = DecoderLM(ModelConfig.from_dict(run_config["model"]))
-    swap_empty(model, quantization["to"], quantization["group_size"])
-    checkpoint.load_weights(model, weights)
+    with torch.device("meta"):  # shapes only: the file holds the weights
+        model = DecoderLM(ModelConfig.from_dict(run_config["model"]))
+        if quantization["to"] == GGUF:
+            swap_blocks(model, quantization["types"])
+        else:
+            swap_empty(model, quantization["to"], quantization["group_size"])
+    materialize(model, checkpoint.check_weights(model, weights))
     model.to(device=device, dtype=dtype)
     return model.eval()

@@ -34,7 +34,7 @@ INT4_GROUP_SIZES = (32, 64, 128)
 _INT8PACK_MAX_ROWS = 8
 
 
-class _QuantizedLinear(nn.Module):
+class QuantizedLinear(nn.Module):
     """What both layers share: the shape, an optional float bias, y = x·Ŵᵀ + b."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
@@ -59,7 +59,7 @@ class _QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
 
 
-class Int8Linear(_QuantizedLinear):
+class Int8Linear(QuantizedLinear):
     """Buffers: weight_q int8 (N, K), scale (N,), bias (N,) or None."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -99,7 +99,7 @@ class Int8Linear(_QuantizedLinear):
         return F.linear(x, self.weight_q.to(x.dtype)) * scale
 
 
-class Bf16Linear(_QuantizedLinear):
+class Bf16Linear(QuantizedLinear):
     """Buffers: weight_bits int16 (N, K), the bits of the bfloat16 weight (an integer dtype, so
     that `model.to(dtype)` never casts it: activations follow the model's dtype, the weight
     stays bfloat16), and bias (N,) or None."""
@@ -132,7 +132,7 @@ class Bf16Linear(_QuantizedLinear):
         return super().matmul(x)
 
 
-class Int4Linear(_QuantizedLinear):
+class Int4Linear(QuantizedLinear):
     """Buffers: weight_q uint8 (N, K/2), byte j of a row holding q_2j (low nibble) and q_2j+1
     (high nibble); scale and offset (N, K/group_size); bias (N,) or None."""
 

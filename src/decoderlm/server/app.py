@@ -114,9 +114,9 @@ def _prompts(served: Served, prompt: protocol.Prompt, echo: bool) -> list[tuple[
     """Token ids of each prompt of a completion request (text, texts, ids or lists of ids), and
     its text to echo ("" without echo). Blocking (tokenizes): run it with `ServerState.work`."""
     if isinstance(prompt, str):
-        prompts = [encode(served, prompt, "prompt")]
+        prompts = [encode(served, prompt, "prompt", completion=True)]
     elif isinstance(prompt[0], str):
-        prompts = [encode(served, p, "prompt") for p in prompt]
+        prompts = [encode(served, p, "prompt", completion=True) for p in prompt]
     else:
         prompts = [prompt] if isinstance(prompt[0], int) else prompt
         bad = [t for ids in prompts for t in ids if t >= served.vocab_size]

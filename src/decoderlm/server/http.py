@@ -157,10 +157,12 @@ def check_model(served: Served, model: str | None) -> None:
         )
 
 
-def encode(served: Served, text: str, param: str) -> list[int]:
-    """The token ids of a text (blocking: tokenizes; run it with `ServerState.work`)."""
+def encode(served: Served, text: str, param: str, completion: bool = False) -> list[int]:
+    """The token ids of a text (blocking: tokenizes; run it with `ServerState.work`); a
+    completion prompt's with the tokenizer's template (a BOS where the model adds one), a chat
+    template's text as it is."""
     try:
-        ids = served.tokenizer.encode(text)
+        ids = (served.tokenizer.encode_prompt if completion else served.tokenizer.encode)(text)
     except DecoderLMError as exc:
         raise APIError(400, str(exc), param=param) from None
     if not ids:
