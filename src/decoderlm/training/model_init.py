@@ -2,7 +2,7 @@
 
 - A new run: a `DecoderLM` of the run's config, randomly initialised.
 - `--init-from SOURCE` (fine-tuning): SOURCE is anything `decoderlm.load` reads (a run or Hugging
-  Face directory, a quantized run). Full fine-tuning trains every weight in float32, so a
+  Face directory, a quantized run, a GGUF file or a model's name). Full fine-tuning trains every weight in float32, so a
   quantized source is dequantized first (`decoderlm.lora.merged_state_dict`); the model takes the
   run's config, whose free fields (context_length, rope_scaling) may differ from SOURCE's.
 - LoRA (`TrainConfig.lora_rank` > 0): the base stays as loaded (a quantized one stays quantized:
@@ -23,7 +23,7 @@ import torch
 
 from decoderlm import checkpoint, lora
 from decoderlm.chat_template import TOKENIZER_CONFIG_FILE
-from decoderlm.loading import load
+from decoderlm.loading import checkpoint_path, load
 from decoderlm.model.lm import DecoderLM
 from decoderlm.quant import quantization_of
 from decoderlm.training.run import Run
@@ -36,7 +36,7 @@ def base_of(run: Run) -> str | None:
         if run.train_config.lora_rank:
             return lora.read_adapter_config(run.checkpoint)["base"]
         return None
-    return None if run.init_from is None else str(Path(run.init_from).resolve())
+    return None if run.init_from is None else str(checkpoint_path(run.init_from).resolve())
 
 
 def initial_model(run: Run) -> DecoderLM:

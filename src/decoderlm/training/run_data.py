@@ -25,6 +25,7 @@ from decoderlm.chat_template import (
 )
 from decoderlm.data import chat
 from decoderlm.errors import DecoderLMError
+from decoderlm.loading import checkpoint_path
 from decoderlm.model.config import ModelConfig
 from decoderlm.tokenizer import Tokenizer
 
@@ -75,20 +76,31 @@ def prepare_chat_data(
 
 
 def chat_files(base: str | Path) -> tuple[Tokenizer, ChatTemplate, dict[str, Any] | None]:
-    """The tokenizer and chat template of a checkpoint directory, and the tokenizer_config.json
-    that carries the template to the fine-tuned run (None: it has none, the default applies)."""
-    base = Path(base)
-    tokenizer = Tokenizer.from_file(base / checkpoint.TOKENIZER_FILE)
-    template = load_chat_template(base, eos_token=Tokenizer.EOT)
+    """The tokenizer and chat template of a checkpoint (a directory, a GGUF file or a model's
+    name), and the tokenizer_config.json that carries the template and special tokens to the
+    fine-tuned run (None: it has none, the default template applies)."""
+    path = checkpoint_path(base)
+    config: dict[str, Any] = {}
+    if path.is_file():  # a GGUF file
+        from decoderlm.gguf import open_gguf
+        from decoderlm.gguf.tokenizer import tokenizer_from_gguf
+
+        tokenizer = tokenizer_from_gguf(open_gguf(path))
+    else:
+        tokenizer = Tokenizer.from_file(path / checkpoint.TOKENIZER_FILE)
+        if (path / TOKENIZER_CONFIG_FILE).is_file():
+            config = json.loads((path / TOKENIZER_CONFIG_FILE).read_text(encoding="utf-8"))
+    template = load_chat_template(path, eos_token=Tokenizer.EOT)
     if template.source == DEFAULT_CHAT_TEMPLATE:
         return tokenizer, template, None
-    config: dict[str, Any] = {}
-    if (base / TOKENIZER_CONFIG_FILE).is_file():
-        config = json.loads((base / TOKENIZER_CONFIG_FILE).read_text(encoding="utf-8"))
-    config["chat_template"] = template.source  # also where the base kept it in a .jinja file
-    for key, token in (("bos_token", template.bos_token), ("eos_token", template.eos_token)):
-        if token:
-            config.setdefault(key, token)
+    config["chat_template"] = template.source  # also where the base kept it apart (.jinja, GGUF)
+    special = tokenizer.special
+    for key, token in (("bos_token", special.bos), ("eos_token", special.eos), ("pad_token", special.pad)):
+        if token is not None:
+            config.setdefault(key, tokenizer.backend.id_to_token(token))
+    for key, text in (("bos_token", template.bos_token), ("eos_token", template.eos_token)):
+        if text:
+            config.setdefault(key, text)
     return tokenizer, template, config
 
 
