@@ -11,7 +11,9 @@ OUT/test.jsonl, then
    whole reply is exactly that JSON shape (`FORMAT`), and the share whose answer is right;
 2. fine-tunes it: `decoderlm train --init-from smollm2-135m-instruct --data OUT/chat.jsonl
    --lora-rank R …` (LoRA over the file's Q4_1 blocks, which stay quantized), timed;
-3. measures the fine-tuned run (the merged float model) the same way.
+3. measures the fine-tuned run (the merged float model) the same way;
+4. exports it, `decoderlm convert --to-gguf RUN --type f32`, and loads the file in transformers:
+   the largest difference of its logits from the run's on a held-out conversation.
 
     python benchmarks/finetune_demo.py --out runs/finetune-demo            # the recipe below
     python benchmarks/finetune_demo.py --out /tmp/demo --quick             # a smaller check
@@ -176,6 +178,24 @@ def measure(checkpoint: str | Path, tests: list[dict[str, Any]], batch: int) -> 
     }
 
 
+def gguf_check(run: Path, out: Path, tests: list[dict[str, Any]]) -> dict[str, Any]:
+    """`decoderlm convert --to-gguf RUN --type f32`, loaded by transformers: the largest logit
+    difference from the run's own on a held-out prompt."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = out / "tuned.f32.gguf"
+    command = ["decoderlm", "convert", "--to-gguf", str(run), "--out", str(gguf), "--force"]
+    subprocess.run([sys.executable, "-m", *command[1:]], check=True)
+    model, tokenizer = decoderlm.load(run)
+    template = load_chat_template(run)
+    ids = tokenizer.encode(template.render(tests[0]["messages"], add_generation_prompt=False))
+    theirs = AutoModelForCausalLM.from_pretrained(str(out), gguf_file=gguf.name).eval()
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        diff = (model(x) - theirs(input_ids=x).logits).abs().max().item()
+    return {"command": " ".join(command), "transformers_max_logit_diff": diff}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -208,6 +228,8 @@ def main() -> None:
     print(
         f"tuned: format {after['format_exact_match']:.0%}, answers {after['answer_accuracy']:.0%}"
     )
+    exported = gguf_check(run, args.out, tests)
+    print(f"GGUF f32 in transformers: max |Δlogit| {exported['transformers_max_logit_diff']:.2e}")
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "cpu": platform.processor() or platform.machine(),
@@ -218,6 +240,7 @@ def main() -> None:
         "train_minutes": minutes,
         "before": before,
         "after": after,
+        "gguf": exported,
         "metrics": [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()],
     }
     (args.out / "demo.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -37,6 +37,9 @@ LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.1"]
 # The merged float32 weights W + (α/r)·B·A against the adapted forward's two extra matmuls:
 # roundings of the same sums, ~1e-7 on logits of O(1).
 MERGED_ATOL = 1e-5
+# float32 logits of the same weights in transformers' Llama: the same operations in another
+# order, ~1e-6 here.
+EXPORT_ATOL = 1e-4
 # 2 ranks vs 1 process: the same sums in another order (see test_distributed.py's bounds).
 LOSS_ATOL = 1e-5
 WEIGHT_RTOL = 1e-5
@@ -84,6 +87,21 @@ def test_the_lora_run_is_the_merged_model_of_base_and_adapters(
     assert (merged(ids) - base(ids)).abs().max() > 1e-3  # the adapters did train
     # The run chats with the base's template.
     assert load_chat_template(lora_run) == load_chat_template(chat_base)
+
+
+def test_the_lora_run_exports_to_transformers_with_its_logits(
+    lora_run: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    assert main(["convert", "--to-hf", str(lora_run), "--out", str(tmp_path / "hf")]) == 0
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    mine, _ = decoderlm.load(lora_run)
+    ids = torch.randint(
+        0, mine.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1)
+    )
+    with torch.no_grad():
+        assert (mine(ids) - theirs(input_ids=ids).logits).abs().max() <= EXPORT_ATOL
 
 
 def test_full_fine_tuning_trains_every_weight(chat_base: Path, full_run: Path) -> None:

@@ -132,7 +132,9 @@ def _print_summary(s: dict[str, Any]) -> None:
         print(f"continue with: decoderlm train --resume --out {s['run_dir']}")
     for i, sample in enumerate(s["samples"], start=1):
         print(f"--- sample {i} ---\n{sample}")
-    if s["samples"]:
+    if s["samples"] and "trained_tokens" in s:  # a chat model
+        print(f"--- more: decoderlm chat --checkpoint {s['run_dir']}")
+    elif s["samples"]:
         prompt = shlex.quote(s["sample_prompt"] or "TEXT")
         print(f"--- more: decoderlm generate --checkpoint {s['run_dir']} --prompt {prompt}")
 
