@@ -1,6 +1,7 @@
 """LoRA (`decoderlm.lora`) on tiny random models: B = 0 leaves the logits exactly the base's,
 merged and unmerged forwards agree, only the adapters train, adapters saved alone load back onto a
-fresh base, over float and quantized (int8, int4) linears alike."""
+fresh base, over float and quantized linears alike (int8, int4, and ggml's Q8_0 and Q4_1 blocks:
+QLoRA over a GGUF file's weights)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from decoderlm.lora import (
     save_adapters,
     target_names,
 )
-from decoderlm.quant import quantize
+from decoderlm.quant import BlockLinear, quantize
+from decoderlm.quant.apply import set_module
 
 # Merged weights W + (α/r)·B·A computed once in float32 against the two matmuls of the adapted
 # forward: different roundings of the same sums, ~1e-7 relative on logits of O(1).
@@ -43,24 +45,39 @@ def _randomize_b(model: torch.nn.Module) -> None:
                 module.lora_B.normal_(0, 0.1)
 
 
+def _quantized(model: DecoderLM, kind: str | None) -> DecoderLM:
+    """The model's linears quantized: decoderlm's int8 / int4, or ggml's Q8_0 / Q4_1 blocks as a
+    GGUF file holds them (made by gguf-py)."""
+    if kind in ("int8", "int4"):
+        return quantize(model, kind, 32 if kind == "int4" else None)
+    if kind in ("Q8_0", "Q4_1"):
+        import gguf
+        from gguf.quants import quantize as ggml_quantize
+
+        for name, linear in list(model.named_modules()):
+            if isinstance(linear, torch.nn.Linear) and name != "head":
+                w = linear.weight.detach().numpy()
+                blocks = ggml_quantize(w, gguf.GGMLQuantizationType[kind])
+                new = BlockLinear(w.shape[1], w.shape[0], kind, blocks=torch.from_numpy(blocks))
+                set_module(model, name, new)
+    return model
+
+
+QUANTIZED = [None, "int8", "int4", "Q8_0", "Q4_1"]
 IDS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("quantized", [None, "int8", "int4"])
+@pytest.mark.parametrize("quantized", QUANTIZED)
 def test_zero_b_gives_the_base_logits_exactly(quantized: str | None) -> None:
-    model = _model()
-    if quantized:
-        quantize(model, quantized, 32 if quantized == "int4" else None)
+    model = _quantized(_model(), quantized)
     base = model(IDS)
     apply_lora(model, rank=4, alpha=8, dropout=0.0)
     assert torch.equal(model(IDS), base)
 
 
-@pytest.mark.parametrize("quantized", [None, "int8", "int4"])
+@pytest.mark.parametrize("quantized", QUANTIZED)
 def test_merged_and_unmerged_forwards_agree(quantized: str | None) -> None:
-    model = _model()
-    if quantized:
-        quantize(model, quantized, 32 if quantized == "int4" else None)
+    model = _quantized(_model(), quantized)
     apply_lora(model, rank=4, alpha=8)
     _randomize_b(model)
     adapted = model(IDS)
