@@ -184,8 +184,8 @@ def gguf_check(run: Path, out: Path, tests: list[dict[str, Any]]) -> dict[str, A
     from transformers import AutoModelForCausalLM
 
     gguf = out / "tuned.f32.gguf"
-    command = ["decoderlm", "convert", "--to-gguf", str(run), "--out", str(gguf), "--force"]
-    subprocess.run([sys.executable, "-m", *command[1:]], check=True)
+    command = ["decoderlm", "convert", "--to-gguf", str(run), "--out", str(gguf), "--type", "f32"]
+    subprocess.run([sys.executable, "-m", *command, "--force"], check=True)
     model, tokenizer = decoderlm.load(run)
     template = load_chat_template(run)
     ids = tokenizer.encode(template.render(tests[0]["messages"], add_generation_prompt=False))

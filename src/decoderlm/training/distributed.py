@@ -161,7 +161,12 @@ def wrap_model(model: nn.Module, strategy: str, info: DistInfo) -> nn.Module:
             f"strategy 'none' cannot train with {info.world_size} processes: use ddp or fsdp"
         )
     if strategy == "ddp":
-        # DDP broadcasts rank 0's parameters and buffers at construction.
+        # DDP broadcasts rank 0's parameters and buffers at construction. A frozen base (LoRA) is
+        # left out: every rank loaded it from the same file, which may be mapped read-only.
+        frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+        if frozen:
+            frozen += [name for name, _ in model.named_buffers()]
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
         device_ids = [info.device.index] if info.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
     with torch.no_grad():

@@ -95,7 +95,11 @@ def chat_files(base: str | Path) -> tuple[Tokenizer, ChatTemplate, dict[str, Any
         return tokenizer, template, None
     config["chat_template"] = template.source  # also where the base kept it apart (.jinja, GGUF)
     special = tokenizer.special
-    for key, token in (("bos_token", special.bos), ("eos_token", special.eos), ("pad_token", special.pad)):
+    for key, token in (
+        ("bos_token", special.bos),
+        ("eos_token", special.eos),
+        ("pad_token", special.pad),
+    ):
         if token is not None:
             config.setdefault(key, tokenizer.backend.id_to_token(token))
     for key, text in (("bos_token", template.bos_token), ("eos_token", template.eos_token)):
