@@ -174,3 +174,41 @@ def test_two_processes_train_the_adapters_of_one_with_the_same_global_batch(
     for name, w in two.items():
         error = (w - one[name]).norm() / one[name].norm()
         assert error <= WEIGHT_RTOL, f"{name}: ‖Δw‖/‖w‖ = {error:.2e}"
+
+
+@pytest.mark.parametrize(
+    ("extra", "error"),
+    [
+        (
+            ["--lora-targets", "q_proj"],
+            "LoRA target 'q_proj' is not a linear layer of this model; valid: down, gate, proj, "
+            "qkv, up",
+        ),
+        (["--lora-rank", "-1"], "lora_rank=-1 must be ≥ 0"),
+        (["--strategy", "fsdp"], "LoRA trains with --strategy ddp under torchrun"),
+    ],
+)
+def test_bad_lora_settings_are_one_line(
+    chat_base: Path,
+    chat_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+    extra: list[str],
+    error: str,
+) -> None:
+    argv = ["train", "--init-from", str(chat_base), "--data", str(chat_file)]
+    assert main([*argv, "--out", str(tmp_path / "run"), *FLAGS, *LORA, *extra]) == 2
+    *_, line = capsys.readouterr().err.splitlines()  # after the chat data's line, if prepared
+    assert line.startswith(f"decoderlm: error: {error}"), line
+
+
+def test_lora_without_a_model_to_adapt_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    corpus = tmp_path / "text.txt"
+    corpus.write_text("to be or not to be " * 200)
+    argv = ["train", "--input", str(corpus), "--tokenizer", "char", "--out", str(tmp_path / "r")]
+    assert main([*argv, *FLAGS, *LORA]) == 2
+    assert capsys.readouterr().err.startswith(
+        "decoderlm: error: --lora-rank adapts a trained model: give it with --init-from"
+    )

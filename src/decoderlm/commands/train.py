@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--init-from",
         metavar="CHECKPOINT",
-        help="start from this model's weights: a run or Hugging Face directory",
+        help="start from this model's weights: a run or Hugging Face directory, a GGUF file or a "
+        "model name (smollm2-135m-instruct)",
     )
     parser.add_argument(
         "--held-out",

@@ -132,7 +132,8 @@ def finetune(
     overwrite: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Fine-tune the model of `init_from` (a run or Hugging Face directory) on the conversations
+    """Fine-tune the model of `init_from` (a run or Hugging Face directory, a GGUF file or a model
+    name) on the conversations
     of `chat_file` into the run directory `out_dir`; LoRA when `train_config` has lora_rank > 0.
     `model`: free fields of its config (context_length). Returns the trainer's summary."""
     run = resolve_run(

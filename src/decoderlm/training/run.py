@@ -10,8 +10,8 @@ arguments) into a `Run`:
   the model; a run that stopped before its first checkpoint starts again from step 0;
 - overwriting: a new run never writes over what OUT holds unless `overwrite` (which also drops
   OUT's checkpoints and re-prepares OUT/data);
-- `init_from`: a checkpoint (a run or Hugging Face directory) whose model and weights a new run
-  starts from (fine-tuning; `decoderlm.training.model_init`);
+- `init_from`: a checkpoint (a run or Hugging Face directory, a GGUF file or a model name) whose
+  model and weights a new run starts from (fine-tuning; `decoderlm.training.model_init`);
 - data (`decoderlm.training.run_data`): a prepared data directory, or inputs prepared into OUT/data, or the Python standard
   library (the main job), or a chat file (conversations, JSON Lines) rendered into OUT/data with
   the chat template of the model initialised from. When resuming, or when OUT/data is already there, the inputs, tokenizer
@@ -261,7 +261,7 @@ def _check_lora(cfg: TrainConfig, init_from: str | Path | None, ckpt: Path | Non
     if init_from is None and ckpt is None:
         raise DecoderLMError(
             "--lora-rank adapts a trained model: give it with --init-from (a run or Hugging Face "
-            "directory)"
+            "directory, a GGUF file or a model name)"
         )
     if cfg.strategy == "fsdp":
         raise DecoderLMError(
