@@ -142,3 +142,14 @@ def test_adapters_of_another_shape_are_refused_with_one_line(tmp_path: Path) -> 
     save_adapters(model, tmp_path)
     with pytest.raises(DecoderLMError, match="has shape"):
         load_adapters(_model(d_model=64), tmp_path)
+
+
+def test_the_frozen_base_backward_is_the_gradient_of_its_forward() -> None:
+    """∂L/∂x through a LoRALinear (its base's backward makes Ŵ again) against finite
+    differences, in float64."""
+    torch.manual_seed(0)
+    layer = LoRALinear(torch.nn.Linear(6, 5).double().requires_grad_(False), 2, 4.0).double()
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(layer, (x,))

@@ -13,7 +13,10 @@ in float, QLoRA's recipe (Dettmers et al., 2023).
 
 - `apply_lora(model, rank, alpha, dropout, targets)` wraps the target linears of every block (by
   their names: `qkv`, `proj`, `gate`, `up`, `down`, … as the model names them) in `LoRALinear` and
-  freezes every other weight; only the adapters train.
+  freezes every other weight; only the adapters train. The attention's fused projection
+  W_Q|W_K|W_V gets one adapter: one A for the three, their B rows stacked — a rank-r update of the
+  stacked matrix, where peft's adapters on separate q/k/v projections are three (rank up to 3r,
+  three A's).
 - `merge_lora(model)` folds ΔW into W and puts plain `nn.Linear`s back; `merged_state_dict(model)`
   is the state dict of the plain float model the adapted one computes (quantized weights
   dequantized), what a fine-tuned run stores.
@@ -98,7 +101,7 @@ class LoRALinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # (..., in) → (..., out)
         a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
         delta = F.linear(F.linear(self.dropout(x), a), b)  # dropout(x)·Aᵀ·Bᵀ: (..., out)
-        return self.base(x) + self.scale * delta
+        return _FrozenLinear.apply(x, self.base) + self.scale * delta
 
     def merged_weight(self) -> Tensor:
         """W + (α/r)·B·A (out, in), float32."""
@@ -106,6 +109,24 @@ class LoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"rank={self.lora_A.shape[0]}, scale={self.scale:g}"
+
+
+class _FrozenLinear(torch.autograd.Function):
+    """y = base(x) for a frozen base, whose backward ∂L/∂x = ∂L/∂y · Ŵ makes Ŵ again rather than
+    keeping the forward's: a quantized base holds only its integers between the two passes
+    (QLoRA's saving; autograd would keep every layer's dequantized float weight)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, base: nn.Module) -> Tensor:
+        ctx.base = base
+        with torch.no_grad():
+            return base(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        weight = ctx.base.weight if isinstance(ctx.base, nn.Linear) else None
+        weight = ctx.base.dequantized(grad.dtype) if weight is None else weight.to(grad.dtype)
+        return grad @ weight, None  # (..., out) · (out, in) → (..., in)
 
 
 def target_names(model: nn.Module) -> list[str]:
