@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from decoderlm.cpu.features import cpu_name
+
 CASES = ("decoderlm-full", "decoderlm-lora", "transformers-full", "transformers-peft-lora")
 MODEL = "smollm2-135m-instruct"
 RANK, ALPHA, LR = 8, 16, 1e-4
@@ -163,7 +165,8 @@ def main() -> None:
         work = Path(tmp)
         hf_dir(work)
         print(
-            f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.steps} steps of {args.batch}"
+            f"{cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, load average "
+            f"{os.getloadavg()[0]:.1f}; {args.steps} steps of {args.batch} conversations"
         )
         for case in CASES:
             if case.endswith("peft-lora") and not _has("peft"):
