@@ -134,18 +134,10 @@ def resolve_run(
                 "chat data is rendered with the chat template of the model it fine-tunes: "
                 "give that model with --init-from"
             )
-        # The model first: the conversations are cut to its context.
         model_config = _model_config(model, preset, source, None, None, ckpt is None)
-        base = init_from if ckpt is None else None
-
-        def prepare_chat() -> Path:
-            return prepare_chat_data(
-                out, Path(data_dir), base, model_config, held_out, overwrite and ckpt is None
-            )
-
-        found = distributed.run_on_main(prepare_chat, info)
-        if not info.is_main:
-            found = prepare_chat()
+        found = _chat_data(
+            out, Path(data_dir), init_from, ckpt, model_config, held_out, overwrite, info
+        )
         return Run(
             out=out,
             model_config=model_config,
@@ -252,6 +244,27 @@ def _say(message: str) -> None:
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for every rank
         sys.stderr.write(f"decoderlm: {message}\n")
         sys.stderr.flush()
+
+
+def _chat_data(
+    out: Path,
+    chat_file: Path,
+    init_from: str | Path | None,
+    ckpt: Path | None,
+    model_config: ModelConfig,
+    held_out: float | None,
+    overwrite: bool,
+    info: distributed.DistInfo,
+) -> Path:
+    """OUT/data made from the chat file with the template of the model fine-tuned (rank 0 makes
+    it, the other ranks find it); the model comes first, its context cuts the conversations."""
+    base = init_from if ckpt is None else None
+
+    def prepare(again: bool) -> Path:
+        return prepare_chat_data(out, chat_file, base, model_config, held_out, again)
+
+    found = distributed.run_on_main(lambda: prepare(overwrite and ckpt is None), info)
+    return found if info.is_main else prepare(False)
 
 
 def _check_lora(cfg: TrainConfig, init_from: str | Path | None, ckpt: Path | None) -> None:
