@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -209,13 +210,15 @@ def save_checkpoint(
     train_config: dict[str, Any] | None = None,
     tokenizer_file: str | Path | None = None,
     keep_last: int = 2,
+    write_beside: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write RUN/checkpoints/step_<step> atomically, publish its weights as RUN/model.safetensors,
     and delete old checkpoints except the `keep_last` newest and the best (lowest val_loss).
 
     `weights`: the model's full state dict (plain names); `trainer_state`: a nested dict of
     JSON values, tensors and numpy arrays (see `save_trainer_state`); its "val_loss" (or None)
-    ranks checkpoints for "best".
+    ranks checkpoints for "best". `write_beside(directory)` writes any other files the
+    checkpoint holds (a LoRA run's adapters).
     """
     run_dir = Path(run_dir)
     root = run_dir / CHECKPOINTS_DIR
@@ -233,6 +236,8 @@ def save_checkpoint(
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
         save_trainer_state(tmp, trainer_state)
+        if write_beside is not None:
+            write_beside(tmp)
         for file in tmp.iterdir():
             with open(file, "rb") as f:
                 os.fsync(f.fileno())
@@ -243,12 +248,12 @@ def save_checkpoint(
         fsync_dir(root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _publish(final / WEIGHTS_FILE, run_dir / WEIGHTS_FILE)
+    publish(final / WEIGHTS_FILE, run_dir / WEIGHTS_FILE)
     _rotate(run_dir, max(keep_last, 1))
     return final
 
 
-def _publish(src: Path, dst: Path) -> None:
+def publish(src: Path, dst: Path) -> None:
     """Atomically make `dst` a copy of `src` (a hard link when the filesystem allows one)."""
     with atomic_path(dst) as tmp:
         tmp.unlink()

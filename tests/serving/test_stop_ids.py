@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import live_server, make_served, wait_healthy
 
 import decoderlm
+from conftest import live_server, make_served, wait_healthy
 from decoderlm import DecoderLM, ModelConfig, generate
 from decoderlm.checkpoint import save_model
 from decoderlm.cli import main
@@ -167,12 +167,11 @@ def test_a_bad_declared_id_is_a_one_line_error(made, tmp_path):
 
 
 def test_our_runs_record_their_stop_ids(made, tmp_path):
-    model, tok, reply = made
+    model, tok = made[0], Tokenizer(made[1].backend)
     tok.generation = GenerationConfig((im_end(tok),), ("here",), {"temperature": 0.0})
     run = save_model(tmp_path / "run", model, tok)
     loaded = decoderlm.load(run)[1]
     assert loaded.stop_ids == (im_end(tok),) and loaded.generation.defaults == {"temperature": 0.0}
-    tok.generation = Tokenizer(tok.backend).generation  # the fixture's tokenizer as it was
 
 
 # The engine's stopping fields.
@@ -193,7 +192,9 @@ def test_ignore_eos_goes_on_and_the_special_token_shows_only_when_asked(made, en
     hidden = run(engine, RequestParams(6, SamplingParams(temperature=0), ignore_eos=True))
     assert hidden.token_ids == reply[:6] and hidden.finish_reason == "length"
     assert "<|im_end|>" not in hidden.text
-    shown = RequestParams(6, SamplingParams(temperature=0), ignore_eos=True, skip_special_tokens=False)
+    shown = RequestParams(
+        6, SamplingParams(temperature=0), ignore_eos=True, skip_special_tokens=False
+    )
     assert "<|im_end|>" in run(engine, shown).text
 
 
@@ -275,7 +276,11 @@ def test_the_server_stops_at_the_stop_id_whole_and_streamed_with_usage_to_it(mad
     tok = served.tokenizer
     prompt = tok.encode(PROMPT)
     body = {"max_tokens": 12, "temperature": 0}
-    body |= {"prompt": prompt} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]}
+    body |= (
+        {"prompt": prompt}
+        if "chat" not in path
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
     whole = post(base, path, body).json()
     choice = whole["choices"][0]
     text = choice["text"] if "chat" not in path else choice["message"]["content"]
@@ -294,7 +299,11 @@ def test_n_best_of_and_beam_search_stop_at_the_stop_id(made, server):
     prompt = served.tokenizer.encode(PROMPT)
     greedy = served.tokenizer.decode(made[2][:STEP])
     body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
-    for extra in ({"n": 2}, {"n": 1, "best_of": 2}, {"n": 1, "use_beam_search": True, "best_of": 2}):
+    for extra in (
+        {"n": 2},
+        {"n": 1, "best_of": 2},
+        {"n": 1, "use_beam_search": True, "best_of": 2},
+    ):
         choices = post(base, "/v1/completions", body | extra).json()["choices"]
         assert choices[0]["text"] == greedy and choices[0]["finish_reason"] == "stop", extra
 

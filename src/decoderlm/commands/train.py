@@ -2,7 +2,9 @@
 decoderlm.training.trainer trains it).
 
 With no arguments this is the main job: prepare the Python standard library (BPE, cached), train
-the llama-tiny model for about five minutes, save the run and print samples. Every ModelConfig and
+the llama-tiny model for about five minutes, save the run and print samples. With
+`--init-from MODEL --data chat.jsonl` it fine-tunes MODEL on conversations (the loss on the
+assistant's tokens; `--lora-rank R` trains LoRA adapters instead of every weight). Every ModelConfig and
 TrainConfig field is a flag (`--d-model 256`, `--max-steps 2000`, `--compile`/`--no-compile`);
 values come from, in increasing priority: the defaults, --preset, the TOML --config, the flags.
 """
@@ -36,7 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--preset", metavar="NAME", help="model preset (default: llama-tiny)")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--data", metavar="DIR", help="a prepared data directory")
+    source.add_argument(
+        "--data",
+        metavar="DIR|FILE.jsonl",
+        help='a prepared data directory, or a chat file (.jsonl: one {"messages": [...]} a '
+        "line) to fine-tune the --init-from model on, the loss on the assistant's tokens",
+    )
     source.add_argument(
         "--input", nargs="+", metavar="PATH", help="text files/directories, prepared into OUT/data"
     )
@@ -47,7 +54,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue OUT's latest checkpoint (default: newest run)",
     )
     add_overwrite_argument(parser)
-    parser.add_argument("--init-from", metavar="DIR", help="start from this run's weights")
+    parser.add_argument(
+        "--init-from",
+        metavar="CHECKPOINT",
+        help="start from this model's weights: a run or Hugging Face directory, a GGUF file or a "
+        "model name (smollm2-135m-instruct)",
+    )
+    parser.add_argument(
+        "--held-out",
+        metavar="FRACTION",
+        help="chat data: the share of conversations held out for validation (default 0.1)",
+    )
     parser.add_argument(
         "--tokenizer",
         metavar="bpe|char|FILE",
@@ -64,6 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from decoderlm.training.finetune import ChatTrainer, is_chat_run
     from decoderlm.training.run import resolve_run
     from decoderlm.training.train_config import TrainConfig, read_config_file
     from decoderlm.training.trainer import train_run
@@ -83,9 +101,11 @@ def run(args: argparse.Namespace) -> int:
         inputs=[inputs] if isinstance(inputs, str) else inputs,
         tokenizer=args.tokenizer or file.get("tokenizer"),
         vocab_size=None if vocab_size is None else _parse(int, "vocab_size", vocab_size),
+        held_out=None if args.held_out is None else _parse(float, "held_out", args.held_out),
         progress=not args.quiet,
     )
-    summary = train_run(run, progress=not args.quiet)
+    trainer = ChatTrainer if is_chat_run(run) else None
+    summary = train_run(run, progress=not args.quiet, trainer_class=trainer)
     if summary["rank"] == 0:  # under torchrun, one report for the job
         _print_summary(summary)
     return 130 if summary["stopped"] == "interrupted" else 0
@@ -99,17 +119,23 @@ def _print_summary(s: dict[str, Any]) -> None:
         f"{minutes}:{seconds:02d} of training ({s['tokens_per_s']:,.0f} tokens/s this session), "
         f"{s['parameters'] / 1e6:.2f}M parameters"
     )
-    if "val_loss" in s:
+    if "trained_tokens" in s:
+        meta = s["chat_meta"]
         print(
-            f"val loss {s['val_loss']:.4f} | perplexity {s['val_ppl']:.2f} | "
-            f"{s['val_bpb']:.3f} bits per byte"
+            f"trained on {s['trained_tokens']:,} assistant tokens (the train split holds "
+            f"{meta['train_trained_tokens']:,} in {meta['train_conversations']:,} conversations)"
         )
+    if "val_loss" in s:
+        bpb = f" | {s['val_bpb']:.3f} bits per byte" if "val_bpb" in s else ""
+        print(f"val loss {s['val_loss']:.4f} | perplexity {s['val_ppl']:.2f}{bpb}")
     print(f"saved {s['run_dir']} (checkpoint {s['checkpoint']})")
     if s["stopped"] == "interrupted":
         print(f"continue with: decoderlm train --resume --out {s['run_dir']}")
     for i, sample in enumerate(s["samples"], start=1):
         print(f"--- sample {i} ---\n{sample}")
-    if s["samples"]:
+    if s["samples"] and "trained_tokens" in s:  # a chat model
+        print(f"--- more: decoderlm chat --checkpoint {s['run_dir']}")
+    elif s["samples"]:
         prompt = shlex.quote(s["sample_prompt"] or "TEXT")
         print(f"--- more: decoderlm generate --checkpoint {s['run_dir']} --prompt {prompt}")
 

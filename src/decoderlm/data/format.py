@@ -6,6 +6,9 @@ A data directory holds
     DIR/tokenizer.json          the tokenizer that made them (Hugging Face format)
     DIR/meta.json               vocab_size, dtype, eot_id, tokens and UTF-8 bytes of text per split,
                                 n_documents, and what it was made from
+
+A chat data directory (meta.json's "kind": "chat") holds conversations instead
+(`decoderlm.data.chat`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,14 @@ META_KEYS = (
     "train_bytes",
     "val_bytes",
     "n_documents",
+)
+CHAT_META_KEYS = (
+    "vocab_size",
+    "source",
+    "train_tokens",
+    "val_tokens",
+    "train_trained_tokens",
+    "val_trained_tokens",
 )
 DATA_FORMAT = 1  # bump when the files' meaning changes: it is part of the default corpus' cache key
 
@@ -66,10 +77,11 @@ def read_meta(data_dir: str | Path) -> dict[str, Any]:
         raise DecoderLMError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(meta, dict):
         raise DecoderLMError(f"{path} is not a JSON object")
-    missing = [k for k in META_KEYS if k not in meta]
+    chat = meta.get("kind") == "chat"  # conversations: decoderlm.data.chat
+    missing = [k for k in (CHAT_META_KEYS if chat else META_KEYS) if k not in meta]
     if missing:
         raise DecoderLMError(f"{path} lacks {', '.join(missing)}: prepare the data again")
-    if meta["dtype"] not in DTYPES:
+    if not chat and meta["dtype"] not in DTYPES:
         raise DecoderLMError(f"{path}: dtype {meta['dtype']!r} is not one of {sorted(DTYPES)}")
     return meta
 

@@ -161,7 +161,12 @@ def wrap_model(model: nn.Module, strategy: str, info: DistInfo) -> nn.Module:
             f"strategy 'none' cannot train with {info.world_size} processes: use ddp or fsdp"
         )
     if strategy == "ddp":
-        # DDP broadcasts rank 0's parameters and buffers at construction.
+        # DDP broadcasts rank 0's parameters and buffers at construction. A frozen base (LoRA) is
+        # left out: every rank loaded it from the same file, which may be mapped read-only.
+        frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+        if frozen:
+            frozen += [name for name, _ in model.named_buffers()]
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
         device_ids = [info.device.index] if info.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
     with torch.no_grad():
@@ -219,13 +224,17 @@ def load_full_state_dicts(
     model_sd: dict[str, Any],
     optim_sd: dict[str, Any],
     info: DistInfo,
+    strict: bool = True,
 ) -> None:
     """Load full state dicts (as made by `full_state_dicts`, on any number of ranks) into every rank.
 
     Collective. With several processes only rank 0's dicts are used: rank 0 broadcasts each tensor
     and every rank keeps its own part (FSDP2) or a full copy (DDP); other ranks may pass {}.
+    strict=False: `model_sd` may hold some of the model's tensors only (a LoRA run's adapters).
     """
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=info.distributed)
+    options = StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=info.distributed, strict=strict
+    )
     # Two calls, not set_state_dict: that one skips the model on a rank whose model dict is empty.
     # The optimizer goes first: materialising its state runs a zero-lr step on the parameters.
     set_optimizer_state_dict(wrapped, optimizer, optim_sd, options=options)

@@ -1,6 +1,7 @@
 """Exact resume: what a training run writes into its checkpoints, and how it continues from one.
 
-A checkpoint holds the weights, the optimizer moments, the step, the data sampler's position, the
+A checkpoint holds the weights (a LoRA run's merged, its adapters beside them:
+`decoderlm.training.model_init`), the optimizer moments, the step, the data sampler's position, the
 RNG states, the elapsed time and the CPU thread count, so on the CPU in float32 a run stopped at
 step s and resumed computes bit for bit the same losses as one that never stopped. The files are
 written by `decoderlm.checkpoint` (the trainer state by `decoderlm.trainer_state`); under torchrun
@@ -17,11 +18,18 @@ import torch
 from torch import nn
 
 from decoderlm import checkpoint, generation_config
+from decoderlm.chat_template import TOKENIZER_CONFIG_FILE
 from decoderlm.errors import DecoderLMError
 from decoderlm.files import atomic_write, write_json
 from decoderlm.model.config import ModelConfig
 from decoderlm.tokenizer import Tokenizer
 from decoderlm.training import distributed
+from decoderlm.training.model_init import (
+    publish_adapters,
+    resumed_weights,
+    stored_weights,
+    write_beside_weights,
+)
 from decoderlm.training.runtime import rng_state, set_rng_state
 from decoderlm.training.train_config import TrainConfig
 
@@ -29,32 +37,30 @@ from decoderlm.training.train_config import TrainConfig
 def write_run_files(
     out: Path, model_config: ModelConfig, train_config: TrainConfig, data_dir: Path
 ) -> None:
-    """OUT/config.json (the model and training configs), OUT/tokenizer.json (the data's) and
-    OUT/generation_config.json: the data's, when it was prepared from a checkpoint's tokenizer,
-    else its tokenizer's end-of-text token (what a model trained on its documents learns to end
-    with)."""
+    """OUT/config.json (the model and training configs), OUT/tokenizer.json (the data's), for chat
+    data OUT/tokenizer_config.json (the chat template the data was rendered with), and
+    OUT/generation_config.json: the data's (a chat set's: its base model's stop ids), else its
+    tokenizer's end-of-text token (what a model trained on its documents learns to end with)."""
     out.mkdir(parents=True, exist_ok=True)
     config = {"model": model_config.to_dict(), "train": train_config.to_dict()}
     write_json(out / checkpoint.CONFIG_FILE, config)
-    tokenizer_file = data_dir / checkpoint.TOKENIZER_FILE
-    atomic_write(out / checkpoint.TOKENIZER_FILE, lambda tmp: shutil.copyfile(tokenizer_file, tmp))
-    generation = data_dir / generation_config.FILE
-    if generation.is_file():
-        atomic_write(out / generation_config.FILE, lambda tmp: shutil.copyfile(generation, tmp))
-    else:
-        generation_config.write(out, Tokenizer.from_file(tokenizer_file).generation)
+    for name in (checkpoint.TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, generation_config.FILE):
+        source = data_dir / name
+        if source.is_file():
+            atomic_write(out / name, lambda tmp, source=source: shutil.copyfile(source, tmp))
+    if not (data_dir / generation_config.FILE).is_file():
+        tokenizer = Tokenizer.from_file(data_dir / checkpoint.TOKENIZER_FILE)
+        generation_config.write(out, tokenizer.generation)
 
 
 def restore_checkpoint(trainer: Any, ckpt: Path, state: dict[str, Any]) -> None:
     """Continue `trainer` (a `decoderlm.training.trainer.Trainer`, untyped here: the trainer
     imports this module) from `ckpt` and its trainer `state`: weights, optimizer, counters, data
     position and RNG states."""
-    weights = checkpoint.read_weights(ckpt / checkpoint.WEIGHTS_FILE)
-    if trainer.model_config.tie_embeddings:
-        weights["head.weight"] = weights["tok_emb.weight"]
+    weights, whole = resumed_weights(trainer.model, ckpt)  # a LoRA run's adapters alone
     check_optimizer_state(trainer.wrapped, ckpt, state["optimizer"])
     distributed.load_full_state_dicts(
-        trainer.wrapped, trainer.optimizer, weights, state["optimizer"], trainer.info
+        trainer.wrapped, trainer.optimizer, weights, state["optimizer"], trainer.info, strict=whole
     )
     cfg = trainer.cfg
     decay, no_decay = trainer.optimizer.param_groups  # the config, not the file, is the truth
@@ -93,6 +99,7 @@ def save_checkpoint(trainer: Any, val_loss: float | None) -> Path | None:
     (rank 0; None on the other ranks, which only gather their shards). A failed write stops every
     rank with its one-line error, the previous checkpoint intact."""
     model_sd, optim_sd = distributed.full_state_dicts(trainer.wrapped, trainer.optimizer)
+    model, out = trainer.model, trainer.out
 
     def write() -> Path:
         state = {
@@ -109,16 +116,19 @@ def save_checkpoint(trainer: Any, val_loss: float | None) -> Path | None:
             "threads": torch.get_num_threads(),  # reductions' order, for exact resume
         }
         try:
-            return checkpoint.save_checkpoint(
-                trainer.out,
+            saved = checkpoint.save_checkpoint(
+                out,
                 trainer.step,
                 trainer.model_config,
-                model_sd,
+                stored_weights(model, model_sd),  # a LoRA run's: merged
                 state,
                 train_config=trainer.cfg.to_dict(),
-                tokenizer_file=trainer.out / checkpoint.TOKENIZER_FILE,
+                tokenizer_file=out / checkpoint.TOKENIZER_FILE,
                 keep_last=trainer.cfg.keep_last,
+                write_beside=lambda d: write_beside_weights(model, d, out, trainer.base),
             )
+            publish_adapters(saved, out)
+            return saved
         except OSError as exc:  # e.g. a read-only or full disk
             kept = trainer.last_checkpoint or "there is none"
             raise DecoderLMError(

@@ -10,9 +10,11 @@ arguments) into a `Run`:
   the model; a run that stopped before its first checkpoint starts again from step 0;
 - overwriting: a new run never writes over what OUT holds unless `overwrite` (which also drops
   OUT's checkpoints and re-prepares OUT/data);
-- `init_from`: a run whose model and weights a new run starts from (fine-tuning);
+- `init_from`: a checkpoint (a run or Hugging Face directory, a GGUF file or a model name) whose
+  model and weights a new run starts from (fine-tuning; `decoderlm.training.model_init`);
 - data (`decoderlm.training.run_data`): a prepared data directory, or inputs prepared into OUT/data, or the Python standard
-  library (the main job). When resuming, or when OUT/data is already there, the inputs, tokenizer
+  library (the main job), or a chat file (conversations, JSON Lines) rendered into OUT/data with
+  the chat template of the model initialised from. When resuming, or when OUT/data is already there, the inputs, tokenizer
   and vocabulary size given must be those its meta.json recorded, so that the same command plus
   `--resume` continues the run exactly;
 - agreement: model fields given for a resumed run must equal its saved model's; for an initialised
@@ -33,11 +35,19 @@ from pathlib import Path
 from typing import Any
 
 from decoderlm import checkpoint, data, trainer_state
+from decoderlm.data.chat import read_conversations
 from decoderlm.errors import DecoderLMError
 from decoderlm.files import refuse_overwrite
+from decoderlm.loading import read_config
 from decoderlm.model.config import ModelConfig
 from decoderlm.training import distributed
-from decoderlm.training.run_data import PREPARED_DIR, prepare_data, resumed_data
+from decoderlm.training.run_data import (
+    PREPARED_DIR,
+    is_chat_file,
+    prepare_chat_data,
+    prepare_data,
+    resumed_data,
+)
 from decoderlm.training.train_config import TrainConfig
 
 DEFAULT_PRESET = "llama-tiny"  # the main job's model: RoPE, GQA, RMSNorm, SwiGLU (`ModelConfig`)
@@ -85,9 +95,14 @@ def resolve_run(
     inputs: Sequence[str | Path] | None = None,
     tokenizer: str | None = None,
     vocab_size: int | None = None,
+    held_out: float | None = None,
     progress: bool = True,
 ) -> Run:
     """The run that these arguments describe, its data prepared (rank 0 first, under torchrun).
+
+    `data_dir` may be a chat file (`is_chat_file`: a .jsonl file), rendered with the chat template
+    of `init_from` into OUT/data (`decoderlm.training.run_data.prepare_chat_data`), `held_out` of
+    its conversations (default 0.1) the validation split.
 
     `model`/`train`: a whole config, or a dict of fields over the base: for the model `preset`
     (default llama-tiny) or, without a preset, the resumed/initialised run's model; for training
@@ -97,6 +112,9 @@ def resolve_run(
     """
     if data_dir is not None and inputs is not None:
         raise DecoderLMError("give either a data directory or inputs to prepare, not both")
+    chat_data = data_dir is not None and is_chat_file(data_dir)
+    if chat_data:  # a malformed chat file fails before --overwrite clears anything in OUT
+        read_conversations(data_dir)
     out = Path(out_dir) if out_dir is not None else latest_run() if resume else default_run_dir()
     ckpt, state = _resume_point(out, resume, overwrite)
     saved_config = checkpoint.read_run_config(ckpt) if ckpt is not None else {}
@@ -107,7 +125,32 @@ def resolve_run(
     if ckpt is None:  # the time limit as saved: a resumed run keeps it, whatever its flags change
         train_config = dataclasses.replace(train_config, max_time=train_config.time_limit)
     info = distributed.init_distributed(train_config.device)
+    _check_lora(train_config, init_from, ckpt)
+    source = ckpt if ckpt is not None else init_from
 
+    if chat_data:
+        if source is None:
+            raise DecoderLMError(
+                "chat data is rendered with the chat template of the model it fine-tunes: "
+                "give that model with --init-from"
+            )
+        model_config = _model_config(model, preset, source, None, None, ckpt is None)
+        found = _chat_data(
+            out, Path(data_dir), init_from, ckpt, model_config, held_out, overwrite, info
+        )
+        return Run(
+            out=out,
+            model_config=model_config,
+            train_config=train_config,
+            data_dir=found,
+            meta=data.read_meta(found),
+            info=info,
+            checkpoint=ckpt,
+            state=state,
+            init_from=Path(init_from) if init_from is not None and ckpt is None else None,
+        )
+    if held_out is not None:
+        raise DecoderLMError("--held-out applies to chat data (--data FILE.jsonl)")
     if data_dir is not None:
         found = Path(data_dir)
     elif ckpt is not None:
@@ -123,8 +166,6 @@ def resolve_run(
         if inputs is None and train_config.sample_prompt == "":  # the main job
             train_config = dataclasses.replace(train_config, sample_prompt=MAIN_JOB_PROMPT)
     meta = data.read_meta(found)
-
-    source = ckpt if ckpt is not None else init_from
     model_config = _model_config(model, preset, source, found, meta["vocab_size"], ckpt is None)
     return Run(
         out=out,
@@ -205,18 +246,56 @@ def _say(message: str) -> None:
         sys.stderr.flush()
 
 
+def _chat_data(
+    out: Path,
+    chat_file: Path,
+    init_from: str | Path | None,
+    ckpt: Path | None,
+    model_config: ModelConfig,
+    held_out: float | None,
+    overwrite: bool,
+    info: distributed.DistInfo,
+) -> Path:
+    """OUT/data made from the chat file with the template of the model fine-tuned (rank 0 makes
+    it, the other ranks find it); the model comes first, its context cuts the conversations."""
+    base = init_from if ckpt is None else None
+
+    def prepare(again: bool) -> Path:
+        return prepare_chat_data(out, chat_file, base, model_config, held_out, again)
+
+    found = distributed.run_on_main(lambda: prepare(overwrite and ckpt is None), info)
+    return found if info.is_main else prepare(False)
+
+
+def _check_lora(cfg: TrainConfig, init_from: str | Path | None, ckpt: Path | None) -> None:
+    """LoRA adapts a model given by --init-from (or a resumed LoRA run), under one process or DDP."""
+    if not cfg.lora_rank:
+        return
+    if init_from is None and ckpt is None:
+        raise DecoderLMError(
+            "--lora-rank adapts a trained model: give it with --init-from (a run or Hugging Face "
+            "directory, a GGUF file or a model name)"
+        )
+    if cfg.strategy == "fsdp":
+        raise DecoderLMError(
+            "LoRA trains with --strategy ddp under torchrun (fsdp would shard a frozen base)"
+        )
+
+
 def _model_config(
     model: ModelConfig | dict[str, Any] | None,
     preset: str | None,
     source: str | Path | None,
-    data_dir: Path,
-    vocab: int,
+    data_dir: Path | None,
+    vocab: int | None,
     initialising: bool,
 ) -> ModelConfig:
-    """The model to train, with the data's vocabulary size: the source run's (resumed or
-    initialised from), which the requested fields must agree with (but for the free fields of an
-    initialised run, taken from the request); else the requested one."""
-    saved = ModelConfig.from_dict(checkpoint.read_run_config(source)["model"]) if source else None
+    """The model to train, with the data's vocabulary size (None: the source's, for chat data
+    made with its own tokenizer): the source's (a resumed run, or the checkpoint initialised from),
+    which the requested fields must agree with (but for the free fields of an initialised run,
+    taken from the request); else the requested one."""
+    saved = read_config(source) if source else None
+    vocab = saved.vocab_size if vocab is None and saved is not None else vocab
     requested = model if isinstance(model, ModelConfig) else None
     if preset is not None or (isinstance(model, dict) and model):
         fields = model if isinstance(model, dict) else {}

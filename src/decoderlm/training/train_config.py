@@ -55,6 +55,12 @@ class TrainConfig:
     strategy: str = "none"  # data parallelism under torchrun: none, ddp, fsdp
     without_replacement: bool = False  # each epoch visits every non-overlapping window once
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = measure a matmul at the start
+    lora_rank: int = (
+        0  # LoRA adapters of this rank on the base of --init-from; 0 = train all weights
+    )
+    lora_alpha: float = 16.0  # LoRA's α: the adapters' update is scaled by α / rank
+    lora_dropout: float = 0.0  # dropout on the adapters' input
+    lora_targets: str = "qkv,proj,gate,up,down"  # comma-separated linear layers to adapt
 
     def __post_init__(self) -> None:
         hints = {f.name: f.type for f in dataclasses.fields(self)}
@@ -79,7 +85,7 @@ class TrainConfig:
         non_negative = (
             *("warmup_steps", "max_steps", "max_time", "decay_steps", "eval_interval"),
             *("checkpoint_interval", "sample_tokens", "weight_decay", "grad_clip", "top_k"),
-            "threads",
+            *("threads", "lora_rank"),
         )
         for name in non_negative:
             value = getattr(self, name)
@@ -91,6 +97,8 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             _require(0 <= getattr(self, name) < 1, name, getattr(self, name), "must be in [0, 1)")
         _require(self.eps > 0, "eps", self.eps, "must be > 0")
+        _require(self.lora_alpha > 0, "lora_alpha", self.lora_alpha, "must be > 0")
+        _require(0 <= self.lora_dropout < 1, "lora_dropout", self.lora_dropout, "must be in [0, 1)")
         _require(self.temperature >= 0, "temperature", self.temperature, "must be ≥ 0")
         _require(self.seed >= 0, "seed", self.seed, "must be ≥ 0")
         _require(self.peak_flops >= 0, "peak_flops", self.peak_flops, "must be ≥ 0")
@@ -117,6 +125,11 @@ class TrainConfig:
         if self.max_time is not None:
             return self.max_time
         return 0.0 if self.max_steps else DEFAULT_MAX_TIME
+
+    @property
+    def lora_target_names(self) -> tuple[str, ...]:
+        """lora_targets as names: "qkv, up" → ("qkv", "up")."""
+        return tuple(name.strip() for name in self.lora_targets.split(",") if name.strip())
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

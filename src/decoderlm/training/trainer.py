@@ -12,9 +12,10 @@ is a no-op for one process, so the single-process and the torchrun paths are the
 
 What is trained is language modelling: a `DecoderLM`, next-token cross-entropy on windows of the
 data's token splits, judged by `decoderlm.training.evaluation`. A subclass trains another
-objective on the same loop by overriding its hooks, `build_model`, `batches`, `batch_loss`,
-`evaluate` and `sample` (the learned verifier of `decoderlm.training.verifier` does: a scalar
-head, binary cross-entropy on labelled texts).
+objective on the same loop by overriding its hooks, `build_model`, `batches`, `step_tokens`,
+`batch_loss`, `evaluate` and `sample` (the learned verifier of `decoderlm.training.verifier` does: a
+scalar head, binary cross-entropy on labelled texts; so does chat fine-tuning,
+`decoderlm.training.finetune`: the assistant's tokens of conversations).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from decoderlm.model.lm import DecoderLM, next_token_loss
 from decoderlm.tokenizer import Tokenizer
 from decoderlm.training import distributed
 from decoderlm.training.evaluation import lm_metrics, mean_batch_loss, sample_texts
+from decoderlm.training.model_init import base_of, initial_model
 from decoderlm.training.optim import clip_and_step, learning_rate, make_optimizer
 from decoderlm.training.report import Report, banner
 from decoderlm.training.resume import restore_checkpoint, save_checkpoint, write_run_files
@@ -122,7 +124,7 @@ class Trainer:
         self.model_config = run.model_config
         self.micro_batch = _micro_batch(cfg, self.info.world_size)  # sequences per process
         self.seq_len = self.model_config.context_length
-        self.tokens_per_step = cfg.batch_size * self.seq_len
+        self.base = base_of(run)  # where the starting weights come from (None: random)
 
         if self.device.type == "cpu":
             torch.set_num_threads(cfg.threads or cpu_threads())
@@ -141,6 +143,7 @@ class Trainer:
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
         self.sampler = self.batches("train")
+        self.tokens_per_step = self.step_tokens()
 
         # The counters a checkpoint saves (`decoderlm.training.resume`).
         self.step = 0
@@ -164,11 +167,13 @@ class Trainer:
     # -- the objective (hooks a subclass may override) --
 
     def build_model(self) -> DecoderLM:
-        """The model to train (a `DecoderLM`), with `init_from`'s weights when the run has one."""
-        model = DecoderLM(self.model_config)
-        if self.run.init_from is not None:
-            checkpoint.load_weights(model, self.run.init_from / checkpoint.WEIGHTS_FILE)
-        return model
+        """The model to train (a `DecoderLM`), with `init_from`'s weights when the run has one,
+        and LoRA adapters over them when the config asks (`decoderlm.training.model_init`)."""
+        return initial_model(self.run)
+
+    def step_tokens(self) -> int:
+        """Tokens an optimizer step trains on (the speed figures count them): batch_size windows."""
+        return self.cfg.batch_size * self.seq_len
 
     def batches(self, split: str) -> data.BatchSampler:
         """The batches of `split` ("train" or "val"): (x, y) windows, y the next tokens of x."""
