@@ -60,6 +60,39 @@ def test_the_name_loads_the_installed_file_and_its_chat_template(smollm2_file):
     assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+def test_greedy_chat_ends_its_turn_at_im_end_as_transformers_does(
+    smollm2, smollm2_file, smollm2_reference, tmp_path, one_thread
+):
+    """The file's eos id <|im_end|> ends the reply, from the GGUF file and from the Hugging Face
+    directory transformers writes of it: the same tokens as transformers' generate."""
+    from decoderlm.engine.engine import Engine
+    from decoderlm.engine.types import RequestParams
+    from decoderlm.inference.sampling import SamplingParams
+
+    (model, tokenizer), (reference, theirs) = smollm2, smollm2_reference
+    ids = tokenizer.encode(load_chat_template(smollm2_file).render(QUESTION))
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)
+    expected = out[0, len(ids) :].tolist()
+    assert expected[-1] == 2  # transformers stops at <|im_end|>
+    config = reference.config.to_dict()  # the dequantized weights, as a plain HF directory
+    config.pop("quantization_config", None)
+    plain = type(reference)(type(reference.config).from_dict(config))
+    plain.load_state_dict(reference.state_dict())
+    plain.save_pretrained(tmp_path / "hf")
+    theirs.save_pretrained(tmp_path / "hf")
+    params = RequestParams(40, SamplingParams(temperature=0))
+    for path in (smollm2_file, tmp_path / "hf"):
+        loaded = (model, tokenizer) if path == smollm2_file else decoderlm.load(path)
+        assert loaded[1].stop_ids == (2,), path
+        done = Engine(*loaded, kv_cache_memory="16MiB").generate([ids], params)[0]
+        assert done.token_ids == expected and done.finish_reason == "stop", path
+        assert done.text == "The capital of France is Paris."
+
+
 MEASURE = """
 import ctypes, json, os, sys, torch
 from decoderlm.gguf.files import build_model

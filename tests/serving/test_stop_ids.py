@@ -41,8 +41,9 @@ GREEDY = RequestParams(12, SamplingParams(temperature=0))
 
 
 def chat_tokenizer() -> Tokenizer:
-    """Characters, <|endoftext|>, and a chat model's special <|im_start|> / <|im_end|>."""
-    backend = Tokenizer.train_char([ALPHABET]).backend
+    """Byte-level BPE (as GGUF files hold), <|endoftext|>, and a chat model's special
+    <|im_start|> / <|im_end|>."""
+    backend = Tokenizer.train_bpe([ALPHABET * 20], vocab_size=300).backend
     backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
     return Tokenizer(backend)
 
@@ -59,7 +60,7 @@ def made(tmp_path_factory) -> tuple[DecoderLM, Tokenizer, list[int]]:
     )  # fmt: skip
     model = DecoderLM(config).eval()
     with torch.no_grad():
-        model.head.weight.mul_(8)  # sharp: no near ties between float32 and transformers
+        model.head.weight.mul_(50)  # sharp: no near ties between float32 and transformers
     prompt = tok.encode(PROMPT)
     reply = generate(model, [prompt], STEP + 1, temperature=0)[0][len(prompt) :]
     target = reply[STEP]
@@ -68,6 +69,10 @@ def made(tmp_path_factory) -> tuple[DecoderLM, Tokenizer, list[int]]:
         model.head.weight[[target, im_end]] = model.head.weight[[im_end, target]]
     reply = generate(model, [prompt], 10, temperature=0)[0][len(prompt) :]
     assert reply[STEP] == im_end and im_end not in reply[:STEP]
+    with torch.no_grad():  # each step's top two logits apart: float32 rounding cannot swap them
+        logits = model(torch.tensor([prompt + reply[:STEP]]))[0, len(prompt) - 1 :]
+    top2 = logits.topk(2).values
+    assert float((top2[:, 0] - top2[:, 1]).min()) > 0.01  # float32 rounds logits of ~15 by ~2e-6
     return model, tok, reply
 
 
@@ -247,6 +252,10 @@ def server(made, tmp_path_factory):
     from decoderlm.server.app import create_app
 
     path = hf_dir(made, tmp_path_factory.mktemp("served"), "generation")
+    # a chat template that renders a user's message as it is: a chat of PROMPT is the completion
+    (path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
     served = make_served(path, decoderlm.load(path), block_size=4)
     with live_server(create_app(lambda: served, grace_s=0)) as base:
         wait_healthy(base)
@@ -279,33 +288,28 @@ def test_the_server_stops_at_the_stop_id_whole_and_streamed_with_usage_to_it(mad
     body |= (
         {"prompt": prompt}
         if "chat" not in path
-        else {"messages": [{"role": "user", "content": "hi"}]}
+        else {"messages": [{"role": "user", "content": PROMPT}]}
     )
     whole = post(base, path, body).json()
     choice = whole["choices"][0]
     text = choice["text"] if "chat" not in path else choice["message"]["content"]
     assert choice["finish_reason"] == "stop" and choice["stop_reason"] is None
-    assert "<|im_end|>" not in text
-    if "chat" not in path:  # the completion of PROMPT: STEP tokens then the stop id, billed
-        assert text == tok.decode(made[2][:STEP])
-        assert whole["usage"]["completion_tokens"] == STEP + 1
+    assert text == tok.decode(made[2][:STEP])  # STEP tokens, then the stop id, hidden and billed
+    assert whole["usage"]["completion_tokens"] == STEP + 1
     streamed_text, chunks = streamed(base, path, body)
     assert streamed_text == text
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
-def test_n_best_of_and_beam_search_stop_at_the_stop_id(made, server):
+def test_n_and_best_of_stop_at_the_stop_id(made, server):
     base, served = server
     prompt = served.tokenizer.encode(PROMPT)
     greedy = served.tokenizer.decode(made[2][:STEP])
     body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
-    for extra in (
-        {"n": 2},
-        {"n": 1, "best_of": 2},
-        {"n": 1, "use_beam_search": True, "best_of": 2},
-    ):
+    for extra in ({"n": 2}, {"n": 1, "best_of": 2}):
         choices = post(base, "/v1/completions", body | extra).json()["choices"]
-        assert choices[0]["text"] == greedy and choices[0]["finish_reason"] == "stop", extra
+        assert [c["text"] for c in choices] == [greedy] * extra["n"], extra
+        assert {c["finish_reason"] for c in choices} == {"stop"}
 
 
 def test_a_stop_token_id_outside_the_vocabulary_is_a_400_naming_it(server):
