@@ -2,7 +2,9 @@
 
 `pytest` collects README.md (pyproject.toml: testpaths); each ```python block runs in order in one
 namespace (but a block after `<!-- skip: next -->`: the OpenAI client example needs a running
-server, which tests/serving/test_server.py starts for the same calls), in a temporary working directory where `runs/mine` (a tiny random run with a character
+server, which tests/serving/test_server.py starts for the same calls; the fine-tuning example
+minutes of training on the real model, which tests/training/test_finetune.py runs on a tiny one),
+in a temporary working directory where `runs/mine` (a tiny random run with a character
 tokenizer), `runs/mha`, `path/to/hf_dir` (its Hugging Face export) and `val.txt` exist.
 """
 

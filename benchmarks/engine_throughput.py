@@ -40,8 +40,8 @@ class Vocabulary:
     def encode(self, text: str) -> list[int]:
         return [ord(c) - 0x4E00 for c in text]
 
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(0x4E00 + i) for i in ids)
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(0x4E00 + i) for i in ids)  # (it has no special tokens)
 
 
 def model(kind: str, dtype: torch.dtype) -> DecoderLM:

@@ -134,6 +134,7 @@ def process_served(run_dir: Path, **engine_kwargs):
         draft=None,
         num_speculative_tokens=None,
         compile=False,
+        batch_invariant=False,
         generation_config="auto",
         **engine_kwargs,
     )

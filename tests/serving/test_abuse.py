@@ -240,7 +240,8 @@ def test_a_model_vocabulary_padded_past_the_tokenizer_serves_text(tmp_path, star
     run = _save(tmp_path / "padded", tokenizer, tokenizer.vocab_size + 40, pad_bias=5.0)
     args = Namespace(checkpoint=run, dtype=None, kv_cache_dtype=None, kv_cache_memory="1MiB",
                      max_queue=8, draft=None, num_speculative_tokens=None,
-                     compile=False, generation_config="auto")  # fmt: skip
+                     compile=False, batch_invariant=False,
+                     generation_config="auto")  # fmt: skip
     served = load_served(args)
     assert served.vocab_size == tokenizer.vocab_size
     base = start_server(create_app(lambda: served, grace_s=0))

@@ -107,6 +107,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "ahead of time when the engine starts (minutes the first time on a machine, then loaded from the disk "
         "cache; CPU float32/bfloat16 models without a sliding window)",
     )
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's tokens bit-identical alone or among any others, in bfloat16 too: "
+        "linears summed in a fixed order, every pass through the in-place attention kernel, no "
+        "compiled pass (float weights, attention layers without a sliding window)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -176,7 +183,8 @@ def load_served(
         "kv_cache_dtype": args.kv_cache_dtype,
         "draft": args.draft,
         "num_speculative_tokens": args.num_speculative_tokens,
-        "compile": args.compile,
+        "compile": args.compile and not args.batch_invariant,
+        "batch_invariant": args.batch_invariant,
     }
     spec = EngineSpec(str(args.checkpoint), args.dtype, options)
     if engine_process:
@@ -244,7 +252,7 @@ def announce_dtype(args: argparse.Namespace) -> None:
 def announce_compile(args: argparse.Namespace) -> None:
     """On stderr, that the engine's decode pass is compiled at the start (the wait before /health
     answers 200), unless --no-compile."""
-    if args.compile:
+    if args.compile and not args.batch_invariant:
         print(
             "decoderlm: compiling the engine's decode pass before serving (minutes the first time "
             "on a machine, then loaded from the disk cache; --no-compile to skip)",

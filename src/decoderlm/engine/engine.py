@@ -80,6 +80,7 @@ class Engine:
         draft: str | DecoderLM | None = None,
         num_speculative_tokens: int | None = None,
         compile: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
         """kv_cache_memory, kv_cache_dtype, cpu_kernels (its CPU speed paths): the KV pool and the model's kernels, as
         `ModelRunner` takes them; max_queue: the most sequences waiting; prefill_chunk: the most
@@ -94,7 +95,10 @@ class Engine:
         for greedy requests, the same distribution for sampled ones). A draft model's KV pool
         comes out of `kv_cache_memory` too: both pools get the same number of blocks
         (`proposers.split_kv_budget`); compile: the target's decode passes compiled ahead of time
-        (`ModelRunner`'s `compile`), made now (the draft's run eagerly)."""
+        (`ModelRunner`'s `compile`), made now (the draft's run eagerly); batch_invariant: a
+        request's tokens the same alone or among any others, bit for bit, in bfloat16 too
+        (`ModelRunner`'s `batch_invariant`: float linears in a fixed summation order, every pass
+        through the in-place attention kernel, no compiled pass)."""
         check_kv_cache_dtype(kv_cache_dtype)
         check_engine_options(model.config, draft)
         for name, value in (
@@ -107,7 +111,12 @@ class Engine:
         self.model, self.tokenizer, self.max_queue = model, tokenizer, max_queue
         self.max_sequence = model.config.context_length  # tokens per sequence
         k = _speculative_tokens(draft, num_speculative_tokens)
-        pools = dict(block_size=block_size, kv_cache_dtype=kv_cache_dtype, cpu_kernels=cpu_kernels)
+        pools = dict(
+            block_size=block_size,
+            kv_cache_dtype=kv_cache_dtype,
+            cpu_kernels=cpu_kernels,
+            batch_invariant=batch_invariant,
+        )
         self.runner, proposer = _runner_and_proposer(
             model, draft, k, kv_cache_memory, pools, compile
         )

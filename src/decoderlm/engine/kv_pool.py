@@ -206,9 +206,9 @@ class PagedLayerCache(BaseLayerCache):
         if not self.in_place or (t > 1 and self.queries is None):
             return None
         self._store(k, v)
-        if t == 1:
+        if self.queries is None:  # a decode step: one query per row
             table, lengths = self.read, self.lengths
-        else:
+        else:  # one kernel row per query (several per row, or packed rows of one each)
             table, lengths = self.queries
             q = q.transpose(1, 2).reshape(b * t, h, 1, hd)  # (B·T, H, 1, hd)
         out = paged_decode_attention(  # `PagedKVCache.seek` checked this step's tables

@@ -29,18 +29,22 @@ One forward over a pass's rows (`passes.Row`: each row's tokens, where they star
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor
 
-from decoderlm.cpu import paged_attention, paged_step
+from decoderlm.cpu import invariant, paged_attention, paged_step
+from decoderlm.cpu.invariant import swapped
 from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.engine.kv_pool import PagedKVCache, blocks_for
 from decoderlm.engine.passes import Row
 from decoderlm.engine.state_pool import StatePool, split_budget
 from decoderlm.engine.step_inputs import pass_inputs
+from decoderlm.errors import DecoderLMError
 from decoderlm.inference.generate import evaluating, next_logits
 from decoderlm.model.cache import kv_cache_bytes_per_token
 from decoderlm.model.lm import DecoderLM
@@ -66,6 +70,7 @@ class ModelRunner:
         cpu_kernels: bool | SpeedPaths,
         compile: bool = False,
         ragged: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
         """kv_cache_memory: the byte budget of the KV pool, which holds
         ⌊budget / (block_size · bytes per token)⌋ blocks (with recurrent layers, the blocks and
@@ -85,11 +90,17 @@ class ModelRunner:
         first time on a machine, then loaded from the disk cache; `compile_s` says how long),
         through the one-row linear kernels if the speed paths pack linears. ragged: passes of
         rows of different lengths will run (speculative decoding): the last block is kept out of
-        `pool_blocks` as the padding's scratch block."""
+        `pool_blocks` as the padding's scratch block. batch_invariant: every pass packed (each
+        token a query of the in-place attention kernel, whatever the pass) and the linears of
+        `decoderlm.cpu.invariant`, so that a row's logits do not depend on the rows beside
+        it (`batch_invariant_modules` says which models and pools can); no compiled step."""
         self.model = model
         weight = model.tok_emb.weight
         self.device = weight.device
-        self.paths = SpeedPaths.resolve(cpu_kernels, SpeedPaths.for_engine()).applied(model)
+        paths = SpeedPaths.resolve(cpu_kernels, SpeedPaths.for_engine())
+        if batch_invariant:  # the invariant linears instead of the packed ones
+            paths = dataclasses.replace(paths, packed_linears=False, in_place_attention=True)
+        self.paths = paths.applied(model)
         self.bytes_per_token = kv_cache_bytes_per_token(
             model.config, kv_cache_dtype or weight.dtype
         )
@@ -117,7 +128,11 @@ class ModelRunner:
             )
         self.layer_caches = self.cache if self.states is None else self.states.with_kv(self.cache)
         self.width = blocks_for(model.config.context_length, block_size)  # a table's most blocks
-        self.step = self._compiled_step() if compile and kv_cache_dtype is None else None
+        self.invariant = None
+        if batch_invariant:
+            self.invariant = batch_invariant_modules(model, self.cache, kv_cache_dtype)
+        compiles = compile and kv_cache_dtype is None and not batch_invariant
+        self.step = self._compiled_step() if compiles else None
         self.compile_s = 0.0 if self.step is None else self.step.compile_s
 
     def _compiled_step(self) -> paged_step.CompiledPagedStep | None:
@@ -144,7 +159,8 @@ class ModelRunner:
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
         """The model in eval mode without gradients, its speed paths applied: one engine step."""
-        with evaluating(self.model), self.paths:
+        invariant = nullcontext() if self.invariant is None else swapped(self.invariant)
+        with evaluating(self.model), self.paths, invariant:
             yield
 
     @property
@@ -162,6 +178,9 @@ class ModelRunner:
 
     def _run(self, rows: list[Row], last_only: bool) -> Tensor | list[Tensor]:
         n = len(rows[0].tokens)
+        if self.invariant is not None:  # every pass the same way: each token a query
+            per_row = self._packed(rows)
+            return torch.stack([logits[-1] for logits in per_row]) if last_only else per_row
         if all(len(row.tokens) == n for row in rows):
             logits = self._uniform(rows, n, last_only)  # (B, V) or (B, n, V)
             return logits if last_only else list(logits)
@@ -239,3 +258,27 @@ class ModelRunner:
         log p(· | tokens ≤ t). One forward pass outside the batch and the KV cache."""
         logits = self.model(torch.tensor([ids], device=self.device))[0, :-1]  # (T − 1, V)
         return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
+
+
+def batch_invariant_modules(
+    model: DecoderLM, cache: PagedKVCache, kv_cache_dtype: str | None
+) -> invariant.Swap:
+    """The batch-invariant modules of `model` (`decoderlm.cpu.invariant`); DecoderLMError, naming
+    the reason, where a runner cannot make a row's logits independent of its batch: recurrent layers (a prompt's state depends on how its prefill was chunked),
+    sliding windows or an int8 KV cache (their layers cannot attend in place), a pool dtype or a
+    CPU without the in-place kernel, a GELU MLP or quantized linears, no C compiler."""
+    config = model.config
+    reasons = [
+        (config.has_recurrent_layers, f"recurrent layers (layer_types {config.layer_types})"),
+        (config.sliding_window is not None, f"a sliding window ({config.sliding_window})"),
+        (kv_cache_dtype is not None, f"kv_cache_dtype={kv_cache_dtype!r}"),
+        (not cache.packable, "no in-place attention kernel for this dtype and device"),
+        (not invariant.available(), "no C compiler to build its linears"),
+    ]
+    for refused, reason in reasons:
+        if refused:
+            raise DecoderLMError(f"batch_invariant does not support {reason}")
+    try:
+        return invariant.invariant_modules(model)
+    except ValueError as exc:
+        raise DecoderLMError(f"batch_invariant does not support {exc}") from None

@@ -116,9 +116,9 @@ def sample(
     row's grammar forbids next.
 
     states[i] None: row i is not sampled (a prefill chunk short of its prompt's end). One tensor
-    operation over all rows gives every greedy row its token (argmax) and every row that reports
-    them its log-probabilities; per row they equal the one-row operations. The other rows sample
-    one by one, each from its own generator. A row whose sampling raises gets None (logged), as
+    operation over all rows gives every greedy row its token (argmax, the one-row operation's);
+    a row that reports log-probabilities takes them from its own row alone (`_logprobs`). The
+    other rows sample one by one, each from its own generator. A row whose sampling raises gets None (logged), as
     does a row not sampled; the engine ends the first's sequence with "error", the others go on.
     """
     mask_undecodable(logits, decodable)
@@ -129,7 +129,7 @@ def sample(
     greedy = [state is not None and state.greedy for state in states]
     wants_lp = [state is not None and state.logprobs for state in states]
     tokens = greedy_tokens(logits).tolist() if any(greedy) else [None] * len(states)  # (B,)
-    lps = torch.log_softmax(logits, dim=-1) if any(wants_lp) else None  # (B, V)
+    lps = [_logprobs(row) if wants else None for row, wants in zip(logits, wants_lp, strict=True)]
     chosen: list[Sampled | None] = []
     for i, state in enumerate(states):
         token = tokens[i] if greedy[i] else None
@@ -146,7 +146,7 @@ def sample(
         if state is None or token is None:
             chosen.append(None)
             continue
-        chosen.append(Sampled(token, lps[i] if wants_lp[i] else None))
+        chosen.append(Sampled(token, lps[i]))
     return chosen
 
 
@@ -174,9 +174,16 @@ def verify(
         token = best[n]
     else:
         n, token = speculative.verify(tokens, drafts, logits, q, state.params, state.generator)
-    lps = torch.log_softmax(logits[: n + 1], dim=-1) if state.logprobs else None  # (n + 1, V)
+    lps = [_logprobs(row) if state.logprobs else None for row in logits[: n + 1]]
     chosen = []
     for i, t in enumerate([*drafts[:n], token]):
         state.accept(t)
-        chosen.append(Sampled(t, None if lps is None else lps[i]))
+        chosen.append(Sampled(t, lps[i]))
     return chosen
+
+
+def _logprobs(row: Tensor) -> Tensor:
+    """log softmax of one row of logits (V,), alone: a row's log-probabilities then do not depend
+    on the rows computed with it (a batched log_softmax's vectorisation over a short vocabulary
+    can run across rows)."""
+    return torch.log_softmax(row, dim=-1)

@@ -1,0 +1,151 @@
+"""Batch-invariant layers: a row's results do not depend on the rows computed with it (Thinking
+Machines, 2025, "Defeating Nondeterminism in LLM Inference": fixed split sizes for every
+reduction). A serving engine runs a row in passes of 1 to 64 rows and in prefill chunks of any
+size; a BLAS picks its blocking of the inner dimension by the shape, and a vectorised elementwise
+loop computes its last elements by a scalar path whose exp rounds differently, so a row's logits
+change with its batch, and with them, in bfloat16, its greedy tokens. With these modules swapped
+in (`invariant_modules`) and attention read per query from the paged pool
+(`decoderlm.engine.runner`'s `batch_invariant`), a request's tokens are bit-identical alone or
+among others.
+
+- `InvariantLinear`: y = x Wᵀ, every output summed over its inputs in one fixed order
+  (`invariant.c`: AVX-512, AVX2 + FMA or plain C, chosen when the kernel is built for this CPU,
+  never by the shape). On a CPU with AMX, bfloat16 weights whose inputs are a multiple of 32 use
+  the tile kernel of `decoderlm.cpu.amx_linear`, which sums each output 32 inputs at a time in
+  order, whatever the rows.
+- `InvariantSwiGLU`: the SwiGLU MLP with silu(g) ⊙ u computed element by element on one path.
+
+RMSNorm needs no swap: its per-row mean and its float32 rsqrt are the same whatever the rows (the
+elementwise rsqrt rounds alike on the vector and scalar paths; `tests/serving/test_batch_invariant.py`
+checks the whole model), nor do LayerNorm (one row per unit of work) and ReLU² (exact
+arithmetic). GELU MLPs are refused (`invariant_modules`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from decoderlm.cpu import amx_linear, native
+from decoderlm.model.layers import MLP
+
+SOURCE = Path(__file__).with_name("invariant.c")
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    library = native.load([SOURCE], "batch-invariant kernels are unavailable", ctypes.CDLL)
+    if library is not None:
+        library.invariant_linear.restype = library.invariant_silu_mul.restype = None
+        library.invariant_linear.argtypes = (
+            [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        )
+        library.invariant_silu_mul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int]
+    return library
+
+
+def available() -> bool:
+    """Whether the kernels build here (a C compiler)."""
+    return _library() is not None
+
+
+def _check(x: Tensor, other: Tensor, what: str) -> None:
+    if x.dtype != other.dtype or x.dtype not in DTYPES or x.device.type != "cpu":
+        raise ValueError(
+            f"invariant {what}: {x.dtype} and {other.dtype} (float32 or bfloat16 on the CPU)"
+        )
+
+
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x Wᵀ: x (..., K), weight (N, K), both float32 or both bfloat16 → (..., N)."""
+    _check(x, weight, "linear")
+    n, k = weight.shape
+    rows = x.reshape(-1, k).contiguous()  # (M, K)
+    y = x.new_empty(rows.shape[0], n)  # (M, N)
+    if rows.shape[0]:
+        weight = weight.contiguous()
+        bf16 = int(x.dtype == torch.bfloat16)
+        _library().invariant_linear(rows.data_ptr(), weight.data_ptr(), y.data_ptr(), rows.shape[0], n, k, bf16)  # fmt: skip
+    return y.view(*x.shape[:-1], n)
+
+
+def silu_mul(g: Tensor, u: Tensor) -> Tensor:
+    """silu(g) ⊙ u = g / (1 + e^−g) ⊙ u, g and u of one shape, float32 or bfloat16."""
+    _check(g, u, "silu_mul")
+    g, u = g.contiguous(), u.contiguous()
+    y = torch.empty_like(g)
+    bf16 = int(g.dtype == torch.bfloat16)
+    _library().invariant_silu_mul(g.data_ptr(), u.data_ptr(), y.data_ptr(), g.numel(), bf16)
+    return y
+
+
+class InvariantLinear(nn.Module):
+    """`linear` in place of an nn.Linear (inference only: no gradient reaches W)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+        weight = linear.weight.detach()
+        self.amx = amx_linear.supports(weight)
+        self.packed = amx_linear.pack(weight) if self.amx else None
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: Tensor) -> Tensor:  # (..., in_features) → (..., out_features)
+        if self.amx:
+            y = amx_linear.linear(x, self.packed, self.linear.out_features)
+        else:
+            y = linear(x, self.linear.weight.detach())
+        return y if self.bias is None else y + self.bias
+
+
+class InvariantSwiGLU(nn.Module):
+    """A SwiGLU MLP, down(silu(gate(x)) ⊙ up(x)), with `silu_mul` and invariant linears."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = (InvariantLinear(m) for m in (mlp.gate, mlp.up, mlp.down))
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, d_model) → (B, T, d_model)
+        return self.down(silu_mul(self.gate(x), self.up(x)))
+
+
+Swap = list[tuple[nn.Module, str, nn.Module, nn.Module]]  # (parent, name, plain, invariant)
+
+
+def invariant_modules(model: nn.Module) -> Swap:
+    """The swap that makes `model` batch-invariant: each SwiGLU MLP, and every other plain
+    nn.Linear; ValueError naming a module it has no invariant form of (a GELU MLP, whose erf and
+    tanh round differently on the vector and scalar paths; a quantized linear)."""
+    swap: Swap = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, MLP) and child.kind == "swiglu":
+                swap.append((parent, name, child, InvariantSwiGLU(child)))
+            elif isinstance(child, MLP) and child.kind != "relu2":
+                raise ValueError(f"{name}: a {child.kind} MLP (SwiGLU and ReLU² ones are covered)")
+            elif type(child) is nn.Linear and not (
+                isinstance(parent, MLP) and parent.kind == "swiglu"
+            ):
+                swap.append((parent, name, child, InvariantLinear(child)))
+            elif hasattr(child, "in_features") and type(child) is not nn.Linear:
+                raise ValueError(f"{name}: {type(child).__name__} has no batch-invariant form")
+    return swap
+
+
+@contextmanager
+def swapped(swap: Swap) -> Iterator[None]:
+    """The invariant modules in place for the duration; the plain ones back on exit."""
+    for parent, name, _, invariant in swap:
+        parent._modules[name] = invariant
+    try:
+        yield
+    finally:
+        for parent, name, plain, _ in swap:
+            parent._modules[name] = plain

@@ -1,0 +1,138 @@
+"""Batch-invariant serving (`Engine(batch_invariant=True)`, `decoderlm serve --batch-invariant`): a
+request's tokens and log-probabilities are bit-identical alone or among others, in bfloat16 and
+float32, through chunked prefill, prefix caching, preemption and speculation; the linear kernel's
+every output is the same whatever the rows beside it; models and pools it cannot make invariant
+are refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decoderlm import DecoderLM, DecoderLMError, ModelConfig
+from decoderlm.cpu import invariant
+from decoderlm.engine.engine import Engine
+from decoderlm.engine.types import RequestParams
+from decoderlm.inference.sampling import SamplingParams
+from decoderlm.model.cache import kv_cache_bytes_per_token
+from decoderlm.tokenizer import Tokenizer
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(not invariant.available(), reason="no C compiler for the kernel"),
+]
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyz .,\n"
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.train_char([ALPHABET])
+
+
+def model(tok: Tokenizer, dtype: torch.dtype, d_model: int = 32, **overrides) -> DecoderLM:
+    """A tiny Llama with a sharp head (greedy far from ties is not what is tested: bits are)."""
+    torch.manual_seed(0)
+    config = ModelConfig.from_preset(
+        "llama-tiny", vocab_size=tok.vocab_size, context_length=128, d_model=d_model,
+        n_layers=2, n_heads=4, n_kv_heads=2, **overrides,
+    )  # fmt: skip
+    return DecoderLM(config).to(dtype).eval()
+
+
+def prompts(n: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (int(torch.randint(2, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]  # fmt: skip
+
+
+PARAMS = RequestParams(16, SamplingParams(temperature=0), ignore_eos=True, logprobs=2)
+
+
+def alone_and_together(engine: Engine, requests: list[list[int]], params=PARAMS):
+    together = engine.generate(requests, params)
+    alone = [engine.generate([r], params)[0] for r in requests]
+    return together, alone
+
+
+# d_model 32: bfloat16 linears on AMX tiles where the CPU has them; 40 (not a multiple of 32): the
+# C kernel everywhere
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d_model", [32, 40])
+def test_every_request_is_bit_identical_alone_and_among_sixteen(tok, dtype, d_model):
+    lm = model(tok, dtype, d_model)
+    blocks = 40  # of 4 tokens: the longest request fits, sixteen at once do not (preemptions)
+    memory = blocks * 4 * kv_cache_bytes_per_token(lm.config, dtype)
+    engine = Engine(lm, tok, block_size=4, prefill_chunk=8, max_batched_tokens=24,
+                    kv_cache_memory=memory, batch_invariant=True)  # fmt: skip
+    requests = prompts(16, tok.vocab_size)
+    requests += [requests[0] + requests[1]]  # a prefix the cache holds
+    together, alone = alone_and_together(engine, requests)
+    for crowd, solo in zip(together, alone, strict=True):
+        assert crowd.token_ids == solo.token_ids
+        assert crowd.logprobs == solo.logprobs and crowd.top_logprobs == solo.top_logprobs
+    stats = engine.stats()
+    assert stats.preemptions > 0 and stats.prefix_cache_hit_tokens > 0
+
+
+def test_seeded_sampling_and_speculation_stay_bit_identical(tok):
+    engine = Engine(model(tok, torch.bfloat16), tok, block_size=4, batch_invariant=True,
+                    draft="prompt-lookup", num_speculative_tokens=3)  # fmt: skip
+    grounded = [p * 3 for p in prompts(8, tok.vocab_size)]  # repeats: lookup finds drafts
+    sampled = RequestParams(
+        16, SamplingParams(temperature=0.9, top_p=0.95), seed=7, ignore_eos=True
+    )
+    for params in (PARAMS, sampled):
+        together, alone = alone_and_together(engine, grounded, params)
+        assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    assert engine.stats().speculative_accepted > 0
+
+
+def test_the_kernel_gives_each_row_the_same_bits_in_any_batch_close_to_float64():
+    g = torch.Generator().manual_seed(0)
+    for dtype, atol in ((torch.float32, 1e-4), (torch.bfloat16, 0.5)):
+        for n, k in ((67, 45), (128, 96)):
+            w = torch.randn(n, k, generator=g).to(dtype)
+            x = torch.randn(37, k, generator=g).to(dtype)
+            whole = invariant.linear(x, w)  # (37, n)
+            for rows in (slice(0, 1), slice(5, 6), slice(3, 20), slice(33, 37)):
+                assert torch.equal(invariant.linear(x[rows], w), whole[rows])
+            exact = x.double() @ w.double().T  # bf16: the sum rounded to bfloat16 (|y| < 50)
+            torch.testing.assert_close(whole.double(), exact, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "engine", "reason"),
+    [
+        ({"layer_types": ("gdn", "attention")}, {}, "recurrent layers"),
+        ({"sliding_window": 8}, {}, "a sliding window"),
+        ({}, {"kv_cache_dtype": "int8"}, "kv_cache_dtype='int8'"),
+    ],
+)
+def test_what_it_cannot_make_invariant_is_a_one_line_error(tok, overrides, engine, reason):
+    with pytest.raises(DecoderLMError, match=f"batch_invariant does not support {reason}") as err:
+        Engine(model(tok, torch.float32, **overrides), tok, batch_invariant=True, **engine)
+    assert "\n" not in str(err.value)
+
+
+def test_silu_mul_gives_each_element_the_same_bits_wherever_it_lies():
+    """A vectorised silu's last elements take a scalar path that rounds differently; here every
+    element is the same whatever the length of the tensor."""
+    g = torch.Generator().manual_seed(0)
+    x, u = torch.randn(2, 1000, generator=g), torch.randn(2, 1000, generator=g)
+    whole = invariant.silu_mul(x, u)
+    for end in (1, 7, 333, 999):
+        assert torch.equal(invariant.silu_mul(x[:, :end], u[:, :end]), whole[:, :end])
+    torch.testing.assert_close(whole, torch.nn.functional.silu(x) * u, rtol=1e-6, atol=1e-6)
+
+
+def test_quantized_linears_and_gelu_mlps_are_refused(tok):
+    from decoderlm.quant import quantize
+
+    with pytest.raises(
+        DecoderLMError,
+        match=r"batch_invariant does not support .*Int8Linear has no batch-invariant form",
+    ):
+        Engine(quantize(model(tok, torch.float32), "int8"), tok, batch_invariant=True)
+    with pytest.raises(DecoderLMError, match="batch_invariant does not support mlp: a gelu MLP"):
+        Engine(model(tok, torch.float32, mlp="gelu"), tok, batch_invariant=True)
