@@ -5,13 +5,14 @@ Models: the "llama-55m" preset (d_model 512, 8 layers, 8 heads sharing 2 K/V hea
 random init, seed 0) and the same shape as a 3:1 Gated DeltaNet hybrid (GDN, GDN, GDN, attention,
 twice), in --dtype. For C streams, C requests of --prompt-tokens random tokens each run at once
 (submitted together), each generating --new-tokens greedy tokens (no end-of-text stop); tokens/s
-= C · new tokens / wall time, prefill included. Every (model, C) runs --rounds times, interleaved
+= C · new tokens / wall time, prefill included. With --batch-invariant the attention model runs
+a third time, in `Engine(batch_invariant=True)`: what the mode costs. Every (model, C) runs --rounds times, interleaved
 with the others, and the best round is kept (a shared CPU's speed drifts; the best of interleaved
 rounds gives each case the same chance of a quiet moment). The table prints the CPU, the threads
 and the load average before and after.
 
     HF_HUB_OFFLINE=1 python benchmarks/engine_throughput.py [--dtype bfloat16] [--streams 1 16 64]
-        [--rounds 3] [--quick]
+        [--rounds 3] [--batch-invariant] [--quick]
 """
 
 from __future__ import annotations
@@ -81,10 +82,16 @@ def main() -> None:
     load = os.getloadavg()
     print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"{args.dtype}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")  # fmt: skip
+    memory = args.kv_cache_memory
     engines = {
-        kind: Engine(model(kind, dtype), Vocabulary(32000), kv_cache_memory=args.kv_cache_memory)
+        kind: Engine(model(kind, dtype), Vocabulary(32000), kv_cache_memory=memory)
         for kind in ("attention", "hybrid")
     }
+    if args.batch_invariant:
+        invariant = model("attention", dtype)
+        engines["attention, batch-invariant"] = Engine(
+            invariant, Vocabulary(32000), kv_cache_memory=memory, batch_invariant=True
+        )
     for engine in engines.values():  # warm-up: the first steps build kernels and caches
         tokens_per_s(engine, 2, args.prompt_tokens, 4)
     best: dict[tuple[str, int], float] = {}
