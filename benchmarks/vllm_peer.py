@@ -121,6 +121,13 @@ def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--peer-concurrency", type=int, nargs="+", default=[1, 16, 64], help="--peer's loads"
     )
+    parser.add_argument(
+        "--peer-model",
+        type=Path,
+        help="--peer: serve this Hugging Face directory (e.g. SmolLM2-135M-Instruct in bfloat16, "
+        "as transformers writes it from the GGUF file) instead of the random llama-55m; both "
+        "servers name it by the directory's name",
+    )
 
 
 def measured(record: dict, side: str) -> Measured:
@@ -261,7 +268,7 @@ def _healthy(port: int) -> bool:
 
 
 def vllm_command(python: str, directory: Path, port: int, k: int | None) -> list[str]:
-    cmd = [python, str(WRAPPER), "serve", str(directory), "--served-model-name", MODEL_NAME,
+    cmd = [python, str(WRAPPER), "serve", str(directory), "--served-model-name", directory.name,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16"]  # fmt: skip
     if k is not None:
         config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
@@ -281,7 +288,7 @@ def decoderlm_command(directory: Path, port: int, k: int | None) -> list[str]:
 def bench_argv(port: int, directory: Path, concurrency: int, prompts: int, seed: int,
                dataset: list[str]) -> list[str]:  # fmt: skip
     """`vllm bench serve`'s arguments for one pass."""
-    return ["--backend", "vllm", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL_NAME,
+    return ["--backend", "vllm", "--host", "127.0.0.1", "--port", str(port), "--model", directory.name,
             "--tokenizer", str(directory), *dataset, "--ignore-eos", "--temperature", "0", "--max-concurrency",
             str(concurrency), "--num-prompts", str(prompts), "--seed", str(seed),
             "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99", "--disable-tqdm"]  # fmt: skip
@@ -338,7 +345,8 @@ def run_peer(args: argparse.Namespace) -> None:
 
 
 def run_comparison(args: argparse.Namespace, work: Path) -> str:
-    directory = model_dir(work)
+    directory = model_dir(work) if args.peer_model is None else args.peer_model.resolve()
+    print(f"model: {directory.name}", flush=True)
     dataset = [
         "--dataset-name",
         "random",
