@@ -1,0 +1,482 @@
+/* Products y = x Ŵᵀ with Ŵ in ggml's block formats, computed from the blocks as a GGUF file stores
+ * them (see block_linear.py for the arithmetic and the formats' layouts, quant/blocks.py for the
+ * formats). x is (M, K) float32 or bfloat16, Ŵ (N, K) rows of blocks, y (M, N) in x's dtype.
+ *
+ * This file is compiled once per instruction set, each build naming its functions after VARIANT
+ * (block_linear_native, …): ISA says what the build's flags allow: 2 = AVX-512 with VNNI (BW, VL),
+ * 1 = AVX2 with FMA and F16C, 0 = portable C. The Python side calls the variant it picks.
+ *
+ * Quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): each block of 32 activations is quantized to
+ * two int8 vectors, x_j ≈ e (256 a_j + b_j), e = max|x| / (127 · 256), a = round(x / 256e),
+ * b = round(x / e − 256 a) ∈ [−127, 127] (|x_j − e(256 a_j + b_j)| ≤ e); a block's dot product
+ * with the weights' integers q_j is then 256 Σ q_j a_j + Σ q_j b_j, summed exactly in int32 (VNNI's
+ * vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd), and scaled once by d · e in float32:
+ *     y = Σ_blocks d e (Σ_j (q_j − z) (256 a_j + b_j)) + m Σ_j x_j
+ * (z the type's zero point, m the _1 types' minimum, Σ_j x_j the float sum of the block's inputs).
+ * The SIMD code feeds the integers as unsigned bytes (Q8_0's as q + 128, z = 128) and subtracts
+ * z Σ_j (256 a_j + b_j) after. F16 and BF16 weights are widened to float32 and summed by FMA. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
+    defined(__F16C__) && defined(__FMA__)
+#define ISA 2
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define ISA 1
+#else
+#define ISA 0
+#endif
+
+#define CAT2(a, b) a##_##b
+#define CAT(a, b) CAT2(a, b)
+#define FN(name) CAT(name, VARIANT)
+#define INLINE static inline __attribute__((always_inline))
+
+/* The types, in the order of quant/blocks.py's BLOCK_TYPES. */
+enum { F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 };
+
+/* A quantized block's layout: its bytes, where its 16 (32 for Q8_0) bytes of integers start,
+ * where the four bytes of fifth bits start (−1: none), whether it has a minimum m (at byte 2),
+ * and the zero point z as a shift (z = 1 << shift; 0: none) of the unsigned values the SIMD code
+ * feeds to the dot products. Every block starts with its scale d (float16). */
+typedef struct {
+    int bytes, qs, qh, min, zero_shift;
+} Layout;
+static const Layout LAYOUTS[] = {
+    [Q8_0] = {34, 2, -1, 0, 7}, [Q4_0] = {18, 2, -1, 0, 3}, [Q4_1] = {20, 4, -1, 1, 0},
+    [Q5_0] = {22, 6, 2, 0, 4},  [Q5_1] = {24, 8, 4, 1, 0},
+};
+
+/* Prefetch distance along a row of blocks: the hardware prefetcher ramps up too slowly on
+ * matrices of a few hundred KB (as in gemv.c). */
+#define PREFETCH_BYTES 1024
+
+INLINE float half_to_float(uint16_t h) {
+#if ISA > 0
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    union { uint32_t u; float f; } v;
+    if (exp == 0x1f) {
+        v.u = sign | 0x7f800000u | (man << 13);  /* inf, nan */
+    } else if (exp == 0) {
+        v.f = ldexpf((float)man, -24);           /* zero, subnormal: man · 2⁻²⁴, exact */
+        v.u |= sign;
+    } else {
+        v.u = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    return v.f;
+#endif
+}
+
+INLINE float bf16_to_float(uint16_t h) {
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
+    return v.f;
+}
+
+/* float32 → bfloat16, rounding to nearest even (finite inputs). */
+INLINE uint16_t float_to_bf16(float f) {
+    union { float f; uint32_t u; } v = {f};
+    return (uint16_t)((v.u + 0x7fff + ((v.u >> 16) & 1)) >> 16);
+}
+
+INLINE uint16_t load16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+INLINE uint32_t load32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+/* The quantized activations of M rows (x_j ≈ e (256 a_j + b_j), file comment), K a multiple of 32.
+ * Per row: a, b (K,) int8; and per "lane" of four consecutive inputs (K/4 of them, eight per
+ * block): e of the lane's block, the float sum of the lane's four x_j, and Σ (256 a_j + b_j) over
+ * the four. The lanes are the int32 lanes of the dot products. */
+typedef struct {
+    int8_t *a, *b;
+    float *e, *sum;
+    int32_t *ab;
+} Acts;
+
+/* x (M, K) float32 or bfloat16 → the quantized activations, in `buffer` (M · K · 5 bytes). */
+static void quantize_acts(const void *x, int x_bf16, int64_t M, int64_t K, void *buffer, Acts *acts) {
+    const int64_t lanes = M * K / 4;
+    acts->e = buffer;
+    acts->sum = acts->e + lanes;
+    acts->ab = (int32_t *)(acts->sum + lanes);
+    acts->a = (int8_t *)(acts->ab + lanes);
+    acts->b = acts->a + M * K;
+    for (int64_t blk = 0; blk < M * K / 32; blk++) {
+        float v[32], amax = 0.0f;
+        for (int j = 0; j < 32; j++) {
+            const int64_t i = blk * 32 + j;
+            v[j] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+            amax = fmaxf(amax, fabsf(v[j]));
+        }
+        const float e = amax / (127.0f * 256.0f), inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int8_t *a = acts->a + blk * 32, *b = acts->b + blk * 32;
+        for (int j = 0; j < 32; j++) {
+            const float scaled = v[j] * inv;  /* x / 256e ∈ [−127, 127] */
+            const float high = nearbyintf(scaled);
+            const float low = nearbyintf((scaled - high) * 256.0f);
+            a[j] = (int8_t)high;
+            b[j] = (int8_t)fminf(fmaxf(low, -127.0f), 127.0f);
+        }
+        for (int lane = 0; lane < 8; lane++) {
+            float sum = 0.0f;
+            int32_t ab = 0;
+            for (int j = 4 * lane; j < 4 * lane + 4; j++) {
+                sum += v[j];
+                ab += 256 * a[j] + b[j];
+            }
+            acts->e[blk * 8 + lane] = e;
+            acts->sum[blk * 8 + lane] = sum;
+            acts->ab[blk * 8 + lane] = ab;
+        }
+    }
+}
+
+/* Rows of four x rows at most; ROWS is a constant in each call, so the accumulators stay in registers.
+ * Each kernel computes y[r][n] for x rows m0 .. m0 + ROWS − 1 and one output row n. */
+#define MAX_ROWS 4
+
+#if ISA == 2
+/* The float16 at byte `at` of b0 in lanes 0-7 and of b1 in lanes 8-15. */
+INLINE __m512 halves_pair(const uint8_t *b0, const uint8_t *b1, const int at) {
+    const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16((short)load16(b0 + at))),
+                                              _mm_set1_epi16((short)load16(b1 + at)), 1);
+    return _mm512_cvtph_ps(h);
+}
+
+/* Blocks b0 and b1 as 64 unsigned bytes, b0's 32 first (a Q8_0 weight w as w + 128). (Gathering
+ * both blocks from one load with vpermw was slower on Sapphire Rapids: 42.5 µs against 34.1 for a
+ * 1536 × 576 Q4_1 product, one thread.) */
+INLINE __m512i unpack_pair(const int type, const uint8_t *b0, const uint8_t *b1) {
+    const Layout L = LAYOUTS[type];
+    if (type == Q8_0) {
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + L.qs))),
+                                             _mm256_loadu_si256((const __m256i *)(b1 + L.qs)), 1);
+        return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
+    }
+    /* 16 bytes per block: value j in the low nibble of byte j, value j + 16 in its high nibble */
+    const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + L.qs))),
+                                              _mm_loadu_si128((const __m128i *)(b1 + L.qs)), 1);
+    const __m512i twice = _mm512_shuffle_i64x2(_mm512_castsi256_si512(q), _mm512_castsi256_si512(q), 0x50);
+    const __m512i shifts = _mm512_set_epi64(0x0004000400040004LL, 0x0004000400040004LL, 0, 0,
+                                            0x0004000400040004LL, 0x0004000400040004LL, 0, 0);
+    __m512i v = _mm512_and_si512(_mm512_srlv_epi16(twice, shifts), _mm512_set1_epi8(15));
+    if (L.qh >= 0) {  /* bit j of a block's qh is its value j's fifth bit */
+        const __mmask64 bits = (uint64_t)load32(b0 + L.qh) | (uint64_t)load32(b1 + L.qh) << 32;
+        v = _mm512_mask_add_epi8(v, bits, v, _mm512_set1_epi8(16));  /* bit 4 is clear: + = | */
+    }
+    return v;
+}
+
+/* Adds blocks blk and blk + 1 of row n to the accumulators of x rows m0 .. m0 + rows − 1; with
+ * `last`, block blk alone (the last of an odd row: block blk + 1's activations masked to zero). */
+INLINE void pair_step(const int type, const Acts *acts, int64_t m0, const int rows, const uint8_t *b0,
+                      int64_t K, int64_t blk, const int last, __m512 *acc, __m512 *accm) {
+    const Layout L = LAYOUTS[type];
+    const uint8_t *b1 = last ? b0 : b0 + L.bytes;
+    const __mmask64 mq = last ? 0xffffffffull : ~0ull;
+    const __mmask16 ml = last ? 0x00ff : 0xffff;
+    _mm_prefetch((const char *)b0 + PREFETCH_BYTES, _MM_HINT_T0);
+    const __m512i u = unpack_pair(type, b0, b1);
+    const __m512 d = halves_pair(b0, b1, 0);
+    const __m512 m = L.min ? halves_pair(b0, b1, 2) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+        const int64_t q = (m0 + r) * K + blk * 32, lane = q / 4;
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_maskz_loadu_epi8(mq, acts->a + q));
+        dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 8), u, _mm512_maskz_loadu_epi8(mq, acts->b + q));
+        if (L.zero_shift)
+            dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(_mm512_maskz_loadu_epi32(ml, acts->ab + lane), L.zero_shift));
+        const __m512 scale = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(ml, acts->e + lane));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+        if (L.min) accm[r] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(ml, acts->sum + lane), accm[r]);
+    }
+}
+
+INLINE void quant_rows(const int type, const Acts *acts, int64_t m0, const int rows, const uint8_t *W,
+                       int64_t n, int64_t N, int64_t K, float *y) {
+    const Layout L = LAYOUTS[type];
+    const int64_t nb = K / 32;
+    const uint8_t *row = W + n * nb * L.bytes;
+    __m512 acc[MAX_ROWS], accm[MAX_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = accm[r] = _mm512_setzero_ps();
+    int64_t blk = 0;
+    for (; blk + 2 <= nb; blk += 2) pair_step(type, acts, m0, rows, row + blk * L.bytes, K, blk, 0, acc, accm);
+    if (blk < nb) pair_step(type, acts, m0, rows, row + blk * L.bytes, K, blk, 1, acc, accm);
+    for (int r = 0; r < rows; r++) y[(m0 + r) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], accm[r]));
+}
+
+#elif ISA == 1
+/* A block's 32 bits → 32 bytes, byte j 0xff where bit j is set. */
+INLINE __m256i bytes_of_bits(uint32_t bits) {
+    const __m256i byte_of = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                              0x0101010101010101LL, 0x0000000000000000LL);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), byte_of);  /* byte j: byte j/8 */
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);         /* byte j: 1 << j%8 */
+    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+}
+
+/* A block's 32 values as bytes: unsigned for the 4- and 5-bit types, Q8_0's signed as stored. */
+INLINE __m256i unpack_block(const int type, const uint8_t *blk) {
+    const Layout L = LAYOUTS[type];
+    if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + L.qs));
+    const __m128i q = _mm_loadu_si128((const __m128i *)(blk + L.qs));
+    __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(15));
+    if (L.qh >= 0) v = _mm256_or_si256(v, _mm256_and_si256(bytes_of_bits(load32(blk + L.qh)), _mm256_set1_epi8(16)));
+    return v;
+}
+
+INLINE void quant_rows(const int type, const Acts *acts, int64_t m0, const int rows, const uint8_t *W,
+                       int64_t n, int64_t N, int64_t K, float *y) {
+    const Layout L = LAYOUTS[type];
+    const int64_t nb = K / 32;
+    const uint8_t *row = W + n * nb * L.bytes;
+    const __m256i ones = _mm256_set1_epi16(1), high = _mm256_set1_epi16(256);
+    __m256 acc[MAX_ROWS], accm[MAX_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < nb; blk++) {
+        const uint8_t *b0 = row + blk * L.bytes;
+        _mm_prefetch((const char *)b0 + PREFETCH_BYTES, _MM_HINT_T0);
+        __m256i u = unpack_block(type, b0);
+        const __m256i w = u;
+        if (type == Q8_0) u = _mm256_sign_epi8(w, w);  /* |w|; the activations take w's sign */
+        const __m256 d = _mm256_set1_ps(half_to_float(load16(b0)));
+        const __m256 m = L.min ? _mm256_set1_ps(half_to_float(load16(b0 + 2))) : _mm256_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            const int64_t q = (m0 + r) * K + blk * 32, lane = q / 4;
+            __m256i a = _mm256_loadu_si256((const __m256i *)(acts->a + q));
+            __m256i b = _mm256_loadu_si256((const __m256i *)(acts->b + q));
+            if (type == Q8_0) { a = _mm256_sign_epi8(a, w); b = _mm256_sign_epi8(b, w); }
+            /* pairs of products in int16 (|·| ≤ 2 · 128 · 127), then pairs of pairs in int32 */
+            __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, a), high),
+                                           _mm256_madd_epi16(_mm256_maddubs_epi16(u, b), ones));
+            if (L.zero_shift && type != Q8_0)
+                dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(acts->ab + lane)), L.zero_shift));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_loadu_ps(acts->e + lane)), acc[r]);
+            if (L.min) accm[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(acts->sum + lane), accm[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        const __m256 s = _mm256_add_ps(acc[r], accm[r]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        y[(m0 + r) * N + n] = _mm_cvtss_f32(h);
+    }
+}
+
+#else
+/* Value j of a block, with the zero point subtracted: the signed integer the weight scales. */
+INLINE int block_value(const int type, const uint8_t *blk, int j) {
+    const Layout L = LAYOUTS[type];
+    if (type == Q8_0) return (int8_t)blk[L.qs + j];
+    int v = j < 16 ? blk[L.qs + j] & 15 : blk[L.qs + j - 16] >> 4;
+    if (L.qh >= 0) v |= ((load32(blk + L.qh) >> j) & 1) << 4;
+    return v - (L.zero_shift ? 1 << L.zero_shift : 0);
+}
+
+INLINE void quant_rows(const int type, const Acts *acts, int64_t m0, const int rows, const uint8_t *W,
+                       int64_t n, int64_t N, int64_t K, float *y) {
+    const Layout L = LAYOUTS[type];
+    const int64_t nb = K / 32;
+    const uint8_t *row = W + n * nb * L.bytes;
+    float acc[MAX_ROWS] = {0};
+    for (int64_t blk = 0; blk < nb; blk++) {
+        const uint8_t *b0 = row + blk * L.bytes;
+        int v[32];
+        for (int j = 0; j < 32; j++) v[j] = block_value(type, b0, j);
+        const float d = half_to_float(load16(b0)), m = L.min ? half_to_float(load16(b0 + 2)) : 0.0f;
+        for (int r = 0; r < rows; r++) {
+            const int64_t q = (m0 + r) * K + blk * 32, lane = q / 4;
+            int32_t dot = 0;
+            float sum = 0.0f;
+            for (int j = 0; j < 32; j++) dot += v[j] * (256 * acts->a[q + j] + acts->b[q + j]);
+            for (int l = 0; l < 8; l++) sum += acts->sum[lane + l];
+            acc[r] += d * acts->e[lane] * (float)dot + m * sum;
+        }
+    }
+    for (int r = 0; r < rows; r++) y[(m0 + r) * N + n] = acc[r];
+}
+#endif
+
+/* Float weights: y[r][n] = Σ_k x[r][k] W[n][k] for ROWS rows of x (float32), W float16 or bfloat16. */
+INLINE void float_rows(const int type, const float *x, int64_t m0, const int rows, const uint16_t *W,
+                       int64_t n, int64_t N, int64_t K, float *y) {
+    const uint16_t *w = W + n * K;
+    float out[MAX_ROWS];
+#if ISA == 2
+    __m512 acc[MAX_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 mk = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);
+        const __m256i bits = _mm256_maskz_loadu_epi16(mk, w + k);
+        _mm_prefetch((const char *)(w + k) + PREFETCH_BYTES, _MM_HINT_T0);
+        const __m512 wv = type == F16 ? _mm512_cvtph_ps(bits)
+                                      : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+        for (int r = 0; r < rows; r++)
+            acc[r] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mk, x + (m0 + r) * K + k), acc[r]);
+    }
+    for (int r = 0; r < rows; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+#elif ISA == 1
+    __m256 acc[MAX_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        const __m128i bits = _mm_loadu_si128((const __m128i *)(w + k));
+        _mm_prefetch((const char *)(w + k) + PREFETCH_BYTES, _MM_HINT_T0);
+        const __m256 wv = type == F16 ? _mm256_cvtph_ps(bits)
+                                      : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+        for (int r = 0; r < rows; r++)
+            acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (m0 + r) * K + k), acc[r]);
+    }
+    for (int r = 0; r < rows; r++) {
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        out[r] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    }
+    for (; k < K; k++)
+        for (int r = 0; r < rows; r++)
+            out[r] += x[(m0 + r) * K + k] * (type == F16 ? half_to_float(w[k]) : bf16_to_float(w[k]));
+#else
+    for (int r = 0; r < rows; r++) out[r] = 0.0f;
+    for (int64_t k = 0; k < K; k++) {
+        const float wk = type == F16 ? half_to_float(w[k]) : bf16_to_float(w[k]);
+        for (int r = 0; r < rows; r++) out[r] += x[(m0 + r) * K + k] * wk;
+    }
+#endif
+    for (int r = 0; r < rows; r++) y[(m0 + r) * N + n] = out[r];
+}
+
+/* y (M, N) float32 for one type: output rows split over threads; for each output row, x's rows four
+ * at a time (the weights unpacked once for the four). */
+#define FOR_OUTPUT_ROWS(ROWS_FN)                                                           \
+    _Pragma("omp parallel for schedule(static)")                                           \
+    for (int64_t n = 0; n < N; n++) {                                                      \
+        int64_t m0 = 0;                                                                    \
+        for (; m0 + MAX_ROWS <= M; m0 += MAX_ROWS) ROWS_FN(m0, MAX_ROWS);                  \
+        switch (M - m0) {                                                                  \
+            case 3: ROWS_FN(m0, 3); break;                                                 \
+            case 2: ROWS_FN(m0, 2); break;                                                 \
+            case 1: ROWS_FN(m0, 1); break;                                                 \
+        }                                                                                  \
+    }
+
+#define QUANT_KERNEL(T)                                                                    \
+    static void CAT(quant, T)(const Acts *acts, int64_t M, const uint8_t *W, int64_t N,    \
+                              int64_t K, float *y) {                                       \
+        FOR_OUTPUT_ROWS(CAT(T, ROWS))                                                      \
+    }
+#define Q8_0_ROWS(m0, rows) quant_rows(Q8_0, acts, m0, rows, W, n, N, K, y)
+#define Q4_0_ROWS(m0, rows) quant_rows(Q4_0, acts, m0, rows, W, n, N, K, y)
+#define Q4_1_ROWS(m0, rows) quant_rows(Q4_1, acts, m0, rows, W, n, N, K, y)
+#define Q5_0_ROWS(m0, rows) quant_rows(Q5_0, acts, m0, rows, W, n, N, K, y)
+#define Q5_1_ROWS(m0, rows) quant_rows(Q5_1, acts, m0, rows, W, n, N, K, y)
+QUANT_KERNEL(Q8_0)
+QUANT_KERNEL(Q4_0)
+QUANT_KERNEL(Q4_1)
+QUANT_KERNEL(Q5_0)
+QUANT_KERNEL(Q5_1)
+
+static void float_kernel(const int type, const float *x, int64_t M, const uint16_t *W, int64_t N, int64_t K, float *y) {
+#define FLOAT_ROWS(m0, rows) float_rows(type, x, m0, rows, W, n, N, K, y)
+    FOR_OUTPUT_ROWS(FLOAT_ROWS)
+}
+
+/* The instruction set this build's kernels use: 2 AVX-512 VNNI, 1 AVX2, 0 portable C. */
+int FN(block_linear_isa)(void) { return ISA; }
+
+/* y (M, N) = x (M, K) Ŵᵀ, Ŵ (N, K) in blocks of `type`; x and y float32, or bfloat16 where x_bf16
+ * (y rounded once). K a multiple of 32 for the quantized types. Returns −1 where the memory for the
+ * quantized (or widened) activations and the float32 products cannot be had, else 0. */
+int FN(block_linear)(int type, const void *x, int x_bf16, int64_t M, const uint8_t *W, int64_t N,
+                     int64_t K, void *y) {
+    const int floats = type == F16 || type == BF16;
+    const size_t acts_bytes = floats ? (x_bf16 ? sizeof(float) * M * K : 0) : (size_t)(M * K * 5);
+    const size_t out_bytes = x_bf16 ? sizeof(float) * M * N : 0;
+    char *buffer = malloc(acts_bytes + out_bytes + 1);
+    if (buffer == NULL) return -1;
+    float *out = x_bf16 ? (float *)(buffer + acts_bytes) : y;
+    if (floats) {
+        const float *xf = x;
+        if (x_bf16) {
+            float *wide = (float *)buffer;
+            for (int64_t i = 0; i < M * K; i++) wide[i] = bf16_to_float(((const uint16_t *)x)[i]);
+            xf = wide;
+        }
+        float_kernel(type, xf, M, (const uint16_t *)W, N, K, out);
+    } else {
+        Acts acts;
+        quantize_acts(x, x_bf16, M, K, buffer, &acts);
+        switch (type) {
+            case Q8_0: quant_Q8_0(&acts, M, W, N, K, out); break;
+            case Q4_0: quant_Q4_0(&acts, M, W, N, K, out); break;
+            case Q4_1: quant_Q4_1(&acts, M, W, N, K, out); break;
+            case Q5_0: quant_Q5_0(&acts, M, W, N, K, out); break;
+            case Q5_1: quant_Q5_1(&acts, M, W, N, K, out); break;
+        }
+    }
+    if (x_bf16)
+        for (int64_t i = 0; i < M * N; i++) ((uint16_t *)y)[i] = float_to_bf16(out[i]);
+    free(buffer);
+    return 0;
+}
+
+/* Row `row` of Ŵ (K weights in blocks of `type`) → out (K,) float32: the values of quant/blocks.py's
+ * dequantize_rows (w = d·q + m may be fused into one rounding). */
+INLINE void dequantize_row(const int type, const uint8_t *row, int64_t K, float *out) {
+    if (type == F16 || type == BF16) {
+        const uint16_t *w = (const uint16_t *)row;
+        for (int64_t k = 0; k < K; k++) out[k] = type == F16 ? half_to_float(w[k]) : bf16_to_float(w[k]);
+        return;
+    }
+    const Layout L = LAYOUTS[type];
+    const int zero = type == Q8_0 || !L.zero_shift ? 0 : 1 << L.zero_shift;
+    for (int64_t blk = 0; blk < K / 32; blk++) {
+        const uint8_t *b = row + blk * L.bytes, *qs = b + L.qs;
+        const float d = half_to_float(load16(b)), m = L.min ? half_to_float(load16(b + 2)) : 0.0f;
+        const uint32_t qh = L.qh >= 0 ? load32(b + L.qh) : 0;
+        float *o = out + blk * 32;
+        if (type == Q8_0) {
+            for (int j = 0; j < 32; j++) o[j] = d * (float)(int8_t)qs[j];
+            continue;
+        }
+        for (int j = 0; j < 16; j++) {
+            const int low = (qs[j] & 15) | (int)((qh >> j) & 1) << 4;
+            const int high = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
+            o[j] = d * (float)(low - zero) + m;
+            o[j + 16] = d * (float)(high - zero) + m;
+        }
+    }
+}
+
+INLINE void dequantize_rows(const int type, const uint8_t *W, int64_t n0, int64_t rows, int64_t K, void *out,
+                            int out_bf16) {
+    const int64_t row_bytes = type == F16 || type == BF16 ? 2 * K : K / 32 * LAYOUTS[type].bytes;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < rows; n++) {
+        if (!out_bf16) {
+            dequantize_row(type, W + (n0 + n) * row_bytes, K, (float *)out + n * K);
+            continue;
+        }
+        float wide[K];
+        dequantize_row(type, W + (n0 + n) * row_bytes, K, wide);
+        for (int64_t k = 0; k < K; k++) ((uint16_t *)out)[n * K + k] = float_to_bf16(wide[k]);
+    }
+}
+
+/* Rows n0 .. n0 + rows − 1 of Ŵ (N, K) in blocks of `type` → out (rows, K), float32 or (out_bf16)
+ * bfloat16 rounded to nearest even. */
+void FN(block_dequantize)(int type, const uint8_t *W, int64_t n0, int64_t rows, int64_t K, void *out, int out_bf16) {
+    switch (type) {
+        case F16: dequantize_rows(F16, W, n0, rows, K, out, out_bf16); break;
+        case BF16: dequantize_rows(BF16, W, n0, rows, K, out, out_bf16); break;
+        case Q8_0: dequantize_rows(Q8_0, W, n0, rows, K, out, out_bf16); break;
+        case Q4_0: dequantize_rows(Q4_0, W, n0, rows, K, out, out_bf16); break;
+        case Q4_1: dequantize_rows(Q4_1, W, n0, rows, K, out, out_bf16); break;
+        case Q5_0: dequantize_rows(Q5_0, W, n0, rows, K, out, out_bf16); break;
+        case Q5_1: dequantize_rows(Q5_1, W, n0, rows, K, out, out_bf16); break;
+    }
+}
