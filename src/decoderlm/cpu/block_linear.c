@@ -341,10 +341,14 @@ INLINE void float_rows(const int type, const float *x, int64_t m0, const int row
         for (int r = 0; r < rows; r++)
             out[r] += x[(m0 + r) * K + k] * (type == F16 ? half_to_float(w[k]) : bf16_to_float(w[k]));
 #else
-    for (int r = 0; r < rows; r++) out[r] = 0.0f;
+    float acc[MAX_ROWS][8] = {{0}};  /* eight partial sums per row, as eight SIMD lanes */
     for (int64_t k = 0; k < K; k++) {
         const float wk = type == F16 ? half_to_float(w[k]) : bf16_to_float(w[k]);
-        for (int r = 0; r < rows; r++) out[r] += x[(m0 + r) * K + k] * wk;
+        for (int r = 0; r < rows; r++) acc[r][k % 8] += x[(m0 + r) * K + k] * wk;
+    }
+    for (int r = 0; r < rows; r++) {
+        out[r] = 0.0f;
+        for (int lane = 0; lane < 8; lane++) out[r] += acc[r][lane];
     }
 #endif
     for (int r = 0; r < rows; r++) y[(m0 + r) * N + n] = out[r];
@@ -446,8 +450,8 @@ INLINE void dequantize_row(const int type, const uint8_t *row, int64_t K, float 
         for (int j = 0; j < 16; j++) {
             const int low = (qs[j] & 15) | (int)((qh >> j) & 1) << 4;
             const int high = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
-            o[j] = d * (float)(low - zero) + m;
-            o[j + 16] = d * (float)(high - zero) + m;
+            o[j] = L.min ? d * (float)low + m : d * (float)(low - zero);
+            o[j + 16] = L.min ? d * (float)high + m : d * (float)(high - zero);
         }
     }
 }

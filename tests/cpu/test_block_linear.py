@@ -1,0 +1,220 @@
+"""The products of ggml blocks (`decoderlm.cpu.block_linear`), each build (the CPU's own, AVX2,
+portable C) on every kept type: quantized weights within the rounding of the activations to
+e·(256 a + b) (|x − x̂| ≤ max|x| / (127 · 256) per block of 32) of the float64 product of the
+dequantized weights, float16/bfloat16 weights as close to float64 as F.linear; odd numbers of
+blocks, outputs and rows; the dequantizer bit-equal to `dequantize_rows`; BlockLinear sending a few
+rows to the kernels and many to a GEMM; the compiled decode step calling them and decoding the
+eager tokens; DECODERLM_CPU_ISA capping the build a process uses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.profiler import profile
+
+from decoderlm import DecoderLM, DecoderLMError, ModelConfig
+from decoderlm.cpu import block_linear, features
+from decoderlm.inference.generate import generate
+from decoderlm.quant.blocks import BLOCK_TYPES, BlockLinear, dequantize_rows, row_bytes
+
+needs_kernels = pytest.mark.skipif(not block_linear.available(), reason="no C/C++ compiler")
+QUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+LEVELS = {"Q8_0": 128, "Q4_0": 16, "Q4_1": 16, "Q5_0": 32, "Q5_1": 32}  # max |q − z|
+# (N, K, M): an odd number of blocks (the last stands alone), one block, outputs that are no
+# multiple of the threads' or rows' steps, one to more than MAX_ROWS rows of x.
+QUANTIZED_SHAPES = [(37, 96, 1), (64, 576, 3), (5, 32, 6), (33, 160, 17), (1, 64, 1)]
+FLOAT_SHAPES = [(37, 96, 1), (7, 37, 2), (3, 1, 1), (33, 100, 5)]  # K no multiple of 8 or 16
+VARIANTS = range(len(block_linear.VARIANTS))
+
+
+def test_the_kernels_number_the_types_as_the_blocks_do():
+    assert tuple(BLOCK_TYPES) == block_linear.TYPES
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
+    """n rows of k weights of `kind`: random integers, scales d and minimums m of either sign
+    and a few orders of magnitude (float weights: normal)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind in ("F16", "BF16"):
+        w = torch.randn(n, k, generator=g).to(torch.float16 if kind == "F16" else torch.bfloat16)
+        return w.view(torch.uint8).view(n, -1).clone()
+    blocks = torch.randint(0, 256, (n, row_bytes(kind, k)), dtype=torch.uint8, generator=g)
+    per_block = blocks.view(n, k // 32, BLOCK_TYPES[kind][1])
+    for at in (0, 2) if kind in ("Q4_1", "Q5_1") else (0,):
+        magnitude = 10.0 ** torch.randint(-3, 0, (1,), generator=g).item()
+        value = torch.randn(n, k // 32, generator=g) * magnitude
+        per_block[..., at : at + 2] = value.half().view(torch.uint8).view(n, k // 32, 2)
+    return blocks
+
+
+def activation_bound(kind: str, blocks: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """(M, N) bound on |y − x Ŵᵀ|: each block's inputs rounded by at most max|x| / (127 · 256),
+    plus float32 rounding of the products' terms (|d|·max|q − z| + |m|) |x_j|."""
+    n, k = blocks.shape[0], x.shape[-1]
+    w = dequantize_rows(blocks, kind, k).double().view(n, k // 32, 32)  # (N, B, 32)
+    xb = x.double().view(-1, k // 32, 32)  # (M, B, 32)
+    e = xb.abs().amax(-1) / (127 * 256)  # (M, B)
+    rounding = torch.einsum("mb,nb->mn", e, w.abs().sum(-1))
+    halves = blocks.view(n, k // 32, -1)[..., :4].contiguous().view(torch.float16).double()
+    scale = halves[..., 0].abs() * LEVELS[kind]  # (N, B)
+    if kind in ("Q4_1", "Q5_1"):
+        scale = scale + halves[..., 1].abs()
+    terms = torch.einsum("mb,nb->mn", xb.abs().sum(-1), scale)
+    return rounding + 64 * torch.finfo(torch.float32).eps * terms
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("kind", QUANTIZED)
+@pytest.mark.parametrize("n,k,m", QUANTIZED_SHAPES)
+def test_quantized_products_are_within_the_activations_rounding_of_float64(variant, kind, n, k, m):
+    blocks = random_blocks(kind, n, k, seed=n * k + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    x[:, ::7] *= 30  # outliers, as real activations have
+    exact = x.double() @ dequantize_rows(blocks, kind, k).double().T  # (M, N)
+    y = block_linear.linear(x, blocks, kind, variant)
+    bound = activation_bound(kind, blocks, x)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert ((y.double() - exact).abs() <= bound).all(), float(((y - exact).abs() / bound).max())
+    # the bound is tight enough to mean something: a wrong weight or scale is off by |y| itself
+    assert float(bound.max()) < 1e-2 * float(exact.abs().max())
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("kind", ["F16", "BF16"])
+@pytest.mark.parametrize("n,k,m", FLOAT_SHAPES)
+def test_float16_and_bfloat16_products_are_as_close_to_float64_as_f_linear(variant, kind, n, k, m):
+    blocks = random_blocks(kind, n, k, seed=n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+    w = dequantize_rows(blocks, kind, k)
+    exact = x.double() @ w.double().T
+    ulp = float(exact.abs().max()) * torch.finfo(torch.float32).eps
+    ours = float((block_linear.linear(x, blocks, kind, variant).double() - exact).abs().max())
+    theirs = float((F.linear(x, w).double() - exact).abs().max())
+    assert ours <= 2 * theirs + ulp, (ours, theirs)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["Q4_1", "BF16"])
+def test_bfloat16_activations_give_the_float32_product_rounded_once(kind):
+    blocks = random_blocks(kind, 40, 128, seed=1)
+    x = torch.randn(2, 3, 128).to(torch.bfloat16)
+    y = block_linear.linear(x, blocks, kind)
+    wide = block_linear.linear(x.float(), blocks, kind)  # x's bfloat16 values are exact in float32
+    assert y.shape == (2, 3, 40) and y.dtype == torch.bfloat16
+    assert torch.equal(y, wide.to(torch.bfloat16))
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("kind", BLOCK_TYPES)
+def test_the_dequantizer_is_bit_equal_to_dequantize_rows(variant, kind):
+    blocks = random_blocks(kind, 50, 160, seed=2)
+    expected = dequantize_rows(blocks, kind, 160)
+    rows = block_linear.dequantize(blocks, kind, 160, 7, 30, variant_index=variant)
+    assert torch.equal(rows.view(torch.int32), expected[7:37].view(torch.int32))
+    as_bf16 = block_linear.dequantize(blocks, kind, 160, 0, 50, torch.bfloat16, variant)
+    assert torch.equal(as_bf16, expected.to(torch.bfloat16))
+
+
+@needs_kernels
+def test_blocks_of_the_wrong_width_or_type_are_refused():
+    blocks = random_blocks("Q4_1", 4, 64, seed=0)
+    with pytest.raises(RuntimeError, match="blocks must be uint8"):
+        block_linear.linear(torch.randn(1, 96), blocks, "Q4_1")
+    with pytest.raises(RuntimeError, match="not whole blocks"):
+        block_linear.linear(torch.randn(1, 40), blocks, "Q4_1")
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        block_linear.linear(torch.randn(1, 64).half(), blocks, "Q4_1")
+
+
+def ops_called(fn) -> set[str]:
+    with profile() as prof:
+        fn()
+    return {event.key for event in prof.key_averages()}
+
+
+def block_model(kind: str = "Q4_1") -> DecoderLM:
+    """A tiny random model whose linear layers hold blocks of `kind` (quantized by gguf-py)."""
+    torch.manual_seed(0)
+    config = ModelConfig.from_preset("llama-tiny", vocab_size=97, d_model=64, n_layers=2, d_ff=192)
+    model = DecoderLM(config).eval()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                data = gguf.quants.quantize(
+                    child.weight.detach().numpy(), gguf.GGMLQuantizationType[kind]
+                )
+                blocks = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8))
+                blocks = blocks.view(child.out_features, -1)
+                setattr(
+                    parent,
+                    name,
+                    BlockLinear(child.in_features, child.out_features, kind, blocks=blocks),
+                )
+    return model
+
+
+@needs_kernels
+def test_a_block_linear_runs_a_few_rows_on_the_kernel_and_many_on_a_gemm():
+    layer = block_model().blocks[0].mlp.gate
+    few, many = torch.randn(block_linear.MAX_ROWS, 64), torch.randn(block_linear.MAX_ROWS + 1, 64)
+    with torch.no_grad():
+        assert "decoderlm::block_linear" in ops_called(lambda: layer(few))
+        called = ops_called(lambda: layer(many))
+        assert "decoderlm::block_dequantize" in called and "decoderlm::block_linear" not in called
+        weight = dequantize_rows(layer.blocks, "Q4_1", 64)
+        assert torch.equal(layer(many), F.linear(many, weight))
+
+
+@needs_kernels
+def test_the_compiled_decode_step_calls_the_block_kernels_and_decodes_the_eager_tokens():
+    model = block_model()
+    prompt = [[5, 17, 3, 42]]
+    eager = generate(model, prompt, 12, temperature=0)
+    compiled = generate(model, prompt, 12, temperature=0, compile=True)  # builds the step first
+    called = ops_called(lambda: generate(model, prompt, 12, temperature=0, compile=True))
+    assert "decoderlm::block_linear" in called
+    assert compiled == eager
+
+
+def test_an_unknown_isa_cap_is_a_one_line_error(monkeypatch):
+    monkeypatch.setenv(features.ISA_ENV, "avx3")
+    with pytest.raises(
+        DecoderLMError, match="DECODERLM_CPU_ISA='avx3' must be one of avx2, portable"
+    ):
+        features.cpu_flags()
+
+
+CAPPED = """
+import torch
+from decoderlm.cpu import block_linear, features
+blocks = torch.arange(4 * 20 * 2, dtype=torch.int64).remainder(251).to(torch.uint8).view(4, 40)
+blocks.view(4, 2, 20)[..., :4] = torch.tensor([0.01, -0.02]).half().view(torch.uint8)
+x = torch.linspace(-2, 3, 64).view(1, 64)
+print(block_linear.kernel_name("Q4_1"), "avx512f" in features.cpu_flags())
+print(block_linear.linear(x, blocks, "Q4_1").view(torch.int32).tolist())
+"""
+
+
+@needs_kernels
+@pytest.mark.parametrize("cap,variant,isa", [("avx2", 1, "AVX2"), ("portable", 0, "portable C")])
+def test_a_capped_process_runs_that_build_as_an_uncapped_one_does(tmp_path, cap, variant, isa):
+    # In a process of its own, which builds the kernels under the cap.
+    env = {**os.environ, features.ISA_ENV: cap}
+    done = subprocess.run([sys.executable, "-c", CAPPED], capture_output=True, text=True, env=env)
+    kernel, products = done.stdout.splitlines()
+    blocks = torch.arange(4 * 20 * 2, dtype=torch.int64).remainder(251).to(torch.uint8).view(4, 40)
+    blocks.view(4, 2, 20)[..., :4] = torch.tensor([0.01, -0.02]).half().view(torch.uint8)
+    here = block_linear.linear(torch.linspace(-2, 3, 64).view(1, 64), blocks, "Q4_1", variant)
+    assert kernel == f"Q4_1 {isa} False", done.stderr  # the build named, and no AVX-512 flags
+    assert products == str(here.view(torch.int32).tolist())
