@@ -1,10 +1,12 @@
-"""The products of ggml blocks (`decoderlm.cpu.block_linear`), each build (the CPU's own, AVX2,
-portable C) on every kept type: quantized weights within the rounding of the activations to
-e·(256 a + b) (|x − x̂| ≤ max|x| / (127 · 256) per block of 32) of the float64 product of the
-dequantized weights, float16/bfloat16 weights as close to float64 as F.linear; odd numbers of
-blocks, outputs and rows; the dequantizer bit-equal to `dequantize_rows`; BlockLinear sending a few
-rows to the kernels and many to a GEMM; the compiled decode step calling them and decoding the
-eager tokens; DECODERLM_CPU_ISA capping the build a process uses."""
+"""The products of ggml blocks and of decoderlm's own int8/int4/bf16 layers on the CPU kernels of
+`decoderlm.cpu.block_linear`, each build (the CPU's own, AVX2, portable C): ggml's quantized
+weights within the rounding of the activations to e·(256 a + b) (|x − x̂| ≤ max|x| / (127 · 256)
+per block of 32) of the float64 product of the dequantized weights; float16/bfloat16 weights and
+Int8Linear / Int4Linear as close to float64 as F.linear; odd numbers of blocks, inputs, outputs
+and rows; the dequantizer bit-equal to `dequantize_rows`; layers sending a few rows to the kernels
+and many to a GEMM; bfloat16 on a CPU without bfloat16 instructions computed in float32; the
+compiled decode step calling the kernels and decoding the eager tokens; DECODERLM_CPU_ISA capping
+the build a process uses."""
 
 from __future__ import annotations
 
@@ -21,9 +23,11 @@ from torch import nn
 from torch.profiler import profile
 
 from decoderlm import DecoderLM, DecoderLMError, ModelConfig
-from decoderlm.cpu import block_linear, features
+from decoderlm.cpu import block_linear, decode, features
 from decoderlm.inference.generate import generate
+from decoderlm.quant import Int4Linear, Int8Linear, quantize
 from decoderlm.quant.blocks import BLOCK_TYPES, BlockLinear, dequantize_rows, row_bytes
+from decoderlm.quant.linear import INT4_GROUP_SIZES
 
 needs_kernels = pytest.mark.skipif(not block_linear.available(), reason="no C/C++ compiler")
 QUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
@@ -143,11 +147,16 @@ def ops_called(fn) -> set[str]:
     return {event.key for event in prof.key_averages()}
 
 
-def block_model(kind: str = "Q4_1") -> DecoderLM:
-    """A tiny random model whose linear layers hold blocks of `kind` (quantized by gguf-py)."""
+def tiny_model() -> DecoderLM:
+    """A tiny random model whose layers' inputs are whole blocks of 32 and groups of 64."""
     torch.manual_seed(0)
     config = ModelConfig.from_preset("llama-tiny", vocab_size=97, d_model=64, n_layers=2, d_ff=192)
-    model = DecoderLM(config).eval()
+    return DecoderLM(config).eval()
+
+
+def block_model(kind: str = "Q4_1") -> DecoderLM:
+    """A tiny random model whose linear layers hold blocks of `kind` (quantized by gguf-py)."""
+    model = tiny_model()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
@@ -218,3 +227,77 @@ def test_a_capped_process_runs_that_build_as_an_uncapped_one_does(tmp_path, cap,
     here = block_linear.linear(torch.linspace(-2, 3, 64).view(1, 64), blocks, "Q4_1", variant)
     assert kernel == f"Q4_1 {isa} False", done.stderr  # the build named, and no AVX-512 flags
     assert products == str(here.view(torch.int32).tolist())
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("k", [576, 100, 37])
+def test_int8_linear_products_are_as_close_to_float64_as_f_linear(variant, k):
+    layer = Int8Linear.from_linear(nn.Linear(k, 70, generator_seed(k)))
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(k))
+    w = layer.dequantized()
+    exact = x.double() @ w.double().T
+    ulp = float(exact.abs().max()) * torch.finfo(torch.float32).eps
+    y = block_linear.int8_linear(x, layer.weight_q, layer.scale, variant)
+    ours, theirs = (float((t.double() - exact).abs().max()) for t in (y, F.linear(x, w)))
+    assert ours <= 2 * theirs + ulp, (ours, theirs)
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("group_size", INT4_GROUP_SIZES)
+@pytest.mark.parametrize("m", [1, 6])
+def test_int4_linear_products_are_as_close_to_float64_as_f_linear(variant, group_size, m):
+    layer = Int4Linear.from_linear(nn.Linear(256, 70, generator_seed(group_size)), group_size)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+    w = layer.dequantized()
+    exact = x.double() @ w.double().T
+    ulp = float(exact.abs().max()) * torch.finfo(torch.float32).eps
+    y = block_linear.int4_linear(x, layer.weight_q, layer.scale, layer.offset, group_size, variant)
+    ours, theirs = (float((t.double() - exact).abs().max()) for t in (y, F.linear(x, w)))
+    assert ours <= 2 * theirs + 2 * ulp, (ours, theirs)
+
+
+def generator_seed(seed: int) -> bool:
+    """nn.Linear's `bias` argument, with torch's global generator seeded first."""
+    torch.manual_seed(seed)
+    return False
+
+
+@needs_kernels
+@pytest.mark.parametrize("to", ["int8", "int4", "bf16"])
+def test_quantized_layers_run_a_few_rows_on_the_kernels_and_many_as_before(to):
+    model = quantize(tiny_model(), to=to)
+    layer = model.blocks[0].mlp.up
+    few, many = torch.randn(3, layer.in_features), torch.randn(40, layer.in_features)
+    with torch.no_grad():
+        kernel = "decoderlm::int_linear" if to != "bf16" else "decoderlm::block_linear"
+        assert kernel in ops_called(lambda: layer(few))
+        assert kernel not in ops_called(lambda: layer(many))
+        torch.testing.assert_close(layer(few), F.linear(few, layer.dequantized()))
+
+
+@needs_kernels
+def test_bfloat16_without_bfloat16_instructions_computes_in_float32(monkeypatch):
+    monkeypatch.setattr(decode, "_bf16_emulated", lambda: True)
+    w = torch.randn(48, 64).to(torch.bfloat16)
+    few, many = torch.randn(2, 64).to(torch.bfloat16), torch.randn(40, 64).to(torch.bfloat16)
+    with torch.no_grad(), decode.CPULinearKernels():
+        assert "decoderlm::block_linear" in ops_called(lambda: F.linear(few, w))
+        y_few, y_many = F.linear(few, w), F.linear(many, w)
+    for x, y in ((few, y_few), (many, y_many)):
+        float32 = (x.float() @ w.float().T).to(torch.bfloat16)  # one rounding of float32 sums
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y, float32, atol=0, rtol=2**-7)
+
+
+@needs_kernels
+def test_the_compiled_decode_step_of_an_int4_model_calls_the_kernel_and_decodes_the_eager_tokens():
+    model = quantize(tiny_model(), to="int4", group_size=32)
+    prompt = [[5, 17, 3, 42]]
+    eager = generate(model, prompt, 12, temperature=0)
+    compiled = generate(model, prompt, 12, temperature=0, compile=True)
+    assert "decoderlm::int_linear" in ops_called(
+        lambda: generate(model, prompt, 12, temperature=0, compile=True)
+    )
+    assert compiled == eager

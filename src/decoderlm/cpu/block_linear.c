@@ -302,55 +302,162 @@ INLINE void quant_rows(const int type, const Acts *acts, int64_t m0, const int r
 }
 #endif
 
-/* Float weights: y[r][n] = Σ_k x[r][k] W[n][k] for ROWS rows of x (float32), W float16 or bfloat16. */
-INLINE void float_rows(const int type, const float *x, int64_t m0, const int rows, const uint16_t *W,
-                       int64_t n, int64_t N, int64_t K, float *y) {
-    const uint16_t *w = W + n * K;
-    float out[MAX_ROWS];
+/* Weights widened to float32 and summed by FMA. `kind` F16 or BF16 (2 bytes a weight), or I8 (one
+ * int8: decoderlm.quant.Int8Linear's). */
+enum { I8 = 16 };
+
+INLINE float weight_at(const int kind, const void *w, int64_t k) {
+    if (kind == I8) return (float)((const int8_t *)w)[k];
+    const uint16_t bits = ((const uint16_t *)w)[k];
+    return kind == F16 ? half_to_float(bits) : bf16_to_float(bits);
+}
+
 #if ISA == 2
-    __m512 acc[MAX_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-        const __mmask16 mk = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);
-        const __m256i bits = _mm256_maskz_loadu_epi16(mk, w + k);
-        _mm_prefetch((const char *)(w + k) + PREFETCH_BYTES, _MM_HINT_T0);
-        const __m512 wv = type == F16 ? _mm512_cvtph_ps(bits)
-                                      : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-        for (int r = 0; r < rows; r++)
-            acc[r] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mk, x + (m0 + r) * K + k), acc[r]);
-    }
-    for (int r = 0; r < rows; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+/* Weights k .. k + 15 (m of them valid) as float32. */
+INLINE __m512 widen16(const int kind, const void *w, int64_t k, __mmask16 m) {
+    if (kind == I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, (const int8_t *)w + k)));
+    const __m256i bits = _mm256_maskz_loadu_epi16(m, (const uint16_t *)w + k);
+    return kind == F16 ? _mm512_cvtph_ps(bits) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+INLINE __mmask16 tail16(int64_t left) { return left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1); }
 #elif ISA == 1
-    __m256 acc[MAX_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+/* Weights k .. k + 7 as float32. */
+INLINE __m256 widen8(const int kind, const void *w, int64_t k) {
+    if (kind == I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)w + k))));
+    const __m128i bits = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + k));
+    return kind == F16 ? _mm256_cvtph_ps(bits) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+INLINE float hsum256(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+#endif
+
+/* out[r] = Σ_k x[r][k] w[k] for k in [0, K), w (K,) of `kind`, ROWS rows of x (float32, rows K
+ * apart). Two accumulators per row, over alternate vectors of k, hide the FMAs' latency. */
+INLINE void widened_dot(const int kind, const float *x, const int rows, const void *w, int64_t K, float *out) {
+#if ISA == 2
+    const int bytes = kind == I8 ? 1 : 2;
+    __m512 acc[2 * MAX_ROWS];
+    for (int r = 0; r < 2 * rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        const __mmask16 m0 = tail16(K - k), m1 = tail16(K - k - 16);
+        _mm_prefetch((const char *)w + k * bytes + PREFETCH_BYTES, _MM_HINT_T0);
+        const __m512 w0 = widen16(kind, w, k, m0), w1 = widen16(kind, w, k + 16, m1);
+        for (int r = 0; r < rows; r++) {
+            acc[2 * r] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(m0, x + r * K + k), acc[2 * r]);
+            acc[2 * r + 1] = _mm512_fmadd_ps(w1, _mm512_maskz_loadu_ps(m1, x + r * K + k + 16), acc[2 * r + 1]);
+        }
+    }
+    for (int r = 0; r < rows; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * r], acc[2 * r + 1]));
+#elif ISA == 1
+    const int bytes = kind == I8 ? 1 : 2;
+    __m256 acc[2 * MAX_ROWS];
+    for (int r = 0; r < 2 * rows; r++) acc[r] = _mm256_setzero_ps();
     int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-        const __m128i bits = _mm_loadu_si128((const __m128i *)(w + k));
-        _mm_prefetch((const char *)(w + k) + PREFETCH_BYTES, _MM_HINT_T0);
-        const __m256 wv = type == F16 ? _mm256_cvtph_ps(bits)
-                                      : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-        for (int r = 0; r < rows; r++)
-            acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (m0 + r) * K + k), acc[r]);
+    for (; k + 16 <= K; k += 16) {
+        _mm_prefetch((const char *)w + k * bytes + PREFETCH_BYTES, _MM_HINT_T0);
+        const __m256 w0 = widen8(kind, w, k), w1 = widen8(kind, w, k + 8);
+        for (int r = 0; r < rows; r++) {
+            acc[2 * r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K + k), acc[2 * r]);
+            acc[2 * r + 1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * K + k + 8), acc[2 * r + 1]);
+        }
     }
-    for (int r = 0; r < rows; r++) {
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        out[r] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-    }
+    for (int r = 0; r < rows; r++) out[r] = hsum256(_mm256_add_ps(acc[2 * r], acc[2 * r + 1]));
     for (; k < K; k++)
-        for (int r = 0; r < rows; r++)
-            out[r] += x[(m0 + r) * K + k] * (type == F16 ? half_to_float(w[k]) : bf16_to_float(w[k]));
+        for (int r = 0; r < rows; r++) out[r] += x[r * K + k] * weight_at(kind, w, k);
 #else
     float acc[MAX_ROWS][8] = {{0}};  /* eight partial sums per row, as eight SIMD lanes */
     for (int64_t k = 0; k < K; k++) {
-        const float wk = type == F16 ? half_to_float(w[k]) : bf16_to_float(w[k]);
-        for (int r = 0; r < rows; r++) acc[r][k % 8] += x[(m0 + r) * K + k] * wk;
+        const float wk = weight_at(kind, w, k);
+        for (int r = 0; r < rows; r++) acc[r][k % 8] += x[r * K + k] * wk;
     }
     for (int r = 0; r < rows; r++) {
         out[r] = 0.0f;
         for (int lane = 0; lane < 8; lane++) out[r] += acc[r][lane];
     }
 #endif
+}
+
+/* Float weights: y[r][n] = Σ_k x[r][k] W[n][k] for ROWS rows of x (float32), W float16 or bfloat16. */
+INLINE void float_rows(const int type, const float *x, int64_t m0, const int rows, const uint16_t *W,
+                       int64_t n, int64_t N, int64_t K, float *y) {
+    float out[MAX_ROWS];
+    widened_dot(type, x + m0 * K, rows, W + n * K, K, out);
+    for (int r = 0; r < rows; r++) y[(m0 + r) * N + n] = out[r];
+}
+
+/* Grouped int4 (decoderlm.quant.Int4Linear): byte j of a row holds q_2j (low nibble) and q_2j+1
+ * (high nibble), so x comes split into its even and odd inputs xe, xo (M, K/2), and group g of G
+ * inputs has scale s and offset o: out[r] = Σ_g s_g Σ_{k∈g} x_k q_k + o_g xs[r][g] (xs (M, K/G)
+ * the groups' sums of x). Even and odd inputs go to accumulators of their own. */
+INLINE void int4_dot(const float *xe, const float *xo, const float *xs, const int rows, const uint8_t *w,
+                     const float *scale, const float *offset, int64_t K, int64_t G, float *out) {
+    const int64_t groups = K / G;
+    for (int r = 0; r < rows; r++) out[r] = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        float part[MAX_ROWS];
+#if ISA == 2
+        __m512 even_acc[MAX_ROWS], odd_acc[MAX_ROWS];
+        for (int r = 0; r < rows; r++) even_acc[r] = odd_acc[r] = _mm512_setzero_ps();
+        for (int64_t j = g * G / 2; j < (g + 1) * G / 2; j += 16) {  /* 16 bytes: 32 weights */
+            _mm_prefetch((const char *)(w + j) + PREFETCH_BYTES, _MM_HINT_T0);
+            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + j)));
+            const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+            const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+            for (int r = 0; r < rows; r++) {
+                even_acc[r] = _mm512_fmadd_ps(even, _mm512_loadu_ps(xe + r * K / 2 + j), even_acc[r]);
+                odd_acc[r] = _mm512_fmadd_ps(odd, _mm512_loadu_ps(xo + r * K / 2 + j), odd_acc[r]);
+            }
+        }
+        for (int r = 0; r < rows; r++) part[r] = _mm512_reduce_add_ps(_mm512_add_ps(even_acc[r], odd_acc[r]));
+#elif ISA == 1
+        __m256 even_acc[MAX_ROWS], odd_acc[MAX_ROWS];
+        for (int r = 0; r < rows; r++) even_acc[r] = odd_acc[r] = _mm256_setzero_ps();
+        for (int64_t j = g * G / 2; j < (g + 1) * G / 2; j += 8) {  /* 8 bytes: 16 weights */
+            _mm_prefetch((const char *)(w + j) + PREFETCH_BYTES, _MM_HINT_T0);
+            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + j)));
+            const __m256 even = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+            const __m256 odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+            for (int r = 0; r < rows; r++) {
+                even_acc[r] = _mm256_fmadd_ps(even, _mm256_loadu_ps(xe + r * K / 2 + j), even_acc[r]);
+                odd_acc[r] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(xo + r * K / 2 + j), odd_acc[r]);
+            }
+        }
+        for (int r = 0; r < rows; r++) part[r] = hsum256(_mm256_add_ps(even_acc[r], odd_acc[r]));
+#else
+        float acc[MAX_ROWS][8] = {{0}};  /* eight partial sums per row, as eight SIMD lanes */
+        for (int64_t j = g * G / 2; j < (g + 1) * G / 2; j++)
+            for (int r = 0; r < rows; r++) {
+                acc[r][j % 8] += xe[r * K / 2 + j] * (float)(w[j] & 15);
+                acc[r][j % 8] += xo[r * K / 2 + j] * (float)(w[j] >> 4);
+            }
+        for (int r = 0; r < rows; r++) {
+            part[r] = 0.0f;
+            for (int lane = 0; lane < 8; lane++) part[r] += acc[r][lane];
+        }
+#endif
+        for (int r = 0; r < rows; r++) out[r] += scale[g] * part[r] + offset[g] * xs[r * groups + g];
+    }
+}
+
+/* decoderlm.quant's own layouts: Int8Linear (bits 8: y = s_n Σ_k x_k q_nk, one scale per row) and
+ * Int4Linear (bits 4: `int4_dot`). */
+INLINE void int_rows(const int bits, const float *x, const float *xe, const float *xo, const float *xs, int64_t m0,
+                     const int rows, const uint8_t *W, const float *scale, const float *offset, int64_t n, int64_t N,
+                     int64_t K, int64_t G, float *y) {
+    float out[MAX_ROWS];
+    if (bits == 8) {
+        widened_dot(I8, x + m0 * K, rows, W + n * K, K, out);
+        for (int r = 0; r < rows; r++) out[r] *= scale[n];
+    } else {
+        const int64_t groups = K / G;
+        int4_dot(xe + m0 * K / 2, xo + m0 * K / 2, xs + m0 * groups, rows, W + n * K / 2, scale + n * groups,
+                 offset + n * groups, K, G, out);
+    }
     for (int r = 0; r < rows; r++) y[(m0 + r) * N + n] = out[r];
 }
 
@@ -392,6 +499,19 @@ static void float_kernel(const int type, const float *x, int64_t M, const uint16
 /* The instruction set this build's kernels use: 2 AVX-512 VNNI, 1 AVX2, 0 portable C. */
 int FN(block_linear_isa)(void) { return ISA; }
 
+/* x (M, K) float32, or bfloat16 (x_bf16) widened into `wide` (M · K floats). */
+static const float *widened(const void *x, int x_bf16, int64_t M, int64_t K, float *wide) {
+    if (!x_bf16) return x;
+    for (int64_t i = 0; i < M * K; i++) wide[i] = bf16_to_float(((const uint16_t *)x)[i]);
+    return wide;
+}
+
+/* y (M, N) in x's dtype from the float32 products `out`: rounded once to bfloat16 where y_bf16. */
+static void store(const float *out, int y_bf16, int64_t count, void *y) {
+    if (y_bf16)
+        for (int64_t i = 0; i < count; i++) ((uint16_t *)y)[i] = float_to_bf16(out[i]);
+}
+
 /* y (M, N) = x (M, K) Ŵᵀ, Ŵ (N, K) in blocks of `type`; x and y float32, or bfloat16 where x_bf16
  * (y rounded once). K a multiple of 32 for the quantized types. Returns −1 where the memory for the
  * quantized (or widened) activations and the float32 products cannot be had, else 0. */
@@ -404,13 +524,7 @@ int FN(block_linear)(int type, const void *x, int x_bf16, int64_t M, const uint8
     if (buffer == NULL) return -1;
     float *out = x_bf16 ? (float *)(buffer + acts_bytes) : y;
     if (floats) {
-        const float *xf = x;
-        if (x_bf16) {
-            float *wide = (float *)buffer;
-            for (int64_t i = 0; i < M * K; i++) wide[i] = bf16_to_float(((const uint16_t *)x)[i]);
-            xf = wide;
-        }
-        float_kernel(type, xf, M, (const uint16_t *)W, N, K, out);
+        float_kernel(type, widened(x, x_bf16, M, K, (float *)buffer), M, (const uint16_t *)W, N, K, out);
     } else {
         Acts acts;
         quantize_acts(x, x_bf16, M, K, buffer, &acts);
@@ -422,8 +536,34 @@ int FN(block_linear)(int type, const void *x, int x_bf16, int64_t M, const uint8
             case Q5_1: quant_Q5_1(&acts, M, W, N, K, out); break;
         }
     }
-    if (x_bf16)
-        for (int64_t i = 0; i < M * N; i++) ((uint16_t *)y)[i] = float_to_bf16(out[i]);
+    store(out, x_bf16, M * N, y);
+    free(buffer);
+    return 0;
+}
+
+/* y (M, N) = x (M, K) Ŵᵀ for decoderlm.quant's Int8Linear (bits 8: W int8 (N, K), scale (N,),
+ * offset NULL, G = K) and Int4Linear (bits 4: W (N, K/2), scale and offset (N, K/G)); x and y
+ * float32, or bfloat16 where x_bf16. Returns −1 without the memory for the widened x, else 0. */
+int FN(int_linear)(int bits, const void *x, int x_bf16, int64_t M, const uint8_t *W, const float *scale,
+                   const float *offset, int64_t G, int64_t N, int64_t K, void *y) {
+    const size_t split = bits == 4 ? sizeof(float) * (M * K + M * K / G) : 0;
+    const size_t wide = x_bf16 ? sizeof(float) * M * K : 0, out_bytes = x_bf16 ? sizeof(float) * M * N : 0;
+    char *buffer = malloc(split + wide + out_bytes + 1);
+    if (buffer == NULL) return -1;
+    const float *xf = widened(x, x_bf16, M, K, (float *)(buffer + split));
+    float *out = x_bf16 ? (float *)(buffer + split + wide) : y;
+    float *xe = (float *)buffer, *xo = xe + M * K / 2, *xs = xo + M * K / 2;
+    if (bits == 4) {
+        for (int64_t i = 0; i < M * K / 2; i++) xe[i] = xf[2 * i], xo[i] = xf[2 * i + 1];
+        for (int64_t g = 0; g < M * K / G; g++) {
+            float sum = 0.0f;
+            for (int64_t k = g * G; k < (g + 1) * G; k++) sum += xf[k];
+            xs[g] = sum;
+        }
+    }
+#define INT_ROWS(m0, rows) int_rows(bits, xf, xe, xo, xs, m0, rows, W, scale, offset, n, N, K, G, out)
+    FOR_OUTPUT_ROWS(INT_ROWS)
+    store(out, x_bf16, M * N, y);
     free(buffer);
     return 0;
 }

@@ -62,6 +62,10 @@ _OPS.define(
     "block_dequantize(Tensor blocks, int ggml_type, int k, int start, int rows, bool bf16, "
     "int variant) -> Tensor"
 )
+_OPS.define(
+    "int_linear(Tensor x, Tensor weight_q, Tensor scale, Tensor? offset, int bits, int group, "
+    "int variant) -> Tensor"
+)
 
 
 def _sources() -> list[native.Source]:
@@ -123,11 +127,11 @@ def few_rows(x: Tensor) -> bool:
     return guard_or_false(math.prod(x.shape[:-1]) <= MAX_ROWS)
 
 
-def handles(x: Tensor, blocks: Tensor) -> bool:
-    """Whether x Ŵᵀ goes to `linear`: at most MAX_ROWS rows on the CPU, float32 or bfloat16, no
-    gradient to x, and the kernels built."""
-    needs_grad = torch.is_grad_enabled() and x.requires_grad
-    cpu = x.device.type == "cpu" and blocks.device.type == "cpu"
+def handles(x: Tensor, weight: Tensor) -> bool:
+    """Whether x Ŵᵀ goes to `linear` or `int_linear`: at most MAX_ROWS rows on the CPU, float32
+    or bfloat16, no gradient to x or the weight, and the kernels built."""
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    cpu = x.device.type == "cpu" and weight.device.type == "cpu"
     dtype = x.dtype in (torch.float32, torch.bfloat16)
     return cpu and dtype and not needs_grad and few_rows(x) and available()
 
@@ -157,6 +161,34 @@ def dequantize(
     )
 
 
+def int8_linear(
+    x: Tensor, weight_q: Tensor, scale: Tensor, variant_index: int | None = None
+) -> Tensor:
+    """(x qᵀ)_n · s_n of `decoderlm.quant.Int8Linear`: x (..., K) float32 or bfloat16, weight_q
+    (N, K) int8, scale (N,) → (..., N) in x's dtype; the int8 widened to float32 (exact), the
+    products summed by FMA."""
+    chosen = variant() if variant_index is None else _loaded(variant_index)
+    k = weight_q.shape[1]
+    return torch.ops.decoderlm.int_linear(x, weight_q, scale.float(), None, 8, k, chosen)
+
+
+def int4_linear(
+    x: Tensor,
+    weight_q: Tensor,
+    scale: Tensor,
+    offset: Tensor,
+    group_size: int,
+    variant_index: int | None = None,
+) -> Tensor:
+    """x Ŵᵀ of `decoderlm.quant.Int4Linear`, Ŵ_nk = s_ng q_nk + m_ng: x (..., K) float32 or
+    bfloat16, weight_q (N, K/2) uint8 (q_2j in byte j's low nibble, q_2j+1 in its high one), scale
+    and offset (N, K/group_size) → (..., N) in x's dtype:
+    Σ_g s_ng Σ_{k∈g} x_k q_nk + m_ng Σ_{k∈g} x_k, the integers widened to float32."""
+    chosen = variant() if variant_index is None else _loaded(variant_index)
+    s, m = scale.float(), offset.float()
+    return torch.ops.decoderlm.int_linear(x, weight_q, s, m, 4, group_size, chosen)
+
+
 @torch.library.register_fake("decoderlm::block_linear", lib=_OPS)
 def _(x: Tensor, blocks: Tensor, ggml_type: int, variant: int) -> Tensor:
     return x.new_empty((*x.shape[:-1], blocks.shape[0]))
@@ -167,3 +199,16 @@ def _(
     blocks: Tensor, ggml_type: int, k: int, start: int, rows: int, bf16: bool, variant: int
 ) -> Tensor:
     return blocks.new_empty((rows, k), dtype=torch.bfloat16 if bf16 else torch.float32)
+
+
+@torch.library.register_fake("decoderlm::int_linear", lib=_OPS)
+def _(
+    x: Tensor,
+    weight_q: Tensor,
+    scale: Tensor,
+    offset: Tensor | None,
+    bits: int,
+    group: int,
+    variant: int,
+) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight_q.shape[0]))
