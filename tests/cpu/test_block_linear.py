@@ -186,6 +186,29 @@ def test_a_block_linear_runs_a_few_rows_on_the_kernel_and_many_on_a_gemm():
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_op_given_many_rows_runs_a_gemm_on_the_dequantized_weight(dtype):
+    blocks = random_blocks("Q5_1", 70_000, 64, seed=3)  # more rows than one chunk dequantizes
+    x = torch.randn(block_linear.MAX_ROWS + 3, 64).to(dtype)
+    weight = dequantize_rows(blocks, "Q5_1", 64).to(dtype)
+    y = block_linear.linear(x, blocks, "Q5_1")
+    assert y.dtype == dtype
+    torch.testing.assert_close(y, F.linear(x, weight))
+
+
+@needs_kernels
+def test_a_symbolic_number_of_rows_is_traced_to_the_op():
+    layer = block_model().blocks[0].mlp.gate
+    batch = torch.export.Dim("batch", min=2, max=64)
+    with torch.no_grad():
+        program = torch.export.export(layer, (torch.randn(4, 64),), dynamic_shapes=({0: batch},))
+        assert "block_linear" in program.graph_module.code
+        for rows in (3, 40):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(program.module()(x), layer(x))
+
+
+@needs_kernels
 def test_the_compiled_decode_step_calls_the_block_kernels_and_decodes_the_eager_tokens():
     model = block_model()
     prompt = [[5, 17, 3, 42]]

@@ -15,9 +15,11 @@ against one int8's 45.2 µs; weights dequantized to floats in registers and summ
 but for the order of the sums, took 65.3 µs). F16 and BF16 weights are widened to float32 and
 summed by FMA.
 
-Many rows (a prompt's prefill) go to a GEMM instead: `dequantize` (decoderlm::block_dequantize)
-writes the weights' floats with the same C code, and the caller multiplies them with PyTorch's
-matmul (oneDNN or MKL), as many rows amortize the dequantization.
+Many rows (a prompt's prefill) go to a GEMM instead, as many rows amortize the dequantization:
+`dequantize` (decoderlm::block_dequantize) writes the weights' floats with the same C code for the
+caller to multiply (`decoderlm.quant.BlockLinear` does, with F.linear, where the number of rows
+is known); `linear` itself, given more than MAX_ROWS rows (a batch size left symbolic in a
+compiled library), dequantizes a chunk of rows at a time and multiplies it by aten::matmul.
 
 `block_linear.c` is built three times (`decoderlm.cpu.native`): for this CPU (`-march=native`:
 AVX-512 VNNI code where the CPU has it), for AVX2 (`-mno-avx512f`) and as portable C
@@ -36,7 +38,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import guard_or_false
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from decoderlm.cpu import features, native
 
@@ -122,18 +124,29 @@ def kernel_name(ggml_type: str) -> str:
 
 
 def few_rows(x: Tensor) -> bool:
-    """Whether x (..., K) holds at most MAX_ROWS rows; False, and no guard, where that rests on
-    a symbolic batch size."""
-    return guard_or_false(math.prod(x.shape[:-1]) <= MAX_ROWS)
+    """Whether x (..., K) holds at most MAX_ROWS rows; False, and no guard, where a symbolic
+    batch size leaves it open."""
+    return statically_known_true(math.prod(x.shape[:-1]) <= MAX_ROWS)
 
 
-def handles(x: Tensor, weight: Tensor) -> bool:
-    """Whether x Ŵᵀ goes to `linear` or `int_linear`: at most MAX_ROWS rows on the CPU, float32
-    or bfloat16, no gradient to x or the weight, and the kernels built."""
+def many_rows(x: Tensor) -> bool:
+    """Whether x (..., K) holds more than MAX_ROWS rows; False, and no guard, where a symbolic
+    batch size leaves it open."""
+    return statically_known_true(math.prod(x.shape[:-1]) > MAX_ROWS)
+
+
+def runs(x: Tensor, weight: Tensor) -> bool:
+    """Whether the kernels take x and the weight: on the CPU, x float32 or bfloat16, no gradient
+    to either, and the kernels built."""
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     cpu = x.device.type == "cpu" and weight.device.type == "cpu"
     dtype = x.dtype in (torch.float32, torch.bfloat16)
-    return cpu and dtype and not needs_grad and few_rows(x) and available()
+    return cpu and dtype and not needs_grad and available()
+
+
+def handles(x: Tensor, weight: Tensor) -> bool:
+    """Whether x Ŵᵀ goes to a kernel for a few rows: `runs`, and at most MAX_ROWS rows."""
+    return few_rows(x) and runs(x, weight)
 
 
 def linear(x: Tensor, blocks: Tensor, ggml_type: str, variant_index: int | None = None) -> Tensor:

@@ -7,6 +7,7 @@
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -62,11 +63,37 @@ Tensor checked_blocks(Tensor blocks, int64_t type, int64_t k, int64_t variant) {
   return blocks.is_contiguous() ? blocks : torch::stable::contiguous(blocks);
 }
 
+// Rows of x up to which the product runs on the block kernel (block_linear.py's MAX_ROWS); more
+// go to `gemm`.
+constexpr int64_t MAX_KERNEL_ROWS = 16;
+constexpr int64_t CHUNK_WEIGHTS = int64_t{1} << 22;  // weights dequantized at a time (quant/blocks.py)
+
+// y (M, N) = x (M, K) Ŵᵀ by aten::matmul on Ŵ dequantized CHUNK_WEIGHTS at a time, in x's dtype.
+void gemm(Tensor x, Tensor blocks, int64_t type, int64_t variant, Tensor y) {
+  const int64_t K = x.size(1), N = blocks.size(0), rows = std::max<int64_t>(1, CHUNK_WEIGHTS / K);
+  const bool bf16 = x.scalar_type() == ScalarType::BFloat16;
+  for (int64_t start = 0; start < N; start += rows) {
+    const int64_t count = std::min(rows, N - start);
+    std::vector<int64_t> shape = {count, K};
+    Tensor w = torch::stable::new_empty(x, shape);
+    DEQUANTIZE[variant](static_cast<int>(type), static_cast<const uint8_t *>(blocks.data_ptr()), start, count, K,
+                        w.data_ptr(), bf16 ? 1 : 0);
+    Tensor part = torch::stable::matmul(x, torch::stable::transpose(w, 0, 1));  // (M, count)
+    Tensor columns = torch::stable::narrow(y, 1, start, count);
+    torch::stable::copy_(columns, part);
+  }
+}
+
 Tensor block_linear(Tensor x, Tensor blocks, int64_t type, int64_t variant) {
   const int64_t K = x.dim() ? x.size(x.dim() - 1) : 0, M = K ? x.numel() / K : 0;
   blocks = checked_blocks(blocks, type, K, variant);
   Tensor y = output_for(x, blocks.size(0));
   if (M == 0 || blocks.size(0) == 0) return y;
+  if (M > MAX_KERNEL_ROWS) {
+    std::vector<int64_t> rows_x = {M, K}, rows_y = {M, blocks.size(0)};
+    gemm(torch::stable::view(x, rows_x), blocks, type, variant, torch::stable::view(y, rows_y));
+    return y;
+  }
   const int bf16 = x.scalar_type() == ScalarType::BFloat16;
   const int status = LINEAR[variant](static_cast<int>(type), x.data_ptr(), bf16, M,
                                      static_cast<const uint8_t *>(blocks.data_ptr()), blocks.size(0), K, y.data_ptr());

@@ -149,7 +149,8 @@ class BlockLinear(QuantizedLinear):
         """x·Ŵᵀ (..., in_features) → (..., out_features): a few rows by the block kernels of
         `decoderlm.cpu.block_linear`; more by F.linear on Ŵ dequantized CHUNK_WEIGHTS at a time
         (a vocabulary-sized head would otherwise be made whole, in floats, at every step)."""
-        if block_linear.handles(x, self.blocks):
+        if block_linear.runs(x, self.blocks) and not block_linear.many_rows(x):
+            # a few rows, or a number left symbolic (the op picks the kernel or a GEMM then)
             return block_linear.linear(x, self.blocks, self.ggml_type)
         rows = max(1, CHUNK_WEIGHTS // self.in_features)
         k, kind = self.in_features, self.ggml_type
