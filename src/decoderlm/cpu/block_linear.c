@@ -52,9 +52,10 @@ static const Layout LAYOUTS[] = {
     [Q5_0] = {22, 6, 2, 0, 4},  [Q5_1] = {24, 8, 4, 1, 0},
 };
 
-/* Prefetch distance along a row of blocks: the hardware prefetcher ramps up too slowly on
- * matrices of a few hundred KB (as in gemv.c). */
-#define PREFETCH_BYTES 1024
+/* Prefetch distance along the weights (rows lie one after the other): the hardware prefetcher ramps
+ * up too slowly on matrices of a few hundred KB (as in gemv.c). Between 1 and 6 KiB the model's
+ * products ran alike (within a loaded machine's noise); 256 bytes was slower. */
+#define PREFETCH_BYTES 3072
 
 INLINE float half_to_float(uint16_t h) {
 #if ISA > 0
