@@ -131,6 +131,18 @@ def test_the_dequantizer_is_bit_equal_to_dequantize_rows(variant, kind):
 
 
 @needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_activation_makes_its_rows_products_non_finite(variant, bad):
+    blocks = random_blocks("Q4_0", 8, 64, seed=4)
+    x = torch.randn(2, 64)
+    x[0, 40] = bad
+    y = block_linear.linear(x, blocks, "Q4_0", variant)
+    assert not y[0].isfinite().any() and y[1].isfinite().all()
+    assert bad == bad or y[0].isnan().all()  # a NaN stays NaN (an inf gives ±inf or NaN)
+
+
+@needs_kernels
 def test_blocks_of_the_wrong_width_or_type_are_refused():
     blocks = random_blocks("Q4_1", 4, 64, seed=0)
     with pytest.raises(RuntimeError, match="blocks must be uint8"):

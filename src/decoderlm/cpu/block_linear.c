@@ -109,12 +109,17 @@ static void quantize_acts(const void *x, int x_bf16, int64_t M, int64_t K, void 
     acts->b = acts->a + M * K;
     for (int64_t blk = 0; blk < M * K / 32; blk++) {
         float v[32], amax = 0.0f;
+        int nan = 0;
         for (int j = 0; j < 32; j++) {
             const int64_t i = blk * 32 + j;
             v[j] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
             amax = fmaxf(amax, fabsf(v[j]));
+            union { float f; uint32_t u; } bits = {v[j]};
+            nan |= (bits.u & 0x7fffffffu) > 0x7f800000u;  /* (-ffast-math drops v != v) */
         }
-        const float e = amax / (127.0f * 256.0f), inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const union { uint32_t u; float f; } quiet_nan = {0x7fc00000u};
+        /* a NaN input makes its block's scale NaN, so that it reaches y as it would in floats */
+        const float e = nan ? quiet_nan.f : amax / (127.0f * 256.0f), inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         int8_t *a = acts->a + blk * 32, *b = acts->b + blk * 32;
         for (int j = 0; j < 32; j++) {
             const float scaled = v[j] * inv;  /* x / 256e ∈ [−127, 127] */
