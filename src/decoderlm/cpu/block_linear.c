@@ -90,22 +90,29 @@ INLINE uint16_t load16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return 
 INLINE uint32_t load32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 
 /* The quantized activations of M rows (x_j ≈ e (256 a_j + b_j), file comment), K a multiple of 32.
- * Per row: a, b (K,) int8; and per "lane" of four consecutive inputs (K/4 of them, eight per
- * block): e of the lane's block, the float sum of the lane's four x_j, and Σ (256 a_j + b_j) over
- * the four. The lanes are the int32 lanes of the dot products. */
+ * Per row: a, b (K,) int8; per "lane" of four consecutive inputs (K/4 of them, eight per block,
+ * the int32 lanes of AVX-512's dot products): e of the lane's block, the float sum of the lane's
+ * four x_j, and Σ (256 a_j + b_j) over the four; per block (K/32, for AVX2's code): e, and the
+ * pair (e Σ_j (256 a_j + b_j), Σ_j x_j). */
 typedef struct {
     int8_t *a, *b;
     float *e, *sum;
     int32_t *ab;
+    float *block_e, *block_sums;
 } Acts;
 
-/* x (M, K) float32 or bfloat16 → the quantized activations, in `buffer` (M · K · 5 bytes). */
+/* Bytes of the buffer `quantize_acts` fills for M rows of K inputs. */
+#define ACTS_BYTES(M, K) ((size_t)((M) * (K)) * 5 + sizeof(float) * (size_t)((M) * (K) / 32) * 3)
+
+/* x (M, K) float32 or bfloat16 → the quantized activations, in `buffer` (ACTS_BYTES). */
 static void quantize_acts(const void *x, int x_bf16, int64_t M, int64_t K, void *buffer, Acts *acts) {
-    const int64_t lanes = M * K / 4;
+    const int64_t lanes = M * K / 4, blocks = M * K / 32;
     acts->e = buffer;
     acts->sum = acts->e + lanes;
     acts->ab = (int32_t *)(acts->sum + lanes);
-    acts->a = (int8_t *)(acts->ab + lanes);
+    acts->block_e = (float *)(acts->ab + lanes);
+    acts->block_sums = acts->block_e + blocks;
+    acts->a = (int8_t *)(acts->block_sums + 2 * blocks);
     acts->b = acts->a + M * K;
     for (int64_t blk = 0; blk < M * K / 32; blk++) {
         float v[32], amax = 0.0f;
@@ -128,6 +135,8 @@ static void quantize_acts(const void *x, int x_bf16, int64_t M, int64_t K, void 
             a[j] = (int8_t)high;
             b[j] = (int8_t)fminf(fmaxf(low, -127.0f), 127.0f);
         }
+        float block_sum = 0.0f;
+        int32_t block_ab = 0;
         for (int lane = 0; lane < 8; lane++) {
             float sum = 0.0f;
             int32_t ab = 0;
@@ -138,7 +147,12 @@ static void quantize_acts(const void *x, int x_bf16, int64_t M, int64_t K, void 
             acts->e[blk * 8 + lane] = e;
             acts->sum[blk * 8 + lane] = sum;
             acts->ab[blk * 8 + lane] = ab;
+            block_sum += sum;
+            block_ab += ab;
         }
+        acts->block_e[blk] = e;
+        acts->block_sums[2 * blk] = e * (float)block_ab;
+        acts->block_sums[2 * blk + 1] = block_sum;
     }
 }
 
@@ -235,39 +249,61 @@ INLINE __m256i unpack_block(const int type, const uint8_t *blk) {
     return v;
 }
 
+/* Σ over one block of u_j (256 a_j + b_j) in eight int32 lanes (u: `unpack_block`; for Q8_0 |w|,
+ * the activations taking the sign of w). Pairs of products in int16 (|·| ≤ 2 · 128 · 127), then
+ * pairs of pairs in int32. */
+INLINE __m256i block_dot(const int type, __m256i u, __m256i w, const int8_t *a, const int8_t *b) {
+    __m256i av = _mm256_loadu_si256((const __m256i *)a), bv = _mm256_loadu_si256((const __m256i *)b);
+    if (type == Q8_0) av = _mm256_sign_epi8(av, w), bv = _mm256_sign_epi8(bv, w);
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, av), _mm256_set1_epi16(256)),
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(u, bv), _mm256_set1_epi16(1)));
+}
+
+/* Two blocks at a time: their scales and minimums converted together ([d0, m0, d1, m1]), the zero
+ * point's and the minimum's terms of both summed in one 4-lane FMA with the activations' per-block
+ * (e Σ (256 a + b), Σ x): d0 (−z e0 Σ0) + m0 Σx0 + d1 (…) + m1 (…). (Against one block at a time
+ * with each term in 8 lanes: 43.8 µs against 53.0 for a 1536 × 576 Q4_1 product, Q4_0 and Q8_0
+ * alike; one thread of a loaded Sapphire Rapids running this AVX2 code.) */
 INLINE void quant_rows(const int type, const Acts *acts, int64_t m0, const int rows, const uint8_t *W,
                        int64_t n, int64_t N, int64_t K, float *y) {
     const Layout L = LAYOUTS[type];
     const int64_t nb = K / 32;
     const uint8_t *row = W + n * nb * L.bytes;
-    const __m256i ones = _mm256_set1_epi16(1), high = _mm256_set1_epi16(256);
-    __m256 acc[MAX_ROWS], accm[MAX_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = accm[r] = _mm256_setzero_ps();
-    for (int64_t blk = 0; blk < nb; blk++) {
-        const uint8_t *b0 = row + blk * L.bytes;
+    const float zero = type == Q8_0 || !L.zero_shift ? 0.0f : (float)(1 << L.zero_shift);
+    const __m128 terms = _mm_setr_ps(-zero, L.min ? 1.0f : 0.0f, -zero, L.min ? 1.0f : 0.0f);
+    __m256 acc[MAX_ROWS];
+    __m128 acc4[MAX_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps(), acc4[r] = _mm_setzero_ps();
+    for (int64_t blk = 0; blk < nb; blk += 2) {
+        const int pair = blk + 1 < nb;  /* the last block of an odd row stands alone */
+        const uint8_t *b0 = row + blk * L.bytes, *b1 = b0 + L.bytes;
         _mm_prefetch((const char *)b0 + PREFETCH_BYTES, _MM_HINT_T0);
-        __m256i u = unpack_block(type, b0);
-        const __m256i w = u;
-        if (type == Q8_0) u = _mm256_sign_epi8(w, w);  /* |w|; the activations take w's sign */
-        const __m256 d = _mm256_set1_ps(half_to_float(load16(b0)));
-        const __m256 m = L.min ? _mm256_set1_ps(half_to_float(load16(b0 + 2))) : _mm256_setzero_ps();
+        /* [d0, m0, d1, m1]; an _0 type's bytes 2-3 are not a minimum: cleared */
+        __m128i halves = _mm_insert_epi32(_mm_cvtsi32_si128((int)load32(b0)), pair ? (int)load32(b1) : 0, 1);
+        if (!L.min) halves = _mm_and_si128(halves, _mm_set1_epi32(0xffff));
+        const __m128 dm = _mm_cvtph_ps(halves), dm_terms = _mm_mul_ps(dm, terms);
+        const __m256i w0 = unpack_block(type, b0), w1 = pair ? unpack_block(type, b1) : _mm256_setzero_si256();
+        const __m256i u0 = type == Q8_0 ? _mm256_sign_epi8(w0, w0) : w0;
+        const __m256i u1 = type == Q8_0 ? _mm256_sign_epi8(w1, w1) : w1;
         for (int r = 0; r < rows; r++) {
-            const int64_t q = (m0 + r) * K + blk * 32, lane = q / 4;
-            __m256i a = _mm256_loadu_si256((const __m256i *)(acts->a + q));
-            __m256i b = _mm256_loadu_si256((const __m256i *)(acts->b + q));
-            if (type == Q8_0) { a = _mm256_sign_epi8(a, w); b = _mm256_sign_epi8(b, w); }
-            /* pairs of products in int16 (|·| ≤ 2 · 128 · 127), then pairs of pairs in int32 */
-            __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, a), high),
-                                           _mm256_madd_epi16(_mm256_maddubs_epi16(u, b), ones));
-            if (L.zero_shift && type != Q8_0)
-                dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(acts->ab + lane)), L.zero_shift));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_loadu_ps(acts->e + lane)), acc[r]);
-            if (L.min) accm[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(acts->sum + lane), accm[r]);
+            const int64_t q = (m0 + r) * K + blk * 32, at = q / 32;
+            const __m128 e = pair ? _mm_castpd_ps(_mm_load_sd((const double *)(acts->block_e + at)))
+                                  : _mm_load_ss(acts->block_e + at);
+            const __m128 de = _mm_mul_ps(dm, _mm_unpacklo_ps(e, e));  /* [d0 e0, ·, d1 e1, ·] */
+            const __m128 sums = pair ? _mm_loadu_ps(acts->block_sums + 2 * at)
+                                     : _mm_castpd_ps(_mm_load_sd((const double *)(acts->block_sums + 2 * at)));
+            acc4[r] = _mm_fmadd_ps(dm_terms, sums, acc4[r]);
+            const __m256i dot0 = block_dot(type, u0, w0, acts->a + q, acts->b + q);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot0), _mm256_broadcastss_ps(de), acc[r]);
+            if (pair) {
+                const __m256i dot1 = block_dot(type, u1, w1, acts->a + q + 32, acts->b + q + 32);
+                const __m128 de1 = _mm_movehl_ps(de, de);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), _mm256_broadcastss_ps(de1), acc[r]);
+            }
         }
     }
     for (int r = 0; r < rows; r++) {
-        const __m256 s = _mm256_add_ps(acc[r], accm[r]);
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+        __m128 h = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1)), acc4[r]);
         h = _mm_add_ps(h, _mm_movehl_ps(h, h));
         h = _mm_add_ss(h, _mm_movehdup_ps(h));
         y[(m0 + r) * N + n] = _mm_cvtss_f32(h);
@@ -524,7 +560,7 @@ static void store(const float *out, int y_bf16, int64_t count, void *y) {
 int FN(block_linear)(int type, const void *x, int x_bf16, int64_t M, const uint8_t *W, int64_t N,
                      int64_t K, void *y) {
     const int floats = type == F16 || type == BF16;
-    const size_t acts_bytes = floats ? (x_bf16 ? sizeof(float) * M * K : 0) : (size_t)(M * K * 5);
+    const size_t acts_bytes = floats ? (x_bf16 ? sizeof(float) * M * K : 0) : ACTS_BYTES(M, K);
     const size_t out_bytes = x_bf16 ? sizeof(float) * M * N : 0;
     char *buffer = malloc(acts_bytes + out_bytes + 1);
     if (buffer == NULL) return -1;
