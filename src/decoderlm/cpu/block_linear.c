@@ -13,8 +13,10 @@
  * vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd), and scaled once by d · e in float32:
  *     y = Σ_blocks d e (Σ_j (q_j − z) (256 a_j + b_j)) + m Σ_j x_j
  * (z the type's zero point, m the _1 types' minimum, Σ_j x_j the float sum of the block's inputs).
- * The SIMD code feeds the integers as unsigned bytes (Q8_0's as q + 128, z = 128) and subtracts
- * z Σ_j (256 a_j + b_j) after. F16 and BF16 weights are widened to float32 and summed by FMA. */
+ * The SIMD code feeds the integers as unsigned bytes (AVX-512's Q8_0 as q + 128, z = 128; AVX2's as
+ * |q|, the activations taking q's sign) and subtracts z Σ_j (256 a_j + b_j) after. F16 and BF16
+ * weights, and decoderlm.quant's Int8Linear and Int4Linear (`int_linear`), are widened to float32
+ * and summed by FMA. Threads split the output rows (OpenMP, torch's thread count). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

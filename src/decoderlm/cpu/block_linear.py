@@ -10,10 +10,12 @@ integers is summed exactly in int32 by the CPU's integer dot-product instruction
 vpdpbusd, AVX2's vpmaddubsw), then scaled once in float32. Where ggml rounds each activation to
 one int8 (x ≈ d·a), the kernel keeps two, x ≈ e·(256 a + b): an error of at most
 max|x| / (127 · 256) per activation, 256 times below one int8's, for one more vpdpbusd per 64
-weights (on a loaded 2-core Sapphire Rapids, 2025-06, a Q4_1 1536 × 576 product took 45.9 µs
-against one int8's 45.2 µs; weights dequantized to floats in registers and summed by FMA, exact
-but for the order of the sums, took 65.3 µs). F16 and BF16 weights are widened to float32 and
-summed by FMA.
+weights. Measured to choose (2026-12-05, one thread of a loaded 2-core Sapphire Rapids, a Q4_1
+1536 × 576 product in cache): two int8 45.9 µs, one int8 45.2 µs, weights dequantized to floats in
+registers and summed by FMA (exact but for the order of the sums) 65.3 µs; on SmolLM2-135M's Q4_1
+file the logits then move by 0.03 from the float reference, llama.cpp's by 1.4
+(benchmarks/gguf_decode.py). F16 and BF16 weights, and decoderlm.quant's Int8Linear and
+Int4Linear (`int8_linear`, `int4_linear`), are widened to float32 and summed by FMA.
 
 Many rows (a prompt's prefill) go to a GEMM instead, as many rows amortize the dequantization:
 `dequantize` (decoderlm::block_dequantize) writes the weights' floats with the same C code for the
