@@ -137,7 +137,8 @@ def logits_errors(
 
 
 def kernel_table(model: nn.Module) -> list[tuple[str, str, str, str]]:
-    """(layers, weights, decode kernel, prefill kernel) of each kind of weighted layer."""
+    """(layers, weights, kernel for a few rows, for many) of each kind of weighted layer (the
+    head of a prefill multiplies the last row only: a few rows)."""
     rows: dict[tuple[str, ...], None] = {}
     for name, module in model.named_modules():
         layers = re.sub(r"\.\d+\.", ".*.", name)
@@ -249,7 +250,7 @@ def report(args: argparse.Namespace, measured: dict[str, dict], load: float) -> 
             ]
             print(f"|  | ours ÷ llama.cpp | {' | '.join(ratios)} |  |")
     print("\nkernels (decoderlm):")
-    print("| layers | weights | decode (a few rows) | prefill |\n|---|---|---|---|")
+    print("| layers | weights | a few rows (decode) | many rows (prefill) |\n|---|---|---|---|")
     seen = set()
     for m in measured.values():
         for row in m["kernels"]:

@@ -48,7 +48,7 @@ from decoderlm.cpu import features, native
 TYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 FLOAT_TYPES = ("F16", "BF16")
 VARIANTS = ("portable", "avx2", "native")  # the ops' `variant` argument indexes this
-ISAS = ("portable C", "AVX2", "AVX-512 VNNI")  # what a build's code uses (block_linear_isa_*)
+ISAS = ("portable C", "AVX2", "AVX-512")  # what a build's code uses (block_linear_isa_*)
 # Rows of x up to which a product runs on the block kernel; more go to dequantize + GEMM (the
 # kernel unpacks each weight block once per four rows, where a GEMM reuses it across many).
 MAX_ROWS = 16
@@ -119,10 +119,14 @@ def _loaded(variant_index: int) -> int:
 
 
 def kernel_name(ggml_type: str) -> str:
-    """The code a product of `ggml_type` runs for a few rows here, e.g. "Q4_1 AVX-512 VNNI"."""
+    """The code a product of `ggml_type` runs for a few rows here, e.g. "int8 dot products,
+    AVX-512 VNNI"."""
     if not available():
-        return f"{ggml_type} dequantized by PyTorch, F.linear"
-    return f"{ggml_type} {isa(variant())}"
+        return "dequantized by PyTorch, F.linear"
+    code = isa(variant())
+    if ggml_type in FLOAT_TYPES:
+        return f"widened to float32, {code}"
+    return f"int8 dot products, {code}{' VNNI' if code == 'AVX-512' else ''}"
 
 
 def few_rows(x: Tensor) -> bool:
