@@ -1,6 +1,7 @@
 """ggml's block formats in decoderlm: the dequantized values are bit-equal to gguf-py's
 `gguf.quants.dequantize` on random block bytes of every kept type; K-quant tensors load as
-float32 equal to it, with a one-line note; a block linear is its dequantized product."""
+float32 equal to it, with a one-line note; a block linear of many rows is its dequantized
+product."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from gguf_builders import randomize, write_gguf
 from gguf_reference import NO_SPECIALS
 
 import decoderlm
+from decoderlm.cpu.block_linear import MAX_ROWS
 from decoderlm.gguf import DEQUANTIZED_TYPES, KEPT_TYPES
 from decoderlm.quant.blocks import BlockLinear, dequantize_rows, row_bytes
 
@@ -55,7 +57,9 @@ def test_a_block_linear_is_its_dequantized_product():
     raw = torch.from_numpy(random_blocks("Q4_1", rows=6, k=64))
     linear = BlockLinear(64, 6, "Q4_1", bias=True, blocks=raw)
     linear.bias.copy_(torch.arange(6.0))
-    x = torch.randn(3, 5, 64)
+    # More rows than the block kernels take (tests/cpu/test_block_linear.py has those): a GEMM on
+    # the dequantized weight.
+    x = torch.randn(3, MAX_ROWS, 64)
     weight = dequantize_rows(raw, "Q4_1", 64)
     torch.testing.assert_close(linear(x), x @ weight.T + torch.arange(6.0), rtol=0, atol=0)
     assert torch.equal(linear.dequantized(), weight)

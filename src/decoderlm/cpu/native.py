@@ -1,12 +1,14 @@
 """C kernels compiled on first use and kept in a cache (`paged_attention.c`, `gemv.c`).
 
 Each C source is compiled with the system's C compiler (`$CC`, else `cc`), each C++ source with
-`$CXX` (else `c++`) against torch's stable C ABI, for this CPU (`-march=native`), into
+`$CXX` (else `c++`) against torch's stable C ABI, for this CPU (`-march=native`, less what
+`features.isa_cap` leaves out), into
 `$DECODERLM_CACHE/kernels` (default `~/.cache/decoderlm/kernels`), under a name hashed from the
 sources, the flags, torch's version and the CPU's model and flags, so a different machine compiles
 its own. Where no compiler is found, the compile fails or the cache is not writable,
 `load` returns None (logged once per source) and the caller keeps its PyTorch path; a damaged
-file in the cache is rebuilt once. The kernels run on torch's OpenMP runtime (`-fopenmp` binds
+file in the cache is rebuilt once. A `Build` compiles a source with flags of its own (one C file
+built once per instruction set: `block_linear.c`). The kernels run on torch's OpenMP runtime (`-fopenmp` binds
 them to the libgomp that torch has loaded).
 """
 
@@ -19,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -36,6 +39,21 @@ CXX_COMPILE = ["-O2", "-march=native", "-std=c++17", "-fPIC", "-c"]
 LINK = ["-shared", "-fopenmp"]
 
 
+@dataclass(frozen=True)
+class Build:
+    """`source` compiled with `flags` after the usual ones (-D…, -mno-…)."""
+
+    source: Path
+    flags: tuple[str, ...] = ()
+
+
+Source = Path | Build
+
+
+def _build_of(source: Source) -> Build:
+    return source if isinstance(source, Build) else Build(source)
+
+
 def _torch_dirs() -> tuple[str, str]:
     """torch's header and library directories, for C++ sources against its stable C ABI."""
     root = Path(torch.__file__).parent
@@ -46,21 +64,25 @@ def _compiler(cpp: bool) -> str:
     return os.environ.get("CXX", "c++") if cpp else os.environ.get("CC", "cc")
 
 
-def _compile_command(source: Path) -> list[str]:
-    if source.suffix == ".cpp":
-        return [_compiler(cpp=True), *CXX_COMPILE, "-I", _torch_dirs()[0]]
-    return [_compiler(cpp=False), *COMPILE]
+def _compile_command(build: Build) -> list[str]:
+    """The compiler and its flags: -march=native, less what `features.isa_cap` leaves out."""
+    if build.source.suffix == ".cpp":
+        cpp = [_compiler(cpp=True), *CXX_COMPILE, *features.cap_compile_flags(), *build.flags]
+        return [*cpp, "-I", _torch_dirs()[0]]
+    return [_compiler(cpp=False), *COMPILE, *features.cap_compile_flags(), *build.flags]
 
 
-def library_path(sources: Sequence[Path]) -> Path:
+def library_path(sources: Sequence[Source]) -> Path:
     """Where the build of `sources` (named after the first), with these flags, for this CPU and
     this torch, lives in the cache."""
-    parts = [s.read_bytes() for s in sources]
-    parts += [" ".join(COMPILE + CXX_COMPILE + LINK).encode(), features.cpu_identity().encode()]
+    builds = [_build_of(s) for s in sources]
+    parts = [b.source.read_bytes() + " ".join(b.flags).encode() for b in builds]
+    flags = [*COMPILE, *CXX_COMPILE, *LINK, *features.cap_compile_flags()]
+    parts += [" ".join(flags).encode(), features.cpu_identity().encode()]
     parts += [torch.__version__.encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     root = Path(os.environ.get("DECODERLM_CACHE", Path.home() / ".cache" / "decoderlm"))
-    return root / "kernels" / f"{sources[0].stem}-{key}.so"
+    return root / "kernels" / f"{builds[0].source.stem}-{key}.so"
 
 
 def _run(command: list[str]) -> None:
@@ -73,15 +95,16 @@ def _run(command: list[str]) -> None:
         raise OSError(f"{Path(command[0]).name} failed: {last}")
 
 
-def _build(sources: Sequence[Path], target: Path) -> None:
+def _build(sources: Sequence[Source], target: Path) -> None:
     """Compile `sources` (C, and C++ against torch's stable ABI) and link them into `target`,
     atomically (a concurrent process sees the whole file or none)."""
     target.parent.mkdir(parents=True, exist_ok=True)
+    builds = [_build_of(s) for s in sources]
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        objects = [Path(tmp) / f"{source.name}.o" for source in sources]
-        for source, obj in zip(sources, objects, strict=True):
-            _run([*_compile_command(source), str(source), "-o", str(obj)])
-        cpp = any(source.suffix == ".cpp" for source in sources)
+        objects = [Path(tmp) / f"{i}-{b.source.name}.o" for i, b in enumerate(builds)]
+        for build, obj in zip(builds, objects, strict=True):
+            _run([*_compile_command(build), str(build.source), "-o", str(obj)])
+        cpp = any(b.source.suffix == ".cpp" for b in builds)
         linker = _compiler(cpp)
         libs = ["-L", _torch_dirs()[1], f"-Wl,-rpath,{_torch_dirs()[1]}", "-ltorch_cpu", "-lc10"]
         built = Path(tmp) / target.name
@@ -89,7 +112,7 @@ def _build(sources: Sequence[Path], target: Path) -> None:
         built.replace(target)
 
 
-def load(sources: Sequence[Path], fallback: str, opener: Callable[[str], T]) -> T | None:
+def load(sources: Sequence[Source], fallback: str, opener: Callable[[str], T]) -> T | None:
     """opener(path) of the compiled `sources` (ctypes.CDLL, or torch.ops.load_library for a
     library of torch ops), built first if the cache lacks it; None (with a warning that ends in
     `fallback`, what the caller does instead) where it cannot be built."""
@@ -107,7 +130,7 @@ def load(sources: Sequence[Path], fallback: str, opener: Callable[[str], T]) -> 
         return None
 
 
-def load_ops(sources: Sequence[Path], fallback: str) -> bool:
+def load_ops(sources: Sequence[Source], fallback: str) -> bool:
     """Build (if need be) and load `sources` as a library of torch ops, whose kernels register
     themselves with the dispatcher (`torch.ops.load_library`); False (warned) where it cannot be."""
     return load(sources, fallback, _load_ops_library) is not None

@@ -43,6 +43,7 @@ from decoderlm.engine.sampler import SamplingState, mask_undecodable
 from decoderlm.engine.scheduler import Sequence
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference import speculative
+from decoderlm.inference.options import float_probe
 from decoderlm.inference.sampling import draw, greedy_tokens, token_probs
 from decoderlm.inference.speculative import seen
 from decoderlm.model.cache import kv_cache_bytes_per_token
@@ -210,7 +211,7 @@ def split_kv_budget(
     """The bytes of the target's pool and of the draft's, out of `kv_cache_memory`: N blocks each,
     N = ⌊budget / (block_size · (bytes per token of the target + of the draft))⌋."""
     per_token = [
-        kv_cache_bytes_per_token(m.config, kv_cache_dtype or m.tok_emb.weight.dtype)
+        kv_cache_bytes_per_token(m.config, kv_cache_dtype or float_probe(m).dtype)
         for m in (model, draft)
     ]
     n_blocks = parse_bytes(kv_cache_memory) // (block_size * sum(per_token))
@@ -240,5 +241,5 @@ def check_draft(model: DecoderLM, draft: DecoderLM) -> None:
             f"the draft model has recurrent layers (layer_types {draft.config.layer_types}): "
             "its state cannot be rolled back past a rejected proposal; give an attention-only draft"
         )
-    if draft.tok_emb.weight.device != model.tok_emb.weight.device:
+    if float_probe(draft).device != float_probe(model).device:
         raise DecoderLMError("the draft model must be on the target model's device")

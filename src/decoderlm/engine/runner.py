@@ -46,6 +46,7 @@ from decoderlm.engine.state_pool import StatePool, split_budget
 from decoderlm.engine.step_inputs import pass_inputs
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.generate import evaluating, next_logits
+from decoderlm.inference.options import float_probe
 from decoderlm.model.cache import kv_cache_bytes_per_token
 from decoderlm.model.lm import DecoderLM
 
@@ -95,28 +96,28 @@ class ModelRunner:
         `decoderlm.cpu.invariant`, so that a row's logits do not depend on the rows beside
         it (`batch_invariant_modules` says which models and pools can); no compiled step."""
         self.model = model
-        weight = model.tok_emb.weight
-        self.device = weight.device
+        floats = float_probe(model)
+        self.device = floats.device
         paths = SpeedPaths.resolve(cpu_kernels, SpeedPaths.for_engine())
         if batch_invariant:  # the invariant linears instead of the packed ones
             paths = dataclasses.replace(paths, packed_linears=False, in_place_attention=True)
         self.paths = paths.applied(model)
         self.bytes_per_token = kv_cache_bytes_per_token(
-            model.config, kv_cache_dtype or weight.dtype
+            model.config, kv_cache_dtype or floats.dtype
         )
         self.budget = split_budget(
-            model.config, kv_cache_memory, block_size, weight.dtype, kv_cache_dtype
+            model.config, kv_cache_memory, block_size, floats.dtype, kv_cache_dtype
         )
         self.num_blocks = self.budget.num_blocks
         self.scratch = self.num_blocks - 1 if ragged else None  # the padding's block, if any
         in_place = self.paths.paths.in_place_attention and paged_attention.available(
-            weight.dtype, self.device
+            floats.dtype, self.device
         )
         self.cache = PagedKVCache(
             model.config,
             self.num_blocks,
             block_size,
-            weight.dtype,
+            floats.dtype,
             self.device,
             kv_cache_dtype,
             in_place,
@@ -124,7 +125,7 @@ class ModelRunner:
         self.states = None
         if self.budget.state_pages:
             self.states = StatePool(
-                model.config, self.budget, weight.dtype, self.device, self.cache
+                model.config, self.budget, floats.dtype, self.device, self.cache
             )
         self.layer_caches = self.cache if self.states is None else self.states.with_kv(self.cache)
         self.width = blocks_for(model.config.context_length, block_size)  # a table's most blocks
@@ -137,11 +138,11 @@ class ModelRunner:
 
     def _compiled_step(self) -> paged_step.CompiledPagedStep | None:
         """The compiled decode pass over this runner's pools, where it runs (else None)."""
-        model, weight = self.model, self.model.tok_emb.weight
+        model, floats = self.model, float_probe(self.model)
         if not (
             self.states is None
             and self.num_blocks >= 2
-            and paged_step.compiles(model, weight.dtype, self.device)
+            and paged_step.compiles(model, floats.dtype, self.device)
         ):
             return None
         step = paged_step.CompiledPagedStep(

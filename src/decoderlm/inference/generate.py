@@ -32,7 +32,7 @@ from decoderlm.cpu.decode import CompiledStep
 from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference import speculative
-from decoderlm.inference.options import DecodeOptions
+from decoderlm.inference.options import DecodeOptions, float_probe
 from decoderlm.inference.prompts import Prompt, make_generator, prompt_rows
 from decoderlm.inference.sampling import SamplingParams, sample_next, sampling_params
 from decoderlm.inference.speculative import DEFAULT_NUM_SPECULATIVE_TOKENS, Draft, SpeculativeStats
@@ -141,7 +141,7 @@ def decode_steps(
     options.check(model, rows, max_new_tokens)
     n, max_len = _fill_lengths(rows, max_new_tokens, context, options.compile)
     cache = options.cache(model, len(rows), max_len)
-    seen = _seen_tokens(rows, params, cfg.vocab_size, model.tok_emb.weight.device)
+    seen = _seen_tokens(rows, params, cfg.vocab_size, float_probe(model).device)
     decoder = _Decoder(model, cache, options, params, generator, matchers, seen)
     left = max_new_tokens
     while True:  # one pass per cache fill; more than one only with refill_past_context
@@ -227,7 +227,7 @@ class _Decoder:
         """Run `rows`, left-padded to n tokens, into the cache's first n slots: (logits (B, V) of
         each row's next token, pad (B,) its padding, filled (B, S) the slots holding a real token,
         whether any row is padded)."""
-        device = self.model.tok_emb.weight.device
+        device = float_probe(self.model).device
         compile, paths = self.options.compile, self.options.paths
         pad = torch.tensor([n - len(row) for row in rows], device=device)  # (B,) left padding
         slots = torch.arange(max_len, device=device)  # (S,)
@@ -325,7 +325,7 @@ def generate(
     k = _speculative_tokens(model, draft, num_speculative_tokens, rows, max_new_tokens, options)
     if max_new_tokens == 0:
         return rows
-    generator = make_generator(seed, model.tok_emb.weight.device)
+    generator = make_generator(seed, float_probe(model).device)
     matchers, stops = _structured_matchers(structured, draft, rows, _stop_ids(eos_id))
     if draft is not None:
         return _speculative_rows(

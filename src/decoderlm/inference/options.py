@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+from torch import Tensor
+
 from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.prompts import check_lengths
@@ -70,7 +73,15 @@ class DecodeOptions:
         """The cache of one generation (`decoderlm.model.cache.make_cache`): rings for a windowed
         model, conv and matrix states for recurrent layers, else static buffers; K/V in the
         model's dtype or in `kv_cache_dtype`."""
-        weight = model.tok_emb.weight
+        weight = float_probe(model)
         return make_cache(
             model.config, batch_size, max_len, weight.dtype, weight.device, self.kv_cache_dtype
         )
+
+
+def float_probe(model: DecoderLM) -> Tensor:
+    """A tensor of the dtype and on the device of the model's floats, made without touching a
+    weight: a GGUF model's `tok_emb.weight` (`decoderlm.quant.BlockEmbedding`) dequantizes its
+    whole table on each access, where its empty `float_dtype` buffer says the same."""
+    probe = getattr(model.tok_emb, "float_dtype", None)
+    return probe if isinstance(probe, torch.Tensor) else model.tok_emb.weight

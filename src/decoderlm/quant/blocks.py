@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from decoderlm.cpu import block_linear
 from decoderlm.quant.linear import QuantizedLinear
 
 # type name → (weights per block, bytes per block), as gguf.GGML_QUANT_SIZES.
@@ -75,8 +76,21 @@ def dequantize(blocks: Tensor, ggml_type: str, k: int, dtype: torch.dtype) -> Te
     rows = max(1, CHUNK_WEIGHTS // k)
     out = torch.empty(blocks.shape[0], k, dtype=dtype, device=blocks.device)
     for i in range(0, blocks.shape[0], rows):
-        out[i : i + rows] = dequantize_rows(blocks[i : i + rows], ggml_type, k)
+        out[i : i + rows] = dequantized_chunk(blocks, ggml_type, k, i, rows, dtype)
     return out
+
+
+def dequantized_chunk(
+    blocks: Tensor, ggml_type: str, k: int, start: int, rows: int, dtype: torch.dtype
+) -> Tensor:
+    """Rows start .. start + rows − 1 (fewer at the end) of the weights (rows, k) in `dtype`: by
+    the C kernels of `decoderlm.cpu.block_linear` on the CPU where they are built (float32 or
+    bfloat16), else by `dequantize_rows`."""
+    rows = min(rows, blocks.shape[0] - start)
+    cpu = blocks.device.type == "cpu"
+    if cpu and dtype in (torch.float32, torch.bfloat16) and block_linear.available():
+        return block_linear.dequantize(blocks, ggml_type, k, start, rows, dtype)
+    return dequantize_rows(blocks[start : start + rows], ggml_type, k).to(dtype)
 
 
 def _half(b: Tensor, at: int) -> Tensor:
@@ -132,17 +146,19 @@ class BlockLinear(QuantizedLinear):
         return dequantize(self.blocks, self.ggml_type, self.in_features, dtype)
 
     def matmul(self, x: Tensor) -> Tensor:
-        """x·Ŵᵀ (..., in_features) → (..., out_features), Ŵ dequantized CHUNK_WEIGHTS at a time
+        """x·Ŵᵀ (..., in_features) → (..., out_features): a few rows by the block kernels of
+        `decoderlm.cpu.block_linear`; more by F.linear on Ŵ dequantized CHUNK_WEIGHTS at a time
         (a vocabulary-sized head would otherwise be made whole, in floats, at every step)."""
+        if block_linear.runs(x, self.blocks) and not block_linear.many_rows(x):
+            # a few rows, or a number left symbolic (the op picks the kernel or a GEMM then)
+            return block_linear.linear(x, self.blocks, self.ggml_type)
         rows = max(1, CHUNK_WEIGHTS // self.in_features)
-        if rows >= self.out_features:
-            return F.linear(x, self.dequantized(x.dtype))
         k, kind = self.in_features, self.ggml_type
         chunks = [
-            F.linear(x, dequantize_rows(self.blocks[i : i + rows], kind, k).to(x.dtype))
+            F.linear(x, dequantized_chunk(self.blocks, kind, k, i, rows, x.dtype))
             for i in range(0, self.out_features, rows)
         ]  # each (..., rows)
-        return torch.cat(chunks, dim=-1)
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-1)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, ggml_type={self.ggml_type}"

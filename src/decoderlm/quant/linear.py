@@ -23,14 +23,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from decoderlm.cpu import gemv
+from decoderlm.cpu import block_linear, gemv
 
 INT4_GROUP_SIZES = (32, 64, 128)
 
-# One row on the CPU (decoding one sequence) runs on `decoderlm.cpu.gemv` where it is built.
-# `torch._weight_int8pack_mm` (int8 weights converted inside the matmul, as gpt-fast uses on the
-# CPU) is faster than converting the whole weight first only for bfloat16 and a few rows; for
-# float32 and float16 and for larger batches it is slower (figures: benchmarks/README.md).
+# A few rows on the CPU (decoding) run on C kernels that read the integers as they are stored:
+# one row on `decoderlm.cpu.gemv` where it is built (AVX-512), up to `block_linear.MAX_ROWS` on
+# `decoderlm.cpu.block_linear.int8_linear` / `int4_linear` / `linear` (AVX-512, AVX2 or portable
+# C): converting the whole weight on every call (or PyTorch's packed int8/int4 kernels) decodes
+# slower than float32 weights (measured on a loaded Sapphire Rapids under ATEN_CPU_CAPABILITY=avx2,
+# 30 products of 1536 × 576, one row, one thread: float32 16 ms; int8 converted 17 ms,
+# torch._weight_int8pack_mm 29; int4 dequantized 189, torch._weight_int4pack_mm_for_cpu 81;
+# bfloat16 converted 23, block_linear 9.5). Where no kernel is built, bfloat16 activations of a
+# few rows use `torch._weight_int8pack_mm` (faster there than converting the weight first).
 _INT8PACK_MAX_ROWS = 8
 
 
@@ -85,6 +90,8 @@ class Int8Linear(QuantizedLinear):
     def matmul(self, x: Tensor) -> Tensor:
         if gemv.handles(x, self.weight_q):
             return gemv.int8_linear(x, self.weight_q, self.scale)  # (..., N)
+        if block_linear.handles(x, self.weight_q):
+            return block_linear.int8_linear(x, self.weight_q, self.scale)  # (..., N)
         scale = self.scale.to(x.dtype)  # (N,)
         rows = x.shape[:-1].numel()
         if (
@@ -129,6 +136,9 @@ class Bf16Linear(QuantizedLinear):
     def matmul(self, x: Tensor) -> Tensor:
         if gemv.handles(x, self.weight):
             return gemv.linear(x, self.weight)  # (..., N)
+        if block_linear.handles(x, self.weight_bits):
+            bits = self.weight_bits.view(torch.uint8).view(self.out_features, -1)  # BF16 "blocks"
+            return block_linear.linear(x, bits, "BF16")  # (..., N)
         return super().matmul(x)
 
 
@@ -170,6 +180,12 @@ class Int4Linear(QuantizedLinear):
         q = q.view(n, k // g, g).to(dtype)  # (N, K/G, G)
         w = q * self.scale.to(dtype)[..., None] + self.offset.to(dtype)[..., None]  # Ŵ = s q + m
         return w.view(n, k)
+
+    def matmul(self, x: Tensor) -> Tensor:
+        if block_linear.handles(x, self.weight_q):
+            q, s, m, g = self.weight_q, self.scale, self.offset, self.group_size
+            return block_linear.int4_linear(x, q, s, m, g)  # (..., N)
+        return super().matmul(x)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}"

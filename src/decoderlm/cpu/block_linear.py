@@ -1,0 +1,233 @@
+"""Linear layers whose weights stay in ggml's block formats (a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0,
+Q5_1, F16 and BF16 rows; `decoderlm.quant.blocks`), multiplied from the blocks themselves.
+
+Decoding reads every weight once per token, so a product that first dequantizes the whole weight
+to floats (and writes and reads those again) runs at a fraction of the rate the blocks can be read.
+`linear` (the op decoderlm::block_linear, `block_linear.c`) instead computes y = x Ŵᵀ for a few
+rows of x straight from the blocks, as llama.cpp's ggml does (its `ggml_vec_dot_q4_1_q8_1` …):
+each block of 32 activations is quantized to integers and a block's dot product with the weights'
+integers is summed exactly in int32 by the CPU's integer dot-product instructions (AVX-512 VNNI's
+vpdpbusd, AVX2's vpmaddubsw), then scaled once in float32. Where ggml rounds each activation to
+one int8 (x ≈ d·a), the kernel keeps two, x ≈ e·(256 a + b): an error of at most
+max|x| / (127 · 256) per activation, 256 times below one int8's, for one more vpdpbusd per 64
+weights. Measured to choose (2026-12-05, one thread of a loaded 2-core Sapphire Rapids, a Q4_1
+1536 × 576 product in cache): two int8 45.9 µs, one int8 45.2 µs, weights dequantized to floats in
+registers and summed by FMA (exact but for the order of the sums) 65.3 µs; on SmolLM2-135M's Q4_1
+file the logits then move by 0.03 from the float reference, llama.cpp's by 1.4
+(benchmarks/gguf_decode.py). F16 and BF16 weights, and decoderlm.quant's Int8Linear and
+Int4Linear (`int8_linear`, `int4_linear`), are widened to float32 and summed by FMA.
+
+Many rows (a prompt's prefill) go to a GEMM instead, as many rows amortize the dequantization:
+`dequantize` (decoderlm::block_dequantize) writes the weights' floats with the same C code for the
+caller to multiply (`decoderlm.quant.BlockLinear` does, with F.linear, where the number of rows
+is known); `linear` itself, given more than MAX_ROWS rows (a batch size left symbolic in a
+compiled library), dequantizes a chunk of rows at a time and multiplies it by aten::matmul.
+
+`block_linear.c` is built three times (`decoderlm.cpu.native`): for this CPU (`-march=native`:
+AVX-512 VNNI code where the CPU has it), for AVX2 (`-mno-avx512f`) and as portable C
+(`-mno-avx`); `variant()` is the build the ops call: the native one, unless `DECODERLM_CPU_ISA`
+(`decoderlm.cpu.features.isa_cap`) caps it, which is how the AVX2 and portable code run, and are
+tested and measured, on an AVX-512 machine. `kernel_name(ggml_type)` says which code a layer runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import platform
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from decoderlm.cpu import features, native
+
+# The types, in the order of the C code's enum (and of decoderlm.quant.blocks.BLOCK_TYPES).
+TYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+FLOAT_TYPES = ("F16", "BF16")
+VARIANTS = ("portable", "avx2", "native")  # the ops' `variant` argument indexes this
+ISAS = ("portable C", "AVX2", "AVX-512")  # what a build's code uses (block_linear_isa_*)
+# Rows of x up to which a product runs on the block kernel; more go to dequantize + GEMM (the
+# kernel unpacks each weight block once per four rows, where a GEMM reuses it across many).
+MAX_ROWS = 16
+
+_SOURCE = Path(__file__).with_name("block_linear.c")
+_VARIANT_FLAGS = {
+    "portable": ("-mno-avx",),
+    "avx2": ("-mno-avx512f", "-mno-avxvnni"),
+    "native": (),
+}
+
+_OPS = torch.library.Library("decoderlm", "FRAGMENT")
+_OPS.define("block_linear(Tensor x, Tensor blocks, int ggml_type, int variant) -> Tensor")
+_OPS.define(
+    "block_dequantize(Tensor blocks, int ggml_type, int k, int start, int rows, bool bf16, "
+    "int variant) -> Tensor"
+)
+_OPS.define(
+    "int_linear(Tensor x, Tensor weight_q, Tensor scale, Tensor? offset, int bits, int group, "
+    "int variant) -> Tensor"
+)
+
+
+def _sources() -> list[native.Source]:
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    builds: list[native.Source] = [
+        native.Build(_SOURCE, (f"-DVARIANT={name}", *(flags if x86 else ())))
+        for name, flags in _VARIANT_FLAGS.items()
+    ]
+    return [*builds, Path(__file__).with_name("block_linear_ops.cpp")]
+
+
+def _open(path: str) -> ctypes.CDLL:
+    torch.ops.load_library(path)  # the ops register themselves with the dispatcher
+    return ctypes.CDLL(path)  # the same library: its block_linear_isa_* say what each build runs
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    return native.load(_sources(), "ggml block products dequantize the weights first", _open)
+
+
+@functools.cache
+def isa(variant_index: int) -> str:
+    """What the build `VARIANTS[variant_index]` runs on this CPU: one of ISAS."""
+    function = getattr(_library(), f"block_linear_isa_{VARIANTS[variant_index]}")
+    return ISAS[function()]
+
+
+@torch.compiler.assume_constant_result  # traced code asks too; the answer never changes
+def variant() -> int:
+    """The build the ops call: native, or the one `features.isa_cap` names (-1: none built)."""
+    if _library() is None:
+        return -1
+    cap = features.isa_cap()
+    return VARIANTS.index(cap) if cap is not None else VARIANTS.index("native")
+
+
+def available() -> bool:
+    return variant() >= 0
+
+
+def _loaded(variant_index: int) -> int:
+    """`variant_index`, the library loaded (a caller naming a build has not asked `variant`)."""
+    if _library() is None:
+        raise RuntimeError("block_linear: the kernels could not be built here")
+    return variant_index
+
+
+def kernel_name(ggml_type: str) -> str:
+    """The code a product of `ggml_type` runs for a few rows here, e.g. "int8 dot products,
+    AVX-512 VNNI"."""
+    if not available():
+        return "dequantized by PyTorch, F.linear"
+    code = isa(variant())
+    if ggml_type in FLOAT_TYPES:
+        return f"widened to float32, {code}"
+    return f"int8 dot products, {code}{' VNNI' if code == 'AVX-512' else ''}"
+
+
+def few_rows(x: Tensor) -> bool:
+    """Whether x (..., K) holds at most MAX_ROWS rows; False, and no guard, where a symbolic
+    batch size leaves it open."""
+    return statically_known_true(math.prod(x.shape[:-1]) <= MAX_ROWS)
+
+
+def many_rows(x: Tensor) -> bool:
+    """Whether x (..., K) holds more than MAX_ROWS rows; False, and no guard, where a symbolic
+    batch size leaves it open."""
+    return statically_known_true(math.prod(x.shape[:-1]) > MAX_ROWS)
+
+
+def runs(x: Tensor, weight: Tensor) -> bool:
+    """Whether the kernels take x and the weight: on the CPU, x float32 or bfloat16, no gradient
+    to either, and the kernels built."""
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    cpu = x.device.type == "cpu" and weight.device.type == "cpu"
+    dtype = x.dtype in (torch.float32, torch.bfloat16)
+    return cpu and dtype and not needs_grad and available()
+
+
+def handles(x: Tensor, weight: Tensor) -> bool:
+    """Whether x Ŵᵀ goes to a kernel for a few rows: `runs`, and at most MAX_ROWS rows."""
+    return few_rows(x) and runs(x, weight)
+
+
+def linear(x: Tensor, blocks: Tensor, ggml_type: str, variant_index: int | None = None) -> Tensor:
+    """x Ŵᵀ: x (..., K) float32 or bfloat16, blocks (N, row bytes) uint8 of `ggml_type` →
+    (..., N) in x's dtype, on the build `variant_index` (default: `variant()`)."""
+    chosen = variant() if variant_index is None else _loaded(variant_index)
+    return torch.ops.decoderlm.block_linear(x, blocks, TYPES.index(ggml_type), chosen)
+
+
+def dequantize(
+    blocks: Tensor,
+    ggml_type: str,
+    k: int,
+    start: int,
+    rows: int,
+    dtype: torch.dtype = torch.float32,
+    variant_index: int | None = None,
+) -> Tensor:
+    """Rows start .. start + rows − 1 of Ŵ (N, k) → (rows, k) float32, or bfloat16 (rounded to
+    nearest even) for dtype bfloat16."""
+    chosen = variant() if variant_index is None else _loaded(variant_index)
+    bf16 = dtype == torch.bfloat16
+    return torch.ops.decoderlm.block_dequantize(
+        blocks, TYPES.index(ggml_type), k, start, rows, bf16, chosen
+    )
+
+
+def int8_linear(
+    x: Tensor, weight_q: Tensor, scale: Tensor, variant_index: int | None = None
+) -> Tensor:
+    """(x qᵀ)_n · s_n of `decoderlm.quant.Int8Linear`: x (..., K) float32 or bfloat16, weight_q
+    (N, K) int8, scale (N,) → (..., N) in x's dtype; the int8 widened to float32 (exact), the
+    products summed by FMA."""
+    chosen = variant() if variant_index is None else _loaded(variant_index)
+    k = weight_q.shape[1]
+    return torch.ops.decoderlm.int_linear(x, weight_q, scale.float(), None, 8, k, chosen)
+
+
+def int4_linear(
+    x: Tensor,
+    weight_q: Tensor,
+    scale: Tensor,
+    offset: Tensor,
+    group_size: int,
+    variant_index: int | None = None,
+) -> Tensor:
+    """x Ŵᵀ of `decoderlm.quant.Int4Linear`, Ŵ_nk = s_ng q_nk + m_ng: x (..., K) float32 or
+    bfloat16, weight_q (N, K/2) uint8 (q_2j in byte j's low nibble, q_2j+1 in its high one), scale
+    and offset (N, K/group_size) → (..., N) in x's dtype:
+    Σ_g s_ng Σ_{k∈g} x_k q_nk + m_ng Σ_{k∈g} x_k, the integers widened to float32."""
+    chosen = variant() if variant_index is None else _loaded(variant_index)
+    s, m = scale.float(), offset.float()
+    return torch.ops.decoderlm.int_linear(x, weight_q, s, m, 4, group_size, chosen)
+
+
+@torch.library.register_fake("decoderlm::block_linear", lib=_OPS)
+def _(x: Tensor, blocks: Tensor, ggml_type: int, variant: int) -> Tensor:
+    return x.new_empty((*x.shape[:-1], blocks.shape[0]))
+
+
+@torch.library.register_fake("decoderlm::block_dequantize", lib=_OPS)
+def _(
+    blocks: Tensor, ggml_type: int, k: int, start: int, rows: int, bf16: bool, variant: int
+) -> Tensor:
+    return blocks.new_empty((rows, k), dtype=torch.bfloat16 if bf16 else torch.float32)
+
+
+@torch.library.register_fake("decoderlm::int_linear", lib=_OPS)
+def _(
+    x: Tensor,
+    weight_q: Tensor,
+    scale: Tensor,
+    offset: Tensor | None,
+    bits: int,
+    group: int,
+    variant: int,
+) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight_q.shape[0]))

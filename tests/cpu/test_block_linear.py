@@ -1,0 +1,338 @@
+"""The products of ggml blocks and of decoderlm's own int8/int4/bf16 layers on the CPU kernels of
+`decoderlm.cpu.block_linear`, each build (the CPU's own, AVX2, portable C): ggml's quantized
+weights within the rounding of the activations to e·(256 a + b) (|x − x̂| ≤ max|x| / (127 · 256)
+per block of 32) of the float64 product of the dequantized weights; float16/bfloat16 weights and
+Int8Linear / Int4Linear as close to float64 as F.linear; odd numbers of blocks, inputs, outputs
+and rows; the dequantizer bit-equal to `dequantize_rows`; layers sending a few rows to the kernels
+and many to a GEMM; bfloat16 on a CPU without bfloat16 instructions computed in float32; the
+compiled decode step calling the kernels and decoding the eager tokens; DECODERLM_CPU_ISA capping
+the build a process uses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.profiler import profile
+
+from decoderlm import DecoderLM, DecoderLMError, ModelConfig
+from decoderlm.cpu import block_linear, decode, features
+from decoderlm.inference.generate import generate
+from decoderlm.quant import Int4Linear, Int8Linear, quantize
+from decoderlm.quant.blocks import BLOCK_TYPES, BlockLinear, dequantize_rows, row_bytes
+from decoderlm.quant.linear import INT4_GROUP_SIZES
+
+needs_kernels = pytest.mark.skipif(not block_linear.available(), reason="no C/C++ compiler")
+QUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+LEVELS = {"Q8_0": 128, "Q4_0": 16, "Q4_1": 16, "Q5_0": 32, "Q5_1": 32}  # max |q − z|
+# (N, K, M): an odd number of blocks (the last stands alone), one block, outputs that are no
+# multiple of the threads' or rows' steps, one to more than MAX_ROWS rows of x.
+QUANTIZED_SHAPES = [(37, 96, 1), (64, 576, 3), (5, 32, 6), (33, 160, 17), (1, 64, 1)]
+FLOAT_SHAPES = [(37, 96, 1), (7, 37, 2), (3, 1, 1), (33, 100, 5)]  # K no multiple of 8 or 16
+VARIANTS = range(len(block_linear.VARIANTS))
+
+
+def test_the_kernels_number_the_types_as_the_blocks_do():
+    assert tuple(BLOCK_TYPES) == block_linear.TYPES
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
+    """n rows of k weights of `kind`: random integers, scales d and minimums m of either sign
+    and a few orders of magnitude (float weights: normal)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind in ("F16", "BF16"):
+        w = torch.randn(n, k, generator=g).to(torch.float16 if kind == "F16" else torch.bfloat16)
+        return w.view(torch.uint8).view(n, -1).clone()
+    blocks = torch.randint(0, 256, (n, row_bytes(kind, k)), dtype=torch.uint8, generator=g)
+    per_block = blocks.view(n, k // 32, BLOCK_TYPES[kind][1])
+    for at in (0, 2) if kind in ("Q4_1", "Q5_1") else (0,):
+        magnitude = 10.0 ** torch.randint(-3, 0, (1,), generator=g).item()
+        value = torch.randn(n, k // 32, generator=g) * magnitude
+        per_block[..., at : at + 2] = value.half().view(torch.uint8).view(n, k // 32, 2)
+    return blocks
+
+
+def activation_bound(kind: str, blocks: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """(M, N) bound on |y − x Ŵᵀ|: each block's inputs rounded by at most max|x| / (127 · 256),
+    plus float32 rounding of the products' terms (|d|·max|q − z| + |m|) |x_j|."""
+    n, k = blocks.shape[0], x.shape[-1]
+    w = dequantize_rows(blocks, kind, k).double().view(n, k // 32, 32)  # (N, B, 32)
+    xb = x.double().view(-1, k // 32, 32)  # (M, B, 32)
+    e = xb.abs().amax(-1) / (127 * 256)  # (M, B)
+    rounding = torch.einsum("mb,nb->mn", e, w.abs().sum(-1))
+    halves = blocks.view(n, k // 32, -1)[..., :4].contiguous().view(torch.float16).double()
+    scale = halves[..., 0].abs() * LEVELS[kind]  # (N, B)
+    if kind in ("Q4_1", "Q5_1"):
+        scale = scale + halves[..., 1].abs()
+    terms = torch.einsum("mb,nb->mn", xb.abs().sum(-1), scale)
+    return rounding + 64 * torch.finfo(torch.float32).eps * terms
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("kind", QUANTIZED)
+@pytest.mark.parametrize("n,k,m", QUANTIZED_SHAPES)
+def test_quantized_products_are_within_the_activations_rounding_of_float64(variant, kind, n, k, m):
+    blocks = random_blocks(kind, n, k, seed=n * k + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    x[:, ::7] *= 30  # outliers, as real activations have
+    exact = x.double() @ dequantize_rows(blocks, kind, k).double().T  # (M, N)
+    y = block_linear.linear(x, blocks, kind, variant)
+    bound = activation_bound(kind, blocks, x)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert ((y.double() - exact).abs() <= bound).all(), float(((y - exact).abs() / bound).max())
+    # the bound is tight enough to mean something: a wrong weight or scale is off by |y| itself
+    assert float(bound.max()) < 1e-2 * float(exact.abs().max())
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("kind", ["F16", "BF16"])
+@pytest.mark.parametrize("n,k,m", FLOAT_SHAPES)
+def test_float16_and_bfloat16_products_are_as_close_to_float64_as_f_linear(variant, kind, n, k, m):
+    blocks = random_blocks(kind, n, k, seed=n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+    w = dequantize_rows(blocks, kind, k)
+    exact = x.double() @ w.double().T
+    ulp = float(exact.abs().max()) * torch.finfo(torch.float32).eps
+    ours = float((block_linear.linear(x, blocks, kind, variant).double() - exact).abs().max())
+    theirs = float((F.linear(x, w).double() - exact).abs().max())
+    assert ours <= 2 * theirs + ulp, (ours, theirs)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["Q4_1", "BF16"])
+def test_bfloat16_activations_give_the_float32_product_rounded_once(kind):
+    blocks = random_blocks(kind, 40, 128, seed=1)
+    x = torch.randn(2, 3, 128).to(torch.bfloat16)
+    y = block_linear.linear(x, blocks, kind)
+    wide = block_linear.linear(x.float(), blocks, kind)  # x's bfloat16 values are exact in float32
+    assert y.shape == (2, 3, 40) and y.dtype == torch.bfloat16
+    assert torch.equal(y, wide.to(torch.bfloat16))
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("kind", BLOCK_TYPES)
+def test_the_dequantizer_is_bit_equal_to_dequantize_rows(variant, kind):
+    blocks = random_blocks(kind, 50, 160, seed=2)
+    expected = dequantize_rows(blocks, kind, 160)
+    rows = block_linear.dequantize(blocks, kind, 160, 7, 30, variant_index=variant)
+    assert torch.equal(rows.view(torch.int32), expected[7:37].view(torch.int32))
+    as_bf16 = block_linear.dequantize(blocks, kind, 160, 0, 50, torch.bfloat16, variant)
+    assert torch.equal(as_bf16, expected.to(torch.bfloat16))
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_activation_makes_its_rows_products_non_finite(variant, bad):
+    blocks = random_blocks("Q4_0", 8, 64, seed=4)
+    x = torch.randn(2, 64)
+    x[0, 40] = bad
+    y = block_linear.linear(x, blocks, "Q4_0", variant)
+    assert not y[0].isfinite().any() and y[1].isfinite().all()
+    assert bad == bad or y[0].isnan().all()  # a NaN stays NaN (an inf gives ±inf or NaN)
+
+
+@needs_kernels
+def test_blocks_of_the_wrong_width_or_type_are_refused():
+    blocks = random_blocks("Q4_1", 4, 64, seed=0)
+    with pytest.raises(RuntimeError, match="blocks must be uint8"):
+        block_linear.linear(torch.randn(1, 96), blocks, "Q4_1")
+    with pytest.raises(RuntimeError, match="not whole blocks"):
+        block_linear.linear(torch.randn(1, 40), blocks, "Q4_1")
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        block_linear.linear(torch.randn(1, 64).half(), blocks, "Q4_1")
+
+
+def ops_called(fn) -> set[str]:
+    with profile() as prof:
+        fn()
+    return {event.key for event in prof.key_averages()}
+
+
+def tiny_model() -> DecoderLM:
+    """A tiny random model whose layers' inputs are whole blocks of 32 and groups of 64."""
+    torch.manual_seed(0)
+    config = ModelConfig.from_preset("llama-tiny", vocab_size=97, d_model=64, n_layers=2, d_ff=192)
+    return DecoderLM(config).eval()
+
+
+def block_model(kind: str = "Q4_1") -> DecoderLM:
+    """A tiny random model whose linear layers hold blocks of `kind` (quantized by gguf-py)."""
+    model = tiny_model()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                data = gguf.quants.quantize(
+                    child.weight.detach().numpy(), gguf.GGMLQuantizationType[kind]
+                )
+                blocks = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8))
+                blocks = blocks.view(child.out_features, -1)
+                setattr(
+                    parent,
+                    name,
+                    BlockLinear(child.in_features, child.out_features, kind, blocks=blocks),
+                )
+    return model
+
+
+@needs_kernels
+def test_a_block_linear_runs_a_few_rows_on_the_kernel_and_many_on_a_gemm():
+    layer = block_model().blocks[0].mlp.gate
+    few, many = torch.randn(block_linear.MAX_ROWS, 64), torch.randn(block_linear.MAX_ROWS + 1, 64)
+    with torch.no_grad():
+        assert "decoderlm::block_linear" in ops_called(lambda: layer(few))
+        called = ops_called(lambda: layer(many))
+        assert "decoderlm::block_dequantize" in called and "decoderlm::block_linear" not in called
+        weight = dequantize_rows(layer.blocks, "Q4_1", 64)
+        assert torch.equal(layer(many), F.linear(many, weight))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_op_given_many_rows_runs_a_gemm_on_the_dequantized_weight(dtype):
+    blocks = random_blocks("Q5_1", 70_000, 64, seed=3)  # more rows than one chunk dequantizes
+    x = torch.randn(block_linear.MAX_ROWS + 3, 64).to(dtype)
+    weight = dequantize_rows(blocks, "Q5_1", 64).to(dtype)
+    y = block_linear.linear(x, blocks, "Q5_1")
+    assert y.dtype == dtype
+    torch.testing.assert_close(y, F.linear(x, weight))
+
+
+@needs_kernels
+def test_a_symbolic_number_of_rows_is_traced_to_the_op():
+    layer = block_model().blocks[0].mlp.gate
+    batch = torch.export.Dim("batch", min=2, max=64)
+    with torch.no_grad():
+        program = torch.export.export(layer, (torch.randn(4, 64),), dynamic_shapes=({0: batch},))
+        assert "block_linear" in program.graph_module.code
+        for rows in (3, 40):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(program.module()(x), layer(x))
+
+
+@needs_kernels
+def test_the_compiled_decode_step_calls_the_block_kernels_and_decodes_the_eager_tokens():
+    model = block_model()
+    prompt = [[5, 17, 3, 42]]
+    eager = generate(model, prompt, 12, temperature=0)
+    compiled = generate(model, prompt, 12, temperature=0, compile=True)  # builds the step first
+    called = ops_called(lambda: generate(model, prompt, 12, temperature=0, compile=True))
+    assert "decoderlm::block_linear" in called
+    assert compiled == eager
+
+
+def test_an_unknown_isa_cap_is_a_one_line_error(monkeypatch):
+    monkeypatch.setenv(features.ISA_ENV, "avx3")
+    with pytest.raises(
+        DecoderLMError, match="DECODERLM_CPU_ISA='avx3' must be one of avx2, portable"
+    ):
+        features.cpu_flags()
+
+
+CAPPED = """
+import torch
+from decoderlm.cpu import block_linear, features
+blocks = torch.arange(4 * 20 * 2, dtype=torch.int64).remainder(251).to(torch.uint8).view(4, 40)
+blocks.view(4, 2, 20)[..., :4] = torch.tensor([0.01, -0.02]).half().view(torch.uint8)
+x = torch.linspace(-2, 3, 64).view(1, 64)
+print(block_linear.kernel_name("Q4_1"), "avx512f" in features.cpu_flags())
+print(block_linear.linear(x, blocks, "Q4_1").view(torch.int32).tolist())
+"""
+
+
+@needs_kernels
+@pytest.mark.parametrize("cap,variant,isa", [("avx2", 1, "AVX2"), ("portable", 0, "portable C")])
+def test_a_capped_process_runs_that_build_as_an_uncapped_one_does(tmp_path, cap, variant, isa):
+    # In a process of its own, which builds the kernels under the cap.
+    env = {**os.environ, features.ISA_ENV: cap}
+    done = subprocess.run([sys.executable, "-c", CAPPED], capture_output=True, text=True, env=env)
+    kernel, products = done.stdout.splitlines()
+    blocks = torch.arange(4 * 20 * 2, dtype=torch.int64).remainder(251).to(torch.uint8).view(4, 40)
+    blocks.view(4, 2, 20)[..., :4] = torch.tensor([0.01, -0.02]).half().view(torch.uint8)
+    here = block_linear.linear(torch.linspace(-2, 3, 64).view(1, 64), blocks, "Q4_1", variant)
+    assert kernel == f"int8 dot products, {isa} False", done.stderr  # no AVX-512 flags either
+    assert products == str(here.view(torch.int32).tolist())
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("k", [576, 100, 37])
+def test_int8_linear_products_are_as_close_to_float64_as_f_linear(variant, k):
+    layer = Int8Linear.from_linear(nn.Linear(k, 70, generator_seed(k)))
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(k))
+    w = layer.dequantized()
+    exact = x.double() @ w.double().T
+    ulp = float(exact.abs().max()) * torch.finfo(torch.float32).eps
+    y = block_linear.int8_linear(x, layer.weight_q, layer.scale, variant)
+    ours, theirs = (float((t.double() - exact).abs().max()) for t in (y, F.linear(x, w)))
+    assert ours <= 2 * theirs + ulp, (ours, theirs)
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("group_size", INT4_GROUP_SIZES)
+@pytest.mark.parametrize("m", [1, 6])
+def test_int4_linear_products_are_as_close_to_float64_as_f_linear(variant, group_size, m):
+    layer = Int4Linear.from_linear(nn.Linear(256, 70, generator_seed(group_size)), group_size)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+    w = layer.dequantized()
+    exact = x.double() @ w.double().T
+    ulp = float(exact.abs().max()) * torch.finfo(torch.float32).eps
+    y = block_linear.int4_linear(x, layer.weight_q, layer.scale, layer.offset, group_size, variant)
+    ours, theirs = (float((t.double() - exact).abs().max()) for t in (y, F.linear(x, w)))
+    assert ours <= 2 * theirs + 2 * ulp, (ours, theirs)
+
+
+def generator_seed(seed: int) -> bool:
+    """nn.Linear's `bias` argument, with torch's global generator seeded first."""
+    torch.manual_seed(seed)
+    return False
+
+
+@needs_kernels
+@pytest.mark.parametrize("to", ["int8", "int4", "bf16"])
+def test_quantized_layers_run_a_few_rows_on_the_kernels_and_many_as_before(to):
+    model = quantize(tiny_model(), to=to)
+    layer = model.blocks[0].mlp.up
+    few, many = torch.randn(3, layer.in_features), torch.randn(40, layer.in_features)
+    with torch.no_grad():
+        kernel = "decoderlm::int_linear" if to != "bf16" else "decoderlm::block_linear"
+        assert kernel in ops_called(lambda: layer(few))
+        assert kernel not in ops_called(lambda: layer(many))
+        torch.testing.assert_close(layer(few), F.linear(few, layer.dequantized()))
+
+
+@needs_kernels
+def test_bfloat16_without_bfloat16_instructions_computes_in_float32(monkeypatch):
+    monkeypatch.setattr(decode, "_bf16_emulated", lambda: True)
+    w = torch.randn(48, 64).to(torch.bfloat16)
+    few, many = torch.randn(2, 64).to(torch.bfloat16), torch.randn(40, 64).to(torch.bfloat16)
+    with torch.no_grad(), decode.CPULinearKernels():
+        assert "decoderlm::block_linear" in ops_called(lambda: F.linear(few, w))
+        y_few, y_many = F.linear(few, w), F.linear(many, w)
+    for x, y in ((few, y_few), (many, y_many)):
+        float32 = (x.float() @ w.float().T).to(torch.bfloat16)  # one rounding of float32 sums
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y, float32, atol=0, rtol=2**-7)
+
+
+@needs_kernels
+def test_the_compiled_decode_step_of_an_int4_model_calls_the_kernel_and_decodes_the_eager_tokens():
+    model = quantize(tiny_model(), to="int4", group_size=32)
+    prompt = [[5, 17, 3, 42]]
+    eager = generate(model, prompt, 12, temperature=0)
+    compiled = generate(model, prompt, 12, temperature=0, compile=True)
+    assert "decoderlm::int_linear" in ops_called(
+        lambda: generate(model, prompt, 12, temperature=0, compile=True)
+    )
+    assert compiled == eager
