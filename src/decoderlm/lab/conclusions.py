@@ -349,9 +349,11 @@ def uptrain_gqa(results: dict[str, Any]) -> list[str]:
         if (s := _summary(results, n, "val_loss_pooled")) is not None
     ]
     facts = [f"Val loss right after mean-pooling, before up-training: {', '.join(pooled)}."]
+    alpha = next(v["budget_scale"] for v in results["spec"]["variants"] if v["init_from"])
     expected = (
-        "mean-pooled GQA up-trained for α = 5% of the pre-training steps with the same recipe "
-        "comes close to the MHA original, MQA a little below it; the up-training recipe itself "
+        f"mean-pooled GQA up-trained for α = {alpha:.0%} of the pre-training steps with the same "
+        "recipe comes close to MHA trained as long (the original continued), MQA a little "
+        "below it; the up-training recipe itself "
         "does not harm MHA (Ainslie et al., 2023, §2.1 and Fig. 6); and the up-trained model is "
         "no worse than the same shape trained from scratch on the same total steps."
     )

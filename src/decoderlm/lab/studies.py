@@ -172,7 +172,11 @@ def norm_placement(quick: bool) -> StudySpec:
     )
 
 
-def uptrain_gqa(quick: bool) -> StudySpec:
+def uptrain_gqa(quick: bool, fraction: float = UPTRAIN_FRACTION) -> StudySpec:
+    """MHA-H pre-trained, pooled to GQA-4/GQA-2/MQA and up-trained for `fraction` (α) of its steps;
+    the controls: MHA-H continued as long, and each shape from scratch for 1 + α."""
+    if not 0 < fraction <= 1:
+        raise DecoderLMError(f"up-training fraction={fraction:g} must be in (0, 1]")
     heads = base_model(quick)["n_heads"]
     mha = kv_name(heads, heads)
     # The paper's recipe (§2.1): up-train with the pre-training recipe (its peak lr, warmup and
@@ -185,7 +189,7 @@ def uptrain_gqa(quick: bool) -> StudySpec:
             f"{mha} continued",
             model={"n_kv_heads": heads},
             train=up,
-            budget_scale=UPTRAIN_FRACTION,
+            budget_scale=fraction,
             init_from=mha,
         )
     )
@@ -196,7 +200,7 @@ def uptrain_gqa(quick: bool) -> StudySpec:
                 f"{name} up-trained",
                 model={"n_kv_heads": heads},
                 train=up,
-                budget_scale=UPTRAIN_FRACTION,
+                budget_scale=fraction,
                 init_from=mha,
                 pool_kv_heads=g,
                 group=name,
@@ -206,7 +210,7 @@ def uptrain_gqa(quick: bool) -> StudySpec:
             Variant(
                 f"{name} scratch",
                 model={"n_kv_heads": g},
-                budget_scale=1 + UPTRAIN_FRACTION,
+                budget_scale=1 + fraction,
                 group=name,
             )
         )
@@ -214,7 +218,7 @@ def uptrain_gqa(quick: bool) -> StudySpec:
         name="uptrain-gqa",
         description=(
             f"The GQA recipe (Ainslie et al., 2023, §2.1): train {mha}, mean-pool its K/V heads to "
-            f"GQA/MQA, up-train for α = {UPTRAIN_FRACTION:.0%} of the pre-training steps with the "
+            f"GQA/MQA, up-train for α = {fraction:.0%} of the pre-training steps with the "
             "pre-training recipe; against GQA/MQA trained from scratch on the same total steps "
             f"(1 + α), and {mha} continued under the same up-training as the control."
         ),
