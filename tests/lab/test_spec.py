@@ -211,3 +211,54 @@ def test_without_data_flags_a_study_trains_on_the_standard_library(tmp_path, mon
     assert results["data"]["train_tokens"] > 0
     assert (tmp_path / "cache" / "data").is_dir() and not (work / "out" / "data").exists()
     assert str(tmp_path) not in (work / "out" / "report.md").read_text()
+
+
+def test_uptrain_variants_are_named_by_their_kv_heads_and_follow_the_papers_recipe():
+    spec = studies.builtin("uptrain-gqa")
+    names = [v.name for v in spec.variants]
+    assert names == ["MHA-8", "MHA-8 continued", "GQA-4 up-trained", "GQA-4 scratch",
+                     "GQA-2 up-trained", "GQA-2 scratch", "MQA up-trained", "MQA scratch"]  # fmt: skip
+    pre = spec.train_config(spec.variant("MHA-8"), 0)
+    for name in ("GQA-2 up-trained", "MHA-8 continued"):
+        up = spec.train_config(spec.variant(name), 0)
+        # α = 5% of the pre-training steps, with the pre-training's peak lr, floor and warmup share
+        assert up.max_steps == round(studies.UPTRAIN_FRACTION * pre.max_steps)
+        assert (up.lr, up.min_lr) == (pre.lr, pre.min_lr)
+        assert up.warmup_steps == max(1, round(0.1 * up.max_steps))
+        assert up.seed != pre.seed  # batches the original did not see
+    pooled = spec.variant("GQA-2 up-trained")
+    assert pooled.pool_kv_heads == 2 and pooled.init_from == "MHA-8"
+    scratch = spec.train_config(spec.variant("MQA scratch"), 0)
+    assert scratch.max_steps == round((1 + studies.UPTRAIN_FRACTION) * pre.max_steps)
+    with pytest.raises(DecoderLMError, match="fraction=0 must be in"):
+        studies.uptrain_gqa(quick=True, fraction=0.0)
+
+
+def test_a_pooled_variant_is_reported_with_the_kv_heads_it_has():
+    from decoderlm.lab import report
+
+    spec = studies.builtin("uptrain-gqa")
+    variant = dataclasses.asdict(spec.variant("GQA-2 up-trained"))
+    text = report._settings(variant, {"runs": []})
+    assert text.startswith("n_kv_heads=2, seed=")
+    assert "from MHA-8, its 8 K/V heads mean-pooled to 2, budget ×0.05" in text
+
+
+def test_every_panel_has_distinct_colours_and_norm_placement_is_drawn_in_small_multiples():
+    from decoderlm.lab import plots
+
+    for n in (1, 4, 10, 16, 24):
+        assert len(set(plots.palette(n))) == n
+    spec = dataclasses.asdict(studies.builtin("norm-placement"))
+    panels = plots._panels({"spec": spec})
+    assert len(panels) == 4 and all(len(names) == 4 for names in panels.values())
+
+
+def test_an_up_training_run_is_drawn_after_the_run_it_continues():
+    from decoderlm.lab import plots
+
+    variants = [{"name": "MHA-8", "init_from": None}, {"name": "MQA up", "init_from": "MHA-8"}]
+    runs = [{"variant": "MHA-8", "seed": s, "steps": 880} for s in (0, 1)]
+    runs += [{"variant": "MQA up", "seed": s, "steps": 44} for s in (0, 1)]
+    offsets = plots._offsets({"spec": {"variants": variants}, "runs": runs})
+    assert offsets == {("MHA-8", 0): 0, ("MHA-8", 1): 0, ("MQA up", 0): 880, ("MQA up", 1): 880}

@@ -225,7 +225,8 @@ def _cell(s: Summary | None, digits: int) -> str:
 
 
 def _comparisons(results: dict[str, Any]) -> list[str]:
-    lines = conclusions.ranking(results)
+    """A built-in study's ranking (a study of one's own has it as its conclusion)."""
+    lines = conclusions.ranking(results) if results["spec"]["builtin"] else []
     if not lines:
         return []
     return [
