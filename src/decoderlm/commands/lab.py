@@ -71,11 +71,11 @@ def run(args: argparse.Namespace) -> int:
     study = studies.builtin(args.study, args.quick) if args.study else spec.load_spec(args.spec)
     study = study.with_budget(args.budget_tokens, args.budget_seconds, args.seeds)
     out = Path(args.out)
-    written = ("data", "runs", runner.RESULTS_FILE, report.REPORT_FILE)
+    written = ("data", "runs", "recall", runner.RESULTS_FILE, report.REPORT_FILE)
     other = "or --resume to continue the study"
     refuse_overwrite(out, overwrite=args.overwrite or args.resume, inside=written, other=other)
     if args.overwrite and not args.resume:  # start over: nothing of the old study is reused
-        for name in ("runs", "data") if args.data is None else ("runs",):
+        for name in ("runs", "recall", "data") if args.data is None else ("runs", "recall"):
             shutil.rmtree(out / name, ignore_errors=True)
     results = runner.run_study(
         study, args.out, args.data, args.input, progress=not args.quiet, command=_command()

@@ -69,6 +69,7 @@ def band(
     ax.plot(xs, [s.mean for s in summaries], color=color, label=label)
     if len(series) > 1:
         low, high = zip(*(s.interval for s in summaries), strict=True)
+        low = [max(0.0, v) for v in low]  # every quantity drawn is ≥ 0 (losses, norms, shares)
         ax.fill_between(xs, low, high, color=color, alpha=0.2, lw=0)
 
 
@@ -117,7 +118,7 @@ def curves(results: dict[str, Any], out: Path, key: str, name: str, ylabel: str)
         ax.set_yscale("log" if key == "grad_norm" else "linear")
         ax.grid(alpha=0.3)
         legend(ax)
-    fig.suptitle(f"{ylabel}: mean over seeds, {BAND}", fontsize=10)
+    fig.suptitle(f"{ylabel} of every run (healthy or not): mean over seeds, {BAND}", fontsize=10)
     return save_figure(fig, out / name)
 
 
