@@ -107,7 +107,8 @@ def test_train_and_score_is_deterministic_and_keeps_the_variants_shape():
         ({"pairs": (4, 8), "length": 31}, "length=31 must be ≥ 4 × the most pairs"),
         ({"pairs": (8,), "vocab_size": 14}, "vocab_size=14 must hold 2 × the most pairs"),
         ({"steps": 0}, "recall steps=0 must be ≥ 1"),
-        ({"widths": ()}, "recall widths=\\[\\] must be"),
+        ({"heads": (3,)}, "recall heads=\\[3\\] must divide d_model=64"),
+        ({"mixes": {"gdn": ["gdn"]}}, "recall mixes must start with the all-attention reference"),
     ],
 )
 def test_a_bad_recall_task_is_a_one_line_error(fields, message):
@@ -116,9 +117,13 @@ def test_a_bad_recall_task_is_a_one_line_error(fields, message):
     assert "\n" not in str(info.value)
 
 
+RECALL_MIXES = {"attention": ["attention"] * 2, "Gated DeltaNet": ["gdn"] * 2}
+RECALL_MIXES["hybrid 1:1"] = ["gdn", "attention"]
+
+
 def micro_hybrid() -> StudySpec:
     """Attention, Gated DeltaNet and a 1:1 hybrid of test_lab's micro model made two layers deep,
-    2 seeds; recall at two widths and two pair counts."""
+    2 seeds; recall of two-layer models at two head counts and two pair counts."""
     mixes = {"attention": ["attention"] * 2, "Gated DeltaNet": ["gdn"] * 2}
     mixes["hybrid"] = ["gdn", "attention"]
     base = micro_spec()
@@ -137,7 +142,9 @@ def micro_hybrid() -> StudySpec:
             vocab_size=12,
             length=16,
             pairs=(2, 4),
-            widths=(8, 16),
+            mixes=RECALL_MIXES,
+            d_model=16,
+            heads=(4, 2),
             steps=2,
             batch_size=4,
             test_examples=8,
@@ -156,23 +163,22 @@ def hybrid_study(tmp_path_factory) -> tuple[Path, dict]:
     return out, results
 
 
-def test_the_recall_grid_has_every_width_variant_and_seed_at_matched_size(hybrid_study):
+def test_the_recall_grid_has_every_head_count_mix_and_seed_at_matched_size(hybrid_study):
     _, results = hybrid_study
     grid = results["recall"]["runs"]
-    assert sorted((r["d_model"], r["variant"], r["seed"]) for r in grid) == sorted(
-        (w, v, s)
-        for w in (8, 16)
-        for v in ("attention", "Gated DeltaNet", "hybrid")
-        for s in (0, 1)
+    assert sorted((r["heads"], r["variant"], r["seed"]) for r in grid) == sorted(
+        (h, v, s) for h in (4, 2) for v in RECALL_MIXES for s in (0, 1)
     )
-    for width in (8, 16):
-        mine = {r["variant"]: r for r in grid if r["d_model"] == width and r["seed"] == 0}
+    for heads in (4, 2):
+        mine = {r["variant"]: r for r in grid if r["heads"] == heads and r["seed"] == 0}
         ref = mine["attention"]["params"]
         assert all(abs(r["params"] - ref) <= 0.02 * ref for r in mine.values())
-        assert mine["attention"]["state_bytes"] == 0 < mine["hybrid"]["state_bytes"]
-        assert mine["hybrid"]["state_bytes"] < mine["Gated DeltaNet"]["state_bytes"]
-    states = {r["d_model"]: r["state_bytes"] for r in grid if r["variant"] == "Gated DeltaNet"}
-    assert states[16] > states[8]  # the state grows with the width
+        assert mine["attention"]["state_bytes"] == 0 < mine["hybrid 1:1"]["state_bytes"]
+        assert mine["hybrid 1:1"]["state_bytes"] < mine["Gated DeltaNet"]["state_bytes"]
+    gdn = {r["heads"]: r["state_bytes"] for r in grid if r["variant"] == "Gated DeltaNet"}
+    # the matrix state H · (d/H)² = d²/H a layer doubles from 4 heads to 2 (the conv state stays)
+    conv = 4 * 2 * 3 * 16 * 3  # fp32 · layers · q, k, v channels (H · d/H each) · (K − 1)
+    assert gdn[2] - conv == 2 * (gdn[4] - conv) == 2 * 4 * 2 * 16**2 // 4
     assert all(set(r["accuracy"]) == {"2", "4"} for r in grid)
 
 
@@ -203,13 +209,13 @@ def test_hybrid_report_memory_and_recall_tables_are_the_results(hybrid_study):
     )
     assert rows["attention"][5] == "32.0 MiB"  # 2 layers · K and V · 16 · 4 bytes · 128k tokens
     recall_rows = _rows(text, "Multi-query associative recall")
-    assert len(recall_rows) == 6  # 3 variants × 2 widths
+    assert len(recall_rows) == 6  # 3 mixes × 2 head counts
     for cells in recall_rows:
-        name, width = cells[0], int(cells[1])
+        name, heads = cells[0], int(cells[1])
         values = [
             r["accuracy"]["4"]
             for r in results["recall"]["runs"]
-            if (r["variant"], r["d_model"]) == (name, width)
+            if (r["variant"], r["heads"]) == (name, heads)
         ]
         assert float(cells[-1].split("±")[0]) == pytest.approx(sum(values) / 2, abs=5e-4)
     names = set(re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text))
@@ -224,17 +230,17 @@ def test_a_finished_hybrid_study_resumes_without_retraining(hybrid_study, monkey
     assert again["recall"]["runs"] == results["recall"]["runs"]
 
 
-def synthetic_recall(accuracy: dict[str, float], widths=(32, 64), seeds=3) -> dict:
-    """Results of the built-in hybrid study whose recall runs all score accuracy[variant] (seed k
-    adds 0.01·k, so the seeds differ)."""
+def synthetic_recall(accuracy: dict[str, float], heads=(4, 1), seeds=3) -> dict:
+    """Results of the built-in hybrid study whose recall runs all score accuracy[mix] (seed k adds
+    0.01·k, so the seeds differ)."""
     names = [name for name, _ in studies.LAYER_MIXES]
-    pairs = (4, 8, 16)
+    pairs = (2, 4, 8)
     runs = [
-        {"variant": n, "d_model": w, "seed": k,
+        {"variant": n, "heads": h, "seed": k,
          "accuracy": {str(p): min(1.0, accuracy[n] + 0.01 * k - 0.001 * p) for p in pairs}}
-        for w in widths for n in names for k in range(seeds)
+        for h in heads for n in recall.MIXES for k in range(seeds)
     ]  # fmt: skip
-    task = dataclasses.asdict(recall.RecallTask(pairs=pairs, widths=widths))
+    task = dataclasses.asdict(recall.RecallTask(pairs=pairs, heads=heads))
     row = {"kv_bytes_per_token": 1, "state_bytes": 0, "health": {}}
     return {
         "study": "hybrid",
@@ -249,11 +255,14 @@ def test_recall_conclusions_follow_from_the_grid_when_attention_solved_it():
     accuracy = {"attention": 0.95, "linear attention": 0.3, "Gated DeltaNet": 0.5}
     accuracy |= {"Mamba-2": 0.4, "hybrid 3:1": 0.95, "hybrid 1:1": 0.95}
     text = "\n".join(conclusions.conclude(synthetic_recall(accuracy)))
-    assert "Attention solved the recall task at d_model 32, 64." in text
-    line = next(x for x in text.splitlines() if "d_model 32: Gated DeltaNet recalls less than" in x)
+    assert "Attention solved the recall task at 4, 1 head(s)." in text
+    line = next(x for x in text.splitlines() if "4 head(s): Gated DeltaNet recalls less than" in x)
     assert line.endswith("| as expected |")
-    hybrid_line = next(x for x in text.splitlines() if "d_model 64: hybrid 3:1 recalls" in x)
+    hybrid_line = next(x for x in text.splitlines() if "1 head(s): hybrid 1:1 recalls" in x)
     assert hybrid_line.endswith("| as expected (not distinguishable) |")
+    larger = "Mamba-2 recalls more at 8 pairs with the larger state (1 head(s) against 4)"
+    state_line = next(x for x in text.splitlines() if larger in x)
+    assert state_line.endswith("| not distinguishable |")  # the same accuracy at both
 
 
 def test_no_recall_conclusion_unless_attention_solved_the_task():
@@ -261,14 +270,14 @@ def test_no_recall_conclusion_unless_attention_solved_the_task():
     text = "\n".join(conclusions.conclude(synthetic_recall(accuracy)))
     assert "Attention did not solve the recall task" in text
     assert "recalls less" not in text and "recalls as well" not in text
-    accuracy["attention"] = 0.95  # solved at 64 only
-    solved_at_64 = synthetic_recall(accuracy)
-    for r in solved_at_64["recall"]["runs"]:
-        if r["variant"] == "attention" and r["d_model"] == 32:
+    accuracy["attention"] = 0.95  # solved with 1 head only
+    solved_at_1 = synthetic_recall(accuracy)
+    for r in solved_at_1["recall"]["runs"]:
+        if r["variant"] == "attention" and r["heads"] == 4:
             r["accuracy"] = {p: 0.5 for p in r["accuracy"]}
-    text = "\n".join(conclusions.conclude(solved_at_64))
-    assert "Attention solved the recall task at d_model 64 but not at 32" in text
-    assert "d_model 32:" not in text and "d_model 64: Mamba-2 recalls less" in text
+    text = "\n".join(conclusions.conclude(solved_at_1))
+    assert "Attention solved the recall task at 1 head(s) but not at 4" in text
+    assert "4 head(s):" not in text and "1 head(s): Mamba-2 recalls less" in text
 
 
 def _rows(text: str, section: str) -> list[list[str]]:

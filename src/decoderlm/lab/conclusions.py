@@ -362,7 +362,7 @@ def uptrain_gqa(results: dict[str, Any]) -> list[str]:
 
 RECURRENT = ("linear attention", "Gated DeltaNet", "Mamba-2")  # the hybrid study's pure variants
 HYBRIDS = ("hybrid 3:1", "hybrid 1:1")
-SOLVED = 0.9  # attention "solves" recall at a width: mean accuracy ≥ this at every pair count
+SOLVED = 0.9  # attention "solves" recall at a head count: mean accuracy ≥ this at every N
 MEMORY_CONTEXTS = (4096, 32768, 131072)  # the contexts of `decoderlm info`'s cache table
 
 
@@ -373,92 +373,70 @@ def sequence_bytes(row: dict[str, Any], context: int) -> int:
     return row["kv_bytes_per_token"] * context + row.get("state_bytes", 0)
 
 
-def recall_series(results: dict[str, Any], variant: str, width: int, pairs: int) -> Series:
-    """{seed: recall accuracy} of a variant's recall runs at this d_model and pair count."""
+def recall_series(results: dict[str, Any], variant: str, heads: int, pairs: int) -> Series:
+    """{seed: recall accuracy} of a mix's recall runs at this head count and pair count."""
     return {
         r["seed"]: r["accuracy"][str(pairs)]
         for r in results["recall"]["runs"]
-        if r["variant"] == variant and r["d_model"] == width
+        if r["variant"] == variant and r["heads"] == heads
     }
 
 
-def recall_mean(results: dict[str, Any], variant: str, width: int, pairs: int) -> float:
-    values = list(recall_series(results, variant, width, pairs).values())
+def recall_mean(results: dict[str, Any], variant: str, heads: int, pairs: int) -> float:
+    values = list(recall_series(results, variant, heads, pairs).values())
     return sum(values) / len(values) if values else math.nan
 
 
-def solved_widths(results: dict[str, Any], reference: str = "attention") -> list[int]:
-    """The recall widths at which attention's mean accuracy is ≥ SOLVED at every pair count."""
+def solved_heads(results: dict[str, Any]) -> list[int]:
+    """The head counts at which attention's mean accuracy is ≥ SOLVED at every pair count."""
     task = RecallTask(**results["recall"]["task"])
+    reference = next(iter(task.mixes))
     return [
-        w
-        for w in task.widths
-        if all(recall_mean(results, reference, w, n) >= SOLVED for n in task.pairs)
+        h
+        for h in task.heads
+        if all(recall_mean(results, reference, h, n) >= SOLVED for n in task.pairs)
     ]
 
 
-def _recall_expectations(results: dict[str, Any], ref: str) -> tuple[list[Expectation], str]:
-    """The recall expectations at the widths attention solved, and a sentence on which those are."""
+def _recall_expectations(results: dict[str, Any]) -> tuple[list[Expectation], str]:
+    """The recall expectations at the head counts where attention solved the task, and a sentence
+    on which those are."""
     task = RecallTask(**results["recall"]["task"])
-    solved = solved_widths(results, ref)
+    ref = next(iter(task.mixes))
+    solved = solved_heads(results)
     if not solved:
         return [], (
             f"Attention did not solve the recall task (mean accuracy ≥ {SOLVED:g} at every pair "
-            "count) at any width in this run, so the recall numbers test no claim: no recall "
-            "conclusion is drawn."
+            "count) at any head count in this run, so the recall numbers test no claim: no "
+            "recall conclusion is drawn."
         )
     most, fewest = max(task.pairs), min(task.pairs)
-    names = {r["variant"] for r in results["recall"]["runs"]}
 
-    def at(variant: str, width: int, pairs: int) -> tuple[str, Series]:
-        return f"{variant} d={width} N={pairs}", recall_series(results, variant, width, pairs)
+    def at(variant: str, heads: int, pairs: int) -> tuple[str, Series]:
+        return f"{variant} H={heads} N={pairs}", recall_series(results, variant, heads, pairs)
 
     found = []
-    for w in solved:
-        for name in (n for n in RECURRENT if n in names):
-            found.append(
-                Expectation(
-                    f"d_model {w}: {name} recalls less than attention at {most} pairs",
-                    at(name, w, most),
-                    at(ref, w, most),
-                    EXPECT_LOWER,
-                    lower_is_better=False,
-                )
-            )
-            found.append(
-                Expectation(
-                    f"d_model {w}: {name} recalls less at {most} pairs than at {fewest}",
-                    at(name, w, most),
-                    at(name, w, fewest),
-                    EXPECT_LOWER,
-                    lower_is_better=False,
-                )
-            )
-        for name in (n for n in HYBRIDS if n in names):
-            found.append(
-                Expectation(
-                    f"d_model {w}: {name} recalls as well as attention at {most} pairs",
-                    at(name, w, most),
-                    at(ref, w, most),
-                    EXPECT_EQUAL,
-                    lower_is_better=False,
-                )
-            )
+    for h in solved:
+        for name in (n for n in RECURRENT if n in task.mixes):
+            found.append(Expectation(f"{h} head(s): {name} recalls less than attention at {most} "
+                                     "pairs", at(name, h, most), at(ref, h, most), EXPECT_LOWER,
+                                     lower_is_better=False))  # fmt: skip
+            found.append(Expectation(f"{h} head(s): {name} recalls less at {most} pairs than at "
+                                     f"{fewest}", at(name, h, most), at(name, h, fewest),
+                                     EXPECT_LOWER, lower_is_better=False))  # fmt: skip
+        for name in (n for n in HYBRIDS if n in task.mixes):
+            found.append(Expectation(f"{h} head(s): {name} recalls as well as attention at "
+                                     f"{most} pairs", at(name, h, most), at(ref, h, most),
+                                     EXPECT_EQUAL, lower_is_better=False))  # fmt: skip
     if len(solved) > 1:
-        small, large = min(solved), max(solved)
-        for name in (n for n in RECURRENT if n in names):
-            found.append(
-                Expectation(
-                    f"{name} recalls more at {most} pairs with the larger state "
-                    f"(d_model {large} against {small})",
-                    at(name, large, most),
-                    at(name, small, most),
-                    EXPECT_HIGHER,
-                    lower_is_better=False,
-                )
-            )
-    unsolved = [w for w in task.widths if w not in solved]
-    note = f"Attention solved the recall task at d_model {', '.join(map(str, solved))}" + (
+        large, small = min(solved), max(solved)  # fewer, wider heads: the larger state
+        for name in (n for n in RECURRENT if n in task.mixes):
+            found.append(Expectation(f"{name} recalls more at {most} pairs with the larger state "
+                                     f"({large} head(s) against {small})", at(name, large, most),
+                                     at(name, small, most), EXPECT_HIGHER,
+                                     lower_is_better=False))  # fmt: skip
+    unsolved = [h for h in task.heads if h not in solved]
+    note = f"Attention solved the recall task at {', '.join(map(str, solved))} head(s)" + (
         f" but not at {', '.join(map(str, unsolved))}, where no recall conclusion is drawn."
         if unsolved
         else "."
@@ -479,7 +457,7 @@ def hybrid(results: dict[str, Any]) -> list[str]:
         )
         for n in others
     ]
-    found, solved = _recall_expectations(results, ref) if results.get("recall") else ([], "")
+    found, solved = _recall_expectations(results) if results.get("recall") else ([], "")
     at = MEMORY_CONTEXTS[-1]
     memory = ", ".join(
         f"{n} {sequence_bytes(table[n], at) / sequence_bytes(table[ref], at):.3g}" for n in others

@@ -207,28 +207,29 @@ def memory_vs_context(results: dict[str, Any], out: Path) -> Path | None:
 
 
 def recall(results: dict[str, Any], out: Path) -> Path | None:
-    """Recall accuracy against the number of key-value pairs, one panel per width (the state
-    grows with it), one line per variant: mean over seeds, 95% band."""
+    """Recall accuracy against the number of key-value pairs, one panel per head count (the
+    recurrent state grows as the heads get fewer), one line per mix: mean over seeds, 95% band."""
     if not results.get("recall"):
         return None
     task = RecallTask(**results["recall"]["task"])
-    names = list(dict.fromkeys(r["variant"] for r in results["recall"]["runs"]))
-    fig = Figure(figsize=(5 * len(task.widths) + 1, 4.5), layout="constrained")
-    axes = [fig.add_subplot(1, len(task.widths), i + 1) for i in range(len(task.widths))]
-    for ax, width in zip(axes, task.widths, strict=True):
+    names = list(task.mixes)
+    fig = Figure(figsize=(5 * len(task.heads) + 1, 4.5), layout="constrained")
+    axes = [fig.add_subplot(1, len(task.heads), i + 1) for i in range(len(task.heads))]
+    for ax, heads in zip(axes, task.heads, strict=True):
         for color, name in zip(palette(len(names)), names, strict=True):
             per_seed: dict[int, list[list[float]]] = {}
             for r in results["recall"]["runs"]:
-                if r["variant"] == name and r["d_model"] == width:
+                if r["variant"] == name and r["heads"] == heads:
                     per_seed[r["seed"]] = [[n, r["accuracy"][str(n)]] for n in task.pairs]
             band(ax, list(per_seed.values()), color, name)
-            means = [recall_mean(results, name, width, n) for n in task.pairs]
+            means = [recall_mean(results, name, heads, n) for n in task.pairs]
             ax.plot(task.pairs, means, "o", color=color, ms=3)
         ax.plot(task.pairs, [1 / n for n in task.pairs], "k:", lw=1, label="a shown value (1/N)")
         ax.set_xscale("log", base=2)
         ax.set_xticks(task.pairs, [str(n) for n in task.pairs])
         ax.set(xlabel="key-value pairs N", ylabel="recall accuracy", ylim=(-0.02, 1.02))
-        ax.set_title(f"d_model {width}")
+        state = task.d_model**2 // heads
+        ax.set_title(f"{heads} head(s) of {task.d_model // heads}: state {state:,} a layer")
         ax.grid(alpha=0.3)
     legend(axes[0])
     fig.suptitle(f"multi-query associative recall: mean over seeds, {BAND}", fontsize=10)

@@ -11,8 +11,11 @@ that no key appears a second time before its query, which a vocabulary this smal
 frequent.
 
 Attention solves it with an induction head (find the earlier copy of the query, read the token
-after it); a recurrent layer must have written all N pairs into its fixed-size state, so its
-accuracy falls as N grows and rises with the state (Zoology, Fig. 2).
+after it: two layers, Olsson et al., 2022); a recurrent layer must have written all N pairs into
+its fixed-size state, so its accuracy falls as N grows and rises with the state (Zoology, Fig. 2).
+The models compared (`RecallTask.mixes`) are two layers deep, as Zoology's: each mix of token
+mixers at each head count (`RecallTask.heads`; d_model fixed, so a recurrent layer's state
+H · (d_model / H)² = d_model² / H grows as the heads get fewer and wider).
 
 Data are drawn from a torch.Generator: the training batches from the run's seed, the test sets
 from `TEST_SEED` (the same for every run), so every variant sees the same examples. Training
@@ -39,14 +42,27 @@ TEST_SEED = 10_000  # the test sets' generator seed (training batches use the ru
 POWER_A = 0.01  # Zoology's power_a: the query gaps' power law
 
 
+# The models compared: name → token mixer of each layer (`ModelConfig.layer_types`); the first,
+# all attention, is the reference whose parameter count the others match.
+MIXES = {
+    "attention": ("attention", "attention"),
+    "linear attention": ("linear_attention", "linear_attention"),
+    "Gated DeltaNet": ("gdn", "gdn"),
+    "Mamba-2": ("mamba2", "mamba2"),
+    "hybrid 1:1": ("gdn", "attention"),
+}
+
+
 @dataclass(frozen=True)
 class RecallTask:
-    """The task's shape, the models' widths and the short training run of each."""
+    """The task's shape, the models compared and the short training run of each."""
 
-    vocab_size: int = 128  # keys 0 … V/2 − 1, values V/2 … V − 1
-    length: int = 64  # tokens per sequence
-    pairs: tuple[int, ...] = (4, 8, 16)  # N: trained on in turn (one per batch), scored on each
-    widths: tuple[int, ...] = (64,)  # d_model of the models compared (the state grows with it)
+    vocab_size: int = 64  # keys 0 … V/2 − 1, values V/2 … V − 1
+    length: int = 32  # tokens per sequence
+    pairs: tuple[int, ...] = (2, 4, 8)  # N: trained on in turn (one per batch), scored on each
+    mixes: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=lambda: dict(MIXES))
+    d_model: int = 64
+    heads: tuple[int, ...] = (4, 1)  # n_heads of the models compared: the state grows as H falls
     steps: int = 1000  # optimizer steps of each training run
     batch_size: int = 32
     lr: float = 3e-3
@@ -54,14 +70,19 @@ class RecallTask:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pairs", tuple(self.pairs))  # from JSON: lists
-        object.__setattr__(self, "widths", tuple(self.widths))
-        for name in ("steps", "batch_size", "test_examples"):
+        object.__setattr__(self, "heads", tuple(self.heads))
+        object.__setattr__(self, "mixes", {k: tuple(v) for k, v in dict(self.mixes).items()})
+        for name in ("steps", "batch_size", "test_examples", "d_model"):
             if getattr(self, name) < 1:
                 raise DecoderLMError(f"recall {name}={getattr(self, name)} must be ≥ 1")
         if not self.pairs or min(self.pairs) < 1:
             raise DecoderLMError(f"recall pairs={list(self.pairs)} must be counts ≥ 1")
-        if not self.widths or min(self.widths) < 1:
-            raise DecoderLMError(f"recall widths={list(self.widths)} must be d_models ≥ 1")
+        if not self.heads or any(h < 1 or self.d_model % h for h in self.heads):
+            raise DecoderLMError(
+                f"recall heads={list(self.heads)} must divide d_model={self.d_model}"
+            )
+        if not self.mixes or set(next(iter(self.mixes.values()))) != {"attention"}:
+            raise DecoderLMError("recall mixes must start with the all-attention reference")
         if 4 * max(self.pairs) > self.length:
             raise DecoderLMError(
                 f"recall length={self.length} must be ≥ 4 × the most pairs ({max(self.pairs)}): "

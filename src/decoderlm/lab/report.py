@@ -278,28 +278,31 @@ def _recall_section(results: dict[str, Any]) -> list[str]:
         return []
     task = RecallTask(**recall["task"])
     rows = []
-    for width in task.widths:
-        for name in dict.fromkeys(r["variant"] for r in recall["runs"]):
-            mine = [r for r in recall["runs"] if r["variant"] == name and r["d_model"] == width]
-            cells = [name, str(width), f"{mine[0]['params']:,}", f"{mine[0]['state_bytes']:,}"]
+    for heads in task.heads:
+        for name in task.mixes:
+            mine = [r for r in recall["runs"] if r["variant"] == name and r["heads"] == heads]
+            cells = [name, str(heads), f"{mine[0]['params']:,}", f"{mine[0]['state_bytes']:,}"]
             for n in task.pairs:
-                cells.append(summarise(list(recall_series(results, name, width, n).values())))
-            rows.append([*cells[:4], *(s.format(3) for s in cells[4:])])
-    header = ["variant", "d_model", "params", "recurrent state bytes"]
+                values = list(recall_series(results, name, heads, n).values())
+                cells.append(summarise(values).format(3))
+            rows.append(cells)
+    header = ["model", "heads", "params", "recurrent state bytes"]
     header += [f"accuracy N = {n}" for n in task.pairs]
+    mixes = "; ".join(f"{name}: {', '.join(mix)}" for name, mix in task.mixes.items())
     return [
         "## Multi-query associative recall",
         "",
         "MQAR (Arora et al., 2023, `decoderlm.lab.recall`): sequences of "
         f"{task.length} tokens open with N key-value pairs (keys and values distinct, from "
         f"{task.n_keys} tokens each), then each key once more as a query at a power-law gap, "
-        "noise elsewhere; the answer at a query is its value, and only answers count. For each "
-        "width, a fresh model of each variant's layers (d_ff matched to attention's size at that "
-        f"width) trains {task.steps:,} steps of {task.batch_size} sequences, N = "
+        "noise elsewhere; the answer at a query is its value, and only answers count. The models "
+        f"are two layers deep, d_model {task.d_model}, at {', '.join(map(str, task.heads))} "
+        f"head(s) ({mixes}); d_ff matched to attention's size at each head count. Each trains "
+        f"{task.steps:,} steps of {task.batch_size} sequences, N = "
         f"{', '.join(map(str, task.pairs))} in turn, lr {task.lr:g}; accuracy = share of "
         f"{task.test_examples} test sequences' answers whose argmax is the value (chance "
         f"{1 / task.n_keys:.3f}; copying one of the N values shown without the lookup: 1/N). "
-        f"Attention solves the task at a width where its mean is ≥ {SOLVED:g} at every N; "
+        f"Attention solves the task at a head count where its mean is ≥ {SOLVED:g} at every N; "
         "recall conclusions are drawn only there. Mean ± 95% t-interval over "
         f"{results['spec']['seeds']} seeds.",
         "",

@@ -364,29 +364,46 @@ def _measure(
 
 
 def _recall(spec: StudySpec, out: Path, progress: bool) -> dict[str, Any]:
-    """Measure "recall": for each width of the task, each variant and seed, a fresh model of the
-    variant's layers at that d_model (its d_ff matched to the reference's size at that width),
-    trained on the task and scored at each pair count. A finished run (its JSON, for the same
-    task and model) is reused."""
+    """Measure "recall": for each head count of the task, each of its mixes and each seed, a fresh
+    model (d_ff matched to the all-attention reference's size at that head count) trained on the
+    task and scored at each pair count. A finished run (its JSON, for the same task and model)
+    is reused."""
     task = spec.recall_task()
     threads = spec.train_config(spec.variants[0], 0).threads  # the LM runs' own setting
-    plan = [(w, v, seed) for w in task.widths for v in spec.variants for seed in range(spec.seeds)]
+    reference = next(iter(task.mixes))
+    mixes = [
+        Variant(n, model={"layer_types": list(m), "n_layers": len(m)}, match_params=n != reference)
+        for n, m in task.mixes.items()
+    ]
+    sized = {  # per head count: the study's base model at the task's width, the mixes as variants
+        h: dataclasses.replace(
+            spec,
+            model={**spec.model, "d_model": task.d_model, "n_heads": h, "n_kv_heads": h},
+            variants=mixes,
+            reference=reference,
+        )
+        for h in task.heads
+    }
+    plan = [
+        (h, name, seed) for h in task.heads for name in task.mixes for seed in range(spec.seeds)
+    ]
     runs = []
-    for width, variant, seed in tqdm(plan, desc="recall", unit="run", disable=not progress):
-        sized = dataclasses.replace(spec, model={**spec.model, "d_model": width})
-        config = recall.recall_config(sized.model_config(variant, task.vocab_size), task)
+    for heads, name, seed in tqdm(plan, desc="recall", unit="run", disable=not progress):
+        study = sized[heads]
+        config = recall.recall_config(
+            study.model_config(study.variant(name), task.vocab_size), task
+        )
         want = json_safe({"task": dataclasses.asdict(task), "model": config.to_dict()})
-        path = out / "recall" / variant.name / f"d{width}" / f"seed{seed}.json"
+        path = out / "recall" / name / f"h{heads}" / f"seed{seed}.json"
         result = json.loads(path.read_text()) if path.is_file() else None
         if result is None or {k: result.get(k) for k in want} != want:
             start = time.perf_counter()
-            scores = recall.train_and_score(
-                config, task, spec.train_config(variant, seed).seed, threads
-            )
+            seed_of_run = spec.train_config(spec.variants[0], seed).seed  # the LM runs' seeds
+            scores = recall.train_and_score(config, task, seed_of_run, threads)
             result = {
                 **want,
-                "variant": variant.name,
-                "d_model": width,
+                "variant": name,
+                "heads": heads,
                 "seed": seed,
                 **scores,
                 "params": count_params(config),
