@@ -63,7 +63,7 @@ class RecallTask:
     mixes: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=lambda: dict(MIXES))
     d_model: int = 64
     heads: tuple[int, ...] = (4, 1)  # n_heads of the models compared: the state grows as H falls
-    steps: int = 1000  # optimizer steps of each training run
+    steps: int = 1200  # optimizer steps of each training run
     batch_size: int = 32
     lr: float = 3e-3
     test_examples: int = 256  # per pair count

@@ -249,7 +249,7 @@ def hybrid(quick: bool) -> StudySpec:
     recall: dict[str, Any] = (
         dict(pairs=(2, 4), d_model=32, heads=(2,), steps=150, test_examples=64)
         if quick
-        else dict(pairs=(2, 4, 8), d_model=64, heads=(4, 1), steps=1000)
+        else dict(pairs=(2, 4, 8), d_model=64, heads=(4, 1), steps=1200)
     )
     return StudySpec(
         name="hybrid",
