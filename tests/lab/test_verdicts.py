@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from decoderlm.lab import conclusions, measure, stats
+from decoderlm.lab import conclusions, measure, stats, studies
 
 BASELINE = 3.0  # the unigram loss of the synthetic data
 
@@ -153,3 +153,40 @@ def test_an_opposite_difference_contradicts_and_two_seeds_give_no_verdict():
     two = {name: values[:2] for name, values in runs.items()}
     text = "\n".join(conclusions.conclude(results(two, seeds=2)))
     assert "**Verdict**: too few seeds for a verdict (2 seeds;" in text
+
+
+@pytest.mark.parametrize("name", [n for n in studies.STUDIES if n != studies.TEST_TIME])
+def test_every_builtin_studys_verdicts_render_from_its_own_variant_names(name):
+    """Synthetic healthy runs of the full spec (3 seeds, every variant 0.01 apart), summarised by
+    the runner: the study's verdict section finds every variant it names."""
+    import dataclasses
+
+    from decoderlm.lab import recall, runner
+
+    spec = studies.builtin(name)
+    runs = []
+    for i, variant in enumerate(spec.variants):
+        for seed in range(spec.seeds):
+            loss = 2.0 + 0.01 * i + 0.001 * seed
+            runs.append({
+                "variant": variant.name, "seed": seed, "health": measure.HEALTHY,
+                "val_loss": loss, "loss_1x": loss, "loss_2x": loss + 0.1, "loss_4x": loss + 0.2,
+                "loss_rise_4x": 0.2, "val_loss_pooled": loss + 1 if variant.pool_kv_heads else None,
+                "train_tokens_per_s": 1000.0, "params": 1000, "kv_bytes_per_token": 2 + i,
+                "kv_max_context": 100, "state_bytes": i,
+            })  # fmt: skip
+    results = {
+        "study": name,
+        "spec": dataclasses.asdict(spec),
+        "runs": runs,
+        "summary": runner.summary(spec, runs),
+        "init_stats": [measure.attention_init_stats((16, 256), seed) for seed in range(3)],
+    }
+    if "recall" in spec.measures:
+        task = spec.recall_task()
+        results["recall"] = {"task": dataclasses.asdict(task), "runs": [
+            {"variant": m, "heads": h, "seed": k, "accuracy": {str(n): 0.95 for n in task.pairs}}
+            for h in task.heads for m in recall.MIXES for k in range(spec.seeds)
+        ]}  # fmt: skip
+    text = "\n".join(conclusions.conclude(results))
+    assert "**Verdict**: of " in text and stats.RULE in text
