@@ -39,6 +39,10 @@ AS_EXPECTED, CONTRADICTS = "as expected", "contradicts"
 NO_VERDICT = "too few seeds for a verdict"
 
 Series = dict[int, float | None]  # {seed: value}, None for a run that failed
+EQUALITY = (
+    ' An expectation of no difference is met by "not distinguishable", which does not prove '
+    "equality: the interval bounds the difference these seeds leave possible."
+)
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,7 @@ def verdict_section(
         lines += ["| expectation (a against b) | measured | verdict |", "|---|---|---|", *rows, ""]
         lines += [f"**Verdict**: {_tally(results, verdicts)}", ""]
     lines += [*(f"- {fact}" for fact in facts), "" if facts else None]
-    lines += [RULE, "", HEALTH_RULE]
+    lines += [RULE + EQUALITY, "", HEALTH_RULE]
     return [line for line in lines if line is not None]
 
 
