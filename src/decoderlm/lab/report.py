@@ -214,7 +214,9 @@ def _summary_table(results: dict[str, Any]) -> list[str]:
         "seeds)",
         "",
         "A run that is stuck, diverged or NaN (`decoderlm.lab.measure.classify`, the rule under "
-        '"What this shows") enters no mean; n/a: no healthy run.',
+        '"What this shows") enters no mean; n/a: no healthy run. Speeds are of every run, timed '
+        "on a CPU shared with other jobs: their spread is the machine's load as much as the "
+        "variants'.",
         "",
         *markdown_table(header, rows),
     ]
