@@ -64,8 +64,10 @@ def judge(e: Expectation) -> tuple[Comparison, str]:
         return c, NO_VERDICT
     if found == BOTH_FAIL:
         return c, "both fail: no verdict"
+    if e.expect in (EXPECT_EQUAL, EXPECT_NOT_HIGHER) and found == SAME:
+        return c, f"{AS_EXPECTED} (not distinguishable)"
     if e.expect == EXPECT_EQUAL:
-        return c, f"{AS_EXPECTED} (not distinguishable)" if found == SAME else CONTRADICTS
+        return c, CONTRADICTS
     if e.expect == EXPECT_NOT_HIGHER:
         return c, CONTRADICTS if found == HIGHER else AS_EXPECTED
     if found == SAME:
