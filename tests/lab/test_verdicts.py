@@ -190,3 +190,26 @@ def test_every_builtin_studys_verdicts_render_from_its_own_variant_names(name):
         ]}  # fmt: skip
     text = "\n".join(conclusions.conclude(results))
     assert "**Verdict**: of " in text and stats.RULE in text
+
+
+UP = {0: 2.0, 1: 2.2, 2: 2.1}  # against DOWN: higher at every seed
+DOWN = {0: 1.0, 1: 1.15, 2: 1.1}
+FAILED = {0: None, 1: None, 2: None}
+
+
+@pytest.mark.parametrize(
+    "a, b, expect, lower_is_better, verdict",
+    [
+        (UP, DOWN, conclusions.EXPECT_HIGHER, True, "as expected"),
+        (DOWN, UP, conclusions.EXPECT_HIGHER, True, "contradicts"),
+        (UP, DOWN, conclusions.EXPECT_EQUAL, True, "contradicts"),
+        (DOWN, UP, conclusions.EXPECT_NOT_HIGHER, True, "as expected"),
+        (UP, DOWN, conclusions.EXPECT_NOT_HIGHER, True, "contradicts"),
+        (FAILED, DOWN, conclusions.EXPECT_HIGHER, True, "as expected"),  # failed: a worse loss
+        (FAILED, DOWN, conclusions.EXPECT_LOWER, False, "as expected"),  # … a worse accuracy
+        (FAILED, FAILED, conclusions.EXPECT_HIGHER, True, "both fail: no verdict"),
+    ],
+)
+def test_each_outcome_is_judged_against_what_was_expected(a, b, expect, lower_is_better, verdict):
+    e = conclusions.Expectation("claim", ("a", a), ("b", b), expect, lower_is_better)
+    assert conclusions.judge(e)[1] == verdict
