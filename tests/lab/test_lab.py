@@ -109,7 +109,7 @@ def test_the_header_says_when_how_and_where_without_machine_paths(study):
         f"- date: {env['date']}",
         f"- command: `{COMMAND}`",
         "- seeds: 2 ",
-        "- budget: 512 training tokens per run (× the variant's budget scale); 8 optimizer steps",
+        "- budget: 512 training tokens per run; 8 optimizer steps",
         f"- code: decoderlm {env['decoderlm']}, git commit {env['git_commit']}",
         f"- CPU: {env['cpu']} ({env['cores']} cores)",
         f"- versions: Python {env['python']}, torch {env['torch']}",

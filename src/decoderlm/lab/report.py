@@ -93,9 +93,11 @@ def _budget(results: dict[str, Any]) -> str:
         return f"{spec['budget_seconds']:g} s of training per run"
     steps = sorted({r["steps"] for r in results["runs"]})
     span = f"{steps[0]:,}" if len(steps) == 1 else f"{steps[0]:,}–{steps[-1]:,}"
+    scaled = any(v["budget_scale"] != 1 for v in spec["variants"])
     return (
-        f"{spec['budget_tokens']:,} training tokens per run (× the variant's budget scale); "
-        f"{span} optimizer steps"
+        f"{spec['budget_tokens']:,} training tokens per run"
+        + (" (× the variant's budget scale)" if scaled else "")
+        + f"; {span} optimizer steps"
     )
 
 
