@@ -4,7 +4,7 @@ Layout of the output directory:
 
     OUT/data/                      the prepared --input files (char-level)
     OUT/runs/<variant>/seed<k>/    a training run directory (decoderlm.training) + lab.json
-    OUT/recall/<variant>/d<width>/seed<k>.json   a recall run (measure "recall")
+    OUT/recall/<mix>/h<heads>/seed<k>.json   a recall run (measure "recall")
     OUT/results.json               every run's numbers and the per-variant summaries
 
 Without --data or --input the study trains on the Python standard library, char-level, prepared
@@ -297,7 +297,7 @@ def _run(
     if summary["stopped"] == "interrupted":
         raise KeyboardInterrupt
     config = checkpoint.read_run_config(run_dir)
-    result = _measure(spec, run_dir, config, val, meta, nonfinite_step, train_config.seed)
+    result = _measure(spec, run_dir, config, val, meta, nonfinite_step)
     return {
         "variant": variant.name,
         "seed": seed,
@@ -319,7 +319,6 @@ def _measure(
     val: Any,
     meta: dict[str, Any],
     nonfinite_step: int | None,
-    seed: int,
 ) -> dict[str, Any]:
     from decoderlm.model.config import ModelConfig
 
