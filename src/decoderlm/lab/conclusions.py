@@ -334,7 +334,7 @@ def uptrain_gqa(results: dict[str, Any]) -> list[str]:
         expectations.append(
             _vs(
                 results,
-                f"{shape} up-trained {words} MHA continued's val loss",
+                f"{shape} up-trained {words} {control}'s val loss",
                 name,
                 control,
                 expect,
