@@ -52,6 +52,9 @@ def test_a_variant_whose_runs_all_failed_is_worse_than_one_that_trained():
         == "post fails where pre trains (0 healthy paired seeds; post 3/3 failed)"
     )
     assert stats.compare({0: None, 1: None}, {0: 1.0, 1: 1.1}).outcome == stats.TOO_FEW
+    assert stats.compare({0: None, 1: None}, {0: None, 1: None}).outcome == stats.TOO_FEW
+    three_failed = {0: None, 1: None, 2: None}
+    assert stats.compare(three_failed, three_failed).outcome == stats.BOTH_FAIL
 
 
 def rows(losses):

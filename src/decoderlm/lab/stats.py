@@ -8,8 +8,9 @@ so the per-seed differences d_k = a_k − b_k are paired and their t-interval
 mean(d) ± t₀.₉₇₅,n−1 · sd(d)/√n is the test. Only seeds where both runs trained healthily count
 (a run classified stuck, diverged or NaN by `decoderlm.lab.measure.classify` enters no interval):
 
-- every run of one variant failed (classified) and none of the other's, with ≥ MIN_SEEDS seeds
-  each: the failing one is worse ("fails where the other trains");
+- fewer than MIN_SEEDS seeds on either side: "too few seeds for a verdict";
+- every run of both variants failed: "both fail"; every run of one and none of the other's: the
+  failing one is worse ("fails where the other trains");
 - fewer than MIN_SEEDS healthy pairs: "too few seeds for a verdict";
 - the interval excludes 0: a is lower (or higher) than b;
 - it contains 0: "not distinguishable".
@@ -136,9 +137,11 @@ def compare(a: Mapping[int, float | None], b: Mapping[int, float | None]) -> Com
     paired = [a[k] - b[k] for k in sorted(set(a) & set(b)) if a[k] is not None and b[k] is not None]
     difference = summarise(paired)
     all_a, all_b = failed[0] == seeds[0] > 0, failed[1] == seeds[1] > 0
-    if all_a and all_b:
+    if min(seeds) < MIN_SEEDS:
+        outcome = TOO_FEW
+    elif all_a and all_b:
         outcome = BOTH_FAIL
-    elif min(seeds) >= MIN_SEEDS and ((all_a and not failed[1]) or (all_b and not failed[0])):
+    elif (all_a and not failed[1]) or (all_b and not failed[0]):
         outcome = A_FAILS if all_a else B_FAILS
     elif difference.n < MIN_SEEDS:
         outcome = TOO_FEW
