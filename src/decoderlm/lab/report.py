@@ -77,7 +77,12 @@ def header(results: dict[str, Any]) -> list[str]:
         "",
         f"- date: {env.get('date', 'not recorded')}",
         f"- command: `{results['command']}`",
-        f"- seeds: {spec['seeds']} (the same seeds, so the same batches, for every variant)",
+        f"- seeds: {spec['seeds']}"
+        + (
+            " (the same seeds, so the same batches, for every variant)"
+            if "variants" in spec
+            else ""
+        ),
         f"- budget: {_budget(results)}",
         f"- code: decoderlm {env.get('decoderlm', '?')}, git commit {env['git_commit']}",
         f"- CPU: {env['cpu']} ({env['cores']} cores)",
