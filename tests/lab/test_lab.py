@@ -1,8 +1,9 @@
 """The micro-study: two variants of a tiny model, a few steps, 2 seeds, end to end (< 60 s).
 
 Checks what the lab promises: results.json holds every run, report.md's rows are the runs' own
-metrics, the KV column is the closed form, every plot is a PNG, and an interrupted study resumes
-without retraining the runs it had finished.
+metrics, the KV column is the closed form, every plot is a PNG, the header says when, how and
+where without the machine's paths, a stuck or NaN run enters no mean, and an interrupted study
+resumes without retraining the runs it had finished.
 """
 
 import dataclasses
@@ -15,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from decoderlm.lab import report, runner
+from decoderlm.lab import measure, report, runner
 from decoderlm.lab.spec import StudySpec, Variant
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+COMMAND = "decoderlm lab --spec micro.toml --input words.txt --out micro"
 
 
 def micro_spec() -> StudySpec:
@@ -37,6 +39,8 @@ def micro_spec() -> StudySpec:
         ),
         train=dict(
             batch_size=4,
+            lr=3e-2,  # 8 steps from a tiny model beat the unigram baseline: healthy runs
+            min_lr=3e-3,
             eval_iters=1,
             sample_tokens=2,
             dtype="fp32",
@@ -48,7 +52,7 @@ def micro_spec() -> StudySpec:
             Variant("MHA", model={"n_kv_heads": 4}),
             Variant("MQA", model={"n_kv_heads": 1}, match_params=True),
         ],
-        budget_tokens=4 * 16 * 4,  # 4 steps
+        budget_tokens=4 * 16 * 8,  # 8 steps
         reference="MHA",
         measures=("decode", "extrapolation", "attention"),
         seeds=2,
@@ -67,7 +71,7 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def study(tmp_path_factory, corpus) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("micro")
-    results = runner.run_study(micro_spec(), out, inputs=[corpus], progress=False)
+    results = runner.run_study(micro_spec(), out, inputs=[corpus], progress=False, command=COMMAND)
     report.write_report(results, out)
     return out, results
 
@@ -89,9 +93,31 @@ def test_results_json_holds_every_run(study):
         ("MQA", 1),
     ]
     for run in results["runs"]:
-        assert run["steps"] == 4
-        assert len(run["curves"]["val_loss"]) == 4  # eval_interval = 4 steps // 10 → 1
+        assert run["steps"] == 8
+        assert len(run["curves"]["val_loss"]) == 8  # eval_interval = 8 steps // 10 → 1
         assert run["val_loss"] > 0 and run["decode_tps_b16"] > 0
+        assert run["health"] == "healthy"  # below the unigram baseline by the margin
+        assert run["val_loss"] < results["data"]["unigram_loss"] - measure.STUCK_MARGIN
+
+
+def test_the_header_says_when_how_and_where_without_machine_paths(study):
+    out, results = study
+    text = (out / report.REPORT_FILE).read_text()
+    head = text.split("## Variants")[0]
+    env = results["environment"]
+    for line in (
+        f"- date: {env['date']}",
+        f"- command: `{COMMAND}`",
+        "- seeds: 2 ",
+        "- budget: 512 training tokens per run; 8 optimizer steps",
+        f"- code: decoderlm {env['decoderlm']}, git commit {env['git_commit']}",
+        f"- CPU: {env['cpu']} ({env['cores']} cores)",
+        f"- versions: Python {env['python']}, torch {env['torch']}",
+        "- data: words.txt, char-level",
+    ):
+        assert line in head
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", env["date"])
+    assert str(out) not in text and "/tmp/" not in text and "/work/" not in text
 
 
 def test_report_rows_equal_the_runs_own_metrics(study):
@@ -104,15 +130,19 @@ def test_report_rows_equal_the_runs_own_metrics(study):
         assert int(cells[3].replace(",", "")) == run["params"]
         assert float(cells[5]) == pytest.approx(run["val_loss"], abs=5e-5)
         assert float(cells[6]) == pytest.approx(run["val_bpb"], abs=5e-5)
+        assert cells[8] == run["health"]
 
 
-def test_summary_row_is_the_mean_of_its_runs(study):
+def test_summary_row_is_the_mean_and_t_interval_of_its_runs(study):
     out, results = study
     rows = {cells[0]: cells for cells in report_rows(out / report.REPORT_FILE, "Results")}
     for name in ("MHA", "MQA"):
         losses = [r["val_loss"] for r in results["runs"] if r["variant"] == name]
-        mean = float(rows[name][1].split("±")[0])
+        mean, half = (float(x) for x in rows[name][1].split("±"))
         assert mean == pytest.approx(sum(losses) / 2, abs=5e-5)
+        # two seeds: t₀.₉₇₅,₁ = 12.706 times the standard error
+        assert half == pytest.approx(12.706 * abs(losses[0] - losses[1]) / 2, abs=5e-5)
+        assert rows[name][-1] == "2 / 0 / 0 / 0"  # healthy / stuck / diverged / NaN
 
 
 def test_kv_bytes_column_equals_the_closed_form(study):
@@ -200,23 +230,32 @@ def test_a_run_with_other_settings_is_refused_not_reused(tmp_path, corpus, study
         runner.run_study(changed, tmp_path, inputs=[corpus], progress=False)
 
 
-def test_a_diverging_run_is_recorded_as_a_result_and_the_study_goes_on(tmp_path, corpus):
+def test_nan_and_stuck_runs_are_classified_and_enter_no_mean(tmp_path, corpus):
     spec = dataclasses.replace(
         micro_spec(),
         variants=[
             Variant("calm", model={"n_kv_heads": 4}),
             Variant("hot", model={"n_kv_heads": 4}, train={"lr": 1e30, "warmup_steps": 0}),
+            Variant("frozen", model={"n_kv_heads": 4}, train={"lr": 1e-9, "min_lr": 0.0}),
         ],
-        measures=("attention",),  # the maps come from the run that did not diverge
+        measures=("attention",),  # the maps come from the healthy run
         seeds=1,
     )
     results = runner.run_study(spec, tmp_path, inputs=[corpus], progress=False)
-    calm, hot = results["runs"]
-    assert calm["diverged_step"] is None and math.isfinite(calm["val_loss"])
+    calm, hot, frozen = results["runs"]
+    assert calm["health"] == "healthy" and math.isfinite(calm["val_loss"])
     # lr 1e30: after the first update the gradients are NaN (step 2), the weights then too and
     # step 3's loss is not finite; the run has no val loss (NaN, null in results.json).
-    assert hot["diverged_step"] == 3 and hot["val_loss"] is None
-    assert results["summary"]["hot"]["diverged"] == 1
+    assert hot["health"] == "NaN" and hot["val_loss"] is None and hot["steps"] == 2
+    # lr 1e-9: the loss stays at its initial value, above the unigram baseline
+    assert frozen["health"] == "stuck"
+    assert frozen["val_loss"] > results["data"]["unigram_loss"]
+    summary = results["summary"]
+    assert summary["frozen"]["health"] == {"healthy": 0, "stuck": 1, "diverged": 0, "NaN": 0}
+    assert "val_loss" not in summary["frozen"]  # a finite loss, but not a healthy run's
+    assert summary["frozen"]["train_tokens_per_s"]["n"] == 1  # its speed still counts
+    assert summary["hot"]["health"]["NaN"] == 1
+    assert results["attention"]["variant"] == "calm"
 
 
 def test_runs_finished_before_attention_was_asked_get_it_without_retraining(

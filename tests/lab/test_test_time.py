@@ -13,7 +13,7 @@ import pytest
 from decoderlm.cli import main
 from decoderlm.errors import DecoderLMError
 from decoderlm.lab import test_time, test_time_report
-from decoderlm.lab.conclusions import ttc_accuracy
+from decoderlm.lab.test_time_conclusions import ttc_accuracy
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BUDGETED = ("self-consistency", "best-of-N (mean log-prob)", "best-of-N (learned)")

@@ -8,9 +8,9 @@ report.md and the plots.
 test-time-compute (decoderlm.lab.test_time) trains its own policy on a reasoning task's corpus and
 a learned verifier, then measures the search strategies: it takes no --data/--input/--budget-*.
 
-Without --data/--input the built-in studies train on ../shared/data/tinyshakespeare.txt beside
-the repository (char-level). The same command plus --resume continues an interrupted study (the
-finished runs are kept); --overwrite starts it over.
+Without --data/--input a study trains on the Python standard library, char-level (the corpus
+`decoderlm train` uses by default), prepared once into decoderlm's cache. The same command plus
+--resume continues an interrupted study (the finished runs are kept); --overwrite starts it over.
 """
 
 from __future__ import annotations
@@ -22,26 +22,21 @@ import sys
 from pathlib import Path
 
 from decoderlm.files import add_overwrite_argument, refuse_overwrite
+from decoderlm.lab.studies import FULL_SEEDS, STUDIES, TEST_TIME
 
 HELP = (
     "ablation studies (attention variants, positions, scaling, norm placement, GQA up-training, "
     "recurrent and hybrid layers) and test-time compute"
 )
-TEST_TIME = "test-time-compute"
-STUDY_NAMES = ("attention-variants", "positions", "scaling", "norm-placement", "uptrain-gqa")
-STUDY_NAMES += ("hybrid", TEST_TIME)
-DEFAULT_CORPUS = (
-    Path(__file__).resolve().parents[3].parent / "shared" / "data" / "tinyshakespeare.txt"
-)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "study", nargs="?", metavar="STUDY", help=f"one of {', '.join(STUDY_NAMES)}"
-    )
+    parser.add_argument("study", nargs="?", metavar="STUDY", help=f"one of {', '.join(STUDIES)}")
     parser.add_argument("--spec", metavar="TOML", help="a study of your own (instead of STUDY)")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--data", metavar="DIR", help="a prepared data directory")
+    source.add_argument(
+        "--data", metavar="DIR", help="a prepared data directory (default: the standard library)"
+    )
     source.add_argument(
         "--input", nargs="+", metavar="PATH", help="text files, prepared (char-level) into OUT/data"
     )
@@ -50,7 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     budget.add_argument(
         "--budget-seconds", type=float, metavar="S", help="seconds of training per run"
     )
-    parser.add_argument("--seeds", type=int, metavar="K", help="seeds per variant (default 2)")
+    parser.add_argument(
+        "--seeds", type=int, metavar="K", help=f"seeds per variant (default {FULL_SEEDS})"
+    )
     parser.add_argument("--quick", action="store_true", help="small models and budget (≤ 3 min)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -65,30 +62,40 @@ def run(args: argparse.Namespace) -> int:
     from decoderlm.lab import report, runner, spec, studies
 
     if (args.study is None) == (args.spec is None):
-        raise DecoderLMError(f"give a STUDY ({', '.join(STUDY_NAMES)}) or --spec FILE, not both")
+        raise DecoderLMError(f"give a STUDY ({', '.join(STUDIES)}) or --spec FILE, not both")
     if args.seeds is not None and args.seeds < 1:
         raise DecoderLMError(f"--seeds={args.seeds} must be ≥ 1")
     if args.study == TEST_TIME:
         return _test_time(args)
+    _check_sources(args)
     study = studies.builtin(args.study, args.quick) if args.study else spec.load_spec(args.spec)
     study = study.with_budget(args.budget_tokens, args.budget_seconds, args.seeds)
-    inputs = args.input
-    if args.data is None and inputs is None:
-        if not DEFAULT_CORPUS.is_file():
-            raise DecoderLMError(f"no default corpus at {DEFAULT_CORPUS}: give --data or --input")
-        inputs = [DEFAULT_CORPUS]
     out = Path(args.out)
-    written = ("data", "runs", runner.RESULTS_FILE, report.REPORT_FILE)
+    written = ("data", "runs", "recall", runner.RESULTS_FILE, report.REPORT_FILE)
     other = "or --resume to continue the study"
     refuse_overwrite(out, overwrite=args.overwrite or args.resume, inside=written, other=other)
     if args.overwrite and not args.resume:  # start over: nothing of the old study is reused
-        for name in ("runs", "data") if args.data is None else ("runs",):
+        for name in ("runs", "recall", "data") if args.data is None else ("runs", "recall"):
             shutil.rmtree(out / name, ignore_errors=True)
     results = runner.run_study(
-        study, args.out, args.data, inputs, progress=not args.quiet, command=_command()
+        study, args.out, args.data, args.input, progress=not args.quiet, command=_command()
     )
     print(f"wrote {report.write_report(results, args.out)}")
     return 0
+
+
+def _check_sources(args: argparse.Namespace) -> None:
+    """A one-line error naming the flag when --data or an --input path does not exist."""
+    from decoderlm.errors import DecoderLMError
+
+    if args.data is not None and not Path(args.data).is_dir():
+        raise DecoderLMError(
+            f"--data {args.data}: no such directory (a prepared data directory; leave --data "
+            "out to train on the Python standard library)"
+        )
+    missing = [p for p in args.input or () if not Path(p).exists()]
+    if missing:
+        raise DecoderLMError(f"--input {missing[0]}: no such file or directory")
 
 
 def _command() -> str:
@@ -100,14 +107,14 @@ def _test_time(args: argparse.Namespace) -> int:
     import dataclasses
 
     from decoderlm.errors import DecoderLMError
-    from decoderlm.lab import test_time, test_time_report
+    from decoderlm.lab import studies, test_time, test_time_report
     from decoderlm.lab.runner import RESULTS_FILE
 
     given = [f for f in ("data", "input", "budget_tokens", "budget_seconds") if getattr(args, f)]
     if given:
         flag = "--" + given[0].replace("_", "-")
         raise DecoderLMError(f"{TEST_TIME} trains its own policy on its task: drop {flag}")
-    study = test_time.quick_spec() if args.quick else test_time.TestTimeSpec()
+    study = studies.builtin(TEST_TIME, args.quick)
     if args.seeds is not None:
         study = dataclasses.replace(study, seeds=args.seeds)
     written = ("data", "policy", "verifier", "task.txt", RESULTS_FILE, "report.md")

@@ -4,7 +4,8 @@
 - decode speed: new tokens per second of greedy `decoderlm.inference.generate.generate`;
 - extrapolation: loss per position bucket of windows 1×, 2×, 4× the training context (Press et
   al., 2022, ALiBi §2: sinusoidal/RoPE models degrade past the length they were trained on);
-- divergence: the first non-finite or exploding training step (Xiong et al., 2020, Post-LN);
+- health (`classify`): whether a run trained, or is stuck, diverged or NaN (Xiong et al., 2020:
+  Post-LN without warmup); the context-free baseline it is judged against (`unigram_loss`);
 - attention: the mean attention entropy per layer on a val snippet
   (`decoderlm.inference.attention_maps`), and for the study's best run the heat-maps of every
   head (`decoderlm.plot_attention`);
@@ -33,7 +34,20 @@ from decoderlm.loading import load
 from decoderlm.model.lm import DecoderLM
 from decoderlm.plot_attention import plot_attention
 
-DIVERGENCE_FACTOR = 1.5  # "exploding": a training loss above 1.5 × the first step's loss
+# Run health (`classify`), in nats of the loss:
+STUCK_MARGIN = 0.1  # stuck: final val loss not below the unigram baseline by this much
+DIVERGED_RISE = 0.5  # diverged: final train loss this far above the run's lowest
+SMOOTHING = 0.1  # train losses are averaged over windows of this share of the logged rows
+HEALTHY, STUCK, DIVERGED, NAN = "healthy", "stuck", "diverged", "NaN"
+HEALTH_CLASSES = (HEALTHY, STUCK, DIVERGED, NAN)
+HEALTH_RULE = (
+    "Run health: NaN — the loss became non-finite (the trainer stops); diverged — the final "
+    f"train loss (mean over the last {SMOOTHING:.0%} of the logged steps) is more than "
+    f"{DIVERGED_RISE:g} nats above the lowest such mean of the run; stuck — the final val loss is "
+    f"not at least {STUCK_MARGIN:g} nats below the unigram baseline (the loss of the train "
+    "split's token frequencies, which ignore the context: every run passes it early, and "
+    "a model at initialisation is above it); healthy — none of these."
+)
 EXTRAPOLATION_FACTORS = (1, 2, 4)  # window lengths, in training contexts
 BUCKETS_PER_CONTEXT = 4  # position buckets per training context length
 ATTENTION_TOKENS = 48  # the val snippet (its first tokens) whose attention is measured and drawn
@@ -57,16 +71,30 @@ def curves(rows: list[dict[str, Any]]) -> dict[str, list[list[float]]]:
     return {name: [[r["step"], r[key]] for r in rows if key in r] for name, key in series.items()}
 
 
-def first_divergent_step(rows: list[dict[str, Any]], nonfinite_step: int | None) -> int | None:
-    """The first logged step whose train loss is non-finite or > DIVERGENCE_FACTOR × the first
-    logged loss; or `nonfinite_step` (where the trainer stopped on a non-finite loss); or None."""
-    losses = [(r["step"], r["train_loss"]) for r in rows if "train_loss" in r]
+def unigram_loss(train: np.ndarray, val: np.ndarray, vocab_size: int) -> float:
+    """Cross-entropy (nats) on `val` of the train split's token frequencies, add-one smoothed:
+    −mean log p(x), p(v) = (count(v) + 1) / (N + V); the best loss without the context."""
+    counts = np.bincount(np.asarray(train, dtype=np.int64), minlength=vocab_size) + 1.0
+    return float(-np.log(counts / counts.sum())[np.asarray(val, dtype=np.int64)].mean())
+
+
+def classify(
+    train_losses: list[list[float]], val_loss: float | None, nonfinite: bool, baseline: float
+) -> tuple[str, int | None]:
+    """A run's health by HEALTH_RULE: (HEALTHY, STUCK, DIVERGED or NAN; the step where the
+    smoothed train loss was lowest, for DIVERGED, else None). `train_losses`: [step, loss] rows."""
+    losses = [loss for _, loss in train_losses]
+    if nonfinite or val_loss is None or not all(map(math.isfinite, [*losses, val_loss])):
+        return NAN, None
     if losses:
-        first = losses[0][1]
-        for step, loss in losses:
-            if not math.isfinite(loss) or loss > DIVERGENCE_FACTOR * first:
-                return step
-    return nonfinite_step
+        width = max(1, round(SMOOTHING * len(losses)))
+        smooth = np.convolve(losses, np.ones(width) / width, mode="valid")  # (rows − width + 1,)
+        lowest = int(smooth.argmin())
+        if smooth[-1] > smooth[lowest] + DIVERGED_RISE:
+            return DIVERGED, int(train_losses[lowest + width - 1][0])
+    if val_loss > baseline - STUCK_MARGIN:
+        return STUCK, None
+    return HEALTHY, None
 
 
 @torch.no_grad()

@@ -1,7 +1,9 @@
-"""results.json → report.md and its PNG plots (matplotlib's Agg canvas: no display needed).
+"""results.json → report.md (its plots: `decoderlm.lab.plots`).
 
 Every number in the report is read from results.json; the per-run table prints each run's own
-metrics, so a reader can check any summary row against the runs it summarises.
+metrics and health, so a reader can check any summary row against the runs it summarises. The
+header says when, by which command and code, on which CPU and package versions, with how many
+seeds and what budget the numbers were made; no path of the machine that made them.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ import math
 from pathlib import Path
 from typing import Any
 
-from matplotlib.figure import Figure
-
-from decoderlm.lab import conclusions
-from decoderlm.lab.conclusions import MEMORY_CONTEXTS, sequence_bytes
+from decoderlm.lab import conclusions, plots
+from decoderlm.lab.conclusions import MEMORY_CONTEXTS, SOLVED, recall_series, sequence_bytes
+from decoderlm.lab.measure import HEALTH_CLASSES
+from decoderlm.lab.plots import by_variant, has_state, save_figure, summary_of
 from decoderlm.lab.recall import RecallTask
-from decoderlm.lab.stats import Summary
+from decoderlm.lab.stats import Summary, summarise
+
+__all__ = ["REPORT_FILE", "fmt", "header", "markdown_table", "save_figure", "write_lines"]
 
 REPORT_FILE = "report.md"
 RUN_COLUMNS = (  # (header, key, format) of the per-run table
@@ -33,33 +37,20 @@ OPTIONAL_COLUMNS = (  # (header, summary key, digits): shown when some variant h
     ("loss @2× ctx", "loss_2x", 4),
     ("loss @4× ctx", "loss_4x", 4),
     ("val loss before up-training", "val_loss_pooled", 4),
-    ("recall accuracy", "recall_accuracy", 3),
 )
-MEMORY_PLOT_CONTEXT = 32768  # the memory axis of loss_vs_memory.png
 
 
 def write_report(results: dict[str, Any], out: str | Path) -> Path:
     """Write OUT/report.md and the plots it embeds; returns the report's path."""
     out = Path(out)
-    plots = [p for p in (_val_curves(results, out), _loss_vs_kv(results, out)) if p]
-    plots += [p for p in (_memory_vs_context(results, out), _recall(results, out)) if p]
-    plots += [p for p in (_positions(results, out), _grad_norms(results, out)) if p]
-    plots += [p for p in (_init_stats(results, out),) if p]
-    spec = results["spec"]
-    budget = (
-        f"{spec['budget_tokens']:,} training tokens per run"
-        if spec["budget_tokens"] is not None
-        else f"{spec['budget_seconds']:g} s of training per run"
-    )
+    spec, data = results["spec"], results["data"]
     lines = [
         *header(results),
+        f"- data: {data['source']}, char-level ({data['train_tokens']:,} train tokens, "
+        f"vocabulary {data['vocab_size']}); val loss over the first {results['eval_tokens']:,} "
+        f"val tokens; unigram baseline {data['unigram_loss']:.4f} nats",
         f"- wall time: {results['runs_wall_s']:.0f} s over all runs "
         f"({results['wall_s']:.0f} s in the last invocation)",
-        f"- data: {results['data']['dir']} ({results['data']['train_tokens']:,} train tokens, "
-        f"vocabulary {results['data']['vocab_size']}); val loss over the first "
-        f"{results['eval_tokens']:,} val tokens",
-        f"- protocol: {budget}, {spec['seeds']} seeds (the same seeds, so the same batches, for "
-        "every variant); spread = standard deviation over seeds",
         *(f"- {note}" for note in spec["notes"]),
         "",
         *_variants_table(results),
@@ -70,27 +61,55 @@ def write_report(results: dict[str, Any], out: str | Path) -> Path:
         *_init_table(results),
         *_runs_table(results),
     ]
-    return write_lines(out, lines, plots, results, _attention_section(results))
+    return write_lines(
+        out, lines, plots.write_plots(results, out), results, _attention_section(results)
+    )
 
 
 def header(results: dict[str, Any]) -> list[str]:
-    """A report's title, description, command and environment lines."""
-    env = results["environment"]
+    """A report's title, description, then when, how and where it was made: date, command, seeds,
+    budget, code, CPU and package versions."""
+    env, spec = results["environment"], results["spec"]
     return [
         f"# Study: {results['study']}",
         "",
         results["description"],
         "",
+        f"- date: {env.get('date', 'not recorded')}",
         f"- command: `{results['command']}`",
-        f"- git commit {env['git_commit']} · {env['cpu']} ({env['cores']} cores) · "
-        f"torch {env['torch']} · Python {env['python']}",
+        f"- seeds: {spec['seeds']}"
+        + (
+            " (the same seeds, so the same batches, for every variant)"
+            if "variants" in spec
+            else ""
+        ),
+        f"- budget: {_budget(results)}",
+        f"- code: decoderlm {env.get('decoderlm', '?')}, git commit {env['git_commit']}",
+        f"- CPU: {env['cpu']} ({env['cores']} cores)",
+        f"- versions: Python {env['python']}, torch {env['torch']}",
     ]
+
+
+def _budget(results: dict[str, Any]) -> str:
+    spec = results["spec"]
+    if "budget_tokens" not in spec:  # a study with its own protocol (test-time compute)
+        return "see the protocol below"
+    if spec["budget_tokens"] is None:
+        return f"{spec['budget_seconds']:g} s of training per run"
+    steps = sorted({r["steps"] for r in results["runs"]})
+    span = f"{steps[0]:,}" if len(steps) == 1 else f"{steps[0]:,}–{steps[-1]:,}"
+    scaled = any(v["budget_scale"] != 1 for v in spec["variants"])
+    return (
+        f"{spec['budget_tokens']:,} training tokens per run"
+        + (" (× the variant's budget scale)" if scaled else "")
+        + f"; {span} optimizer steps"
+    )
 
 
 def write_lines(
     out: Path,
     lines: list[str],
-    plots: list[Path],
+    figures: list[Path],
     results: dict[str, Any],
     after_plots: list[str] | None = None,
 ) -> Path:
@@ -100,12 +119,12 @@ def write_lines(
         *lines,
         "## Plots",
         "",
-        *(f"![{p.stem}]({p.name})" for p in plots),
+        *(f"![{p.stem}]({p.name})" for p in figures),
         "",
         *(after_plots or []),
         "## What this shows",
         "",
-        conclusions.conclude(results),
+        *conclusions.conclude(results),
         "",
     ]
     path = out / REPORT_FILE
@@ -120,10 +139,6 @@ def fmt(value: Any, spec: str) -> str:
     return spec.format(value)
 
 
-def summary_of(row: dict[str, Any], key: str) -> Summary | None:
-    return Summary(**row[key]) if key in row else None
-
-
 def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
     return [
         "| " + " | ".join(header) + " |",
@@ -131,6 +146,28 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
         *("| " + " | ".join(row) + " |" for row in rows),
         "",
     ]
+
+
+def _settings(variant: dict[str, Any], results: dict[str, Any]) -> str:
+    """A variant's overrides as it ran: a pooled variant by the K/V heads it has."""
+    model = dict(variant["model"])
+    if variant["pool_kv_heads"]:
+        model["n_kv_heads"] = variant["pool_kv_heads"]
+    changes = ", ".join(f"{k}={val}" for k, val in {**model, **variant["train"]}.items())
+    if variant["init_from"]:
+        pooled = (
+            f", its {variant['model']['n_kv_heads']} K/V heads mean-pooled to "
+            f"{variant['pool_kv_heads']}"
+            if variant["pool_kv_heads"]
+            else ""
+        )
+        changes += f"; from {variant['init_from']}{pooled}, budget ×{variant['budget_scale']:g}"
+    elif variant["budget_scale"] != 1:
+        changes += f"; budget ×{variant['budget_scale']:g}"
+    if variant["match_params"]:
+        d_ff = next(r["model"]["d_ff"] for r in results["runs"] if r["variant"] == variant["name"])
+        changes += f"; d_ff={d_ff} (matched)"
+    return changes or "(base)"
 
 
 def _variants_table(results: dict[str, Any]) -> list[str]:
@@ -143,21 +180,15 @@ def _variants_table(results: dict[str, Any]) -> list[str]:
         if reference is not None:
             ref = table[reference]["params"]
             delta = f"{100 * (row['params'] - ref) / ref:+.2f}%"
-        changes = ", ".join(f"{k}={val}" for k, val in {**v["model"], **v["train"]}.items())
-        if v["init_from"]:
-            pooled = f" pooled to {v['pool_kv_heads']} K/V heads" if v["pool_kv_heads"] else ""
-            changes += f"; from {v['init_from']}{pooled}, budget ×{v['budget_scale']:g}"
-        if v["match_params"]:
-            d_ff = next(r["model"]["d_ff"] for r in results["runs"] if r["variant"] == v["name"])
-            changes += f"; d_ff={d_ff} (matched)"
+        context = row["kv_max_context"]
         rows.append(
             [
                 v["name"],
                 f"{row['params']:,}",
                 delta,
                 f"{row['kv_bytes_per_token']:,}",
-                fmt(row["kv_max_context"], "{:,}") if row["kv_max_context"] is not None else "∞",
-                changes or "(base)",
+                fmt(context, "{:,}") if context is not None else "∞",
+                _settings(v, results),
             ]
         )
     sizing = (
@@ -174,34 +205,45 @@ def _variants_table(results: dict[str, Any]) -> list[str]:
 
 def _summary_table(results: dict[str, Any]) -> list[str]:
     table = results["summary"]
-    k = results["spec"]["seeds"]
     optional = [c for c in OPTIONAL_COLUMNS if any(c[1] in row for row in table.values())]
     header = ["variant", "val loss", "bits/byte", "train tok/s"]
-    header += [c[0] for c in optional] + ["diverged runs"]
+    header += [c[0] for c in optional] + ["runs: " + " / ".join(HEALTH_CLASSES)]
     rows = []
     for name, row in table.items():
-        cells = [name, str(summary_of(row, "val_loss")), str(summary_of(row, "val_bpb"))]
-        cells.append(_mean_spread(summary_of(row, "train_tokens_per_s"), 0))
-        cells += [_mean_spread(summary_of(row, key), digits) for _, key, digits in optional]
-        cells.append(f"{row['diverged']}/{k}")
+        cells = [name]
+        for key, digits in (("val_loss", 4), ("val_bpb", 4), ("train_tokens_per_s", 0)):
+            cells.append(_cell(summary_of(row, key), digits))
+        cells += [_cell(summary_of(row, key), digits) for _, key, digits in optional]
+        cells.append(" / ".join(str(row["health"][c]) for c in HEALTH_CLASSES))
         rows.append(cells)
-    return [f"## Results (mean ± spread over {k} seeds)", "", *markdown_table(header, rows)]
+    return [
+        f"## Results (mean ± 95% t-interval over the healthy runs of {results['spec']['seeds']} "
+        "seeds)",
+        "",
+        "A run that is stuck, diverged or NaN (`decoderlm.lab.measure.classify`, the rule under "
+        '"What this shows") enters no mean; n/a: no healthy run. Speeds are of every run, timed '
+        "on a CPU shared with other jobs: their spread is the machine's load as much as the "
+        "variants'.",
+        "",
+        *markdown_table(header, rows),
+    ]
 
 
-def _mean_spread(s: Summary | None, digits: int) -> str:
-    if s is None or not s.n:
-        return "n/a"
-    return f"{s.mean:,.{digits}f} ± {s.spread:,.{digits}f}"
+def _cell(s: Summary | None, digits: int) -> str:
+    return "n/a" if s is None else s.format(digits)
 
 
 def _comparisons(results: dict[str, Any]) -> list[str]:
-    lines = conclusions.ranking(results)
-    return ["## Comparisons (val loss)", "", *(f"- {line}" for line in lines), ""] if lines else []
-
-
-def has_state(results: dict[str, Any]) -> bool:
-    """Whether some variant keeps a recurrent state (its memory grows slower than its context)."""
-    return any(row.get("state_bytes", 0) for row in results["summary"].values())
+    """A built-in study's ranking (a study of one's own has it as its conclusion)."""
+    lines = conclusions.ranking(results) if results["spec"]["builtin"] else []
+    if not lines:
+        return []
+    return [
+        "## Comparisons (val loss, each variant against the lowest; paired by seed)",
+        "",
+        *(f"- {line}" for line in lines),
+        "",
+    ]
 
 
 def _bytes(n: float) -> str:
@@ -240,25 +282,42 @@ def _memory_table(results: dict[str, Any]) -> list[str]:
 
 
 def _recall_section(results: dict[str, Any]) -> list[str]:
-    if "recall" not in results["spec"]["measures"]:
+    recall = results.get("recall")
+    if not recall:
         return []
-    task = RecallTask(**results["spec"]["recall"])
-    lines = conclusions.recall_ranking(results)
+    task = RecallTask(**recall["task"])
+    rows = []
+    for heads in task.heads:
+        for name in task.mixes:
+            mine = [r for r in recall["runs"] if r["variant"] == name and r["heads"] == heads]
+            cells = [name, str(heads), f"{mine[0]['params']:,}", f"{mine[0]['state_bytes']:,}"]
+            for n in task.pairs:
+                values = list(recall_series(results, name, heads, n).values())
+                cells.append(summarise(values).format(3))
+            rows.append(cells)
+    header = ["model", "heads", "params", "recurrent state bytes"]
+    header += [f"accuracy N = {n}" for n in task.pairs]
+    mixes = "; ".join(f"{name}: {', '.join(mix)}" for name, mix in task.mixes.items())
     return [
-        "## Associative recall",
+        "## Multi-query associative recall",
         "",
-        "Multi-query associative recall (Arora et al., 2023, `decoderlm.lab.recall`): "
-        f"{task.n_pairs} key-value pairs (keys from {task.n_keys} tokens, values "
-        f"from {task.n_values} others), then the same keys in a random order, each to be "
-        "answered with its value. A fresh model of each variant's shape (vocabulary and context "
-        f"the task's) is trained {task.steps} steps of {task.batch_size} sequences on fresh examples from the run's "
-        "seed; accuracy = share of a fixed test set's answers whose argmax is the value. "
-        f"Chance among the values: {1 / task.n_values:.3f}; copying one of the {task.n_pairs} "
-        f"values shown, without the lookup: about {1 / task.n_pairs:.3f} — above that, the model "
-        "looks keys up.",
+        "MQAR (Arora et al., 2023, `decoderlm.lab.recall`): sequences of "
+        f"{task.length} tokens open with N key-value pairs (keys and values distinct, from "
+        f"{task.n_keys} tokens each), then each key once more as a query at a power-law gap, "
+        "noise elsewhere; the answer at a query is its value, and only answers count. The models "
+        f"are two layers deep, d_model {task.d_model}, at {', '.join(map(str, task.heads))} "
+        f"head(s) ({mixes}); d_ff matched to attention's size at each head count. Each trains "
+        f"{task.steps:,} steps of {task.batch_size} sequences, N = "
+        f"{', '.join(map(str, task.pairs))} in turn, at one learning rate for every mix, "
+        f"{task.lr:g} (Zoology reports each model at the best of a learning-rate sweep); "
+        "accuracy = share of "
+        f"{task.test_examples} test sequences' answers whose argmax is the value (chance "
+        f"{1 / task.n_keys:.3f}; copying one of the N values shown without the lookup: 1/N). "
+        f"Attention solves the task at a head count where its mean is ≥ {SOLVED:g} at every N; "
+        "recall conclusions are drawn only there. Mean ± 95% t-interval over "
+        f"{results['spec']['seeds']} seeds.",
         "",
-        *(f"- {line}" for line in lines),
-        "",
+        *markdown_table(header, rows),
     ]
 
 
@@ -291,38 +350,15 @@ def _seed_mean(stats: list[list[dict[str, float]]], i: int, key: str) -> float:
 
 
 def _runs_table(results: dict[str, Any]) -> list[str]:
-    header = ["variant", "seed", *(c[0] for c in RUN_COLUMNS), "diverged at step"]
-    rows = [
-        [r["variant"], str(r["seed"])]
-        + [fmt(r.get(key), spec) for _, key, spec in RUN_COLUMNS]
-        + [fmt(r["diverged_step"], "{:d}")]
-        for r in results["runs"]
-    ]
+    header = ["variant", "seed", *(c[0] for c in RUN_COLUMNS), "health"]
+    rows = []
+    for r in results["runs"]:
+        health = r["health"]
+        if r.get("lowest_step") is not None:
+            health += f" (lowest loss at step {r['lowest_step']})"
+        cells = [fmt(r.get(key), spec) for _, key, spec in RUN_COLUMNS]
+        rows.append([r["variant"], str(r["seed"]), *cells, health])
     return ["## Runs (every run's own metrics)", "", *markdown_table(header, rows)]
-
-
-# ---- plots ------------------------------------------------------------------------------------
-
-
-def _by_variant(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for run in results["runs"]:
-        groups.setdefault(run["variant"], []).append(run)
-    return groups
-
-
-def _band(ax: Any, series: list[list[list[float]]], color: str, label: str) -> None:
-    """Mean line and min–max band over seeds of [step, value] series, on the steps all share."""
-    common = set.intersection(*({s for s, v in one if v is not None} for one in series))
-    steps = sorted(common)
-    if not steps:
-        return
-    values = [[dict((s, v) for s, v in one)[step] for one in series] for step in steps]
-    mean = [sum(v) / len(v) for v in values]
-    ax.plot(steps, mean, color=color, label=label)
-    ax.fill_between(
-        steps, [min(v) for v in values], [max(v) for v in values], color=color, alpha=0.2
-    )
 
 
 def _attention_section(results: dict[str, Any]) -> list[str]:
@@ -330,20 +366,22 @@ def _attention_section(results: dict[str, Any]) -> list[str]:
     attention = results.get("attention")
     if not attention:
         return []
-    by_variant = _by_variant(results)
-    n_layers = max(len(r.get("attention_entropy") or []) for rs in by_variant.values() for r in rs)
+    runs = by_variant(results)
+    n_layers = max(len(r.get("attention_entropy") or []) for rs in runs.values() for r in rs)
     rows = []
-    for name, runs in by_variant.items():
-        entropies = [r["attention_entropy"] for r in runs if r.get("attention_entropy")]
-        cells = [f"{sum(e[i] for e in entropies) / len(entropies):.3f}" if entropies else "—"
-                 for i in range(n_layers)]  # fmt: skip
+    for name, mine in runs.items():
+        entropies = [r["attention_entropy"] for r in mine if r.get("attention_entropy")]
+        cells = [
+            f"{sum(e[i] for e in entropies) / len(entropies):.3f}" if entropies else "—"
+            for i in range(n_layers)
+        ]
         rows.append([name, *cells])
     best = results["summary"][attention["variant"]]
     return [
         "## Attention maps",
         "",
-        f"Every head of each layer of the best run ({attention['variant']} seed "
-        f"{attention['seed']}; its variant's val loss {_mean_spread(summary_of(best, 'val_loss'), 4)}) "
+        f"Every head of each layer of the best healthy run ({attention['variant']} seed "
+        f"{attention['seed']}; its variant's val loss {_cell(summary_of(best, 'val_loss'), 4)}) "
         f"on the first {attention['tokens']} val tokens: row i is what query i attends.",
         "",
         *(f"![{Path(f).stem}]({f})" for f in attention["files"]),
@@ -352,154 +390,3 @@ def _attention_section(results: dict[str, Any]) -> list[str]:
         "",
         *markdown_table(["variant", *(f"layer {i}" for i in range(n_layers))], rows),
     ]
-
-
-def save_figure(fig: Figure, path: Path) -> Path:
-    fig.savefig(path, dpi=110)
-    return path
-
-
-def _val_curves(results: dict[str, Any], out: Path) -> Path | None:
-    fig = Figure(figsize=(8, 5), layout="constrained")
-    ax = fig.add_subplot()
-    for i, (name, runs) in enumerate(_by_variant(results).items()):
-        _band(ax, [r["curves"]["val_loss"] for r in runs], f"C{i % 10}", name)
-    ax.set(xlabel="optimizer step", ylabel="val loss (nats/token)")
-    ax.set_title("validation loss: mean over seeds, band = min–max")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    return save_figure(fig, out / "val_loss.png")
-
-
-def _loss_vs_kv(results: dict[str, Any], out: Path) -> Path | None:
-    """Val loss against KV bytes per token; with recurrent states (no KV in a pure recurrent
-    model) against the bytes of one sequence at MEMORY_PLOT_CONTEXT instead."""
-    state = has_state(results)
-    fig = Figure(figsize=(7, 5), layout="constrained")
-    ax = fig.add_subplot()
-    for i, (name, row) in enumerate(results["summary"].items()):
-        s = summary_of(row, "val_loss")
-        if s is None or not s.n:
-            continue
-        x = sequence_bytes(row, MEMORY_PLOT_CONTEXT) if state else row["kv_bytes_per_token"]
-        ax.errorbar([x], [s.mean], yerr=[s.spread], fmt="o", color=f"C{i % 10}", capsize=3)
-        ax.annotate(name, (x, s.mean), fontsize=7, xytext=(4, 4), textcoords="offset points")
-    ax.set_xscale("log", base=2)
-    xlabel = (
-        f"bytes per sequence at {MEMORY_PLOT_CONTEXT // 1024}k tokens (KV + state, fp32, log₂)"
-        if state
-        else "KV cache bytes per token (fp32, log₂)"
-    )
-    ax.set(xlabel=xlabel, ylabel="final val loss (nats/token)")
-    ax.set_title("quality vs memory (error bar = spread over seeds)")
-    ax.grid(alpha=0.3)
-    return save_figure(fig, out / ("loss_vs_memory.png" if state else "loss_vs_kv.png"))
-
-
-def _memory_vs_context(results: dict[str, Any], out: Path) -> Path | None:
-    if not has_state(results):
-        return None
-    contexts = [2**k for k in range(10, 18)]  # 1k … 128k
-    fig = Figure(figsize=(7, 5), layout="constrained")
-    ax = fig.add_subplot()
-    for i, (name, row) in enumerate(results["summary"].items()):
-        ys = [sequence_bytes(row, n) for n in contexts]
-        style = ("-", "--", ":", "-.")[i % 4]  # equal states draw one line: tell them apart
-        ax.plot(contexts, ys, marker="o", ls=style, color=f"C{i % 10}", label=name, ms=3)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log", base=2)
-    ax.set(xlabel="context (tokens, log₂)", ylabel="bytes per sequence (KV + state, fp32, log₂)")
-    ax.set_title("inference memory of one sequence")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    return save_figure(fig, out / "memory.png")
-
-
-def _recall(results: dict[str, Any], out: Path) -> Path | None:
-    rows = {
-        n: s for n, row in results["summary"].items() if (s := summary_of(row, "recall_accuracy"))
-    }
-    if not rows:
-        return None
-    fig = Figure(figsize=(8, 4.5), layout="constrained")
-    ax = fig.add_subplot()
-    names = list(rows)
-    means = [rows[n].mean for n in names]
-    ax.bar(names, means, yerr=[rows[n].spread for n in names], capsize=3,
-           color=[f"C{i % 10}" for i in range(len(names))])  # fmt: skip
-    task = RecallTask(**results["spec"]["recall"])
-    ax.axhline(1 / task.n_values, color="k", ls="--", lw=1, label="chance")
-    ax.axhline(1 / task.n_pairs, color="k", ls=":", lw=1, label="a shown value, no lookup")
-    ax.set(ylabel="recall accuracy", ylim=(0, 1))
-    ax.set_title("associative recall: mean over seeds, error bar = spread")
-    ax.tick_params(axis="x", labelsize=7)
-    ax.legend(fontsize=7)
-    return save_figure(fig, out / "recall.png")
-
-
-def _positions(results: dict[str, Any], out: Path) -> Path | None:
-    groups = {
-        n: [r for r in runs if r.get("positions")] for n, runs in _by_variant(results).items()
-    }
-    groups = {n: runs for n, runs in groups.items() if runs}
-    if not groups:
-        return None
-    fig = Figure(figsize=(8, 5), layout="constrained")
-    ax = fig.add_subplot()
-    context = next(iter(groups.values()))[0]["model"]["context_length"]
-    for i, (name, runs) in enumerate(groups.items()):
-        factor = max(f for f in (1, 2, 4) if runs[0]["positions"][f"{f}x"] is not None)
-        width = runs[0]["positions"]["bucket"]
-        series = [
-            [[(j + 0.5) * width, v] for j, v in enumerate(r["positions"][f"{factor}x"])]
-            for r in runs
-        ]
-        _band(ax, series, f"C{i % 10}", f"{name} ({factor}× context)")
-    ax.axvline(context, color="k", ls="--", lw=1, label="training context")
-    ax.set(xlabel="position in the window", ylabel="val loss (nats/token)")
-    ax.set_title("loss per position bucket: extrapolation past the training context")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    return save_figure(fig, out / "positions.png")
-
-
-def _grad_norms(results: dict[str, Any], out: Path) -> Path | None:
-    if "divergence" not in results["spec"]["measures"]:
-        return None
-    fig = Figure(figsize=(8, 5), layout="constrained")
-    ax = fig.add_subplot()
-    for i, (name, runs) in enumerate(_by_variant(results).items()):
-        _band(ax, [r["curves"]["grad_norm"] for r in runs], f"C{i % 10}", name)
-    ax.set_yscale("log")
-    ax.set(xlabel="optimizer step", ylabel="global gradient norm (before clipping)")
-    ax.set_title("gradient norm: mean over seeds, band = min–max")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6, ncol=2)
-    return save_figure(fig, out / "grad_norm.png")
-
-
-def _init_stats(results: dict[str, Any], out: Path) -> Path | None:
-    stats = results.get("init_stats")
-    if not stats:
-        return None
-    d_ks = [row["d_k"] for row in stats[0]]
-    fig = Figure(figsize=(11, 4), layout="constrained")
-    panels = (
-        (("var_qk", "var(q·k)"), ("var_qk_scaled", "var(q·k/√d_k)")),
-        (("entropy_raw", "QKᵀ"), ("entropy_scaled", "QKᵀ/√d_k")),
-        (("grad_norm_raw", "QKᵀ"), ("grad_norm_scaled", "QKᵀ/√d_k")),
-    )
-    ylabels = ("variance", "softmax entropy (nats)", "‖∂softmax/∂s‖_F")
-    for j, (panel, ylabel) in enumerate(zip(panels, ylabels, strict=True)):
-        ax = fig.add_subplot(1, 3, j + 1)
-        for key, label in panel:
-            ax.plot(d_ks, [_seed_mean(stats, i, key) for i in range(len(d_ks))], "o-", label=label)
-        if j == 0:
-            ax.plot(d_ks, d_ks, "k--", lw=1, label="d_k")
-            ax.set_yscale("log", base=2)
-        ax.set_xscale("log", base=2)
-        ax.set(xlabel="d_k", ylabel=ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle("attention logits at initialisation")
-    return save_figure(fig, out / "init_stats.png")

@@ -2,9 +2,17 @@
 
 Layout of the output directory:
 
-    OUT/data/                      the prepared corpus (unless --data names one)
+    OUT/data/                      the prepared --input files (char-level)
     OUT/runs/<variant>/seed<k>/    a training run directory (decoderlm.training) + lab.json
+    OUT/recall/<mix>/h<heads>/seed<k>.json   a recall run (measure "recall")
     OUT/results.json               every run's numbers and the per-variant summaries
+
+Without --data or --input the study trains on the Python standard library, char-level, prepared
+once into the cache by `decoderlm.data.prepare_default_corpus` (the corpus `decoderlm train`
+uses by default): it is on every machine that runs decoderlm.
+
+Every run is classified healthy, stuck, diverged or NaN (`measure.classify`, against the data's
+unigram baseline); the summaries of quality are over the healthy runs only.
 
 Resume: a run with a lab.json is finished and is re-used as it is (its configs must be the ones
 the study asks for now); a run with a checkpoint but no lab.json continues from it
@@ -14,13 +22,13 @@ the study asks for now); a run with a checkpoint but no lab.json continues from 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
 import os
 import platform
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,7 +36,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from decoderlm import checkpoint, data, gqa
+from decoderlm import __version__, checkpoint, data, gqa
 from decoderlm.cpu.features import cpu_name
 from decoderlm.errors import DecoderLMError, NonFiniteLossError
 from decoderlm.files import write_json
@@ -46,9 +54,10 @@ DECODE_BATCHES = (1, 16)
 DECODE_TOKENS = 32
 EXTRAPOLATION_WINDOWS = 16
 INIT_D_KS = (16, 32, 64, 128, 256)
-SUMMARISED = ("val_loss", "val_bpb", "train_tokens_per_s", "decode_tps_b1", "decode_tps_b16")
-SUMMARISED += ("val_loss_pooled", "loss_1x", "loss_2x", "loss_4x", "final_train_loss")
-SUMMARISED += ("recall_accuracy",)
+# summarised over the healthy runs (quality) and over every run that has them (speed)
+QUALITY = ("val_loss", "val_bpb", "val_loss_pooled", "loss_1x", "loss_2x", "loss_4x")
+QUALITY += ("loss_rise_4x", "final_train_loss")
+SPEED = ("train_tokens_per_s", "decode_tps_b1", "decode_tps_b16")
 
 
 def run_study(
@@ -63,9 +72,10 @@ def run_study(
     start = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    data_dir = _data(out, data_dir, inputs)
-    meta = data.read_meta(data_dir)
-    val = data.load_split(data_dir, "val")[:EVAL_TOKENS]
+    prepared = _data(out, data_dir, inputs, progress)
+    meta = data.read_meta(prepared)
+    val = data.load_split(prepared, "val")[:EVAL_TOKENS]
+    baseline = measure.unigram_loss(data.load_split(prepared, "train"), val, meta["vocab_size"])
     plan = [(v, seed) for v in spec.variants for seed in range(spec.seeds)]
     weights = [_weight(spec, v, seed) for v, seed in plan]
     unit = "tok" if spec.budget_tokens is not None else "s"
@@ -87,12 +97,13 @@ def run_study(
                 result["attention_entropy"] = measure.attention_entropy(model, val)
                 write_json(run_dir / RUN_RESULT_FILE, result)
             if result is None:
-                result = json_safe(_run(spec, variant, seed, run_dir, out, data_dir, meta, val))
+                result = json_safe(_run(spec, variant, seed, run_dir, out, prepared, meta, val))
                 write_json(run_dir / RUN_RESULT_FILE, result)
-            runs.append(result)
+            runs.append({**result, **_health(result, baseline)})
             bar.update(weight)
     init_stats = None
     attention = _attention(runs, out, val) if "attention" in spec.measures else None
+    recalled = _recall(spec, out, progress) if "recall" in spec.measures else None
     if spec.init_stats is not None:
         d_ks = tuple(spec.init_stats.get("d_k", INIT_D_KS))
         init_stats = [measure.attention_init_stats(d_ks, seed) for seed in range(spec.seeds)]
@@ -100,14 +111,19 @@ def run_study(
         "study": spec.name,
         "description": spec.description,
         "spec": dataclasses.asdict(spec),
-        "command": command or " ".join(sys.argv),
+        "command": command or "decoderlm.lab.runner.run_study (from Python)",
         "environment": environment(),
-        "data": {"dir": str(data_dir), **{k: meta[k] for k in ("vocab_size", "train_tokens")}},
+        "data": {
+            "source": data_source(meta, default=data_dir is None and not inputs),
+            **{k: meta[k] for k in ("vocab_size", "train_tokens")},
+            "unigram_loss": baseline,
+        },
         "eval_tokens": len(val),
         "runs": runs,
         "summary": summary(spec, runs),
         "init_stats": init_stats,
         "attention": attention,
+        "recall": recalled,
         "wall_s": time.perf_counter() - start,  # this invocation
         "runs_wall_s": sum(r["wall_s"] for r in runs),  # all runs, across resumed invocations
     }
@@ -116,25 +132,48 @@ def run_study(
 
 
 def summary(spec: StudySpec, runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per variant: params, KV bytes/token, recurrent state bytes, and mean/spread/n of each
-    summarised metric."""
+    """Per variant: params, KV bytes/token, recurrent state bytes, the runs of each health class,
+    and mean/spread/n of each quality metric over its healthy runs, of each speed over all."""
     table = {}
     for variant in spec.variants:
         mine = [r for r in runs if r["variant"] == variant.name]
         row: dict[str, Any] = {k: mine[0][k] for k in ("params", "kv_bytes_per_token")}
         row["kv_max_context"] = mine[0]["kv_max_context"]
         row["state_bytes"] = mine[0].get("state_bytes", 0)  # results from before the field: 0
-        row["diverged"] = sum(r["diverged_step"] is not None for r in mine)
-        for key in SUMMARISED:
-            values = [r.get(key) for r in mine]
+        row["health"] = {c: sum(r["health"] == c for r in mine) for c in measure.HEALTH_CLASSES}
+        for key in QUALITY + SPEED:
+            counted = [key in SPEED or r["health"] == measure.HEALTHY for r in mine]
+            values = [r.get(key) if c else None for r, c in zip(mine, counted, strict=True)]
             if any(v is not None for v in values):
                 row[key] = dataclasses.asdict(summarise(values))
         table[variant.name] = row
     return table
 
 
+def _health(result: dict[str, Any], baseline: float) -> dict[str, Any]:
+    """The run's health class (`measure.classify`) and, if it diverged, the step of its lowest
+    loss: computed from its recorded curves, so a changed rule needs no retraining."""
+    health, step = measure.classify(
+        result["curves"]["train_loss"],
+        result["val_loss"],
+        result["stopped"] == "non-finite",
+        baseline,
+    )
+    return {"health": health, "lowest_step": step}
+
+
+def data_source(meta: dict[str, Any], default: bool) -> str:
+    """Where the prepared data came from, without this machine's paths: the standard library
+    (`default`), or the names of the files it was prepared from."""
+    if default:
+        return f"the Python {platform.python_version()} standard library (*.py)"
+    inputs = meta.get("source", {}).get("inputs", [])
+    return ", ".join(Path(p).name for p in inputs) or "a prepared data directory"
+
+
 def environment() -> dict[str, str]:
-    """git commit, CPU, Python and torch versions: what a reader needs to reproduce the numbers."""
+    """Date, git commit, CPU, Python, torch and decoderlm versions: what a reader needs to
+    reproduce the numbers."""
     import torch
 
     try:
@@ -148,22 +187,30 @@ def environment() -> dict[str, str]:
     except (OSError, subprocess.SubprocessError):
         commit = ""
     return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "git_commit": commit or "unknown",
         "cpu": cpu_name(),
         "cores": str(os.cpu_count()),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "decoderlm": __version__,
         "platform": platform.platform(),
     }
 
 
-def _data(out: Path, data_dir: str | Path | None, inputs: Sequence[str | Path] | None) -> Path:
-    """The prepared data: `data_dir`, else `inputs` prepared (char-level) into OUT/data once."""
+def _data(
+    out: Path,
+    data_dir: str | Path | None,
+    inputs: Sequence[str | Path] | None,
+    progress: bool = False,
+) -> Path:
+    """The prepared data: `data_dir`; else `inputs` prepared (char-level) into OUT/data once;
+    else the standard library, char-level, prepared once into the cache."""
     if data_dir is not None:
         data.read_meta(data_dir)  # a one-line error if it is not a prepared directory
         return Path(data_dir)
     if not inputs:
-        raise DecoderLMError("give the study's data: --data DIR or --input PATH...")
+        return data.prepare_default_corpus("char", progress=progress)
     prepared = out / "data"
     if not (prepared / data.META_FILE).is_file():
         data.prepare(list(inputs), prepared, tokenizer="char", progress=False)
@@ -196,9 +243,6 @@ def _finished(
     want = json_safe(_configs(spec, variant, seed, meta["vocab_size"]))  # tuples as JSON lists
     have = {"model": dict(result["model"]), "train": result["train"]}
     have["model"]["extra"] = want["model"]["extra"]  # notes (gqa_from_n_kv_heads) aside
-    if "recall" in spec.measures:  # the recall model is trained beside the run: its task too
-        want["recall_task"] = dataclasses.asdict(spec.recall_task())
-        have["recall_task"] = result.get("recall_task")
     if have != want:
         raise DecoderLMError(
             f"{run_dir} was trained with other settings than variant {variant.name!r} asks for "
@@ -247,18 +291,17 @@ def _run(
             init_from=init_from,
             progress=False,
         )
-    except NonFiniteLossError as exc:  # a diverged run is a result, not a failure of the study
+    except NonFiniteLossError as exc:  # a NaN run is a result, not a failure of the study
         nonfinite_step = exc.step
-        summary = {"stopped": "diverged", "step": nonfinite_step - 1}
+        summary = {"stopped": "non-finite", "step": nonfinite_step - 1}
     if summary["stopped"] == "interrupted":
         raise KeyboardInterrupt
     config = checkpoint.read_run_config(run_dir)
-    result = _measure(spec, run_dir, config, val, meta, nonfinite_step, train_config.seed)
+    result = _measure(spec, run_dir, config, val, meta, nonfinite_step)
     return {
         "variant": variant.name,
         "seed": seed,
         "group": variant.group,
-        "run_dir": str(run_dir),
         "model": config["model"],
         "train": train_config.to_dict(),
         "steps": summary["step"],
@@ -276,7 +319,6 @@ def _measure(
     val: Any,
     meta: dict[str, Any],
     nonfinite_step: int | None,
-    seed: int,
 ) -> dict[str, Any]:
     from decoderlm.model.config import ModelConfig
 
@@ -293,16 +335,10 @@ def _measure(
         "kv_max_context": max_context(spec.kv_budget_bytes, kv, state),
         "train_tokens_per_s": speeds[len(speeds) // 2] if speeds else None,  # the median row
         "final_train_loss": losses[-1] if losses and nonfinite_step is None else math.nan,
-        "diverged_step": measure.first_divergent_step(rows, nonfinite_step),
         "curves": measure.curves(rows),
         "val_loss": math.nan,
         "val_bpb": math.nan,
     }
-    if "recall" in spec.measures:  # a fresh model of this shape: independent of the run's weights
-        threads = spec.train_config(spec.variants[0], 0).threads  # the runs' own setting
-        task = spec.recall_task()
-        result.update(recall.train_and_score(model_config, task, seed, threads))
-        result["recall_task"] = dataclasses.asdict(task)
     if nonfinite_step is not None:
         return result  # no final weights to measure
     model = checkpoint.load_model(run_dir)
@@ -321,7 +357,62 @@ def _measure(
         result["positions"] = positions
         for factor in measure.EXTRAPOLATION_FACTORS:
             result[f"loss_{factor}x"] = positions[f"{factor}x_mean"]
+        if result["loss_4x"] is not None:  # how much the loss rises from 1× to 4× the context
+            result["loss_rise_4x"] = result["loss_4x"] - result["loss_1x"]
     return result
+
+
+def _recall(spec: StudySpec, out: Path, progress: bool) -> dict[str, Any]:
+    """Measure "recall": for each head count of the task, each of its mixes and each seed, a fresh
+    model (d_ff matched to the all-attention reference's size at that head count) trained on the
+    task and scored at each pair count. A finished run (its JSON, for the same task and model)
+    is reused."""
+    task = spec.recall_task()
+    threads = spec.train_config(spec.variants[0], 0).threads  # the LM runs' own setting
+    reference = next(iter(task.mixes))
+    mixes = [
+        Variant(n, model={"layer_types": list(m), "n_layers": len(m)}, match_params=n != reference)
+        for n, m in task.mixes.items()
+    ]
+    sized = {  # per head count: the study's base model at the task's width, the mixes as variants
+        h: dataclasses.replace(
+            spec,
+            model={**spec.model, "d_model": task.d_model, "n_heads": h, "n_kv_heads": h},
+            variants=mixes,
+            reference=reference,
+        )
+        for h in task.heads
+    }
+    plan = [
+        (h, name, seed) for h in task.heads for name in task.mixes for seed in range(spec.seeds)
+    ]
+    runs = []
+    for heads, name, seed in tqdm(plan, desc="recall", unit="run", disable=not progress):
+        study = sized[heads]
+        config = recall.recall_config(
+            study.model_config(study.variant(name), task.vocab_size), task
+        )
+        want = json_safe({"task": dataclasses.asdict(task), "model": config.to_dict()})
+        path = out / "recall" / name / f"h{heads}" / f"seed{seed}.json"
+        result = json.loads(path.read_text()) if path.is_file() else None
+        if result is None or {k: result.get(k) for k in want} != want:
+            start = time.perf_counter()
+            seed_of_run = spec.train_config(spec.variants[0], seed).seed  # the LM runs' seeds
+            scores = recall.train_and_score(config, task, seed_of_run, threads)
+            result = {
+                **want,
+                "variant": name,
+                "heads": heads,
+                "seed": seed,
+                **scores,
+                "params": count_params(config),
+                "state_bytes": recurrent_state_bytes(config),
+                "wall_s": time.perf_counter() - start,
+            }
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json(path, json_safe(result))
+        runs.append({k: v for k, v in result.items() if k not in want})
+    return {"task": dataclasses.asdict(task), "runs": runs}
 
 
 def max_context(budget: int, kv_per_token: int, state: int) -> int | None:
@@ -342,8 +433,8 @@ def _trained(result: dict[str, Any]) -> bool:
 
 
 def _attention(runs: list[dict[str, Any]], out: Path, val: Any) -> dict[str, Any] | None:
-    """The heat-maps of the best run (lowest val loss; None if every run diverged)."""
-    finite = [r for r in runs if _trained(r)]
+    """The heat-maps of the best healthy run (lowest val loss; None if no run is healthy)."""
+    finite = [r for r in runs if r["health"] == measure.HEALTHY]
     if not finite:
         return None
     best = min(finite, key=lambda r: r["val_loss"])

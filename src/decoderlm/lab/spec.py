@@ -58,7 +58,7 @@ class StudySpec:
     model: dict[str, Any]  # the base ModelConfig fields (vocab_size follows the data)
     train: dict[str, Any]  # the base TrainConfig fields
     variants: list[Variant]
-    seeds: int = 2
+    seeds: int = 3
     budget_tokens: int | None = 200_000  # training tokens per run (the default budget)
     budget_seconds: float | None = None  # or seconds of training per run
     reference: str | None = None  # the variant whose parameter count matched variants aim at

@@ -1,23 +1,32 @@
-"""The six built-in studies: each a `StudySpec` over small char-level models.
+"""The built-in studies (`STUDIES`, the one list `decoderlm lab` offers): six `StudySpec`s over
+small char-level models, and the test-time compute study (`decoderlm.lab.test_time`, its own
+runner and report).
 
-Default budgets are sized for ≤ 30 minutes per study on 2 CPU cores, `quick` for ≤ 3 (smaller
-models, fewer tokens); both are token budgets, so the numbers do not depend on the machine's load.
+Default budgets are sized for ≤ 40 minutes per study on 2 CPU cores with FULL_SEEDS seeds (the
+verdict rule of `decoderlm.lab.stats` needs 3), `quick` for ≤ 3 minutes (smaller models, fewer
+tokens, QUICK_SEEDS seeds: too few for a verdict); both are token budgets, so the numbers do not
+depend on the machine's load.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from decoderlm.errors import DecoderLMError
 from decoderlm.lab.spec import StudySpec, Variant
 from decoderlm.model.config import ModelConfig
 from decoderlm.training.train_config import TrainConfig
 
+if TYPE_CHECKING:
+    from decoderlm.lab.test_time import TestTimeSpec
+
 SCALE_FIELD = "attn_scale"  # ModelConfig: "1/sqrt(head_dim)" (default) or "none"
 UPTRAIN_FRACTION = 0.05  # α of Ainslie et al. (2023): up-training steps / original steps
 UPTRAIN_SEED_OFFSET = 1000  # up-training draws new batches (the original saw the first ones)
+FULL_SEEDS, QUICK_SEEDS = 3, 2
+TEST_TIME = "test-time-compute"
 
 
 def base_model(quick: bool) -> dict[str, Any]:
@@ -53,9 +62,18 @@ def budget(quick: bool, full: int, fast: int) -> int:
     return fast if quick else full
 
 
+def seeds(quick: bool) -> int:
+    return QUICK_SEEDS if quick else FULL_SEEDS
+
+
+def kv_name(heads: int, kv_heads: int) -> str:
+    """Attention by its K/V heads: MHA-H (as many as query heads), MQA (one), else GQA-G."""
+    return f"MHA-{heads}" if kv_heads == heads else "MQA" if kv_heads == 1 else f"GQA-{kv_heads}"
+
+
 def attention_variants(quick: bool) -> StudySpec:
     heads = base_model(quick)["n_heads"]
-    groups = (("MHA", heads), ("GQA-4", 4), ("GQA-2", 2), ("MQA", 1))
+    mha = kv_name(heads, heads)
     return StudySpec(
         name="attention-variants",
         description=(
@@ -65,10 +83,12 @@ def attention_variants(quick: bool) -> StudySpec:
         model=base_model(quick),
         train=base_train(),
         variants=[
-            Variant(name, model={"n_kv_heads": g}, match_params=g != heads) for name, g in groups
+            Variant(kv_name(heads, g), model={"n_kv_heads": g}, match_params=g != heads)
+            for g in (heads, 4, 2, 1)
         ],
         budget_tokens=budget(quick, 1_000_000, 120_000),
-        reference="MHA",
+        seeds=seeds(quick),
+        reference=mha,
         measures=("decode", "attention"),
     )
 
@@ -86,6 +106,7 @@ def positions(quick: bool) -> StudySpec:
         train=base_train(),
         variants=[Variant(kind, model={"position": kind}) for kind in kinds],
         budget_tokens=budget(quick, 1_000_000, 120_000),
+        seeds=seeds(quick),
         measures=("extrapolation", "attention"),
         notes=["learned positions add context_length × d_model parameters (not matched)"],
     )
@@ -113,6 +134,7 @@ def scaling(quick: bool) -> StudySpec:
         train=base_train(),
         variants=variants,
         budget_tokens=budget(quick, 600_000, 80_000),
+        seeds=seeds(quick),
         init_stats={"d_k": [16, 32, 64, 128, 256]},
         notes=notes,
     )
@@ -130,7 +152,7 @@ def norm_placement(quick: bool) -> StudySpec:
                     if not warmup:
                         train["warmup_steps"] = 0
                     model = {"norm_placement": placement, "n_layers": depth}
-                    group = f"L{depth} lr{lr:g} {'warmup' if warmup else 'no-warmup'}"
+                    group = f"L{depth} lr{lr:g}"  # a panel of the plots: placement × warmup
                     variants.append(Variant(name, model=model, train=train, group=group))
     return StudySpec(
         name="norm-placement",
@@ -144,37 +166,42 @@ def norm_placement(quick: bool) -> StudySpec:
         train={**base_train(), "grad_clip": 1e6, "log_interval": 1},
         variants=variants,
         budget_tokens=budget(quick, 200_000, 12_000),
+        seeds=seeds(quick),
         measures=("divergence",),
         warmup_fraction=0.2,
     )
 
 
-def uptrain_gqa(quick: bool) -> StudySpec:
-    base = base_train()
+def uptrain_gqa(quick: bool, fraction: float = UPTRAIN_FRACTION) -> StudySpec:
+    """MHA-H pre-trained, pooled to GQA-4/GQA-2/MQA and up-trained for `fraction` (α) of its steps;
+    the controls: MHA-H continued as long, and each shape from scratch for 1 + α."""
+    if not 0 < fraction <= 1:
+        raise DecoderLMError(f"up-training fraction={fraction:g} must be in (0, 1]")
     heads = base_model(quick)["n_heads"]
-    up = {  # continue the original's schedule from where it ended: its floor lr, briefly warmed
-        "lr": base["min_lr"],  # (Adam's moments start afresh)
-        "min_lr": base["min_lr"],
-        "seed": TrainConfig.seed + UPTRAIN_SEED_OFFSET,
-    }
-    variants = [Variant("MHA", model={"n_kv_heads": heads})]
+    mha = kv_name(heads, heads)
+    # The paper's recipe (§2.1): up-train with the pre-training recipe (its peak lr, warmup and
+    # cosine decay, over the up-training's own steps) for α of the pre-training steps, on batches
+    # the original did not see.
+    up = {"seed": TrainConfig.seed + UPTRAIN_SEED_OFFSET}
+    variants = [Variant(mha, model={"n_kv_heads": heads})]
     variants.append(
         Variant(
-            "MHA-continued",
+            f"{mha} continued",
             model={"n_kv_heads": heads},
             train=up,
-            budget_scale=UPTRAIN_FRACTION,
-            init_from="MHA",
+            budget_scale=fraction,
+            init_from=mha,
         )
     )
-    for name, g in (("GQA-4", 4), ("GQA-2", 2), ("MQA", 1)):
+    for g in (4, 2, 1):
+        name = kv_name(heads, g)
         variants.append(
             Variant(
                 f"{name} up-trained",
                 model={"n_kv_heads": heads},
                 train=up,
-                budget_scale=UPTRAIN_FRACTION,
-                init_from="MHA",
+                budget_scale=fraction,
+                init_from=mha,
                 pool_kv_heads=g,
                 group=name,
             )
@@ -183,22 +210,23 @@ def uptrain_gqa(quick: bool) -> StudySpec:
             Variant(
                 f"{name} scratch",
                 model={"n_kv_heads": g},
-                budget_scale=1 + UPTRAIN_FRACTION,
+                budget_scale=1 + fraction,
                 group=name,
             )
         )
     return StudySpec(
         name="uptrain-gqa",
         description=(
-            "The GQA recipe (Ainslie et al., 2023, §2.1): train MHA, mean-pool its K/V heads to "
-            f"GQA/MQA, up-train for α = {UPTRAIN_FRACTION:.0%} of the steps; against GQA/MQA "
-            "trained from scratch on the same total budget (1 + α), and MHA continued under "
-            "the same up-training as the control."
+            f"The GQA recipe (Ainslie et al., 2023, §2.1): train {mha}, mean-pool its K/V heads to "
+            f"GQA/MQA, up-train for α = {fraction:.0%} of the pre-training steps with the "
+            "pre-training recipe; against GQA/MQA trained from scratch on the same total steps "
+            f"(1 + α), and {mha} continued under the same up-training as the control."
         ),
         model=base_model(quick),
-        train=base,
+        train=base_train(),
         variants=variants,
-        budget_tokens=budget(quick, 900_000, 120_000),
+        budget_tokens=budget(quick, 1_800_000, 120_000),
+        seeds=seeds(quick),
     )
 
 
@@ -216,11 +244,12 @@ LAYER_MIXES = (
 
 
 def hybrid(quick: bool) -> StudySpec:
-    recall: dict[str, Any] = dict(lr=1e-2)  # the task's loss is sparse: a high rate helps
-    recall.update(
-        dict(n_pairs=4, n_keys=16, n_values=16, steps=100, batch_size=32)
+    # MQAR (decoderlm.lab.recall): two-layer models of each mix at d_model 64, 4 heads and 1
+    # (the recurrent state 4× larger); in this many steps attention solves it (≥ 0.9 at every N)
+    recall: dict[str, Any] = (
+        dict(pairs=(2, 4), d_model=32, heads=(2,), steps=150, test_examples=64)
         if quick
-        else dict(n_pairs=8, n_keys=32, n_values=32, steps=600, batch_size=16)
+        else dict(pairs=(2, 4, 8), d_model=64, heads=(4, 1), steps=1200)
     )
     return StudySpec(
         name="hybrid",
@@ -228,7 +257,8 @@ def hybrid(quick: bool) -> StudySpec:
             "Softmax attention vs causal linear attention (Katharopoulos et al., 2020), Gated "
             "DeltaNet (Yang et al., 2024) and Mamba-2 (Dao & Gu, 2024), and Gated DeltaNet hybrids "
             "with attention in 1 of 4 and 2 of 4 layers, at matched size: language-model quality, "
-            "associative recall (Arora et al., 2023), memory per sequence and training speed."
+            "multi-query associative recall against the number of pairs and the state size "
+            "(Arora et al., 2023), memory per sequence and training speed."
         ),
         model={**base_model(quick), "n_layers": 4},  # four layers: room for a 3:1 mix
         train=base_train(),
@@ -236,7 +266,8 @@ def hybrid(quick: bool) -> StudySpec:
             Variant(name, model={"layer_types": list(mix)}, match_params=name != "attention")
             for name, mix in LAYER_MIXES
         ],
-        budget_tokens=budget(quick, 600_000, 48_000),
+        budget_tokens=budget(quick, 400_000, 48_000),
+        seeds=seeds(quick),
         reference="attention",
         measures=("recall",),
         recall=recall,
@@ -248,17 +279,26 @@ def hybrid(quick: bool) -> StudySpec:
     )
 
 
-STUDIES: dict[str, Callable[[bool], StudySpec]] = {
+def _test_time(quick: bool) -> TestTimeSpec:
+    from decoderlm.lab import test_time  # the search engine: imported when the study runs
+
+    return test_time.quick_spec() if quick else test_time.TestTimeSpec()
+
+
+# Every built-in study: its name → its spec (full, or quick).
+STUDIES: dict[str, Callable[[bool], StudySpec | TestTimeSpec]] = {
     "attention-variants": attention_variants,
     "positions": positions,
     "scaling": scaling,
     "norm-placement": norm_placement,
     "uptrain-gqa": uptrain_gqa,
     "hybrid": hybrid,
+    TEST_TIME: _test_time,
 }
 
 
-def builtin(name: str, quick: bool = False) -> StudySpec:
+def builtin(name: str, quick: bool = False) -> StudySpec | TestTimeSpec:
     if name not in STUDIES:
         raise DecoderLMError(f"unknown study {name!r}; allowed: {', '.join(STUDIES)}")
-    return dataclasses.replace(STUDIES[name](quick), builtin=True)
+    study = STUDIES[name](quick)
+    return dataclasses.replace(study, builtin=True) if isinstance(study, StudySpec) else study

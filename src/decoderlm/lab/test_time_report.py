@@ -13,9 +13,9 @@ from typing import Any
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 
-from decoderlm.lab.conclusions import ttc_accuracy, ttc_targets
 from decoderlm.lab.report import fmt, header, markdown_table, save_figure, write_lines
 from decoderlm.lab.test_time import STRATEGIES
+from decoderlm.lab.test_time_conclusions import ttc_accuracy, ttc_targets
 
 
 def write_report(results: dict[str, Any], out: str | Path) -> Path:
