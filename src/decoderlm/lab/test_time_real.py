@@ -151,7 +151,9 @@ def run_study(
         "study": STUDY,
         "date": datetime.date.today().isoformat(),
         "spec": dataclasses.asdict(spec),
-        "command": command or shlex.join(["python", "-m", MODULE, *sys.argv[1:]]),
+        "command": command or f"{MODULE}.run_study (from Python)",
+        "model": Path(spec.model).name,  # a name, or a file's name: no machine paths
+        "parameters": model.num_params(),
         "environment": {**environment(), **versions(spec.model)},
         "screen": screen,
         "verifier": {**verifier_info, **_classifier(judged)},
@@ -470,16 +472,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, metavar="K", help="sampling seeds (default 1)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT's report")
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        return run_command(parser.parse_args(argv))
+        return run_command(parser.parse_args(argv), shlex.join(["python", "-m", MODULE, *argv]))
     except DecoderLMError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
 
 
-def run_command(args: argparse.Namespace) -> int:
+def run_command(args: argparse.Namespace, command: str = "") -> int:
     """The study from parsed arguments (`out`, `quick`, `seeds`, `quiet`, `overwrite`): what
-    `decoderlm lab test-time-real` runs."""
+    `decoderlm lab test-time-real` runs; `command`: the command line, for the report."""
     from decoderlm.lab import test_time_real_report
 
     spec = quick_spec() if args.quick else TestTimeRealSpec()
@@ -490,7 +493,7 @@ def run_command(args: argparse.Namespace) -> int:
     written = (RESULTS_FILE, test_time_real_report.REPORT_FILE)
     refuse_overwrite(args.out, overwrite=args.overwrite, inside=written)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    results = run_study(spec, args.out, progress=not args.quiet)
+    results = run_study(spec, args.out, progress=not args.quiet, command=command)
     print(f"wrote {test_time_real_report.write_report(results, args.out)}")
     return 0
 

@@ -44,18 +44,19 @@ def _header(results: dict[str, Any]) -> list[str]:
     return [
         "# Study: test-time compute on a real model",
         "",
-        f"How far does search lift {spec['model']}, and at what token cost? Snell et al. (2024) "
+        f"How far does search lift {results['model']}, and at what token cost? Snell et al. (2024) "
         "find that test-time search can stand in for a larger model where the base model "
         "sometimes succeeds; Beeching et al. (2024) show Llama-3.2-1B with PRM-guided search "
-        "passing Llama-3.1-8B on MATH-500. Here the model is 135M parameters, the task a word "
-        "problem it solves 10–50% of the time greedily, and the verifier a head on its own "
-        "frozen hidden states.",
+        "passing Llama-3.1-8B on MATH-500. Here the model has "
+        f"{results['parameters'] / 1e6:.0f}M parameters, the task is a word problem it solves "
+        "10–50% of the time greedily, and the verifier is a head on its own frozen hidden "
+        "states.",
         "",
         f"- date: {results['date']}; command: `{results['command']}`",
         f"- git commit {env['git_commit']} · {env['cpu']} ({env['cores']} cores, shared) · torch "
         f"{env['torch']} · Python {env['python']} · decoderlm {env['decoderlm']}"
         + "".join(f" · {k} {v}" for k, v in env.items() if k.startswith("llm-")),
-        f"- model: {spec['model']} (Q4_1 GGUF, dequantized into {spec['dtype']} linears), chat "
+        f"- model: {results['model']} (Q4_1 GGUF, dequantized into {spec['dtype']} linears), chat "
         f"template, {spec['threads']} torch thread(s); a solution ends at its end-of-turn token, "
         f"at most {spec['max_tokens']} tokens",
         f"- task: {spec['task']} at difficulty {spec['difficulty']}, {results['problems']} "
@@ -221,7 +222,7 @@ def _accuracy_plot(results: dict[str, Any], out: Path) -> Path:
     ax.set_xscale("log", base=2)
     ax.set(xlabel="generated tokens a problem (log₂)", ylabel="accuracy", ylim=(-0.02, 1.02))
     ax.set_title(
-        f"{results['spec']['model']} on {results['spec']['task']}: accuracy against tokens "
+        f"{results['model']} on {results['spec']['task']}: accuracy against tokens "
         "(band: 95% interval over problems)",
         fontsize=9,
     )
@@ -243,7 +244,7 @@ def _screen_plot(results: dict[str, Any], out: Path) -> Path:
     ax.axvspan(*SCREEN_BAND, color="#2ca02c", alpha=0.12, label="10–50%: the band searched for")
     ax.set_yticks(list(y), [r["task"] for r in rows], fontsize=8)
     ax.set(xlabel="greedy accuracy (error bar: 95% interval)", xlim=(0, 1))
-    ax.set_title(f"{results['spec']['model']}: greedy accuracy of candidate tasks", fontsize=9)
+    ax.set_title(f"{results['model']}: greedy accuracy of candidate tasks", fontsize=9)
     ax.legend(fontsize=7)
     fig.text(0.99, 0.01, f"{results['date']} · {results['environment']['cpu']}", ha="right",
              fontsize=5, color="0.4")  # fmt: skip
