@@ -153,6 +153,8 @@ def test_the_quick_spec_is_smaller_everywhere_and_the_command_refuses_bad_input(
     args = argparse.Namespace(out=str(tmp_path), quick=True, seeds=0, quiet=True, overwrite=False)
     with pytest.raises(DecoderLMError, match="--seeds=0 must be ≥ 1"):
         test_time_real.run_command(args)
+    with pytest.raises(DecoderLMError, match="drop --input"):  # the lab's own options
+        test_time_real.run_command(argparse.Namespace(**{**vars(args), "input": ["x.txt"]}))
     (tmp_path / "results.json").write_text("{}")
     with pytest.raises(DecoderLMError, match="--overwrite"):
         test_time_real.run_command(argparse.Namespace(**{**vars(args), "seeds": None}))

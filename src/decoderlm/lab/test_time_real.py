@@ -80,6 +80,7 @@ VAL_SHARE = 10  # every 10th verifier problem's samples validate the head
 POOLED = ("self-consistency", "best-of-N (mean log-prob)", "best-of-N (verifier)")
 POOLED += ("pass@N (oracle)",)
 GUIDED = ("step-beam (verifier)", "MCTS (verifier)")
+UNUSED_OPTIONS = ("spec", "data", "input", "budget_tokens", "budget_seconds", "resume")
 STRATEGIES = ("greedy", *POOLED, *GUIDED)
 
 
@@ -481,10 +482,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_command(args: argparse.Namespace, command: str = "") -> int:
-    """The study from parsed arguments (`out`, `quick`, `seeds`, `quiet`, `overwrite`): what
-    `decoderlm lab test-time-real` runs; `command`: the command line, for the report."""
+    """The study from parsed arguments (`out`, `quick`, `seeds`, `quiet`, `overwrite`; the lab's
+    other options refused): what `decoderlm lab test-time-real` runs; `command`: the command
+    line, for the report."""
     from decoderlm.lab import test_time_real_report
 
+    given = [f for f in UNUSED_OPTIONS if getattr(args, f, None)]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise DecoderLMError(f"{STUDY} searches with a model it loads itself: drop {flag}")
     spec = quick_spec() if args.quick else TestTimeRealSpec()
     if args.seeds is not None:
         if args.seeds < 1:
