@@ -2,8 +2,9 @@
 and on the serving engine: the vote picks the mode, best-of-N with an exact verifier finds a
 planted correct sample, beam search equals exhaustive search on a tiny vocabulary, step-level
 beam search and MCTS with a perfect process value find an unlikely solution, and no strategy
-spends a token more than its budget, whose count is exact; `ClientLM`, the same model through an
-engine client's submit API, waits out a full queue."""
+spends a token more than its budget, whose count is exact; step-level searches spend all of it,
+and keep a chat model's blank lines; `ClientLM`, the same model through an engine client's
+submit API, waits out a full queue."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import itertools
 import math
 import threading
 import time
+from functools import partial
 
 import pytest
 import torch
@@ -282,3 +284,40 @@ def test_client_lm_resubmits_what_a_full_queue_refused_and_equals_engine_lm(
     with pytest.raises(QueueFullError):
         lm.sample(["Q"], 2, 4, (), 1.0)
     idle.shutdown(1.0)
+
+
+CHAT = {"a\n\nb\nanswer: 1": 0.5, "a\n\nc\nanswer: 2": 0.5}  # blank lines, then end-of-text
+
+
+@pytest.mark.parametrize("search", ["step-beam", "mcts"])
+def test_with_no_stop_string_a_blank_line_is_part_of_a_chat_solution(search: str) -> None:
+    """A chat model's solution ends at its end-of-turn token (stop = ()): a blank line is one of
+    its lines; with the default stop (an empty line) the same model's solution ends there."""
+    prefer = lambda prompt, solution: float("c" not in solution)  # noqa: E731
+    run = {"step-beam": partial(step_beam_search, width=2), "mcts": partial(mcts, widening=0.5)}
+    chat = run[search](ScriptedLM(CHAT, PROMPT), PROMPT, 400, prefer, expand=4, step_tokens=16,
+                       stop=())  # fmt: skip
+    assert (chat.text, chat.answer) == ("a\n\nb\nanswer: 1", "1")
+    plain = run[search](ScriptedLM(CHAT, PROMPT), PROMPT, 400, prefer, expand=4, step_tokens=16)
+    assert plain.text == "a\n" and plain.answer is None
+
+
+LONG = "".join(f"step {i}\n" for i in range(40)) + "answer: 1"  # longer than any budget here
+
+
+@pytest.mark.parametrize("budget", [50, 200])
+def test_step_searches_spend_their_whole_budget_and_a_step_it_cuts_completes_nothing(
+    budget: int,
+) -> None:
+    """Steps are shortened to what the budget has left, so a step-level search stops only when
+    fewer tokens are left than it samples at once (3 here); a step the budget cut is a partial
+    solution: MCTS, which answers with complete solutions only, has none."""
+    longer = lambda prompt, solution: len(solution) / 1000  # noqa: E731
+    beam = step_beam_search(Counting({LONG: 1.0}, PROMPT), PROMPT, budget, longer, width=1,
+                            expand=3, step_tokens=16)  # fmt: skip
+    assert budget - 3 < beam.tokens <= budget
+    assert LONG.startswith(beam.text) and beam.answer is None
+    tree_search = mcts(Counting({LONG: 1.0}, PROMPT), PROMPT, budget, longer, expand=3,
+                       step_tokens=16, widening=0.5)  # fmt: skip
+    assert budget - 3 < tree_search.tokens <= budget
+    assert tree_search.candidates == () and tree_search.text == ""

@@ -46,15 +46,17 @@ def sample_solutions(
     n: int | None,
     max_tokens: int,
     temperature: float,
+    stop: tuple[str, ...] = SOLUTION_END,
 ) -> list[Sample]:
     """Up to n solutions (None: as many as the budget allows), in batches, sampling while a
-    whole solution of `max_tokens` still fits."""
+    whole solution of `max_tokens` still fits; a solution ends at end-of-text or a `stop` string
+    (by default an empty line; () for a chat model, whose answer ends at its end-of-turn token)."""
     if n is not None:
         check_positive(n=n)
     wanted = math.inf if n is None else n
     samples: list[Sample] = []
     while (batch := int(min(wanted - len(samples), budget.left // max_tokens))) > 0:
-        drawn = budget.sample(lm, [prompt], batch, max_tokens, SOLUTION_END, temperature)
+        drawn = budget.sample(lm, [prompt], batch, max_tokens, stop, temperature)
         assert drawn is not None  # batch · max_tokens fits
         samples += drawn[0]
     return samples
@@ -69,11 +71,13 @@ def self_consistency(
     max_tokens: int = 256,
     temperature: float = 1.0,
     extract: Extract = answer_line,
+    stop: tuple[str, ...] = SOLUTION_END,
 ) -> SearchResult:
-    """Sample n solutions (default: as many as fit), take the answer most of them give."""
+    """Sample n solutions (default: as many as fit; each ending as `sample_solutions` says), take
+    the answer most of them give."""
     check_positive(max_tokens=max_tokens)
     spend = Budget(budget)
-    samples = sample_solutions(lm, prompt, spend, n, max_tokens, temperature)
+    samples = sample_solutions(lm, prompt, spend, n, max_tokens, temperature, stop)
     answers = [extract(s.text) for s in samples]
     votes = Counter(a for a in answers if a is not None)
     winner = votes.most_common(1)[0][0] if votes else None
@@ -95,11 +99,13 @@ def best_of_n(
     max_tokens: int = 256,
     temperature: float = 1.0,
     extract: Extract = answer_line,
+    stop: tuple[str, ...] = SOLUTION_END,
 ) -> SearchResult:
-    """Sample n solutions (default: as many as fit), keep the one `scorer` rates highest."""
+    """Sample n solutions (default: as many as fit; each ending as `sample_solutions` says), keep
+    the one `scorer` rates highest."""
     check_positive(max_tokens=max_tokens)
     spend = Budget(budget)
-    samples = sample_solutions(lm, prompt, spend, n, max_tokens, temperature)
+    samples = sample_solutions(lm, prompt, spend, n, max_tokens, temperature, stop)
     candidates = tuple(
         Candidate(s.text, extract(s.text), scorer(prompt, s), s.tokens) for s in samples
     )

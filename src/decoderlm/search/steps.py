@@ -31,12 +31,21 @@ from decoderlm.search.lm import Sample, SearchLM
 from decoderlm.tasks import answer_line
 
 
-def _step(partial: str, sample: Sample) -> tuple[str, bool]:
-    """The partial solution after a sampled step, and whether the solution is complete: an empty
-    line, end-of-text or a step cut at max_tokens end it."""
-    if sample.finish == "stop" and sample.text:
+def _step(partial: str, sample: Sample, stop: tuple[str, ...], cut: bool) -> tuple[str, bool]:
+    """The partial solution after a sampled step, and whether the solution is complete. A line
+    continues it; end-of-text, or a step cut at the step's full max_tokens, ends it, and so does
+    an empty line where the solution ends at one (`SOLUTION_END` in `stop`; with `stop` = (), a
+    chat model's, it is a blank line of the solution). `cut`: the budget shortened this step's
+    max_tokens, so a step cut at it is a partial line, not the model's failure."""
+    if sample.finish == "stop" and (sample.text or SOLUTION_END[0] not in stop):
         return partial + sample.text + STEP_END[0], False
-    return partial + sample.text, True
+    return partial + sample.text, not (cut and sample.finish == "length")
+
+
+def _step_cap(spend: Budget, sequences: int, step_tokens: int) -> int:
+    """The max_tokens of a step when `sequences` steps are sampled at once: `step_tokens`, or what
+    the budget has left for each (0: none fits)."""
+    return min(step_tokens, spend.left // sequences)
 
 
 def step_beam_search(
@@ -51,30 +60,31 @@ def step_beam_search(
     step_tokens: int = 64,
     temperature: float = 1.0,
     extract: Extract = answer_line,
+    stop: tuple[str, ...] = SOLUTION_END,
 ) -> SearchResult:
     """Beam search over steps: each round samples `expand` next lines of every live partial
     solution, scores every new partial solution with the process `verifier`, and keeps the
-    `width` best live ones; complete solutions leave the beam. The result is the best complete
-    solution (or, if none completed, the best partial one)."""
+    `width` best live ones; complete solutions leave the beam (a solution ends as `_step` says:
+    `stop` is what ends it besides end-of-text). A round's steps have at most `step_tokens`
+    tokens, fewer when that is all the budget has left, so the search spends its whole budget.
+    The result is the best complete solution (or, if none completed, the best partial one)."""
     check_positive(width=width, expand=expand, max_steps=max_steps, step_tokens=step_tokens)
     spend = Budget(budget)
     beams: list[tuple[str, float]] = [("", 0.0)]
     done: list[Candidate] = []
     tokens: dict[str, int] = {"": 0}  # generated tokens along each partial solution's path
     for _ in range(max_steps):
-        groups = (
-            spend.sample(
-                lm, [prompt + b for b, _ in beams], expand, step_tokens, STEP_END, temperature
-            )
-            if beams
-            else None
-        )
-        if groups is None:
+        cap = _step_cap(spend, len(beams) * expand, step_tokens) if beams else 0
+        if cap < 1:
             break
+        groups = spend.sample(
+            lm, [prompt + b for b, _ in beams], expand, cap, STEP_END, temperature
+        )
+        assert groups is not None  # cap fits the budget
         live: dict[str, float] = {}
         for (partial, _), group in zip(beams, groups, strict=True):
             for sample in group:
-                text, complete = _step(partial, sample)
+                text, complete = _step(partial, sample, stop, cap < step_tokens)
                 tokens[text] = tokens[partial] + sample.tokens
                 value = verifier(prompt, text)
                 if complete:
@@ -122,17 +132,17 @@ class _Node:
         return node
 
     def grow(
-        self, samples: list[Sample], tokens: dict[str, int]
+        self, samples: list[Sample], tokens: dict[str, int], stop: tuple[str, ...], cut: bool
     ) -> tuple[list[_Node], list[_Node]]:
         """Expand it by sampled next steps, a repeated line one child: (the new children, the
         child each sample reached, repeats included); `tokens` gets each new child's generated
-        tokens along its path."""
+        tokens along its path; `stop` and `cut` as `_step` takes them."""
         self.expansions += 1
         known = {child.text: child for child in self.children}
         new: list[_Node] = []
         sampled: list[_Node] = []
         for sample in samples:
-            text, complete = _step(self.text, sample)
+            text, complete = _step(self.text, sample, stop, cut)
             if text not in known:
                 tokens[text] = tokens[self.text] + sample.tokens
                 known[text] = _Node(text, self, complete)
@@ -168,6 +178,7 @@ def mcts(
     widening: float = 0.0,
     temperature: float = 1.0,
     extract: Extract = answer_line,
+    stop: tuple[str, ...] = SOLUTION_END,
 ) -> SearchResult:
     """MCTS over steps: select a node by UCT (`exploration` c), expand it by sampling `expand`
     next lines, evaluate each new child by the verifier, on the partial solution or, with
@@ -176,8 +187,10 @@ def mcts(
     equal to an existing child adds a visit to it with its value) while it has had fewer than
     ⌈visits^α⌉ expansions, or when all its children are complete (progressive widening); with 0
     each node is expanded once, repeats merge, and the search ends when nothing is left to
-    expand. Runs while an expansion (and its rollouts) fits the budget; the result is
-    the best-valued complete solution (rollouts included)."""
+    expand. A solution ends as `_step` says (`stop`: what ends it besides end-of-text). Runs
+    while an expansion and its rollouts fit the budget, its steps shortened to what the budget has
+    left when `step_tokens` no longer fit; the result is the best-valued complete solution
+    (rollouts included)."""
     check_positive(expand=expand, step_tokens=step_tokens)
     if not widening >= 0:
         raise DecoderLMError(f"widening={widening!r} must be ≥ 0 (0: each node expanded once)")
@@ -186,20 +199,23 @@ def mcts(
     found: list[Candidate] = []
     tokens: dict[str, int] = {"": 0}
     values: dict[str, float] = {}  # each child's value, by its text
-    while root.open(widening) and expand * (step_tokens + rollout_tokens) <= spend.left:
+    while root.open(widening):
+        cap = min(step_tokens, spend.left // expand - rollout_tokens)  # rollouts: ≤ 1 a child
+        if cap < 1:
+            break
         node = root.select(widening, exploration)
-        group = spend.sample(lm, [prompt + node.text], expand, step_tokens, STEP_END, temperature)
-        assert group is not None  # the loop's condition left room for it
-        new, sampled = node.grow(group[0], tokens)
+        group = spend.sample(lm, [prompt + node.text], expand, cap, STEP_END, temperature)
+        assert group is not None  # cap fits the budget
+        new, sampled = node.grow(group[0], tokens, stop, cap < step_tokens)
         solutions = {c.text: c.text for c in new}
         unfinished = [c.text for c in new if not c.complete] if rollout_tokens else []
         if unfinished:  # one batched call: a rollout of each unfinished child
             rollouts = spend.sample(
-                lm, [prompt + t for t in unfinished], 1, rollout_tokens, SOLUTION_END, temperature
+                lm, [prompt + t for t in unfinished], 1, rollout_tokens, stop, temperature
             )
-            assert rollouts is not None  # the loop's condition left room for them
+            assert rollouts is not None  # cap left room for them
             for text, (rollout,) in zip(unfinished, rollouts, strict=True):
-                solutions[text] = cut_at_stop(text + rollout.text)
+                solutions[text] = cut_at_stop(text + rollout.text, stop)
                 tokens[solutions[text]] = tokens[text] + rollout.tokens
         for child in new:
             solution = solutions[child.text]
