@@ -92,7 +92,7 @@ def test_match_d_ff_lands_within_two_percent_and_refuses_the_impossible():
 
 
 @pytest.mark.parametrize("quick", [True, False])
-@pytest.mark.parametrize("name", [n for n in studies.STUDIES if n != studies.TEST_TIME])
+@pytest.mark.parametrize("name", [n for n in studies.STUDIES if n not in studies.TEST_TIME_STUDIES])
 def test_builtin_studies_are_valid_and_matched(name, quick):
     spec = studies.builtin(name, quick)
     assert spec.builtin and spec.seeds == (2 if quick else 3)  # a verdict needs 3
@@ -114,11 +114,13 @@ def test_the_summary_counts_only_finite_values():
 
 def test_the_registry_is_the_clis_list_of_studies_test_time_included(capsys):
     from decoderlm.lab.test_time import TestTimeSpec
+    from decoderlm.lab.test_time_real import TestTimeRealSpec
 
     assert isinstance(studies.builtin(studies.TEST_TIME, quick=True), TestTimeSpec)
+    assert isinstance(studies.builtin(studies.TEST_TIME_REAL, quick=True), TestTimeRealSpec)
     assert main(["lab", "nope", "--out", "x"]) == 2
     assert f"allowed: {', '.join(studies.STUDIES)}" in capsys.readouterr().err
-    assert list(studies.STUDIES)[-1] == studies.TEST_TIME
+    assert tuple(studies.STUDIES)[-2:] == studies.TEST_TIME_STUDIES
 
 
 def test_var_qk_at_init_is_d_k_and_the_scale_brings_it_to_one():

@@ -7,6 +7,8 @@ report.md and the plots.
 
 test-time-compute (decoderlm.lab.test_time) trains its own policy on a reasoning task's corpus and
 a learned verifier, then measures the search strategies: it takes no --data/--input/--budget-*.
+test-time-real (decoderlm.lab.test_time_real) does the same searches with SmolLM2-135M-Instruct, the
+real model, and a verifier head on its frozen states.
 
 Without --data/--input a study trains on the Python standard library, char-level (the corpus
 `decoderlm train` uses by default), prepared once into decoderlm's cache. The same command plus
@@ -22,7 +24,7 @@ import sys
 from pathlib import Path
 
 from decoderlm.files import add_overwrite_argument, refuse_overwrite
-from decoderlm.lab.studies import FULL_SEEDS, STUDIES, TEST_TIME
+from decoderlm.lab.studies import FULL_SEEDS, STUDIES, TEST_TIME, TEST_TIME_REAL
 
 HELP = (
     "ablation studies (attention variants, positions, scaling, norm placement, GQA up-training, "
@@ -67,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
         raise DecoderLMError(f"--seeds={args.seeds} must be ≥ 1")
     if args.study == TEST_TIME:
         return _test_time(args)
+    if args.study == TEST_TIME_REAL:
+        from decoderlm.lab import test_time_real
+
+        return test_time_real.run_command(args, _command())
     _check_sources(args)
     study = studies.builtin(args.study, args.quick) if args.study else spec.load_spec(args.spec)
     study = study.with_budget(args.budget_tokens, args.budget_seconds, args.seeds)

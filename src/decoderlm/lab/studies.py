@@ -1,6 +1,7 @@
 """The built-in studies (`STUDIES`, the one list `decoderlm lab` offers): six `StudySpec`s over
-small char-level models, and the test-time compute study (`decoderlm.lab.test_time`, its own
-runner and report).
+small char-level models, and the test-time compute studies, each with its own runner and report:
+on a policy trained for its task (`decoderlm.lab.test_time`) and on SmolLM2-135M-Instruct, the real
+model (`decoderlm.lab.test_time_real`).
 
 Default budgets are sized for ≤ 40 minutes per study on 2 CPU cores with FULL_SEEDS seeds (the
 verdict rule of `decoderlm.lab.stats` needs 3), `quick` for ≤ 3 minutes (smaller models, fewer
@@ -21,12 +22,15 @@ from decoderlm.training.train_config import TrainConfig
 
 if TYPE_CHECKING:
     from decoderlm.lab.test_time import TestTimeSpec
+    from decoderlm.lab.test_time_real import TestTimeRealSpec
 
 SCALE_FIELD = "attn_scale"  # ModelConfig: "1/sqrt(head_dim)" (default) or "none"
 UPTRAIN_FRACTION = 0.05  # α of Ainslie et al. (2023): up-training steps / original steps
 UPTRAIN_SEED_OFFSET = 1000  # up-training draws new batches (the original saw the first ones)
 FULL_SEEDS, QUICK_SEEDS = 3, 2
 TEST_TIME = "test-time-compute"
+TEST_TIME_REAL = "test-time-real"
+TEST_TIME_STUDIES = (TEST_TIME, TEST_TIME_REAL)  # the studies that are not `StudySpec`s
 
 
 def base_model(quick: bool) -> dict[str, Any]:
@@ -285,8 +289,14 @@ def _test_time(quick: bool) -> TestTimeSpec:
     return test_time.quick_spec() if quick else test_time.TestTimeSpec()
 
 
+def _test_time_real(quick: bool) -> TestTimeRealSpec:
+    from decoderlm.lab import test_time_real  # loads the real model: imported when it runs
+
+    return test_time_real.quick_spec() if quick else test_time_real.TestTimeRealSpec()
+
+
 # Every built-in study: its name → its spec (full, or quick).
-STUDIES: dict[str, Callable[[bool], StudySpec | TestTimeSpec]] = {
+STUDIES: dict[str, Callable[[bool], StudySpec | TestTimeSpec | TestTimeRealSpec]] = {
     "attention-variants": attention_variants,
     "positions": positions,
     "scaling": scaling,
@@ -294,10 +304,11 @@ STUDIES: dict[str, Callable[[bool], StudySpec | TestTimeSpec]] = {
     "uptrain-gqa": uptrain_gqa,
     "hybrid": hybrid,
     TEST_TIME: _test_time,
+    TEST_TIME_REAL: _test_time_real,
 }
 
 
-def builtin(name: str, quick: bool = False) -> StudySpec | TestTimeSpec:
+def builtin(name: str, quick: bool = False) -> StudySpec | TestTimeSpec | TestTimeRealSpec:
     if name not in STUDIES:
         raise DecoderLMError(f"unknown study {name!r}; allowed: {', '.join(STUDIES)}")
     study = STUDIES[name](quick)
