@@ -70,7 +70,7 @@ from decoderlm.training.trainer import train
 DEFAULT_DATA = (
     Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare.txt"
 )
-# nanoGPT itself, fp32 on 2 threads. Speed (issue 3): 2000 iterations at 29 ms, 4.3 minutes in all,
+# nanoGPT itself, fp32 on 2 threads. Speed: 2000 iterations at 29 ms, 4.3 minutes in all,
 # on an Intel CPU with avx512_bf16; on an AMD EPYC with AVX2 only (2026-12-01) 45 ms (17,100
 # tokens/s). Val loss with seed 1337: 1.898 over the whole val split, as our rows; the 1.886 that
 # nanoGPT prints is its estimate from 20 random batches (1.873-1.919 over 5 seeds).

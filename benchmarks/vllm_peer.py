@@ -17,7 +17,7 @@ client measures them (server-sent events that arrive in one network read count a
 server whose stream falls behind and delivers tokens in bursts reads an ITL p50 of ~0, as vLLM's did
 at 1 stream in one sitting here).
 
---speculative: issue 32's prompt-lookup comparison at 16 streams. The model is the same 55M model
+--speculative: prompt lookup against vLLM's n-gram speculation at 16 streams. The model is the same 55M model
 made input-grounded with `speculative.py`'s `ground` (nothing trained: its greedy continuation
 after a token of a 200-token "source file" is the file's next token), and each prompt is 40 random
 "instruction" tokens, the file, then its first 8 tokens again, so that the answer quotes the
@@ -161,7 +161,7 @@ def counter(metrics: str, name: str) -> float:
 
 
 def comparison_table(rows: dict[int, dict[str, Measured]]) -> str:
-    """issue 31's table: per concurrency, both sides' tokens/s, their ratio, ITL p50, TTFT p99."""
+    """The comparison's table: per concurrency, both sides' tokens/s, their ratio, ITL p50, TTFT p99."""
     lines = [
         "| concurrency | vLLM CPU tok/s | decoderlm tok/s | ratio | ITL p50 vLLM / decoderlm (ms) "
         "| TTFT p99 vLLM / decoderlm (ms) |",

@@ -77,7 +77,7 @@ STRATEGIES = ("greedy", *POOLED, "beam", *GUIDED)
 
 @dataclass(frozen=True)
 class TestTimeSpec:
-    """What the study trains and searches; the defaults are the full study (issue 30 §5)."""
+    """What the study trains and searches; the defaults are the full study."""
 
     task: str = "arithmetic"
     difficulty: int = 5

@@ -20,7 +20,7 @@ def ttc_accuracy(
 
 
 def ttc_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 30's targets at N = TTC_N: what was measured, the target, and whether it is met."""
+    """The study's targets at N = TTC_N: what was measured, the target, and whether it is met."""
     n = max((m for m in results["spec"]["ns"] if m <= TTC_N), default=min(results["spec"]["ns"]))
     greedy = ttc_accuracy(results, "greedy", 1)
     sc, learned, oracle = (

@@ -1,7 +1,7 @@
 """results.json of the test-time compute study (`decoderlm.lab.test_time`) → report.md, plots.
 
 Every number is read from results.json: accuracy and tokens per strategy and N (mean ± spread
-over seeds), issue 30's targets, the learned verifier as a classifier, and the engine's
+over seeds), the study's targets, the learned verifier as a classifier, and the engine's
 throughput and prefix-cache reuse as N grows.
 """
 
@@ -99,7 +99,7 @@ def _policy_curve(results: dict[str, Any]) -> list[str]:
 
 def _targets(results: dict[str, Any]) -> list[str]:
     rows = [[r["target"], r["measured"], "yes" if r["met"] else "no"] for r in ttc_targets(results)]
-    return ["## Issue 30's targets", "", *markdown_table(["target", "measured", "met"], rows)]
+    return ["## The study's targets", "", *markdown_table(["target", "measured", "met"], rows)]
 
 
 def _classifier(results: dict[str, Any]) -> list[str]:
