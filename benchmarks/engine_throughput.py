@@ -73,6 +73,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-cache-memory", default="1GiB")
     parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="also the attention model in Engine(batch_invariant=True)",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="a smoke run: 1 and 4 streams, 8 tokens"
     )
     args = parser.parse_args()
