@@ -1,6 +1,7 @@
 """Where one serving-engine step goes: the time of each phase at 1, 16 and 64 running sequences.
 
-The "llama-55m" preset (random weights, GQA-2) in --dtype (bfloat16 where the CPU has native bf16,
+The "llama-55m" preset (random weights, GQA-2), or the model --checkpoint names (a run, a Hugging
+Face directory, a GGUF file or a model's name, e.g. smollm2-135m-instruct), in --dtype (bfloat16 where the CPU has native bf16,
 float32 elsewhere), `Engine` stepped on this thread without HTTP. C requests of a --prompt-tokens
 prompt each decode --new-tokens greedy tokens; only the steps in which every running sequence
 decodes (no prefill chunk) are counted. Each phase is timed by wrapping the function that does it:
@@ -21,7 +22,7 @@ lines compare the engine's single stream with `generate(compile=True)` on the sa
 sequence (the engine's per-step costs beside the bare decode loop).
 
     HF_HUB_OFFLINE=1 python benchmarks/engine_profile.py [--concurrency 1 16 64] [--threads 2]
-        [--compile both]
+        [--compile both] [--checkpoint smollm2-135m-instruct]
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ from typing import Any
 
 import torch
 
+import decoderlm
 from decoderlm import DecoderLM, ModelConfig, generate
 from decoderlm.cpu.features import cpu_name, has_native_bf16
-from decoderlm.engine import engine as engine_module
+from decoderlm.engine import core as core_module
 from decoderlm.engine import output as output_module
 from decoderlm.engine.engine import Engine
 from decoderlm.engine.types import RequestParams
@@ -69,7 +71,7 @@ def profile(engine: Engine, prompts: list[list[int]], params: RequestParams) -> 
     """Milliseconds per all-decode step in each phase, the step's total, and tokens/s."""
     clock = Clock()
     core, runner, model = engine.core, engine.runner, engine.runner.model
-    sample, event = engine_module.sample, output_module.SequenceOutput.event
+    sample, event = core_module.sample, output_module.SequenceOutput.event
     core.schedule = clock.timed("schedule", core.schedule)  # instance attributes, deleted after
     runner.forward = clock.timed("run", runner.forward)
     model.forward = clock.timed("model", model.forward)
@@ -77,7 +79,7 @@ def profile(engine: Engine, prompts: list[list[int]], params: RequestParams) -> 
     runs = {} if compiled is None else dict(compiled.runs)
     if compiled is not None:
         compiled.runs = {size: clock.timed("model", run) for size, run in runs.items()}
-    engine_module.sample = clock.timed("sample", sample)
+    core_module.sample = clock.timed("sample", sample)
     output_module.SequenceOutput.event = clock.timed("output", event)
     submitted, firsts = time.perf_counter(), {}  # request → the time of its first event
     for i, ids in enumerate(prompts):
@@ -108,7 +110,7 @@ def profile(engine: Engine, prompts: list[list[int]], params: RequestParams) -> 
         del core.schedule, runner.forward, model.forward  # the classes' methods again
         if compiled is not None:
             compiled.runs = runs
-        engine_module.sample, output_module.SequenceOutput.event = sample, event
+        core_module.sample, output_module.SequenceOutput.event = sample, event
     totals["inputs"] = totals["run"] - totals["model"]
     inside = sum(totals[p] for p in PHASES if p != "other")
     totals["other"] = totals["step"] - inside
@@ -127,6 +129,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--checkpoint", help="a model to load instead of the random llama-55m")
     parser.add_argument(
         "--compile",
         choices=["off", "on", "both"],
@@ -139,13 +142,19 @@ def main() -> None:
     dtype_name = args.dtype or ("bfloat16" if has_native_bf16() else "float32")
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
-    config = ModelConfig.from_preset("llama-55m", n_kv_heads=2, context_length=1024)
-    model = DecoderLM(config).eval().to(dtype)
-    tokenizer = Tokenizer.train_char(
-        ["".join(chr(0x4E00 + i) for i in range(config.vocab_size - 1))]
-    )
+    if args.checkpoint:
+        model, tokenizer = decoderlm.load(args.checkpoint, dtype=dtype)
+        name = args.checkpoint
+    else:
+        config = ModelConfig.from_preset("llama-55m", n_kv_heads=2, context_length=1024)
+        model = DecoderLM(config).eval().to(dtype)
+        tokenizer = Tokenizer.train_char(
+            ["".join(chr(0x4E00 + i) for i in range(config.vocab_size - 1))]
+        )
+        name = "llama-55m GQA-2"
+    config = model.config
     print(f"CPU: {cpu_name()} ({torch.get_num_threads()} threads), torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d')}, llama-55m GQA-2 {dtype_name}, prompt "
+          f"{time.strftime('%Y-%m-%d')}, {name} {dtype_name}, prompt "
           f"{args.prompt_tokens}, {args.new_tokens} new tokens (greedy)")  # fmt: skip
     params = RequestParams(args.new_tokens, SamplingParams(temperature=0), ignore_eos=True)
     g = torch.Generator().manual_seed(0)

@@ -180,7 +180,9 @@ def measure(checkpoint: str | Path, tests: list[dict[str, Any]], batch: int) -> 
 
 def gguf_check(run: Path, out: Path, tests: list[dict[str, Any]]) -> dict[str, Any]:
     """`decoderlm convert --to-gguf RUN --type f32`, loaded by transformers: the largest logit
-    difference from the run's own on a held-out prompt."""
+    difference from the run's own on a held-out prompt, both sides in float32 (their sums'
+    orders differ: ~1e-4 on logits of tens) and in float64 (the same weights give the same
+    logits to ~1e-12)."""
     from transformers import AutoModelForCausalLM
 
     gguf = out / "tuned.f32.gguf"
@@ -190,10 +192,17 @@ def gguf_check(run: Path, out: Path, tests: list[dict[str, Any]]) -> dict[str, A
     template = load_chat_template(run)
     ids = tokenizer.encode(template.render(tests[0]["messages"], add_generation_prompt=False))
     theirs = AutoModelForCausalLM.from_pretrained(str(out), gguf_file=gguf.name).eval()
+    x = torch.tensor([ids])
+    diffs = {}
     with torch.no_grad():
-        x = torch.tensor([ids])
-        diff = (model(x) - theirs(input_ids=x).logits).abs().max().item()
-    return {"command": " ".join(command), "transformers_max_logit_diff": diff}
+        for dtype in (torch.float32, torch.float64):
+            mine, other = model.to(dtype), theirs.to(dtype)
+            diffs[str(dtype)] = (mine(x) - other(input_ids=x).logits).abs().max().item()
+    return {
+        "command": " ".join(command),
+        "transformers_max_logit_diff": diffs["torch.float32"],
+        "transformers_max_logit_diff_float64": diffs["torch.float64"],
+    }
 
 
 def main() -> None:
@@ -229,7 +238,8 @@ def main() -> None:
         f"tuned: format {after['format_exact_match']:.0%}, answers {after['answer_accuracy']:.0%}"
     )
     exported = gguf_check(run, args.out, tests)
-    print(f"GGUF f32 in transformers: max |Δlogit| {exported['transformers_max_logit_diff']:.2e}")
+    print(f"GGUF f32 in transformers: max |Δlogit| {exported['transformers_max_logit_diff']:.2e} "
+          f"in float32, {exported['transformers_max_logit_diff_float64']:.2e} in float64")  # fmt: skip
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "cpu": platform.processor() or platform.machine(),
