@@ -502,6 +502,24 @@ def test_generate_on_the_background_thread_equals_generate_stepped_inline(tok):
         threaded.shutdown(grace_s=5)
 
 
+def test_run_steps_on_the_calling_thread_until_shutdown_from_another(tok):
+    model = tiny_model(tok)
+    requests = mixed_requests(tok, 4)
+    params = RequestParams(10, GREEDY, ignore_eos=True)
+    inline = Engine(model, tok, block_size=4).generate([p for p, _ in requests], params)
+    engine = Engine(model, tok, block_size=4)
+    stepping = threading.Thread(target=engine.run)  # as the engine process's main thread
+    stepping.start()
+    try:
+        assert engine.generate([p for p, _ in requests], params) == inline
+        with pytest.raises(RuntimeError, match="already stepping"):
+            engine.run()
+    finally:
+        engine.shutdown(grace_s=5)
+    stepping.join(timeout=5)
+    assert not stepping.is_alive()
+
+
 def test_end_of_text_ends_with_stop_and_is_the_last_token_id(tok):
     model = tiny_model(tok)
     prompts = random_prompts(40, tok.vocab_size, (1, 10))

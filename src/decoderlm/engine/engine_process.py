@@ -323,7 +323,17 @@ def _child_main(spec: EngineSpec, conn: Any) -> None:
     outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
     sender = threading.Thread(target=_send_batches, args=(conn, outbox), daemon=True)
     sender.start()
-    engine.start()
+    reader = threading.Thread(target=_read_messages, args=(engine, conn, outbox), daemon=True)
+    reader.start()
+    engine.run()  # steps on this thread, which loaded the model (see `engine.Engine`)
+    reader.join()
+    outbox.put(None)
+    sender.join()
+
+
+def _read_messages(engine: Engine, conn: Any, outbox: queue.SimpleQueue) -> None:
+    """The child's reader thread: the parent's messages until shutdown or EOF, which stop the
+    engine (and so the main thread's loop)."""
     try:
         while True:
             message = conn.recv()
@@ -334,12 +344,10 @@ def _child_main(spec: EngineSpec, conn: Any) -> None:
             if message[0] == "shutdown":
                 engine.shutdown(message[2])
                 outbox.put(("result", key, True, engine.stats()))
-                break
+                return
             _answer(engine, message, outbox)
     except EOFError:  # the parent is gone
         engine.shutdown(0)
-    outbox.put(None)
-    sender.join()
 
 
 def _answer(engine: Engine, message: tuple, outbox: queue.SimpleQueue) -> None:
