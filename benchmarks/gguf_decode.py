@@ -38,13 +38,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from decode import median_ratio
-from llama_cpp import build_llama_logits, llama_bench, llama_logits
+from llama_cpp import build_llama_logits, interleaved_runs, llama_bench, llama_logits
 from torch import nn
 
 import decoderlm
@@ -197,15 +196,7 @@ def measure(args: argparse.Namespace, kind: str, path: Path, logits_binary: Path
     fns = {f"ours {k}": fn for k, fn in ours_fns(model, n, contexts, prefill).items()}
     if bench is not None:
         fns |= {f"llama.cpp {k}": fn for k, fn in theirs_fns(bench, path, args.threads, n, contexts, prefill).items()}  # fmt: skip
-    results: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():  # warm-up: compiles ours (cached on disk), maps llama.cpp's file
-        fn()
-    for _ in range(args.runs):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            value = fn()
-            elapsed = time.perf_counter() - start
-            results[name].append(value if name.startswith("llama.cpp") else elapsed)
+    results = interleaved_runs(fns, args.runs)
     speeds = {}
     for c in contexts:
         ones, ns = results[f"ours decode {c} 1"], results[f"ours decode {c} n"]

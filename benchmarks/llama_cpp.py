@@ -134,6 +134,22 @@ def llama_bench(binary: Path, model: Path, threads: int, args: list[str]) -> flo
     return float(json.loads(result.stdout)[0]["avg_ts"])
 
 
+def interleaved_runs(fns: dict[str, Callable[[], object]], runs: int) -> dict[str, list[float]]:
+    """Every fn once (a warm-up: compiles ours, maps llama.cpp's files), then `runs` rounds of
+    every fn in turn: for a "llama.cpp ..." fn what it returns (llama-bench's own tokens/s),
+    for ours the seconds it took."""
+    results: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(runs):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            value = fn()
+            elapsed = time.perf_counter() - start
+            results[name].append(value if name.startswith("llama.cpp") else elapsed)
+    return results
+
+
 def ours_variants(model: DecoderLM) -> dict[str, DecoderLM]:
     return {
         "fp32": model,
@@ -190,16 +206,7 @@ def main() -> None:
                 fns[f"{name}_{key}"] = lambda m=model, x=x, k=k: generate(
                     m, x, k, temperature=0, compile=True
                 )
-        # Run by run, every side once (llama-bench reports its own tokens/s; ours are timed).
-        results = {name: [] for name in fns}
-        for fn in fns.values():  # warm-up: compiles ours, loads llama.cpp's files
-            fn()
-        for _ in range(args.runs):
-            for name, fn in fns.items():
-                start = time.perf_counter()
-                value = fn()
-                elapsed = time.perf_counter() - start
-                results[name].append(value if name.startswith("llama.cpp") else elapsed)
+        results = interleaved_runs(fns, args.runs)
 
     speeds = {f"llama.cpp {k}": results[f"llama.cpp {k} decode"] for k in GGUF_TYPES}
     prefills = {f"llama.cpp {k}": results[f"llama.cpp {k} prefill"] for k in GGUF_TYPES}
