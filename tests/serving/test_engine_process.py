@@ -17,7 +17,12 @@ import torch
 
 from conftest import process_served, wait_healthy
 from decoderlm.engine.engine import Engine
-from decoderlm.engine.engine_process import EngineProcess, EngineSpec, build_engine
+from decoderlm.engine.engine_process import (
+    EngineProcess,
+    EngineSpec,
+    build_engine,
+    build_engine_thread,
+)
 from decoderlm.engine.types import EngineClient, EngineStoppedError, RequestParams
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.sampling import SamplingParams
@@ -68,6 +73,24 @@ def test_a_checkpoint_that_fails_to_load_is_one_clear_error(tmp_path, run_dir):
         EngineProcess(EngineSpec(str(bare))).start()
     with pytest.raises(DecoderLMError, match=r"has no tokenizer\.json"):  # --engine thread
         build_engine(EngineSpec(str(bare)))
+    with pytest.raises(DecoderLMError, match=r"has no tokenizer\.json"):
+        build_engine_thread(EngineSpec(str(bare)))
+
+
+def test_the_thread_that_loads_the_engine_is_the_one_that_steps_it(run_dir, loaded):
+    model, tokenizer = loaded
+    engine = build_engine_thread(EngineSpec(str(run_dir), engine={"kv_cache_memory": "1MiB"}))
+    steppers = set()
+    step = engine.step
+    engine.step = lambda: steppers.add(threading.current_thread().name) or step()
+    try:
+        engine.start()  # a no-op: it already steps
+        params = RequestParams(12, GREEDY)
+        alone = Engine(model, tokenizer, kv_cache_memory="1MiB").generate(["Hello there"], params)
+        assert engine.generate(["Hello there"], params) == alone
+        assert steppers == {"decoderlm-engine"}
+    finally:
+        engine.shutdown(0)  # (its last step, applying the cancels, runs here)
 
 
 def test_generation_submit_errors_and_calls_equal_the_in_process_engine(child, loaded):

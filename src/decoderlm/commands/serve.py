@@ -172,9 +172,9 @@ def load_served(
 ) -> Any:
     """The `Served` of a checkpoint: its tokenizer, chat template and an engine, started in a
     process of its own (`decoderlm.engine.engine_process`, which calls `on_death(why)` if it
-    dies) or, without `engine_process`, not yet started in this one."""
+    dies) or, without `engine_process`, on a thread of this one that loaded it and steps it."""
     from decoderlm.chat_template import load_chat_template
-    from decoderlm.engine.engine_process import EngineProcess, EngineSpec, build_engine
+    from decoderlm.engine.engine_process import EngineProcess, EngineSpec, build_engine_thread
     from decoderlm.server.http import Served
 
     options = {
@@ -192,7 +192,7 @@ def load_served(
         engine.start()  # loads the checkpoint in the child
         tokenizer, vocab_size = engine.facts.tokenizer, engine.facts.vocab_size
     else:
-        engine = build_engine(spec)
+        engine = build_engine_thread(spec)
         tokenizer, vocab_size = engine.tokenizer, engine.inputs.vocab_size
     eos = tokenizer.special.eos if tokenizer.special.eos is not None else tokenizer.eot_id
     eos_text = "" if eos is None else tokenizer.decode([eos])

@@ -19,7 +19,8 @@ Use it offline with `generate`, or `start()` a background thread that steps whil
 Step on the thread that built the model where you can: PyTorch's OpenMP threads belong to the
 first thread that ran a parallel operator, and another thread's operators then ran 2-4× slower
 (measured: a 1 × 576 × 1536 float32 product, 32 µs on the loading thread, 120 µs on another, on 2
-cores; the engine process steps on its main thread for this). Submitting, cancelling and stats are
+cores; the engine process steps on its main thread, `engine_process.build_engine_thread` on the
+thread that built it). Submitting, cancelling and stats are
 thread-safe; cancels take effect at the next step. A forward pass or a sampling step that raises
 ends the sequences it was for with finish_reason "error" (logged) and the engine goes on with the
 others.
@@ -272,13 +273,16 @@ class Engine:
             self._thread = threading.Thread(target=self._loop, name="decoderlm-engine", daemon=True)
             self._thread.start()
 
-    def run(self) -> None:
+    def run(self, started: Callable[[], None] | None = None) -> None:
         """`start()`'s loop on this thread: step whenever there is work until `shutdown` (from
-        another thread)."""
+        another thread). `started()` is called once this thread is the engine's (`start()` is
+        then a no-op)."""
         with self._lock:
             if self._thread is not None or self._stopping:
                 raise RuntimeError("the engine is already stepping on a thread, or stopped")
             self._thread = threading.current_thread()
+        if started is not None:
+            started()
         self._loop()
 
     def shutdown(self, grace_s: float = 10.0) -> None:

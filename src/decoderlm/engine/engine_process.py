@@ -309,6 +309,25 @@ def build_engine(spec: EngineSpec) -> Engine:
     return Engine(model, tokenizer, **options)
 
 
+def build_engine_thread(spec: EngineSpec) -> Engine:
+    """`build_engine(spec)` on a thread of its own that then steps it (`Engine.run`), so that the
+    thread that loaded the model is the one that runs it (see `engine.Engine`); returns the
+    running engine, or raises what building it raised. What `decoderlm serve --engine thread`
+    serves."""
+    built: concurrent.futures.Future[Engine] = concurrent.futures.Future()
+
+    def main() -> None:
+        try:
+            engine = build_engine(spec)
+        except BaseException as exc:
+            built.set_exception(exc)
+            return
+        engine.run(started=lambda: built.set_result(engine))
+
+    threading.Thread(target=main, name="decoderlm-engine", daemon=True).start()
+    return built.result()
+
+
 def _child_main(spec: EngineSpec, conn: Any) -> None:
     """The child: load, report, then serve the parent's messages until shutdown or EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when the engine stops
