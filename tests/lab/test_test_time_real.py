@@ -7,7 +7,6 @@ its interval excludes 0, and the quick spec and the command refuse what they sho
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 from decoderlm import DecoderLM, ModelConfig
-from decoderlm.errors import DecoderLMError
+from decoderlm.cli import main
 from decoderlm.gguf.writer import export_gguf
 from decoderlm.lab import test_time_real, test_time_real_report
 from decoderlm.loading import load
@@ -144,17 +143,17 @@ def test_a_difference_is_called_only_when_its_paired_interval_excludes_zero() ->
 
 
 def test_the_quick_spec_is_smaller_everywhere_and_the_command_refuses_bad_input(
-    tmp_path: Path,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     full, quick = test_time_real.TestTimeRealSpec(), test_time_real.quick_spec()
     for field in ("screen_problems", "problems", "samples", "verifier_problems", "max_tokens"):
         assert getattr(quick, field) < getattr(full, field), field
     assert max(quick.ns) == quick.samples and max(full.ns) == full.samples
-    args = argparse.Namespace(out=str(tmp_path), quick=True, seeds=0, quiet=True, overwrite=False)
-    with pytest.raises(DecoderLMError, match="--seeds=0 must be ≥ 1"):
-        test_time_real.run_command(args)
-    with pytest.raises(DecoderLMError, match="drop --input"):  # the lab's own options
-        test_time_real.run_command(argparse.Namespace(**{**vars(args), "input": ["x.txt"]}))
+    out = ["lab", "test-time-real", "--quick", "--quiet", "--out", str(tmp_path)]
+    assert main([*out, "--seeds", "0"]) == 2
+    assert "--seeds=0 must be ≥ 1" in capsys.readouterr().err
+    assert main([*out, "--input", "x.txt"]) == 2  # the lab's own options
+    assert "drop --input" in capsys.readouterr().err
     (tmp_path / "results.json").write_text("{}")
-    with pytest.raises(DecoderLMError, match="--overwrite"):
-        test_time_real.run_command(argparse.Namespace(**{**vars(args), "seeds": None}))
+    assert main(out) == 2
+    assert "--overwrite" in capsys.readouterr().err

@@ -70,9 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if args.study == TEST_TIME:
         return _test_time(args)
     if args.study == TEST_TIME_REAL:
-        from decoderlm.lab import test_time_real
-
-        return test_time_real.run_command(args, _command())
+        return _test_time_real(args)
     _check_sources(args)
     study = studies.builtin(args.study, args.quick) if args.study else spec.load_spec(args.spec)
     study = study.with_budget(args.budget_tokens, args.budget_seconds, args.seeds)
@@ -133,4 +131,28 @@ def _test_time(args: argparse.Namespace) -> int:
             shutil.rmtree(Path(args.out) / name, ignore_errors=True)
     results = test_time.run_study(study, args.out, progress=not args.quiet, command=_command())
     print(f"wrote {test_time_report.write_report(results, args.out)}")
+    return 0
+
+
+def _test_time_real(args: argparse.Namespace) -> int:
+    """The real-model test-time study (`decoderlm.lab.test_time_real`): OUT, --quick, --seeds,
+    --quiet and --overwrite; the lab's other options refused."""
+    import dataclasses
+
+    from decoderlm.errors import DecoderLMError
+    from decoderlm.lab import studies, test_time_real, test_time_real_report
+
+    unused = ("spec", "data", "input", "budget_tokens", "budget_seconds", "resume")
+    given = [f for f in unused if getattr(args, f, None)]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise DecoderLMError(f"{TEST_TIME_REAL} searches with a model it loads itself: drop {flag}")
+    study = studies.builtin(TEST_TIME_REAL, args.quick)
+    if args.seeds is not None:
+        study = dataclasses.replace(study, seeds=args.seeds)
+    written = (test_time_real.RESULTS_FILE, test_time_real_report.REPORT_FILE)
+    refuse_overwrite(Path(args.out), overwrite=args.overwrite, inside=written)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    results = test_time_real.run_study(study, args.out, progress=not args.quiet, command=_command())
+    print(f"wrote {test_time_real_report.write_report(results, args.out)}")
     return 0

@@ -1,4 +1,4 @@
-"""The test-time compute study on a real model (`python -m decoderlm.lab.test_time_real`): how far
+"""The test-time compute study on a real model (`decoderlm lab test-time-real`): how far
 search lifts SmolLM2-135M-Instruct, and at what token cost, on a task with an exact checker that it
 solves 10–50% of the time greedily. Anchors: Snell et al. (2024), "Scaling LLM Test-Time Compute
 Optimally can be More Effective than Scaling Model Parameters"; Beeching et al. (2024), "Scaling
@@ -27,13 +27,10 @@ passing Llama-3.1-8B on MATH-500).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import importlib.metadata
 import random
-import shlex
-import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -49,8 +46,7 @@ from tqdm.auto import tqdm
 import decoderlm
 from decoderlm.chat_template import load_chat_template
 from decoderlm.engine.engine import Engine
-from decoderlm.errors import DecoderLMError
-from decoderlm.files import refuse_overwrite, write_json
+from decoderlm.files import write_json
 from decoderlm.lab.runner import RESULTS_FILE, environment, json_safe
 from decoderlm.lab.test_time_candidates import CANDIDATES, questions
 from decoderlm.loading import NAMED_MODELS, resolve_checkpoint
@@ -74,13 +70,11 @@ from decoderlm.tasks.word_problems import extract_answer
 from decoderlm.training.head_verifier import HeadFit, auc, fit_verifier
 
 STUDY = "test-time-real"
-MODULE = "decoderlm.lab.test_time_real"  # what `python -m` runs
 STOP = ()  # a chat model's solution ends at its end-of-turn token, blank lines included
 VAL_SHARE = 10  # every 10th verifier problem's samples validate the head
 POOLED = ("self-consistency", "best-of-N (mean log-prob)", "best-of-N (verifier)")
 POOLED += ("pass@N (oracle)",)
 GUIDED = ("step-beam (verifier)", "MCTS (verifier)")
-UNUSED_OPTIONS = ("spec", "data", "input", "budget_tokens", "budget_seconds", "resume")
 STRATEGIES = ("greedy", *POOLED, *GUIDED)
 
 
@@ -152,7 +146,7 @@ def run_study(
         "study": STUDY,
         "date": datetime.date.today().isoformat(),
         "spec": dataclasses.asdict(spec),
-        "command": command or f"{MODULE}.run_study (from Python)",
+        "command": command or f"{__name__}.run_study (from Python)",
         "model": Path(spec.model).name,  # a name, or a file's name: no machine paths
         "parameters": model.num_params(),
         "environment": {**environment(), **versions(spec.model)},
@@ -461,48 +455,3 @@ def comparisons(runs: list[Run], spec: TestTimeRealSpec, resamples: int) -> list
                           "verdict": verdict, "tokens_a": sum(ta) / len(ta),
                           "tokens_b": sum(tb) / len(tb)})  # fmt: skip
     return found
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m decoderlm.lab.test_time_real --out DIR [--quick] [--seeds K]`."""
-    parser = argparse.ArgumentParser(
-        prog=f"python -m {__name__}", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("--out", required=True, metavar="DIR")
-    parser.add_argument("--quick", action="store_true", help="a few minutes: few problems, N ≤ 4")
-    parser.add_argument("--seeds", type=int, metavar="K", help="sampling seeds (default 1)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT's report")
-    argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        return run_command(parser.parse_args(argv), shlex.join(["python", "-m", MODULE, *argv]))
-    except DecoderLMError as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2
-
-
-def run_command(args: argparse.Namespace, command: str = "") -> int:
-    """The study from parsed arguments (`out`, `quick`, `seeds`, `quiet`, `overwrite`; the lab's
-    other options refused): what `decoderlm lab test-time-real` runs; `command`: the command
-    line, for the report."""
-    from decoderlm.lab import test_time_real_report
-
-    given = [f for f in UNUSED_OPTIONS if getattr(args, f, None)]
-    if given:
-        flag = "--" + given[0].replace("_", "-")
-        raise DecoderLMError(f"{STUDY} searches with a model it loads itself: drop {flag}")
-    spec = quick_spec() if args.quick else TestTimeRealSpec()
-    if args.seeds is not None:
-        if args.seeds < 1:
-            raise DecoderLMError(f"--seeds={args.seeds} must be ≥ 1")
-        spec = dataclasses.replace(spec, seeds=args.seeds)
-    written = (RESULTS_FILE, test_time_real_report.REPORT_FILE)
-    refuse_overwrite(args.out, overwrite=args.overwrite, inside=written)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    results = run_study(spec, args.out, progress=not args.quiet, command=command)
-    print(f"wrote {test_time_real_report.write_report(results, args.out)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
