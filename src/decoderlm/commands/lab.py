@@ -22,6 +22,7 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 from decoderlm.files import add_overwrite_argument, refuse_overwrite
 from decoderlm.lab.studies import FULL_SEEDS, STUDIES, TEST_TIME, TEST_TIME_REAL
@@ -107,20 +108,28 @@ def _command() -> str:
     return shlex.join(["decoderlm", *sys.argv[1:]]) if sys.argv[1:2] == ["lab"] else ""
 
 
-def _test_time(args: argparse.Namespace) -> int:
+def _search_study(args: argparse.Namespace, name: str, why: str, kept: tuple[str, ...]) -> Any:
+    """The built-in test-time study `name` with --quick and --seeds applied; a one-line error for
+    a lab option it does not use (--data, --input, --budget-*, --spec, and --resume unless
+    `kept`)."""
     import dataclasses
 
     from decoderlm.errors import DecoderLMError
-    from decoderlm.lab import studies, test_time, test_time_report
+    from decoderlm.lab import studies
+
+    unused = ("spec", "data", "input", "budget_tokens", "budget_seconds", "resume")
+    given = [f for f in unused if f not in kept and getattr(args, f, None)]
+    if given:
+        raise DecoderLMError(f"{name} {why}: drop --{given[0].replace('_', '-')}")
+    study = studies.builtin(name, args.quick)
+    return study if args.seeds is None else dataclasses.replace(study, seeds=args.seeds)
+
+
+def _test_time(args: argparse.Namespace) -> int:
+    from decoderlm.lab import test_time, test_time_report
     from decoderlm.lab.runner import RESULTS_FILE
 
-    given = [f for f in ("data", "input", "budget_tokens", "budget_seconds") if getattr(args, f)]
-    if given:
-        flag = "--" + given[0].replace("_", "-")
-        raise DecoderLMError(f"{TEST_TIME} trains its own policy on its task: drop {flag}")
-    study = studies.builtin(TEST_TIME, args.quick)
-    if args.seeds is not None:
-        study = dataclasses.replace(study, seeds=args.seeds)
+    study = _search_study(args, TEST_TIME, "trains its own policy on its task", ("resume",))
     written = ("data", "policy", "verifier", "task.txt", RESULTS_FILE, "report.md")
     other = "or --resume to keep its trained policy and verifier"
     refuse_overwrite(
@@ -137,19 +146,9 @@ def _test_time(args: argparse.Namespace) -> int:
 def _test_time_real(args: argparse.Namespace) -> int:
     """The real-model test-time study (`decoderlm.lab.test_time_real`): OUT, --quick, --seeds,
     --quiet and --overwrite; the lab's other options refused."""
-    import dataclasses
+    from decoderlm.lab import test_time_real, test_time_real_report
 
-    from decoderlm.errors import DecoderLMError
-    from decoderlm.lab import studies, test_time_real, test_time_real_report
-
-    unused = ("spec", "data", "input", "budget_tokens", "budget_seconds", "resume")
-    given = [f for f in unused if getattr(args, f, None)]
-    if given:
-        flag = "--" + given[0].replace("_", "-")
-        raise DecoderLMError(f"{TEST_TIME_REAL} searches with a model it loads itself: drop {flag}")
-    study = studies.builtin(TEST_TIME_REAL, args.quick)
-    if args.seeds is not None:
-        study = dataclasses.replace(study, seeds=args.seeds)
+    study = _search_study(args, TEST_TIME_REAL, "searches with a model it loads itself", ())
     written = (test_time_real.RESULTS_FILE, test_time_real_report.REPORT_FILE)
     refuse_overwrite(Path(args.out), overwrite=args.overwrite, inside=written)
     Path(args.out).mkdir(parents=True, exist_ok=True)
