@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoderlm import DecoderLM, ModelConfig
-from decoderlm.cpu.packed_linear import PackedLinear, can_pack, pack_linears, packed
+from decoderlm.cpu.packed_linear import PackedLinear, can_pack, pack_linears, swapped
 
 DTYPES = [d for d in (torch.float32, torch.bfloat16) if can_pack(d)]
 
@@ -40,7 +40,7 @@ def test_packing_swaps_every_plain_linear_for_a_block_and_puts_them_back():
     idx = torch.randint(0, model.config.vocab_size, (3, 9))
     with torch.inference_mode():
         plain = model(idx)
-        with packed(swap):
+        with swapped(swap):
             assert not any(type(m) is nn.Linear for m in model.modules() if m not in _inner(swap))
             assert sum(isinstance(m, PackedLinear) for m in model.modules()) == len(names)
             fast = model(idx)

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -137,15 +135,3 @@ def invariant_modules(model: nn.Module) -> Swap:
             elif hasattr(child, "in_features") and type(child) is not nn.Linear:
                 raise ValueError(f"{name}: {type(child).__name__} has no batch-invariant form")
     return swap
-
-
-@contextmanager
-def swapped(swap: Swap) -> Iterator[None]:
-    """The invariant modules in place for the duration; the plain ones back on exit."""
-    for parent, name, _, invariant in swap:
-        parent._modules[name] = invariant
-    try:
-        yield
-    finally:
-        for parent, name, plain, _ in swap:
-            parent._modules[name] = plain

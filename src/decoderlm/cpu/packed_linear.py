@@ -12,7 +12,7 @@ Where the CPU has AMX, bfloat16 weights are packed for the tile kernel of
 `decoderlm.cpu.amx_linear` instead, which reads them at memory bandwidth where oneDNN's packed
 product does not (weights whose inputs are not a multiple of 32 stay on oneDNN).
 
-`pack_linears(model)` returns the swap without applying it; `packed(swap)` applies it for the
+`pack_linears(model)` returns the swap without applying it; `swapped(swap)` applies it for the
 duration of a `with` block (the engine does so around each step), so the model itself stays plain
 and its state_dict unchanged. A packed copy of each weight is kept beside the original: the linear
 weights take twice their memory. The packs are taken when `pack_linears` runs; weights changed
@@ -21,7 +21,7 @@ afterwards need new packs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -84,12 +84,13 @@ def pack_linears(model: nn.Module) -> Swap:
 
 
 @contextmanager
-def packed(swap: Swap) -> Iterator[None]:
-    """The packed linears in place for the duration; the plain ones back on exit. (It writes the
-    parents' `_modules` directly: nn.Module.__setattr__'s checks cost more than a step's worth of
-    them is worth, and a child module is all it would set.)"""
-    for parent, name, _, pack in swap:
-        parent._modules[name] = pack
+def swapped(swap: Sequence[tuple[nn.Module, str, nn.Module, nn.Module]]) -> Iterator[None]:
+    """Each (parent, name, plain, replacement) of `swap` — the packed linears here, the
+    batch-invariant modules of `decoderlm.cpu.invariant` — in place for the duration; the plain
+    ones back on exit. (It writes the parents' `_modules` directly: nn.Module.__setattr__'s checks
+    cost more than a step's worth of them is worth, and a child module is all it would set.)"""
+    for parent, name, _, replacement in swap:
+        parent._modules[name] = replacement
     try:
         yield
     finally:

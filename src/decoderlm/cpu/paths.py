@@ -41,7 +41,7 @@ from torch import nn
 
 from decoderlm.cpu import heap, optimize, optimized
 from decoderlm.cpu.decode import CPULinearKernels
-from decoderlm.cpu.packed_linear import pack_linears, packed
+from decoderlm.cpu.packed_linear import pack_linears, swapped
 from decoderlm.errors import DecoderLMError
 
 
@@ -154,5 +154,5 @@ class AppliedPaths:
             if paths.embedding or paths.attention
             else nullcontext()
         )
-        with inner, packed(self._packed):
+        with inner, swapped(self._packed):
             yield

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from decoderlm.cpu import invariant, paged_attention, paged_step
-from decoderlm.cpu.invariant import swapped
+from decoderlm.cpu.packed_linear import swapped
 from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.engine.kv_pool import PagedKVCache, blocks_for
 from decoderlm.engine.passes import Row
