@@ -6,25 +6,27 @@ tokens for the search strategies of `decoderlm.search`, on a policy the study tr
    greedy accuracy on held-out train-split problems is nearest 50% (`select_checkpoint`): this
    model learns the scratchpad abruptly, at a step that moves with the machine and the schedule,
    so a fixed step count lands anywhere on that edge. `--quick`: a smaller one.
-2. Learned verifier: an outcome verifier (`decoderlm.search.verifier`) trained on the policy's
-   samples of train problems labelled by the checker (`decoderlm.search.labelling`,
-   `decoderlm.training.verifier`) into OUT/verifier.
+2. Learned verifier: a head on the policy's frozen hidden states (`decoderlm.lab.test_time_verifier`),
+   fit on its samples of train problems labelled by the checker (`decoderlm.search.labelling`),
+   at the candidate layer with the lowest validation loss.
 3. Per seed (the sampling seed; the policy, the verifier and the test problems are fixed), on
    every test problem: greedy decoding; a pool of max(N) samples, from whose first N
    self-consistency, best-of-N (mean log-probability, learned verifier, oracle) and pass@N (some
    sample correct: the ceiling of any verifier) are computed for each N, by the strategies' own
    code over the recorded samples (`_Pool`); token-level beam search of width N (N ≤
-   beam_max); step-level beam search (width N / STEP_BEAM_SHARE) and MCTS (each new step valued
-   by the verifier, no rollouts), each guided once by the learned verifier and once by the exact
-   process verifier (`process_oracle`: the searches' ceiling, as the oracle is best-of-N's), at
-   a budget of N × max_tokens generated tokens.
+   beam_max); step-level beam search (width N / STEP_BEAM_SHARE) and MCTS with progressive
+   widening (each new step valued by the verifier, no rollouts), each guided once by the learned
+   verifier and once by the exact process verifier (`process_oracle`: the searches' ceiling, as
+   the oracle is best-of-N's), with a budget of the tokens the pool's first N samples of the
+   problem spent: never more than the pooled strategies at that N.
 4. Engine: generated tokens/s and the prefix cache's reuse (prompt tokens whose KV blocks a
    sequence found cached, per prompt token submitted) of sampling N solutions of the first
    problems, and over each search.
-5. The learned verifier as a classifier of the pooled test samples (σ(s_T) > 0.5 against the
-   checker).
+5. The learned verifier as a classifier of the pooled test samples (AUC; σ(s_T) > 0.5 against
+   the checker).
 
-Resume: the policy and the verifier are reused when OUT holds them (their summary files).
+Resume: the policy is reused when OUT holds it (its summary file); the verifier is refit (from
+the same seeded samples, in seconds).
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.files import write_json
 from decoderlm.lab.runner import RESULTS_FILE, environment, json_safe
 from decoderlm.lab.stats import summarise
+from decoderlm.lab.test_time_verifier import classifier, fit_head_verifier
 from decoderlm.model.config import ModelConfig
+from decoderlm.search.head_verifier import HeadVerifier
 from decoderlm.search.labelling import label_samples
 from decoderlm.search.lm import EngineLM, Sample, load_engine
 from decoderlm.search.strategies import (
@@ -60,15 +64,13 @@ from decoderlm.search.strategies import (
     self_consistency,
     step_beam_search,
 )
-from decoderlm.search.verifier import LearnedVerifier, load_verifier
 from decoderlm.tasks import Problem, Task, corpus, get_task
 from decoderlm.training.train_config import TrainConfig
 from decoderlm.training.trainer import train
-from decoderlm.training.verifier import train_verifier, verifier_config
 
 STUDY = "test-time-compute"
 STEP_BEAM_SHARE = 8  # step-level beam width = N / 8 (at least 1): its rounds fit N × max_tokens
-DONE_FILE = "lab.json"  # in OUT/policy and OUT/verifier: the finished stage's summary
+DONE_FILE = "lab.json"  # in OUT/policy: the finished training's summary
 POOLED = ("self-consistency", "best-of-N (mean log-prob)", "best-of-N (learned)")
 POOLED += ("best-of-N (oracle)", "pass@N")
 GUIDED = ("step-beam (learned)", "MCTS (learned)", "step-beam (oracle)", "MCTS (oracle)")
@@ -97,7 +99,9 @@ class TestTimeSpec:
     target_accuracy: float = 0.5  # the greedy accuracy the chosen checkpoint is nearest
     verifier_problems: int = 300
     verifier_samples: int = 8
-    verifier_steps: int = 300
+    verifier_layers: tuple[int, ...] = (2, 3, 4)  # the head reads one of these blocks' output
+    head_steps: int = 300
+    verifier_within: bool = True  # fit on what tells a problem's samples apart (`within_weights`)
     problems: int = 50
     seeds: int = 3
     ns: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
@@ -106,6 +110,10 @@ class TestTimeSpec:
     temperature: float = 0.7  # of every sampling strategy (Cobbe et al., 2021, sample at 0.7)
     step_tokens: int = 24
     expand: int = 4
+    # MCTS's progressive widening exponent α (Couëtoux et al., 2011): a node is expanded again
+    # while it has had < ⌈visits^α⌉ expansions, its visits counting every sampled child; at 0.5
+    # the quick study's tree widened so fast that at ≤ 8 samples' tokens it reached no solution
+    widening: float = 0.25
     probe_problems: int = 4
     builtin: bool = True
 
@@ -120,7 +128,7 @@ def quick_spec() -> TestTimeSpec:
         select_problems=16,
         verifier_problems=40,
         verifier_samples=4,
-        verifier_steps=60,
+        head_steps=100,
         problems=8,
         seeds=2,
         ns=(1, 2, 8),
@@ -135,39 +143,36 @@ def quick_spec() -> TestTimeSpec:
 def run_study(
     spec: TestTimeSpec, out: str | Path, progress: bool = True, command: str = ""
 ) -> dict[str, Any]:
-    """Train the policy and the verifier (unless OUT holds them), search, write results.json."""
+    """Train the policy (unless OUT holds it) and fit the verifier, search, write results.json."""
     start = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     task = get_task(spec.task)
     policy = _policy(spec, task, out, progress)
-    verifier_info = _verifier(spec, task, policy_dir(out, policy), out, progress)
-    verifier = load_verifier(out / "verifier")
     engine = load_engine(str(policy_dir(out, policy)))
+    fitting = time.perf_counter()
+    verifier, verifier_info = _verifier(spec, task, EngineLM(engine, seed=0), progress)
+    verifier_info["wall_s"] = time.perf_counter() - fitting
     problems = task.problems(spec.problems, spec.difficulty, seed=0, split="test")
-    runs, classifier, searches = [], [], []
+    runs, judged, searches = [], [], []
     total = spec.seeds * len(problems)
     with tqdm(total=total, desc=STUDY, unit="problem", disable=not progress) as bar:
         for seed in range(spec.seeds):
             lm = EngineLM(engine, seed=1_000_003 * seed)
             counts: dict[tuple[str, int], list[int]] = {}
-            judged: list[tuple[bool, bool]] = []
             for problem in problems:
                 outcomes, verdicts, measured = _search(spec, task, problem, lm, verifier)
                 for name, n, correct, tokens in outcomes:
                     got = counts.setdefault((name, n), [0, 0])
                     got[0], got[1] = got[0] + correct, got[1] + tokens
                 searches += [{**row, "seed": seed} for row in measured]
-                judged += verdicts
+                judged.append(verdicts)
                 bar.update(1)
             runs += [
                 {"strategy": name, "n": n, "seed": seed, "correct": c, "tokens": t,
                  "accuracy": c / len(problems), "tokens_per_problem": t / len(problems)}
                 for (name, n), (c, t) in counts.items()
             ]  # fmt: skip
-            hits, right = sum(j == c for j, c in judged), sum(c for _, c in judged)
-            classifier.append({"seed": seed, "texts": len(judged), "accuracy": hits / len(judged),
-                               "correct_share": right / len(judged)})  # fmt: skip
     results = {
         "study": STUDY,
         "description": (
@@ -179,11 +184,10 @@ def run_study(
         "command": command or " ".join(sys.argv),
         "environment": environment(),
         "policy": policy,
-        "verifier": verifier_info,
+        "verifier": {**verifier_info, **classifier(judged)},
         "problems": len(problems),
         "runs": runs,
         "summary": summary(runs),
-        "classifier": classifier,
         "engine": _probe(spec, problems, EngineLM(engine, seed=0)),
         "searches": searches,
         "wall_s": time.perf_counter() - start,
@@ -258,31 +262,16 @@ def policy_dir(out: Path, policy: dict[str, Any]) -> Path:
 
 
 def _verifier(
-    spec: TestTimeSpec, task: Task, policy: Path, out: Path, progress: bool
-) -> dict[str, Any]:
-    """OUT/verifier: an outcome verifier on the policy's samples of train problems."""
-
-    def make() -> dict[str, Any]:
-        problems = task.problems(spec.verifier_problems, spec.difficulty, seed=1, split="train")
-        lm = EngineLM(load_engine(str(policy)), seed=0)
-        labelled = label_samples(
-            lm,
-            task,
-            problems,
-            spec.verifier_samples,
-            max_tokens=spec.max_tokens,
-            temperature=spec.temperature,
-            progress=progress,
-        )
-        config = verifier_config(spec.verifier_steps, 32, 1e-3, seed=0)
-        result = _finished(train_verifier(policy, labelled, out / "verifier", config,
-                                          overwrite=True, progress=progress))  # fmt: skip
-        texts = [e for examples in labelled for e in examples]
-        info = {"texts": len(texts), "correct_share": sum(e.target for e in texts) / len(texts),
-                "val_loss": result["val_loss"], "val_accuracy": result["val_accuracy"]}  # fmt: skip
-        return info
-
-    return _trained_once(out / "verifier", make)
+    spec: TestTimeSpec, task: Task, lm: EngineLM, progress: bool
+) -> tuple[HeadVerifier, dict[str, Any]]:
+    """The head verifier fit on the policy's labelled samples of train-split problems."""
+    problems = task.problems(spec.verifier_problems, spec.difficulty, seed=1, split="train")
+    labelled = label_samples(lm, task, problems, spec.verifier_samples,
+                             max_tokens=spec.max_tokens, temperature=spec.temperature,
+                             progress=progress)  # fmt: skip
+    model, tokenizer = lm.engine.model, lm.engine.tokenizer
+    layers, steps = spec.verifier_layers, spec.head_steps
+    return fit_head_verifier(model, tokenizer, labelled, layers, steps, spec.verifier_within)
 
 
 def _finished(result: dict[str, Any]) -> dict[str, Any]:
@@ -323,10 +312,10 @@ Outcome = tuple[str, int, int, int]  # strategy, N, correct (0 or 1), generated 
 
 
 def _search(
-    spec: TestTimeSpec, task: Task, problem: Problem, lm: EngineLM, verifier: LearnedVerifier
-) -> tuple[list[Outcome], list[tuple[bool, bool]], list[dict[str, Any]]]:
-    """Every strategy at every N on one problem; (the verifier says correct, the checker says
-    correct) of every pooled sample; the engine's counters over each call to it."""
+    spec: TestTimeSpec, task: Task, problem: Problem, lm: EngineLM, verifier: HeadVerifier
+) -> tuple[list[Outcome], list[tuple[float, bool]], list[dict[str, Any]]]:
+    """Every strategy at every N on one problem; (the verifier's score, the checker's verdict) of
+    every pooled sample; the engine's counters over each call to it."""
     prompt, extract, cap = problem.prompt, task.extract_answer, spec.max_tokens
     found: list[Outcome] = []
     measured: list[dict[str, Any]] = []
@@ -357,7 +346,8 @@ def _search(
     }
     exact = process_oracle(task, problem)
     for n in spec.ns:
-        budget = n * cap
+        budget = n * cap  # the pooled strategies' first N samples fit it whatever their length
+        spent = sum(s.tokens for s in pool[:n])  # what they spend: the searches' budget
         sampled = partial(_Pool, lm, pool)
         majority = self_consistency(
             sampled(), prompt, budget, n=n, max_tokens=cap, temperature=temperature, extract=extract
@@ -368,25 +358,26 @@ def _search(
                 sampled(), prompt, budget, scorer=scorer, n=n, max_tokens=cap, extract=extract
             )
             record(name, n, best, None)
-        found.append(("pass@N", n, int(any(correct[:n])), sum(s.tokens for s in pool[:n])))
+        found.append(("pass@N", n, int(any(correct[:n])), spent))
         steps = {"expand": spec.expand, "step_tokens": spec.step_tokens, "extract": extract,
                  "temperature": temperature}  # fmt: skip
         width = max(1, n // STEP_BEAM_SHARE)
         runs = {}
         for kind, guide in (("learned", verifier), ("oracle", exact)):
             runs[f"step-beam ({kind})"] = partial(
-                step_beam_search, lm, prompt, budget, guide, width=width, **steps
+                step_beam_search, lm, prompt, spent, guide, width=width, **steps
             )
-            runs[f"MCTS ({kind})"] = partial(mcts, lm, prompt, budget, guide, **steps)
+            runs[f"MCTS ({kind})"] = partial(
+                mcts, lm, prompt, spent, guide, widening=spec.widening, **steps
+            )
         if n <= spec.beam_max:
             runs["beam"] = partial(
-                beam_search, lm, prompt, budget, width=n, max_tokens=cap, extract=extract
+                beam_search, lm, prompt, spent, width=n, max_tokens=cap, extract=extract
             )
         for name, strategy in runs.items():
             result, stats = _measured(lm, strategy)
             record(name, n, result, stats)
-    verdicts = [(p > 0.5, c) for p, c in zip(probabilities, correct, strict=True)]
-    return found, verdicts, measured
+    return found, list(zip(probabilities, correct, strict=True)), measured
 
 
 def _measured(lm: EngineLM, call: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:

@@ -1,14 +1,22 @@
-"""The conclusions of the test-time compute study (`decoderlm.lab.test_time`): the targets at
-N = TTC_N and the "What this shows" paragraph, from results.json."""
+"""The conclusions of the test-time compute study (`decoderlm.lab.test_time`): paired comparisons
+of strategies at equal tokens (`decoderlm.lab.stats`'s verdict rule over the sampling seeds) and
+the "What this shows" paragraph, from results.json."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from decoderlm.lab.stats import RULE, Summary, compare
 
-TTC_N = 16  # the targets' N (the largest N ≤ 16 a study has, for --quick)
+# (a, b) compared at every N, a spending no more tokens than b: the pooled strategies share one
+# pool's first N samples; a guided search's budget is what those samples spent
+PAIRS = (
+    ("best-of-N (learned)", "self-consistency"),
+    ("best-of-N (learned)", "best-of-N (mean log-prob)"),
+    ("step-beam (learned)", "best-of-N (learned)"),
+    ("MCTS (learned)", "best-of-N (learned)"),
+    ("MCTS (oracle)", "best-of-N (oracle)"),
+)
 
 
 def ttc_accuracy(
@@ -19,62 +27,27 @@ def ttc_accuracy(
     return Summary(**row[key]) if row is not None and row[key]["n"] else None
 
 
-def ttc_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """The study's targets at N = TTC_N: what was measured, the target, and whether it is met."""
-    n = max((m for m in results["spec"]["ns"] if m <= TTC_N), default=min(results["spec"]["ns"]))
-    greedy = ttc_accuracy(results, "greedy", 1)
-    sc, learned, oracle = (
-        ttc_accuracy(results, name, n)
-        for name in ("self-consistency", "best-of-N (learned)", "best-of-N (oracle)")
-    )
+def by_seed(results: dict[str, Any], strategy: str, n: int) -> dict[int, float]:
+    """{seed: accuracy} of the strategy at N."""
+    return {
+        r["seed"]: r["accuracy"]
+        for r in results["runs"]
+        if (r["strategy"], r["n"]) == (strategy, n)
+    }
+
+
+def ttc_comparisons(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each pair of PAIRS at each N both ran at: N, the names, their mean tokens a problem, and
+    the paired comparison of their accuracy by seed (`decoderlm.lab.stats.compare`)."""
     rows = []
-    if greedy is not None and sc is not None:
-        gain = 100 * (sc.mean - greedy.mean)
-        rows.append({"target": f"self-consistency@{n} ≥ greedy + 15 points",
-                     "measured": f"{gain:+.1f} points ({sc.mean:.1%} vs {greedy.mean:.1%})",
-                     "met": gain >= 15})  # fmt: skip
-    if oracle is not None:
-        rows.append({"target": f"oracle best-of-{n} ≥ 90%", "measured": f"{oracle.mean:.1%}",
-                     "met": oracle.mean >= 0.9})  # fmt: skip
-    if sc is not None and learned is not None and oracle is not None:
-        gap = oracle.mean - sc.mean
-        closed = (learned.mean - sc.mean) / gap if gap > 0 else math.nan
-        target = f"learned verifier closes ≥ half of the majority→oracle gap at {n}"
-        rows.append({"target": target,
-                     "measured": f"{closed:.0%} of {100 * gap:.1f} points" if gap > 0
-                     else f"no gap ({sc.mean:.1%} vs {oracle.mean:.1%})",
-                     "met": gap > 0 and closed >= 0.5})  # fmt: skip
-    for kind in ("learned", "oracle"):
-        row = _mcts_against_best_of_n(results, kind)
-        if row is not None:
-            rows.append(row)
+    for n in results["spec"]["ns"]:
+        for a, b in PAIRS:
+            tokens = [ttc_accuracy(results, name, n, "tokens_per_problem") for name in (a, b)]
+            if None in tokens:
+                continue
+            rows.append({"n": n, "a": a, "b": b, "tokens": [t.mean for t in tokens],
+                         "comparison": compare(by_seed(results, a, n), by_seed(results, b, n))})  # fmt: skip
     return rows
-
-
-def _mcts_against_best_of_n(results: dict[str, Any], kind: str) -> dict[str, Any] | None:
-    """MCTS guided by the `kind` verifier at its largest N against best-of-N scored by the same
-    kind at the largest N that spends no more tokens a problem."""
-    name, peer = f"MCTS ({kind})", f"best-of-N ({kind})"
-    mcts_n = max((m for m in results["spec"]["ns"] if ttc_accuracy(results, name, m)),
-                 default=None)  # fmt: skip
-    if mcts_n is None:
-        return None
-    mcts = ttc_accuracy(results, name, mcts_n)
-    spent = ttc_accuracy(results, name, mcts_n, "tokens_per_problem")
-    within = [
-        (acc, n, tokens.mean)
-        for n in results["spec"]["ns"]
-        if (acc := ttc_accuracy(results, peer, n)) is not None
-        and (tokens := ttc_accuracy(results, peer, n, "tokens_per_problem")) is not None
-        and tokens.mean <= (spent.mean if spent else 0.0)
-    ]
-    if mcts is None or not within:
-        return None
-    bon, bon_n, bon_tokens = within[-1]
-    return {"target": f"MCTS ≥ best-of-N at equal tokens ({kind} verifier)",
-            "measured": f"MCTS {mcts.mean:.1%} at {spent.mean:,.0f} tokens (budget N={mcts_n}) "
-            f"vs best-of-{bon_n} {bon.mean:.1%} at {bon_tokens:,.0f}",
-            "met": mcts.mean >= bon.mean}  # fmt: skip
 
 
 def ttc_study(results: dict[str, Any]) -> str:
@@ -84,7 +57,9 @@ def ttc_study(results: dict[str, Any]) -> str:
     lines = [
         "Expected (Wang et al., 2022; Cobbe et al., 2021; Snell et al., 2024): accuracy grows with "
         "N for every sampling strategy, below pass@N (the ceiling of any verifier); an exact "
-        "verifier approaches pass@N, a learned one falls between majority voting and it."
+        "verifier approaches pass@N, a learned one falls between majority voting and it; at a "
+        "small budget, search over steps guided by a process verifier beats best-of-N (Snell et "
+        f"al., 2024). Each comparison below is paired by seed at equal tokens. {RULE}"
     ]
     parts = []
     for name in ("self-consistency", "best-of-N (mean log-prob)", "best-of-N (learned)",
@@ -95,32 +70,23 @@ def ttc_study(results: dict[str, Any]) -> str:
     if greedy is not None:
         lines.append(f"Measured: greedy {greedy.mean:.1%}; from N = {min(ns)} to {top}: "
                      + "; ".join(parts) + ".")  # fmt: skip
-    learned, sc = (
-        {
-            r["seed"]: r["accuracy"]
-            for r in results["runs"]
-            if (r["strategy"], r["n"]) == (name, top)
-        }
-        for name in ("best-of-N (learned)", "self-consistency")
-    )
-    if learned and sc:
-        phrase = compare(learned, sc).phrase("best-of-N (learned)", "self-consistency", 3)
-        lines.append(f"At N = {top} (accuracy; {RULE}): {phrase}.")
-    for row in ttc_targets(results):
-        lines.append(
-            f"Target '{row['target']}': {row['measured']} ({'met' if row['met'] else 'not met'})."
+    rows = ttc_comparisons(results)
+    for a, b in PAIRS:
+        mine = [r for r in rows if (r["a"], r["b"]) == (a, b)]
+        if not mine:
+            continue
+        outcomes = [r["comparison"].outcome for r in mine]
+        counts = ", ".join(
+            f"{outcome} at {outcomes.count(outcome)}" for outcome in dict.fromkeys(outcomes)
         )
-    classifier = [c["accuracy"] for c in results["classifier"]]
-    if classifier:
-        accuracy = sum(classifier) / len(classifier)
-        share = sum(c["correct_share"] for c in results["classifier"]) / len(classifier)
-        baseline = max(share, 1 - share)  # always answering the majority class
+        last = mine[-1]
         lines.append(
-            f"The learned verifier classifies the pooled test samples at {accuracy:.1%} accuracy "
-            f"({share:.1%} of them are correct, so always answering the majority class scores "
-            f"{baseline:.1%}): it {'beats' if accuracy - baseline >= 0.0005 else 'does not beat'} "
-            "that baseline."
+            f"{a} against {b} over {len(mine)} values of N: "
+            f"{counts}; at N = {last['n']}: "
+            f"{last['comparison'].phrase(a, b, 3)}, spending {last['tokens'][0]:,.0f} against "
+            f"{last['tokens'][1]:,.0f} tokens a problem."
         )
+    lines += _verifier_reading(results)
     lines += _step_searches_spent(results)
     ok = all(
         (a := ttc_accuracy(results, "pass@N", n)) is None
@@ -134,22 +100,35 @@ def ttc_study(results: dict[str, Any]) -> str:
     return " ".join(lines)
 
 
+def _verifier_reading(results: dict[str, Any]) -> list[str]:
+    """What the verifier's AUC on the test samples means for best-of-N with it."""
+    v, ns = results["verifier"], results["spec"]["ns"]
+    low, high = (ttc_accuracy(results, "best-of-N (learned)", n) for n in (min(ns), max(ns)))
+    if v.get("test_auc_within") is None or low is None or high is None:
+        return []
+    return [
+        f"Among one problem's samples the learned verifier ranks a correct one above a wrong one "
+        f"with probability {v['test_auc_within']:.3f} (AUC within problems, {v['test_auc']:.3f} "
+        "over all samples; 0.5 is a random pick, under which best-of-N stays at one sample's "
+        "accuracy, and below which it falls as N grows); best-of-N with it goes from "
+        f"{low.mean:.1%} at N = {min(ns)} to {high.mean:.1%} at N = {max(ns)}."
+    ]
+
+
 def _step_searches_spent(results: dict[str, Any]) -> list[str]:
-    """A sentence on what step-level beam search and MCTS spent at the largest N, against the
-    budget: they stop once every step of their tree is expanded, whatever the budget left."""
+    """A sentence on what the guided searches spent at the largest N, against their budget (the
+    tokens the pool's first N samples spent)."""
     top = max(results["spec"]["ns"])
-    budget = top * results["spec"]["max_tokens"]
+    budget = ttc_accuracy(results, "pass@N", top, "tokens_per_problem")
     spent = {
         name: tokens.mean
         for name in ("step-beam (learned)", "MCTS (learned)", "step-beam (oracle)", "MCTS (oracle)")
         if (tokens := ttc_accuracy(results, name, top, "tokens_per_problem")) is not None
     }
-    if not spent:
+    if not spent or budget is None:
         return []
-    most = max(spent.values())
+    parts = ", ".join(f"{name} {tokens / budget.mean:.0%}" for name, tokens in spent.items())
     return [
-        f"At N = {top} step-level beam search and MCTS spent at most {most:,.0f} generated tokens "
-        f"a problem of a budget of {budget:,} ({most / budget:.0%}): they stop when no step of "
-        "their tree is left to expand (each node is expanded once, and equal samples merge), so "
-        "their accuracy stops growing with the budget."
+        f"At N = {top} the guided searches spent, of their budget of {budget.mean:,.0f} tokens a "
+        f"problem: {parts}."
     ]

@@ -49,11 +49,12 @@ from decoderlm.engine.engine import Engine
 from decoderlm.files import write_json
 from decoderlm.lab.runner import RESULTS_FILE, environment, json_safe
 from decoderlm.lab.test_time_candidates import CANDIDATES, questions
+from decoderlm.lab.test_time_verifier import classifier, fit_head_verifier
 from decoderlm.loading import NAMED_MODELS, resolve_checkpoint
 from decoderlm.model.lm import DecoderLM
 from decoderlm.quant.apply import set_module
 from decoderlm.quant.blocks import BlockEmbedding, BlockLinear
-from decoderlm.search.head_verifier import HeadVerifier, trunk
+from decoderlm.search.head_verifier import HeadVerifier
 from decoderlm.search.lm import ClientLM, EngineLM, Sample
 from decoderlm.search.strategies import (
     Scorer,
@@ -67,11 +68,9 @@ from decoderlm.search.strategies import (
 from decoderlm.search.verifier import Example
 from decoderlm.tasks import Problem, Task, get_task
 from decoderlm.tasks.word_problems import extract_answer
-from decoderlm.training.head_verifier import HeadFit, auc, fit_verifier
 
 STUDY = "test-time-real"
 STOP = ()  # a chat model's solution ends at its end-of-turn token, blank lines included
-VAL_SHARE = 10  # every 10th verifier problem's samples validate the head
 POOLED = ("self-consistency", "best-of-N (mean log-prob)", "best-of-N (verifier)")
 POOLED += ("pass@N (oracle)",)
 GUIDED = ("step-beam (verifier)", "MCTS (verifier)")
@@ -151,7 +150,7 @@ def run_study(
         "parameters": model.num_params(),
         "environment": {**environment(), **versions(spec.model)},
         "screen": screen,
-        "verifier": {**verifier_info, **_classifier(judged)},
+        "verifier": {**verifier_info, **classifier(judged)},
         "problems": len(problems),
         "runs": runs,
         "summary": summary(runs, spec.bootstrap),
@@ -241,18 +240,7 @@ def _verifier(
         [Example(prompt + s.text, float(task.check(p, s.text)), len(prompt)) for s in samples]
         for p, prompt, samples in zip(problems, prompts, drawn, strict=True)
     ]
-    val = [e for i, group in enumerate(labelled) if i % VAL_SHARE == VAL_SHARE - 1 for e in group]
-    train = [e for i, group in enumerate(labelled) if i % VAL_SHARE != VAL_SHARE - 1 for e in group]
-    fit = HeadFit(steps=spec.head_steps)
-    head, layers = fit_verifier(model, tokenizer, train, val, spec.verifier_layers, fit)
-    info = {
-        "train_examples": len(train),
-        "val_examples": len(val),
-        "train_correct_share": sum(e.target for e in train) / len(train),
-        "layers": layers,
-        "layer": head.layer,
-    }
-    return HeadVerifier(trunk(model, head.layer), tokenizer, head), info
+    return fit_head_verifier(model, tokenizer, labelled, spec.verifier_layers, spec.head_steps)
 
 
 class _Replay:
@@ -279,7 +267,7 @@ def _search(
     verifier: HeadVerifier,
     problems: list[Problem],
     progress: bool,
-) -> tuple[list[Run], list[tuple[float, bool]]]:
+) -> tuple[list[Run], list[list[tuple[float, bool]]]]:
     """Greedy, then per seed the pooled strategies and the guided searches on every problem;
     (every run, (verifier score, checker verdict) of every pooled sample)."""
     prompts = [chat.render(p.prompt) for p in problems]
@@ -289,7 +277,7 @@ def _search(
         zip(problems, chat.greedy(lm, [p.prompt for p in problems]), strict=True)
     ):
         runs.append(_run("greedy", 1, 0, i, float(task.check(p, s.text)), s.tokens))
-    judged: list[tuple[float, bool]] = []
+    judged: list[list[tuple[float, bool]]] = []  # a pool's (score, verdict) of each sample
     total = spec.seeds * len(problems) * (1 + len(spec.step_ns))
     with tqdm(total=total, desc=STUDY, unit="search", disable=not progress) as bar:
         for seed in range(spec.seeds):
@@ -297,9 +285,9 @@ def _search(
             pools = pool_lm.sample(prompts, spec.samples, spec.max_tokens, STOP, spec.temperature)
             for i, (problem, prompt, pool) in enumerate(zip(problems, prompts, pools, strict=True)):
                 scores = verifier.scores([prompt + s.text for s in pool])
-                judged += [
-                    (v, task.check(problem, s.text)) for v, s in zip(scores, pool, strict=True)
-                ]
+                judged.append(
+                    [(v, task.check(problem, s.text)) for v, s in zip(scores, pool, strict=True)]
+                )
                 runs += _pooled(spec, task, problem, prompt, pool, scores, lm, seed, i)
                 bar.update(1)
             for n in spec.step_ns:
@@ -384,16 +372,6 @@ def _guided(
         runs.append(_run(name, n, seed, index, float(task.check(problem, result.text)),
                          result.tokens))  # fmt: skip
     return runs
-
-
-def _classifier(judged: list[tuple[float, bool]]) -> dict[str, Any]:
-    """The verifier on the pooled test samples: AUC, accuracy at 0.5, the share correct."""
-    if not judged:
-        return {}
-    right = sum((v > 0.5) == c for v, c in judged)
-    return {"test_samples": len(judged), "test_auc": auc([v for v, _ in judged],
-            [c for _, c in judged]), "test_accuracy": right / len(judged),
-            "test_correct_share": sum(c for _, c in judged) / len(judged)}  # fmt: skip
 
 
 def bootstrap(values: Sequence[float], resamples: int, seed: int = 0) -> tuple[float, float, float]:

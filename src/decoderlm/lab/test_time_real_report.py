@@ -10,6 +10,7 @@ from matplotlib.figure import Figure
 
 from decoderlm.lab.report import markdown_table, save_figure
 from decoderlm.lab.test_time_real import GUIDED, STRATEGIES, bootstrap, per_problem
+from decoderlm.lab.test_time_verifier import verifier_section
 
 REPORT_FILE = "report.md"
 SCREEN_BAND = (0.10, 0.50)  # the greedy accuracy a task should have: room above, something found
@@ -27,7 +28,7 @@ def write_report(results: dict[str, Any], out: str | Path) -> Path:
         *_accuracy_table(results),
         *_comparisons(results),
         *_screen(results),
-        *_verifier(results),
+        *verifier_section(results["verifier"], "the model"),
         "## Plots",
         "",
         *(f"![{p.stem}]({p.name})" for p in plots),
@@ -172,32 +173,6 @@ def _screen(results: dict[str, Any]) -> list[str]:
         "for step-level search to branch on.",
         "",
         *markdown_table(["candidate", "greedy accuracy [95%]", "tokens a question"], rows),
-    ]
-
-
-def _verifier(results: dict[str, Any]) -> list[str]:
-    v = results["verifier"]
-    rows = [
-        [str(r["layer"]), f"{r['loss']:.3f}", f"{r['accuracy']:.1%}",
-         "—" if r["auc"] is None else f"{r['auc']:.3f}"]
-        for r in v["layers"]
-    ]  # fmt: skip
-    test = (
-        f"On the pooled test samples ({v['test_samples']}, {v['test_correct_share']:.1%} correct) "
-        f"it has AUC {v['test_auc']:.3f} and accuracy {v['test_accuracy']:.1%} at 0.5."
-        if v.get("test_auc") is not None
-        else ""
-    )
-    return [
-        "## The verifier",
-        "",
-        f"A logistic-regression head on the frozen model's residual stream, fit at every solution "
-        f"token on {v['train_examples']} of the model's own samples of train-split problems "
-        f"({v['train_correct_share']:.1%} correct), judged at the final token on "
-        f"{v['val_examples']} samples of held-out problems; the layer kept is the one with the "
-        f"lowest validation loss: {v['layer']}. {test}",
-        "",
-        *markdown_table(["after block", "val loss", "val accuracy", "val AUC"], rows),
     ]
 
 

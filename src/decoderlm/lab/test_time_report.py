@@ -1,8 +1,8 @@
 """results.json of the test-time compute study (`decoderlm.lab.test_time`) → report.md, plots.
 
 Every number is read from results.json: accuracy and tokens per strategy and N (mean ± spread
-over seeds), the study's targets, the learned verifier as a classifier, and the engine's
-throughput and prefix-cache reuse as N grows.
+over seeds), comparisons at equal tokens, the learned verifier (its fit and its AUC on the test
+samples), and the engine's throughput and prefix-cache reuse as N grows.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from decoderlm.lab.report import fmt, header, markdown_table, save_figure, write_lines
+from decoderlm.lab.stats import RULE
 from decoderlm.lab.test_time import STRATEGIES
-from decoderlm.lab.test_time_conclusions import ttc_accuracy, ttc_targets
+from decoderlm.lab.test_time_conclusions import ttc_accuracy, ttc_comparisons
+from decoderlm.lab.test_time_verifier import verifier_section
 
 
 def write_report(results: dict[str, Any], out: str | Path) -> Path:
@@ -28,32 +30,32 @@ def write_report(results: dict[str, Any], out: str | Path) -> Path:
     lines = [
         *header(results),
         f"- wall time: {results['wall_s']:.0f} s in the last invocation (policy "
-        f"{policy['wall_s']:.0f} s, verifier {verifier['wall_s']:.0f} s when trained)",
+        f"{policy['wall_s']:.0f} s when trained, verifier {verifier['wall_s']:.0f} s)",
         f"- policy: {spec['model']} trained {policy['steps']} steps ({spec['train']}) on "
         f"{spec['corpus_problems']:,} worked {spec['task']} problems at difficulty "
         f"{spec['difficulty']}; of its checkpoints, step {chosen['step']} (val loss "
         f"{fmt(chosen['val_loss'], '{:.4f}')}), whose greedy accuracy on "
         f"{spec['select_problems']} held-out train-split problems, {chosen['accuracy']:.0%}, is "
         f"nearest {spec['target_accuracy']:.0%} (the curve below); run {policy['run_dir']}",
-        f"- learned verifier: outcome, the policy's network with a scalar head, "
-        f"{spec['verifier_steps']} steps on {verifier['texts']:,} of its samples "
-        f"({verifier['correct_share']:.0%} correct) of {spec['verifier_problems']} train "
-        f"problems; val loss {fmt(verifier['val_loss'], '{:.4f}')}, val accuracy "
-        f"{fmt(verifier['val_accuracy'], '{:.1%}')}",
+        f"- learned verifier: a head on the policy's frozen states (below), fit "
+        f"{spec['head_steps']} steps on its samples ({spec['verifier_samples']} each) of "
+        f"{spec['verifier_problems']} train problems",
         f"- protocol: {results['problems']} test problems, {spec['seeds']} sampling seeds (the "
         "policy, the verifier and the problems are the same for every seed); spread = standard "
-        f"deviation over seeds; budgets N × {spec['max_tokens']} generated tokens; self-"
-        "consistency, best-of-N and pass@N take the first N of one pool of samples a problem; "
-        f"temperature {spec['temperature']:g}; beam width N (N ≤ {spec['beam_max']}); step-level "
-        "beam width N/8, MCTS "
-        f"expanding {spec['expand']} steps of ≤ {spec['step_tokens']} tokens, each new step valued "
-        "(no rollouts) by the learned verifier, and again by the exact process verifier (on the "
-        "worked solution's path or accepted by the checker: the ceiling of step-level guidance)",
+        "deviation over seeds; self-consistency, best-of-N and pass@N take the first N of one "
+        f"pool of samples a problem (≤ {spec['max_tokens']} tokens each), temperature "
+        f"{spec['temperature']:g}; token-level beam width N (N ≤ {spec['beam_max']}); step-level "
+        f"beam width N/8, MCTS with progressive widening α = {spec['widening']:g}, expanding "
+        f"{spec['expand']} steps of ≤ {spec['step_tokens']} tokens, each new step valued (no "
+        "rollouts) by the learned verifier, and again by the exact process verifier (on the "
+        "worked solution's path or accepted by the checker: the ceiling of step-level guidance); "
+        "the beam and guided searches get a budget of the tokens the pool's first N samples of "
+        "the problem spent",
         "",
         *_accuracy_table(results),
         *_policy_curve(results),
-        *_targets(results),
-        *_classifier(results),
+        *_comparisons(results),
+        *verifier_section(results["verifier"], "the policy"),
         *_engine(results),
     ]
     return write_lines(out, lines, plots, results)
@@ -97,24 +99,20 @@ def _policy_curve(results: dict[str, Any]) -> list[str]:
     ]
 
 
-def _targets(results: dict[str, Any]) -> list[str]:
-    rows = [[r["target"], r["measured"], "yes" if r["met"] else "no"] for r in ttc_targets(results)]
-    return ["## The study's targets", "", *markdown_table(["target", "measured", "met"], rows)]
-
-
-def _classifier(results: dict[str, Any]) -> list[str]:
+def _comparisons(results: dict[str, Any]) -> list[str]:
     rows = [
-        [str(c["seed"]), f"{c['texts']:,}", f"{c['correct_share']:.1%}", f"{c['accuracy']:.1%}"]
-        for c in results["classifier"]
-    ]
+        [str(r["n"]), r["a"], r["b"], f"{r['tokens'][0]:,.0f} / {r['tokens'][1]:,.0f}",
+         r["comparison"].phrase("a", "b", 3)]
+        for r in ttc_comparisons(results)
+    ]  # fmt: skip
     return [
-        "## The learned verifier as a classifier",
+        "## Comparisons at equal tokens",
         "",
-        "Every pooled test sample, σ(s_T) > 0.5 against the exact checker; the base rate is the "
-        "share of correct samples (always answering the majority class scores the larger of it "
-        "and its complement).",
+        "Accuracy of a against b, paired by sampling seed; a spends no more generated tokens a "
+        "problem than b (the pooled strategies choose among the same N samples; a guided "
+        f"search's budget is what those samples spent). {RULE}",
         "",
-        *markdown_table(["seed", "samples", "correct (base rate)", "verifier accuracy"], rows),
+        *markdown_table(["N", "a", "b", "tokens a problem (a / b)", "verdict"], rows),
     ]
 
 

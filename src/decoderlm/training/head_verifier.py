@@ -73,13 +73,19 @@ def solution_states(
 
 
 def fit_head(
-    states: Sequence[Tensor], targets: Sequence[float], layer: int, fit: HeadFit
+    states: Sequence[Tensor],
+    targets: Sequence[float],
+    layer: int,
+    fit: HeadFit,
+    weights: Sequence[float] | None = None,
 ) -> VerifierHead:
-    """A head on block `layer`'s states, (n_i, d) per example, fit toward `targets` (L above)."""
+    """A head on block `layer`'s states, (n_i, d) per example, fit toward `targets` (L above,
+    example i's term scaled by weights[i] when given)."""
     torch.manual_seed(fit.seed)
     x = torch.cat(list(states))  # (P, d): every labelled position
     y = torch.cat([torch.full((len(s),), float(t)) for s, t in zip(states, targets, strict=True)])
-    w = torch.cat([torch.full((len(s),), 1.0 / len(s)) for s in states])  # (P,)
+    weights = [1.0] * len(states) if weights is None else weights
+    w = torch.cat([torch.full((len(s),), v / len(s)) for s, v in zip(states, weights, strict=True)])
     head = VerifierHead(x.shape[1], layer)
     head.mean.copy_(x.mean(0))
     head.scale.copy_(x.std(0).clamp_min(1e-6))
@@ -128,14 +134,16 @@ def fit_verifier(
     val: Sequence[Example],
     layers: Sequence[int],
     fit: HeadFit,
+    weights: Sequence[float] | None = None,
 ) -> tuple[VerifierHead, list[dict[str, Any]]]:
-    """A head for each candidate layer, fit on `train`; (the one with the lowest validation loss,
-    every layer's validation judgement)."""
+    """A head for each candidate layer, fit on `train` (weighted by `weights`, as `fit_head`
+    takes them); (the one with the lowest validation loss, every layer's validation
+    judgement)."""
     train_states = solution_states(model, tokenizer, train, layers)
     val_states = solution_states(model, tokenizer, val, layers)
     heads, table = [], []
     for layer in layers:
-        head = fit_head(train_states[layer], [e.target for e in train], layer, fit)
+        head = fit_head(train_states[layer], [e.target for e in train], layer, fit, weights)
         heads.append(head)
         table.append({"layer": layer, **judge(head, val_states[layer], [e.target for e in val])})
     best = min(range(len(layers)), key=lambda i: table[i]["loss"])
