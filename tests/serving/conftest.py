@@ -136,7 +136,7 @@ def process_served(run_dir: Path, **engine_kwargs):
         compile=False,
         batch_invariant=False,
         generation_config="auto",
-        **engine_kwargs,
+        **({"max_batched_tokens": 512} | engine_kwargs),
     )
     return load_served(args, engine_process=True)
 

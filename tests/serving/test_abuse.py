@@ -239,7 +239,7 @@ def test_a_model_vocabulary_padded_past_the_tokenizer_serves_text(tmp_path, star
     tokenizer = Tokenizer.train_char([TEXT])
     run = _save(tmp_path / "padded", tokenizer, tokenizer.vocab_size + 40, pad_bias=5.0)
     args = Namespace(checkpoint=run, dtype=None, kv_cache_dtype=None, kv_cache_memory="1MiB",
-                     max_queue=8, draft=None, num_speculative_tokens=None,
+                     max_queue=8, max_batched_tokens=512, draft=None, num_speculative_tokens=None,
                      compile=False, batch_invariant=False,
                      generation_config="auto")  # fmt: skip
     served = load_served(args)

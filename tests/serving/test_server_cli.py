@@ -129,3 +129,9 @@ def test_serve_picks_bfloat16_where_the_cpu_has_native_bf16_as_train_does(
     assert serving_dtype("fp32") == "float32" and serving_dtype("bf16") == "bfloat16"
     with pytest.raises(DecoderLMError, match="dtype='int3' must be one of"):
         serving_dtype("int3")
+
+
+@pytest.mark.parametrize("flag", ["--max-queue", "--max-batched-tokens"])
+def test_a_size_below_one_is_a_one_line_error_before_anything_loads(run_dir, capsys, flag):
+    assert main(["serve", "--checkpoint", str(run_dir), flag, "0"]) == 2
+    assert capsys.readouterr().err == f"decoderlm: error: {flag}=0 must be ≥ 1\n"

@@ -335,8 +335,8 @@ def test_requests_that_leave_sampling_out_take_the_models_defaults_unless_vllm(m
     config |= {"temperature": 0.0, "top_k": 0, "top_p": 0.5}
     (path / "generation_config.json").write_text(json.dumps(config))
     args = dict(checkpoint=path, dtype=None, kv_cache_dtype=None, kv_cache_memory="1MiB",
-                max_queue=8, draft=None, num_speculative_tokens=None, compile=False,
-                batch_invariant=False)  # fmt: skip
+                max_queue=8, max_batched_tokens=512, draft=None, num_speculative_tokens=None,
+                compile=False, batch_invariant=False)  # fmt: skip
     for choice, defaults in (("auto", {"temperature": 0.0, "top_p": 0.5}), ("vllm", {})):
         served = load_served(Namespace(**args, generation_config=choice))
         try:

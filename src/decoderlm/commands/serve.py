@@ -84,6 +84,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="requests that may wait for KV room; more are refused with 429 (default 64)",
     )
+    parser.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=512,
+        metavar="N",
+        help="the most tokens one engine step runs: the decoding sequences' first, then chunks "
+        "of waiting prompts (vLLM's --max-num-batched-tokens; default 512)",
+    )
     add_kv_cache_dtype_argument(parser)
     parser.add_argument(
         "--draft",
@@ -180,6 +188,7 @@ def load_served(
     options = {
         "kv_cache_memory": args.kv_cache_memory,
         "max_queue": args.max_queue,
+        "max_batched_tokens": args.max_batched_tokens,
         "kv_cache_dtype": args.kv_cache_dtype,
         "draft": args.draft,
         "num_speculative_tokens": args.num_speculative_tokens,
@@ -218,8 +227,10 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
     args.dtype_chosen = args.dtype == "auto"  # said by `announce_dtype` once every check passed
     args.dtype = serving_dtype(args.dtype)
     parse_bytes(args.kv_cache_memory)
-    if args.max_queue < 1:
-        raise DecoderLMError(f"--max-queue={args.max_queue} must be ≥ 1")
+    for flag, value in (("--max-queue", args.max_queue),
+                        ("--max-batched-tokens", args.max_batched_tokens)):  # fmt: skip
+        if value < 1:
+            raise DecoderLMError(f"{flag}={value} must be ≥ 1")
     if args.draft not in (None, "prompt-lookup") and not Path(args.draft).is_dir():
         raise DecoderLMError(
             f"--draft {args.draft}: no such directory (give a run or Hugging Face directory, "
