@@ -15,6 +15,8 @@ Training adds checkpoints, each a complete run directory plus the trainer's stat
     RUN/checkpoints/step_00000500/{config.json, model.safetensors, tokenizer.json,
                                    trainer_state.json, trainer_state.safetensors}
 
+(and the run's tokenizer_config.json and generation_config.json where it has them).
+
 A checkpoint is written into a hidden temporary directory and renamed into place, so the set of
 files appears all at once or not at all; RUN/model.safetensors is then pointed at the newest one.
 The trainer state's two files are `decoderlm.trainer_state`'s.
@@ -27,7 +29,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -208,7 +210,7 @@ def save_checkpoint(
     weights: dict[str, torch.Tensor],
     trainer_state: dict[str, Any],
     train_config: dict[str, Any] | None = None,
-    tokenizer_file: str | Path | None = None,
+    run_files: Sequence[Path] = (),
     keep_last: int = 2,
     write_beside: Callable[[Path], None] | None = None,
 ) -> Path:
@@ -217,8 +219,10 @@ def save_checkpoint(
 
     `weights`: the model's full state dict (plain names); `trainer_state`: a nested dict of
     JSON values, tensors and numpy arrays (see `save_trainer_state`); its "val_loss" (or None)
-    ranks checkpoints for "best". `write_beside(directory)` writes any other files the
-    checkpoint holds (a LoRA run's adapters).
+    ranks checkpoints for "best". `run_files`: the run's files copied in (its tokenizer.json,
+    tokenizer_config.json, generation_config.json, those it has), so that the checkpoint loads
+    as the run does; `write_beside(directory)` writes any other files the checkpoint holds (a
+    LoRA run's adapters).
     """
     run_dir = Path(run_dir)
     root = run_dir / CHECKPOINTS_DIR
@@ -233,8 +237,8 @@ def save_checkpoint(
         if train_config is not None:
             config_json["train"] = train_config
         (tmp / CONFIG_FILE).write_text(json.dumps(config_json, indent=2) + "\n")
-        if tokenizer_file is not None:
-            shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
+        for file in run_files:
+            shutil.copyfile(file, tmp / Path(file).name)
         save_trainer_state(tmp, trainer_state)
         if write_beside is not None:
             write_beside(tmp)

@@ -265,6 +265,12 @@ def test_run_directory_holds_config_tokenizer_metrics_and_loads(
     assert all(torch.equal(model.state_dict()[k], v) for k, v in latest.items())
 
 
+def test_every_checkpoint_holds_the_runs_tokenizer_and_stop_ids(reference_run: Path) -> None:
+    for saved in checkpoint.list_checkpoints(reference_run):
+        for name in ("tokenizer.json", "generation_config.json"):
+            assert (saved / name).read_bytes() == (reference_run / name).read_bytes(), name
+
+
 def test_starting_over_an_existing_run_is_refused(data_dir: Path, reference_run: Path) -> None:
     with pytest.raises(DecoderLMError, match=r"already holds a run .* pass --resume"):
         train(tiny_model(), tiny_train(), data_dir, reference_run, progress=False)

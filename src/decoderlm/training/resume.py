@@ -33,6 +33,9 @@ from decoderlm.training.model_init import (
 from decoderlm.training.runtime import rng_state, set_rng_state
 from decoderlm.training.train_config import TrainConfig
 
+# the run's files besides its config and weights, copied into every checkpoint as well
+RUN_FILES = (checkpoint.TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, generation_config.FILE)
+
 
 def write_run_files(
     out: Path, model_config: ModelConfig, train_config: TrainConfig, data_dir: Path
@@ -44,7 +47,7 @@ def write_run_files(
     out.mkdir(parents=True, exist_ok=True)
     config = {"model": model_config.to_dict(), "train": train_config.to_dict()}
     write_json(out / checkpoint.CONFIG_FILE, config)
-    for name in (checkpoint.TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, generation_config.FILE):
+    for name in RUN_FILES:
         source = data_dir / name
         if source.is_file():
             atomic_write(out / name, lambda tmp, source=source: shutil.copyfile(source, tmp))
@@ -123,7 +126,7 @@ def save_checkpoint(trainer: Any, val_loss: float | None) -> Path | None:
                 stored_weights(model, model_sd),  # a LoRA run's: merged
                 state,
                 train_config=trainer.cfg.to_dict(),
-                tokenizer_file=out / checkpoint.TOKENIZER_FILE,
+                run_files=[out / name for name in RUN_FILES if (out / name).is_file()],
                 keep_last=trainer.cfg.keep_last,
                 write_beside=lambda d: write_beside_weights(model, d, out, trainer.base),
             )
