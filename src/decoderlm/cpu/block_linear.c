@@ -426,56 +426,6 @@ INLINE void widened_dot(const int kind, const float *x, const int rows, const vo
 #endif
 }
 
-#if ISA == 2 && defined(__AVX512BF16__)
-/* bfloat16 weights by vdpbf16ps, which sums pairs of bfloat16 products (exact in float32) into
- * float32: x comes as three bfloat16 parts, x = p0 + p1 + p2 to float32's precision (8 bits of
- * mantissa each; `split_bf16`; one part when x is bfloat16 itself), so the products keep the error
- * of float32 arithmetic while 32 weights cost one load and three vdpbf16ps a row of x, where
- * widening them costs six µops. */
-#define BF16_DOT 1
-
-INLINE __mmask32 tail32(int64_t left) { return left >= 32 ? 0xffffffffu : left <= 0 ? 0 : (__mmask32)((1u << left) - 1); }
-
-/* out[r] = Σ_k Σ_p parts[p][r][k] w[k] for ROWS rows of x, p < PARTS (parts M·K apart, rows K). */
-INLINE void bf16_dot(const uint16_t *x, int64_t MK, const int parts, const int rows, const uint16_t *w, int64_t K,
-                     float *out) {
-    __m512 acc[3 * MAX_ROWS];
-    for (int r = 0; r < 3 * rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        const __mmask32 m = tail32(K - k);
-        _mm_prefetch((const char *)(w + k) + PREFETCH_BYTES, _MM_HINT_T0);
-        const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(m, w + k);
-        for (int r = 0; r < rows; r++)
-            for (int p = 0; p < parts; p++)
-                acc[3 * r + p] = _mm512_dpbf16_ps(acc[3 * r + p], wv,
-                                                  (__m512bh)_mm512_maskz_loadu_epi16(m, x + p * MK + r * K + k));
-    }
-    for (int r = 0; r < rows; r++)
-        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[3 * r + 2], acc[3 * r + 1]), acc[3 * r]));
-}
-
-/* x (count,) float32 → three bfloat16 parts (count apart), each the remainder's nearest. */
-static void split_bf16(const float *x, int64_t count, uint16_t *parts) {
-    for (int64_t i = 0; i < count; i++) {
-        float left = x[i];
-        for (int p = 0; p < 3; p++) {
-            parts[p * count + i] = float_to_bf16(left);
-            left -= bf16_to_float(parts[p * count + i]);
-        }
-    }
-}
-
-INLINE void bf16_rows(const uint16_t *x, int64_t M, const int parts, int64_t m0, const int rows, const uint16_t *W,
-                      int64_t n, int64_t N, int64_t K, float *y) {
-    float out[MAX_ROWS];
-    bf16_dot(x + m0 * K, M * K, parts, rows, W + n * K, K, out);
-    for (int r = 0; r < rows; r++) y[(m0 + r) * N + n] = out[r];
-}
-
-#else
-#define BF16_DOT 0
-#endif
-
 /* Float weights: y[r][n] = Σ_k x[r][k] W[n][k] for ROWS rows of x (float32), W float16 or bfloat16. */
 INLINE void float_rows(const int type, const float *x, int64_t m0, const int rows, const uint16_t *W,
                        int64_t n, int64_t N, int64_t K, float *y) {
@@ -590,25 +540,8 @@ static void float_kernel(const int type, const float *x, int64_t M, const uint16
     FOR_OUTPUT_ROWS(FLOAT_ROWS)
 }
 
-#if BF16_DOT
-/* y (M, N) float32 = x Wᵀ, W bfloat16; x float32, or bfloat16 (x_bf16). Returns −1 without the
- * memory for the split x, else 0. */
-static int bf16_kernel(const void *x, int x_bf16, int64_t M, const uint16_t *W, int64_t N, int64_t K, float *y) {
-    uint16_t *split = x_bf16 ? NULL : malloc(sizeof(uint16_t) * 3 * M * K);
-    if (!x_bf16 && split == NULL) return -1;
-    if (!x_bf16) split_bf16((const float *)x, M * K, split);
-    const uint16_t *parts = x_bf16 ? (const uint16_t *)x : split;
-    const int count = x_bf16 ? 1 : 3;
-#define BF16_ROWS(m0, rows) bf16_rows(parts, M, count, m0, rows, W, n, N, K, y)
-    FOR_OUTPUT_ROWS(BF16_ROWS)
-    free(split);
-    return 0;
-}
-#endif
-
-/* The instruction set this build's kernels use: 3 AVX-512 VNNI with BF16's dot products, 2 AVX-512
- * VNNI, 1 AVX2, 0 portable C. */
-int FN(block_linear_isa)(void) { return ISA + BF16_DOT; }
+/* The instruction set this build's kernels use: 2 AVX-512 VNNI, 1 AVX2, 0 portable C. */
+int FN(block_linear_isa)(void) { return ISA; }
 
 /* x (M, K) float32, or bfloat16 (x_bf16) widened into `wide` (M · K floats). */
 static const float *widened(const void *x, int x_bf16, int64_t M, int64_t K, float *wide) {
@@ -629,18 +562,6 @@ static void store(const float *out, int y_bf16, int64_t count, void *y) {
 int FN(block_linear)(int type, const void *x, int x_bf16, int64_t M, const uint8_t *W, int64_t N,
                      int64_t K, void *y) {
     const int floats = type == F16 || type == BF16;
-#if BF16_DOT
-    if (type == BF16) {
-        float *out = x_bf16 ? malloc(sizeof(float) * M * N) : y;
-        if (out == NULL || bf16_kernel(x, x_bf16, M, (const uint16_t *)W, N, K, out) != 0) {
-            if (x_bf16) free(out);
-            return -1;
-        }
-        store(out, x_bf16, M * N, y);
-        if (x_bf16) free(out);
-        return 0;
-    }
-#endif
     const size_t acts_bytes = floats ? (x_bf16 ? sizeof(float) * M * K : 0) : ACTS_BYTES(M, K);
     const size_t out_bytes = x_bf16 ? sizeof(float) * M * N : 0;
     char *buffer = malloc(acts_bytes + out_bytes + 1);

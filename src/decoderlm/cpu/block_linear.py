@@ -14,11 +14,8 @@ weights. Measured to choose (2026-12-05, one thread of a loaded 2-core Sapphire 
 1536 × 576 product in cache): two int8 45.9 µs, one int8 45.2 µs, weights dequantized to floats in
 registers and summed by FMA (exact but for the order of the sums) 65.3 µs; on SmolLM2-135M's Q4_1
 file the logits then move by 0.03 from the float reference, llama.cpp's by 1.4
-(benchmarks/gguf_decode.py). BF16 weights on a CPU with AVX512-BF16 are multiplied by vdpbf16ps
-(pairs of bfloat16 products summed in float32), x split into three bfloat16 parts that sum to it
-to float32's precision, so that the products keep float32's error; F16 weights, BF16 elsewhere, and
-decoderlm.quant's Int8Linear and Int4Linear (`int8_linear`, `int4_linear`) are widened to float32
-and summed by FMA.
+(benchmarks/gguf_decode.py). F16 and BF16 weights, and decoderlm.quant's Int8Linear and
+Int4Linear (`int8_linear`, `int4_linear`), are widened to float32 and summed by FMA.
 
 Many rows (a prompt's prefill) go to a GEMM instead, as many rows amortize the dequantization:
 `dequantize` (decoderlm::block_dequantize) writes the weights' floats with the same C code for the
@@ -51,8 +48,7 @@ from decoderlm.cpu import features, native
 TYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 FLOAT_TYPES = ("F16", "BF16")
 VARIANTS = ("portable", "avx2", "native")  # the ops' `variant` argument indexes this
-# what a build's code uses (block_linear_isa_*); the last: AVX-512 VNNI with AVX512-BF16's vdpbf16ps
-ISAS = ("portable C", "AVX2", "AVX-512", "AVX-512 BF16")
+ISAS = ("portable C", "AVX2", "AVX-512")  # what a build's code uses (block_linear_isa_*)
 # Rows of x up to which a product runs on the block kernel; more go to dequantize + GEMM (the
 # kernel unpacks each weight block once per four rows, where a GEMM reuses it across many).
 MAX_ROWS = 16
@@ -128,12 +124,9 @@ def kernel_name(ggml_type: str) -> str:
     if not available():
         return "dequantized by PyTorch, F.linear"
     code = isa(variant())
-    if ggml_type == "BF16" and code == "AVX-512 BF16":
-        return "bfloat16 dot products (x split in three bfloat16), AVX-512 BF16"
-    base = code.removesuffix(" BF16")
     if ggml_type in FLOAT_TYPES:
-        return f"widened to float32, {base}"
-    return f"int8 dot products, {base}{' VNNI' if base == 'AVX-512' else ''}"
+        return f"widened to float32, {code}"
+    return f"int8 dot products, {code}{' VNNI' if code == 'AVX-512' else ''}"
 
 
 def few_rows(x: Tensor) -> bool:

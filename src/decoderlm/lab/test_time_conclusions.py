@@ -15,6 +15,7 @@ PAIRS = (
     ("best-of-N (learned)", "best-of-N (mean log-prob)"),
     ("step-beam (learned)", "best-of-N (learned)"),
     ("MCTS (learned)", "best-of-N (learned)"),
+    ("step-beam (oracle)", "best-of-N (oracle)"),
     ("MCTS (oracle)", "best-of-N (oracle)"),
 )
 
