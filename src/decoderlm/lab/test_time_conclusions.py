@@ -110,9 +110,11 @@ def _verifier_reading(results: dict[str, Any]) -> list[str]:
     return [
         f"Among one problem's samples the learned verifier ranks a correct one above a wrong one "
         f"with probability {v['test_auc_within']:.3f} (AUC within problems, {v['test_auc']:.3f} "
-        "over all samples; 0.5 is a random pick, under which best-of-N stays at one sample's "
-        "accuracy, and below which it falls as N grows); best-of-N with it goes from "
-        f"{low.mean:.1%} at N = {min(ns)} to {high.mean:.1%} at N = {max(ns)}."
+        "over all samples; 0.5 ranks at random); best-of-N with it goes from "
+        f"{low.mean:.1%} at N = {min(ns)} to {high.mean:.1%} at N = {max(ns)}. Identical samples "
+        "score alike, so a verifier near 0.5 picks about uniformly among the distinct texts of "
+        "the N samples: below one sample's accuracy, and falling with N, where the right "
+        "samples repeat one text and the wrong ones differ (benchmarks/verifier_picks.py)."
     ]
 
 

@@ -4,9 +4,11 @@ trained a verifier on the policy's own labelled samples), fit on labelled sample
 problems, judged on held-out problems and then on the study's pooled test samples; and the
 report's section on it.
 
-AUC (the chance that a correct sample outscores a wrong one) is what best-of-N reads: at 0.5 the
-verifier picks at random and best-of-N stays at the accuracy of one sample; below it, best-of-N
-falls as N grows, since it picks the sample the verifier likes most.
+AUC within problems (the chance that a problem's correct sample outscores its wrong one) is what
+best-of-N reads. At 0.5 the verifier ranks at random, and since identical samples score alike it
+picks about uniformly among the N samples' distinct texts, not among the samples: where the
+right samples repeat one text and the wrong ones differ, that is below one sample's accuracy and
+falls as N grows (benchmarks/verifier_picks.py).
 """
 
 from __future__ import annotations
