@@ -1,8 +1,8 @@
 """Can the learned verifier learn a check at this scale? A probe of `decoderlm.search.verifier`.
 
-The test-time study's learned verifier (the policy's network with a scalar head, trained on the
-policy's own samples) did not beat the base rate. This separates "the samples carry too little
-signal" from "the verifier cannot learn the check": it trains the verifier, with the project's
+`decoderlm verifier` (the policy's network with a scalar head, trained on the policy's own
+samples) does not beat the base rate on the test-time study's arithmetic. This separates "the
+samples carry too little signal" from "the verifier cannot learn the check": it trains it, with the project's
 trainer, on clean synthetic labels from a policy that solves every problem, in two cases:
 
 - corrupted answer: each problem's worked solution (label 1) and the same solution with one
