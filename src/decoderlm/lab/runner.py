@@ -70,6 +70,7 @@ def run_study(
 ) -> dict[str, Any]:
     """Train and measure every run of `spec` not already finished in `out`; write results.json."""
     start = time.perf_counter()
+    ran_at = environment()  # the commit whose code runs, not the one checked out at the end
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     prepared = _data(out, data_dir, inputs, progress)
@@ -112,7 +113,7 @@ def run_study(
         "description": spec.description,
         "spec": dataclasses.asdict(spec),
         "command": command or "decoderlm.lab.runner.run_study (from Python)",
-        "environment": environment(),
+        "environment": ran_at,
         "data": {
             "source": data_source(meta, default=data_dir is None and not inputs),
             **{k: meta[k] for k in ("vocab_size", "train_tokens")},

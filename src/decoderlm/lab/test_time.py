@@ -145,6 +145,7 @@ def run_study(
 ) -> dict[str, Any]:
     """Train the policy (unless OUT holds it) and fit the verifier, search, write results.json."""
     start = time.perf_counter()
+    ran_at = environment()  # the commit whose code runs, not the one checked out at the end
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     task = get_task(spec.task)
@@ -182,7 +183,7 @@ def run_study(
         ),
         "spec": dataclasses.asdict(spec),
         "command": command or " ".join(sys.argv),
-        "environment": environment(),
+        "environment": ran_at,
         "policy": policy,
         "verifier": {**verifier_info, **classifier(judged)},
         "problems": len(problems),

@@ -119,6 +119,7 @@ def run_study(
 ) -> dict[str, Any]:
     """Every stage; writes OUT/results.json and returns its content."""
     start = time.perf_counter()
+    ran_at = environment()  # the commit whose code runs, not the one checked out at the end
     torch.set_num_threads(spec.threads)
     model, tokenizer = decoderlm.load(spec.model)
     model = dequantized(model, spec.dtype)
@@ -148,7 +149,7 @@ def run_study(
         "command": command or f"{__name__}.run_study (from Python)",
         "model": Path(spec.model).name,  # a name, or a file's name: no machine paths
         "parameters": model.num_params(),
-        "environment": {**environment(), **versions(spec.model)},
+        "environment": {**ran_at, **versions(spec.model)},
         "screen": screen,
         "verifier": {**verifier_info, **classifier(judged)},
         "problems": len(problems),
