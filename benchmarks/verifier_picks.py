@@ -37,7 +37,7 @@ def main() -> None:
     policy = json.loads((args.study / "policy" / test_time.DONE_FILE).read_text())
     engine = load_engine(str(test_time.policy_dir(args.study, policy)))
     task = get_task(spec.task)
-    verifier, _ = test_time._verifier(spec, task, EngineLM(engine, seed=0), progress=False)
+    verifier, _ = test_time.fit_study_verifier(spec, task, EngineLM(engine, seed=0), False)
     problems = task.problems(args.problems, spec.difficulty, seed=0, split="test")
     pools = EngineLM(engine, seed=0).sample(
         [p.prompt for p in problems], max(spec.ns), spec.max_tokens, SOLUTION_END, spec.temperature

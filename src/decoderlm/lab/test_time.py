@@ -69,7 +69,7 @@ from decoderlm.training.train_config import TrainConfig
 from decoderlm.training.trainer import train
 
 STUDY = "test-time-compute"
-STEP_BEAM_SHARE = 8  # step-level beam width = N / 8 (at least 1): its rounds fit N × max_tokens
+STEP_BEAM_SHARE = 8  # step-level beam width = N / 8 (at least 1): its rounds fit the pool's tokens
 DONE_FILE = "lab.json"  # in OUT/policy: the finished training's summary
 POOLED = ("self-consistency", "best-of-N (mean log-prob)", "best-of-N (learned)")
 POOLED += ("best-of-N (oracle)", "pass@N")
@@ -152,7 +152,7 @@ def run_study(
     policy = _policy(spec, task, out, progress)
     engine = load_engine(str(policy_dir(out, policy)))
     fitting = time.perf_counter()
-    verifier, verifier_info = _verifier(spec, task, EngineLM(engine, seed=0), progress)
+    verifier, verifier_info = fit_study_verifier(spec, task, EngineLM(engine, seed=0), progress)
     verifier_info["wall_s"] = time.perf_counter() - fitting
     problems = task.problems(spec.problems, spec.difficulty, seed=0, split="test")
     runs, judged, searches = [], [], []
@@ -262,7 +262,7 @@ def policy_dir(out: Path, policy: dict[str, Any]) -> Path:
     return out / "policy" / policy["chosen"]["dir"]
 
 
-def _verifier(
+def fit_study_verifier(
     spec: TestTimeSpec, task: Task, lm: EngineLM, progress: bool
 ) -> tuple[HeadVerifier, dict[str, Any]]:
     """The head verifier fit on the policy's labelled samples of train-split problems."""

@@ -22,7 +22,7 @@ from decoderlm.model.lm import DecoderLM
 from decoderlm.search.head_verifier import HeadVerifier, trunk
 from decoderlm.search.verifier import Example
 from decoderlm.tokenizer import Tokenizer
-from decoderlm.training.head_verifier import HeadFit, auc, fit_verifier
+from decoderlm.training.head_verifier import HeadFit, auc, fit_verifier, ranked_pairs
 
 VAL_SHARE = 10  # every 10th problem's samples validate the head
 
@@ -81,11 +81,8 @@ def classifier(pools: Sequence[Sequence[tuple[float, bool]]]) -> dict[str, Any]:
     if not judged:
         return {}
     right = sum((v > 0.5) == c for v, c in judged)
-    pairs = wins = 0.0
-    for pool in pools:
-        for good in (v for v, c in pool if c):
-            for bad in (v for v, c in pool if not c):
-                pairs, wins = pairs + 1, wins + (good > bad) + 0.5 * (good == bad)
+    counted = [ranked_pairs([v for v, _ in pool], [c for _, c in pool]) for pool in pools]
+    wins, pairs = sum(w for w, _ in counted), sum(n for _, n in counted)
     return {"test_samples": len(judged), "test_auc": auc([v for v, _ in judged],
             [c for _, c in judged]), "test_auc_within": wins / pairs if pairs else None,
             "test_accuracy": right / len(judged),

@@ -116,15 +116,19 @@ def judge(head: VerifierHead, states: Sequence[Tensor], targets: Sequence[float]
     }
 
 
+def ranked_pairs(scores: Sequence[float], labels: Sequence[bool]) -> tuple[float, int]:
+    """(positive-negative pairs the positive wins, ties counting one half; all such pairs)."""
+    positives = [s for s, y in zip(scores, labels, strict=True) if y]
+    negatives = [s for s, y in zip(scores, labels, strict=True) if not y]
+    wins = sum((p > n) + 0.5 * (p == n) for p in positives for n in negatives)
+    return wins, len(positives) * len(negatives)
+
+
 def auc(scores: Sequence[float], labels: Sequence[bool]) -> float | None:
     """The area under the ROC curve: the chance that a random positive outscores a random
     negative, ties counting one half (Mann-Whitney U / (n₊·n₋)); None without both classes."""
-    positives = [s for s, y in zip(scores, labels, strict=True) if y]
-    negatives = [s for s, y in zip(scores, labels, strict=True) if not y]
-    if not positives or not negatives:
-        return None
-    wins = sum((p > n) + 0.5 * (p == n) for p in positives for n in negatives)
-    return wins / (len(positives) * len(negatives))
+    wins, pairs = ranked_pairs(scores, labels)
+    return wins / pairs if pairs else None
 
 
 def fit_verifier(
