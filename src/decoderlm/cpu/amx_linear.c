@@ -9,9 +9,17 @@
  * configured for the rest. The block of W is read from memory by the first 16 rows and from the
  * cache by the others. Sums in float32, rounded to bfloat16 once, as oneDNN's bf16 GEMM does.
  * Needs K % 32 == 0 (the caller checks). Parallel over blocks of outputs with OpenMP.
+ *
+ * From WIDE rows on (a prefill chunk), where the products, not the weights' bytes, bound the time,
+ * each step of K multiplies two tiles of rows by two blocks of outputs: four products for four
+ * tile loads, where one tile of rows by one block takes two loads per product (the 2 × 2 register
+ * blocking of a GEMM). The rows past the last multiple of 16 are copied into a tile of zeros.
+ * Either way each output is summed by the same TDPBF16PS steps in the same order, so the two give
+ * the same bits, whatever the rows (`decoderlm.cpu.invariant` relies on it).
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -19,6 +27,7 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: let this process use the AMX tile data state */
 #define XFEATURE_XTILEDATA 18
 #define PREFETCH_BYTES 6144 /* not a multiple of 4 KiB: see gemv.c */
+#define WIDE 32 /* rows from which two tiles of rows share each load of W */
 
 int amx_request(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
 
@@ -45,8 +54,81 @@ static inline void store_rows(const float *c, int64_t rows, uint16_t *y, int64_t
         _mm256_mask_storeu_epi16(y + m * N, valid, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c + m * 16)));
 }
 
+/* C (tiles 0-3) of rows 16·g .. and 16·(g + 1) .. (`x0`, `x1`: 16 rows each, K apart) against
+ * output blocks j and j + 1 (`w0`, `w1`); with one of the pair missing (x1 or w1 NULL), the
+ * products it would take are skipped. A in tiles 4, 5; B in 6, 7. */
+static void tiles_2x2(const uint16_t *x0, const uint16_t *x1, const uint16_t *w0, const uint16_t *w1, int64_t K) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+        _tile_loadd(4, x0 + k0, K * 2);
+        _tile_loadd(6, w0 + k0 * 16, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (w1) {
+            _tile_loadd(7, w1 + k0 * 16, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (x1) {
+            _tile_loadd(5, x1 + k0, K * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            if (w1) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
+/* The wide path: x (M, K) with M ≥ WIDE; its last M mod 16 rows read from `tail` (16 × K, zeros
+ * after them). */
+static void wide(const uint16_t *x, const uint16_t *tail, const uint16_t *w, uint16_t *y, int64_t M,
+                 int64_t N, int64_t K) {
+    const int64_t blocks = (N + 15) / 16, groups = (M + 15) / 16;
+#pragma omp parallel
+    {
+        struct tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; t++) cfg.bytes_per_row[t] = 64, cfg.rows[t] = 16;
+        _tile_loadconfig(&cfg);
+        float c[16 * 16];
+#pragma omp for schedule(static)
+        for (int64_t jj = 0; jj < (blocks + 1) / 2; jj++) {
+            const int64_t j = 2 * jj, pair = j + 1 < blocks;
+            for (int64_t g = 0; g < groups; g += 2) {
+                const uint16_t *x0 = 16 * (g + 1) <= M ? x + g * 16 * K : tail, *x1 = NULL;
+                if (g + 1 < groups) x1 = 16 * (g + 2) <= M ? x + (g + 1) * 16 * K : tail;
+                tiles_2x2(x0, x1, w + j * 16 * K, pair ? w + (j + 1) * 16 * K : NULL, K);
+                for (int t = 0; t < 4; t++) {
+                    const int64_t row = (g + t / 2) * 16, out = (j + t % 2) * 16;
+                    if (row >= M || out >= N) continue;
+                    const int64_t rows = M - row < 16 ? M - row : 16, n_valid = N - out;
+                    const __mmask16 valid = n_valid >= 16 ? 0xFFFF : (__mmask16)((1u << n_valid) - 1);
+                    switch (t) { /* the tile number must be a constant */
+                    case 0: _tile_stored(0, c, 64); break;
+                    case 1: _tile_stored(1, c, 64); break;
+                    case 2: _tile_stored(2, c, 64); break;
+                    default: _tile_stored(3, c, 64);
+                    }
+                    store_rows(c, rows, y + row * N + out, N, valid);
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+
 /* x (M, K), w blocked as above, y (M, N); all contiguous bfloat16. */
 void amx_linear_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K) {
+    if (M >= WIDE) {
+        const int64_t rest = M % 16;
+        uint16_t *tail = rest ? calloc((size_t)(16 * K), sizeof(uint16_t)) : NULL;
+        if (!rest || tail) {
+            if (tail) memcpy(tail, x + (M - rest) * K, (size_t)(rest * K) * sizeof(uint16_t));
+            wide(x, tail, w, y, M, N, K);
+            free(tail);
+            return;
+        }
+    }
     const int64_t blocks = (N + 15) / 16, full = M / 16, rest = M % 16;
 #pragma omp parallel
     {

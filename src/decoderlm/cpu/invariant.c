@@ -17,80 +17,13 @@
  * computed by one thread, whole.
  */
 #pragma GCC optimize("no-fast-math", "fp-contract=off")
-#include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
-#include <string.h>
+
+#include "vec.h"
 
 #define ROWS 4 /* rows of x per tile */
 #define OUTS 4 /* outputs (rows of W) per tile */
 #define BLOCK 64 /* outputs per unit of parallel work */
-
-#if defined(__AVX512F__)
-#define LANES 16
-typedef __m512 vec;
-static inline vec vzero(void) { return _mm512_setzero_ps(); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline float vsum(vec v) { /* fixed tree: halves, then halves */
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
-    return _mm_cvtss_f32(q);
-}
-static inline vec load_f32(const float *p, int64_t n) { /* n ≤ LANES values, zeros after */
-    return n >= LANES ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
-}
-static inline vec load_bf16(const uint16_t *p, int64_t n) {
-    __m256i h = n >= LANES ? _mm256_loadu_si256((const __m256i *)p)
-                           : _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-#define LANES 8
-typedef __m256 vec;
-static inline vec vzero(void) { return _mm256_setzero_ps(); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float vsum(vec v) {
-    __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
-    return _mm_cvtss_f32(q);
-}
-static inline vec load_f32(const float *p, int64_t n) {
-    if (n >= LANES) return _mm256_loadu_ps(p);
-    float t[LANES] = {0};
-    memcpy(t, p, (size_t)n * sizeof(float));
-    return _mm256_loadu_ps(t);
-}
-static inline vec load_bf16(const uint16_t *p, int64_t n) {
-    uint16_t t[LANES] = {0};
-    memcpy(t, p, (size_t)(n >= LANES ? LANES : n) * sizeof(uint16_t));
-    __m128i h = _mm_loadu_si128((const __m128i *)t);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-#else
-#define LANES 1
-typedef float vec;
-static inline vec vzero(void) { return 0.0f; }
-static inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
-static inline float vsum(vec v) { return v; }
-static inline vec load_f32(const float *p, int64_t n) { (void)n; return *p; }
-static inline vec load_bf16(const uint16_t *p, int64_t n) {
-    (void)n;
-    uint32_t bits = (uint32_t)*p << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-#endif
-
-static inline uint16_t round_bf16(float f) { /* to nearest even; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* One tile: rows 0 .. rm − 1 of x against outputs (rows of w) 0 .. rn − 1 (rm ≤ ROWS, rn ≤ OUTS),
  * the sums into out (ROWS × OUTS). FULL is the same code with rm = ROWS and rn = OUTS known to the
@@ -139,34 +72,10 @@ void invariant_linear(const void *x, const void *w, void *y, int64_t M, int64_t 
                 for (int64_t r = 0; r < rm; r++)
                     for (int64_t c = 0; c < rn; c++) {
                         const float v = out[r * OUTS + c];
-                        if (bf16) ((uint16_t *)y)[(m + r) * N + n + c] = round_bf16(v);
+                        if (bf16) ((uint16_t *)y)[(m + r) * N + n + c] = to_bf16(v);
                         else ((float *)y)[(m + r) * N + n + c] = v;
                     }
             }
         }
-    }
-}
-
-/* invariant_silu_mul: y = silu(g) ⊙ u = g / (1 + e^−g) ⊙ u, element by element with the C
- * library's expf. A vectorised elementwise loop computes its last few elements by a scalar path
- * whose exp rounds differently from the vector one, so which elements those are (where a row
- * falls in the batch) would change their bits; here every element takes the same scalar path
- * (not vectorised), in float32, the bfloat16 result rounded once. Parallel over elements. */
-__attribute__((optimize("no-tree-vectorize"))) void invariant_silu_mul(
-    const void *g, const void *u, void *y, int64_t n, int bf16) {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        float gi, ui;
-        if (bf16) {
-            uint32_t gb = (uint32_t)((const uint16_t *)g)[i] << 16, ub = (uint32_t)((const uint16_t *)u)[i] << 16;
-            memcpy(&gi, &gb, sizeof gi);
-            memcpy(&ui, &ub, sizeof ui);
-        } else {
-            gi = ((const float *)g)[i];
-            ui = ((const float *)u)[i];
-        }
-        const float v = gi / (1.0f + expf(-gi)) * ui;
-        if (bf16) ((uint16_t *)y)[i] = round_bf16(v);
-        else ((float *)y)[i] = v;
     }
 }

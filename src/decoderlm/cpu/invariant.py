@@ -13,7 +13,8 @@ among others.
   never by the shape). On a CPU with AMX, bfloat16 weights whose inputs are a multiple of 32 use
   the tile kernel of `decoderlm.cpu.amx_linear`, which sums each output 32 inputs at a time in
   order, whatever the rows.
-- `InvariantSwiGLU`: the SwiGLU MLP with silu(g) ⊙ u computed element by element on one path.
+- `InvariantSwiGLU`: the SwiGLU MLP with silu(g) ⊙ u by `decoderlm.cpu.fused.silu_mul`, whose
+  every element goes through the same vector instructions, the last of a row masked.
 
 RMSNorm needs no swap: its per-row mean and its float32 rsqrt are the same whatever the rows (the
 elementwise rsqrt rounds alike on the vector and scalar paths; `tests/serving/test_batch_invariant.py`
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from decoderlm.cpu import amx_linear, native
+from decoderlm.cpu import amx_linear, fused, native
 from decoderlm.model.layers import MLP
 
 SOURCE = Path(__file__).with_name("invariant.c")
@@ -41,17 +42,16 @@ DTYPES = (torch.float32, torch.bfloat16)
 def _library() -> ctypes.CDLL | None:
     library = native.load([SOURCE], "batch-invariant kernels are unavailable", ctypes.CDLL)
     if library is not None:
-        library.invariant_linear.restype = library.invariant_silu_mul.restype = None
+        library.invariant_linear.restype = None
         library.invariant_linear.argtypes = (
             [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         )
-        library.invariant_silu_mul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int]
     return library
 
 
 def available() -> bool:
     """Whether the kernels build here (a C compiler)."""
-    return _library() is not None
+    return _library() is not None and fused.available()
 
 
 def _check(x: Tensor, other: Tensor, what: str) -> None:
@@ -72,16 +72,6 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
         bf16 = int(x.dtype == torch.bfloat16)
         _library().invariant_linear(rows.data_ptr(), weight.data_ptr(), y.data_ptr(), rows.shape[0], n, k, bf16)  # fmt: skip
     return y.view(*x.shape[:-1], n)
-
-
-def silu_mul(g: Tensor, u: Tensor) -> Tensor:
-    """silu(g) ⊙ u = g / (1 + e^−g) ⊙ u, g and u of one shape, float32 or bfloat16."""
-    _check(g, u, "silu_mul")
-    g, u = g.contiguous(), u.contiguous()
-    y = torch.empty_like(g)
-    bf16 = int(g.dtype == torch.bfloat16)
-    _library().invariant_silu_mul(g.data_ptr(), u.data_ptr(), y.data_ptr(), g.numel(), bf16)
-    return y
 
 
 class InvariantLinear(nn.Module):
@@ -111,7 +101,7 @@ class InvariantSwiGLU(nn.Module):
         self.gate, self.up, self.down = (InvariantLinear(m) for m in (mlp.gate, mlp.up, mlp.down))
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, d_model) → (B, T, d_model)
-        return self.down(silu_mul(self.gate(x), self.up(x)))
+        return self.down(fused.silu_mul(self.gate(x), self.up(x)))
 
 
 Swap = list[tuple[nn.Module, str, nn.Module, nn.Module]]  # (parent, name, plain, invariant)
@@ -119,7 +109,7 @@ Swap = list[tuple[nn.Module, str, nn.Module, nn.Module]]  # (parent, name, plain
 
 def invariant_modules(model: nn.Module) -> Swap:
     """The swap that makes `model` batch-invariant: each SwiGLU MLP, and every other plain
-    nn.Linear; ValueError naming a module it has no invariant form of (a GELU MLP, whose erf and
+    nn.Linear (RMSNorm and RoPE as `decoderlm.cpu.fused` computes them are invariant already); ValueError naming a module it has no invariant form of (a GELU MLP, whose erf and
     tanh round differently on the vector and scalar paths; a quantized linear)."""
     swap: Swap = []
     for parent in model.modules():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -72,11 +73,18 @@ def _compile_command(build: Build) -> list[str]:
     return [_compiler(cpp=False), *COMPILE, *features.cap_compile_flags(), *build.flags]
 
 
+def _local_headers(source: Path) -> list[Path]:
+    """The headers beside `source` that it includes (`#include "vec.h"`)."""
+    names = re.findall(rb'^#include "([^"]+)"', source.read_bytes(), flags=re.MULTILINE)
+    return [source.with_name(name.decode()) for name in names]
+
+
 def library_path(sources: Sequence[Source]) -> Path:
     """Where the build of `sources` (named after the first), with these flags, for this CPU and
-    this torch, lives in the cache."""
+    this torch, lives in the cache; the headers they include count as their text."""
     builds = [_build_of(s) for s in sources]
     parts = [b.source.read_bytes() + " ".join(b.flags).encode() for b in builds]
+    parts += [h.read_bytes() for b in builds for h in _local_headers(b.source)]
     flags = [*COMPILE, *CXX_COMPILE, *LINK, *features.cap_compile_flags()]
     parts += [" ".join(flags).encode(), features.cpu_identity().encode()]
     parts += [torch.__version__.encode()]

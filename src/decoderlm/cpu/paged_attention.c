@@ -18,26 +18,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+
+#include "vec.h"
 
 static inline float from_f32(float x) { return x; }
 static inline float to_f32(float x) { return x; }
-
-static inline float from_bf16(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16; /* bfloat16 is the top half of a float32 */
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7FFF + ((bits >> 16) & 1);
-    return (uint16_t)(bits >> 16);
-}
 
 #define MAX_D 512 /* the largest head_dim */
 

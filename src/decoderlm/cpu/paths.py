@@ -9,6 +9,7 @@ Each path is one mechanism of `decoderlm.cpu`, applied from outside the model:
 | `linear_kernels` | F.linear by shape: gemv kernels, oneDNN (`CPULinearKernels`) | ✓ | | |
 | `in_place_attention` | decode attention read where the keys lie (`paged_attention`) | ✓ | ✓ | |
 | `packed_linears` | linear weights packed for oneDNN / AMX tiles (`PackedLinear`) | | ✓ | |
+| `fused_ops` | RMSNorm, RoPE and SwiGLU's gate in one pass each (`fused.FusedOps`) | | ✓ | |
 | `keep_freed_memory` | glibc keeps freed pages for reuse (`heap`) | | ✓ | ✓ |
 
 The engine leaves out the paths generate uses inside the model (they made its batched steps slower,
@@ -41,6 +42,7 @@ from torch import nn
 
 from decoderlm.cpu import heap, optimize, optimized
 from decoderlm.cpu.decode import CPULinearKernels
+from decoderlm.cpu.fused import FusedOps
 from decoderlm.cpu.packed_linear import pack_linears, swapped
 from decoderlm.errors import DecoderLMError
 
@@ -54,6 +56,7 @@ class SpeedPaths:
     linear_kernels: bool = False
     in_place_attention: bool = False
     packed_linears: bool = False
+    fused_ops: bool = False
     keep_freed_memory: bool = False
 
     @classmethod
@@ -68,8 +71,11 @@ class SpeedPaths:
 
     @classmethod
     def for_engine(cls, enabled: bool = True) -> SpeedPaths:
-        """The serving engine's batched steps: in-place decode attention, packed linears, heap."""
-        on = dict(in_place_attention=True, packed_linears=True, keep_freed_memory=True)
+        """The serving engine's batched steps: in-place decode attention, packed linears, the
+        fused elementwise kernels, the heap."""
+        on = dict(
+            in_place_attention=True, packed_linears=True, fused_ops=True, keep_freed_memory=True
+        )
         return cls(**on) if enabled else cls()
 
     @classmethod
@@ -133,6 +139,7 @@ class AppliedPaths:
         if self.paths.keep_freed_memory:
             heap.keep_freed_memory()  # process-wide; glibc's thresholds stay raised
         self._packed = pack_linears(model) if self.paths.packed_linears else []
+        self._fused = FusedOps(model) if self.paths.fused_ops else nullcontext()
         self._open: list[
             AbstractContextManager[None]
         ] = []  # the `with` blocks entered, innermost last
@@ -154,5 +161,5 @@ class AppliedPaths:
             if paths.embedding or paths.attention
             else nullcontext()
         )
-        with inner, swapped(self._packed):
+        with inner, swapped(self._packed), self._fused:
             yield

@@ -148,6 +148,8 @@ class CausalSelfAttention(nn.Module):
         self.softmax_scale = self.head_dim**-0.5 if self.scale is None else self.scale  # its value
         # The attention function, `attend` or one with its signature (decoderlm.cpu.optimize).
         self.attend: Callable[..., tuple[Tensor, Tensor | None]] = attend
+        # R_m x, `apply_rope` or one with its signature (decoderlm.cpu.fused).
+        self.apply_rope: Callable[[Tensor, Tensor, Tensor], Tensor] = apply_rope
         self.dropout_p = config.dropout
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.gated = config.attn_output_gate
@@ -186,7 +188,7 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, hd), (B, Hkv, T, hd)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = self.apply_rope(q, *rope), self.apply_rope(k, *rope)
         out, weights = None, None  # (B, H, T, hd) once attended
         if kv_cache is not None and not need_weights:
             out = kv_cache.attend_in_place(q, k, v, self.softmax_scale)  # None: not handled
