@@ -87,10 +87,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-batched-tokens",
         type=int,
-        default=512,
+        default=2048,
         metavar="N",
         help="the most tokens one engine step runs: the decoding sequences' first, then chunks "
-        "of waiting prompts (vLLM's --max-num-batched-tokens; default 512)",
+        "of waiting prompts (vLLM's --max-num-batched-tokens; default 2048, as vLLM's on the CPU)",
     )
     add_kv_cache_dtype_argument(parser)
     parser.add_argument(
