@@ -20,7 +20,9 @@ needs_amx = pytest.mark.skipif(
 @needs_amx
 @pytest.mark.parametrize("n, k", [(1376, 512), (37, 64), (16, 32), (5, 96)])
 # one row, a partial tile, one, one and a row; then the wide path (two tiles of rows per step)
-@pytest.mark.parametrize("m", [1, 5, 16, 17, 32, 40, 100])
+@pytest.mark.parametrize(
+    "m", [1, 5, 16, 17, 32, 40, 100, 300]
+)  # 300: the wide path's 256-row chunks
 def test_tile_product_is_as_close_to_float64_as_f_linear(m, n, k):
     g = torch.Generator().manual_seed(n + m)
     w = torch.randn(n, k, generator=g).bfloat16()
@@ -35,15 +37,22 @@ def test_tile_product_is_as_close_to_float64_as_f_linear(m, n, k):
 
 @needs_amx
 @pytest.mark.parametrize("n", [48, 40])  # an even and an odd number of blocks of 16 outputs
-def test_a_row_gets_the_same_bits_alone_or_among_a_hundred(n):
-    """The wide path (≥ 32 rows) sums each output by the same tile products as the path for a few
-    rows: batch-invariant."""
+def test_a_row_gets_the_same_bits_alone_or_among_three_hundred(n):
+    """The wide path (≥ 32 rows, 256 at a time) sums each output by the same tile products as the
+    path for a few rows: batch-invariant."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(n, 96, generator=g).bfloat16()
-    x = torch.randn(100, 96, generator=g).bfloat16()
+    x = torch.randn(300, 96, generator=g).bfloat16()
     packed = amx_linear.pack(w)
     whole = amx_linear.linear(x, packed, n)
-    for rows in (slice(0, 1), slice(37, 38), slice(99, 100), slice(10, 25), slice(50, 97)):
+    for rows in (
+        slice(0, 1),
+        slice(37, 38),
+        slice(299, 300),
+        slice(10, 25),
+        slice(50, 97),
+        slice(200, 290),
+    ):
         assert torch.equal(amx_linear.linear(x[rows], packed, n), whole[rows])
 
 

@@ -625,7 +625,7 @@ def test_under_64_decoding_streams_new_requests_share_the_step_budget_and_start_
         engine.submit(prompt, params, on_event=events.append)
     for step in range(1, 7):
         passes = engine.core.schedule()
-        assert sum(len(p.seqs) * p.n for p in passes) <= 96
+        assert sum(sum(p.sizes) for p in passes) <= 96
         with engine.runner.running():
             logits = engine.core.run(passes)
         for request, event in engine.core.outputs(passes, logits):

@@ -13,7 +13,8 @@
  * From WIDE rows on (a prefill chunk), where the products, not the weights' bytes, bound the time,
  * each step of K multiplies two tiles of rows by two blocks of outputs: four products for four
  * tile loads, where one tile of rows by one block takes two loads per product (the 2 × 2 register
- * blocking of a GEMM). The rows past the last multiple of 16 are copied into a tile of zeros.
+ * blocking of a GEMM), 256 rows at a time, which stay in the cache while the weights stream past
+ * them. The rows past the last multiple of 16 are copied into a tile of zeros.
  * Either way each output is summed by the same TDPBF16PS steps in the same order, so the two give
  * the same bits, whatever the rows (`decoderlm.cpu.invariant` relies on it).
  */
@@ -28,6 +29,7 @@
 #define XFEATURE_XTILEDATA 18
 #define PREFETCH_BYTES 6144 /* not a multiple of 4 KiB: see gemv.c */
 #define WIDE 32 /* rows from which two tiles of rows share each load of W */
+#define CHUNK_GROUPS 16 /* the wide path takes 256 rows of x at a time, which stay in the cache */
 
 int amx_request(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
 
@@ -91,10 +93,12 @@ static void wide(const uint16_t *x, const uint16_t *tail, const uint16_t *w, uin
         for (int t = 0; t < 8; t++) cfg.bytes_per_row[t] = 64, cfg.rows[t] = 16;
         _tile_loadconfig(&cfg);
         float c[16 * 16];
+        for (int64_t g0 = 0; g0 < groups; g0 += CHUNK_GROUPS)
 #pragma omp for schedule(static)
         for (int64_t jj = 0; jj < (blocks + 1) / 2; jj++) {
             const int64_t j = 2 * jj, pair = j + 1 < blocks;
-            for (int64_t g = 0; g < groups; g += 2) {
+            const int64_t g_end = g0 + CHUNK_GROUPS < groups ? g0 + CHUNK_GROUPS : groups;
+            for (int64_t g = g0; g < g_end; g += 2) {
                 const uint16_t *x0 = 16 * (g + 1) <= M ? x + g * 16 * K : tail, *x1 = NULL;
                 if (g + 1 < groups) x1 = 16 * (g + 2) <= M ? x + (g + 1) * 16 * K : tail;
                 tiles_2x2(x0, x1, w + j * 16 * K, pair ? w + (j + 1) * 16 * K : NULL, K);

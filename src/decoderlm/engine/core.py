@@ -3,8 +3,8 @@ output.
 
 - `schedule` (under the engine's lock): the `Scheduler`'s plan becomes this step's typed passes
   (`passes`): a `DecodePass` of the decoding sequences, or a `VerifyPass` when some of them
-  speculate (their proposer's room made in their blocks), and one `PrefillPass` per group of
-  prefill chunks of the same start and length.
+  speculate (their proposer's room made in their blocks), and a `PrefillPass` of the prefill
+  chunks (with recurrent states, one per start and length: their rows run uniform only).
 - `run` (outside the lock, inside `runner.running()`): a `VerifyPass` first gets its proposals
   (`proposers.Proposer.propose`: where a token is proposed), then every pass runs through the one
   `ModelRunner.forward` (where a token is verified: the target's logits at each draft).
@@ -154,7 +154,7 @@ class EngineCore:
     # Schedule → run → sample → output.
 
     def schedule(self) -> list[Pass]:
-        """This step's passes: the decoding sequences', then each group of prefill chunks."""
+        """This step's passes: the decoding sequences', then the prefill chunks'."""
         plan = self.scheduler.schedule()
         counters = self.counters
         counters.max_running = max(counters.max_running, len(self.scheduler.running))
@@ -164,10 +164,14 @@ class EngineCore:
             passes.append(VerifyPass(plan.decode, room))
         elif plan.decode:
             passes.append(DecodePass(plan.decode))
-        chunks: dict[tuple[int, int], list[Sequence]] = {}  # one pass per (start, n): same shapes
-        for seq, n in plan.prefill:
+        if not plan.prefill:
+            return passes
+        if self.runner.states is None:  # every chunk in one pass: the weights read once
+            return [*passes, PrefillPass(*map(list, zip(*plan.prefill, strict=True)))]
+        chunks: dict[tuple[int, int], list[Sequence]] = {}  # recurrent states: one pass per
+        for seq, n in plan.prefill:  # (start, n), of uniform rows
             chunks.setdefault((seq.n_computed, n), []).append(seq)
-        return passes + [PrefillPass(seqs, n) for (_, n), seqs in chunks.items()]
+        return passes + [PrefillPass(seqs, [n] * len(seqs)) for (_, n), seqs in chunks.items()]
 
     def _room(self, seq: Sequence) -> int:
         """How many drafts decoding `seq` may take this step: what its schedule asks for, what
@@ -205,20 +209,20 @@ class EngineCore:
             elif isinstance(p, VerifyPass):
                 events += self._verify_events(p, pass_logits)
             else:
-                events += self._sampled(p.seqs, p.n, pass_logits)
+                events += self._sampled(p.seqs, p.sizes, pass_logits)
         self.counters.mark()
         return events
 
     def _sampled(
-        self, seqs: list[Sequence], n: int, logits: Tensor
+        self, seqs: list[Sequence], sizes: list[int], logits: Tensor
     ) -> list[tuple[Request, TokenEvent]]:
-        """The events of a pass that ran n tokens of each of `seqs`, logits (B, V) of their last:
-        a sequence at its last token samples its next."""
-        ready = [seq in self.live and seq.n_pending == n for seq in seqs]
+        """The events of a pass that ran sizes[i] tokens of seqs[i], logits (B, V) of their
+        last: a sequence at its last token samples its next."""
+        ready = [s in self.live and s.n_pending == n for s, n in zip(seqs, sizes, strict=True)]
         states = [self.live[s].sampling if r else None for s, r in zip(seqs, ready, strict=True)]
         events = []
-        for seq, is_ready, sampled in zip(
-            seqs, ready, sample(logits, states, self.decodable), strict=True
+        for seq, n, is_ready, sampled in zip(
+            seqs, sizes, ready, sample(logits, states, self.decodable), strict=True
         ):
             self.scheduler.computed(seq, n)
             if is_ready:
@@ -237,7 +241,7 @@ class EngineCore:
         events = []
         if plain:  # their one token's logits: (B', V)
             last = torch.stack([logits[i][-1] for i in plain])
-            events += self._sampled([p.seqs[i] for i in plain], 1, last)
+            events += self._sampled([p.seqs[i] for i in plain], [1] * len(plain), last)
         for seq, rows in zip(p.seqs, logits, strict=True):
             if seq in p.proposals:
                 events += self._verified(seq, rows, p.proposals[seq].q)

@@ -16,8 +16,10 @@ they lie (`attend_in_place`, `decoderlm.cpu.paged_attention`). With
 kv_cache_dtype "int8" its pools are `decoderlm.model.cache.Int8Buffer`s: int8 K/V and one
 scale per (slot, head), quantized as they are written and dequantized as they are gathered.
 Its step is `seek(table, start, n_new)`: block tables and a start per row, as the engine batches
-sequences of different lengths; a rollback is the engine's (the next step's `start`), so its
-layers refuse `rollback`.
+sequences of different lengths; or several sequences' tokens in one row, `seek_packed` (each
+token a query of the in-place kernel: a speculative verification) or `seek_segments` (each
+sequence's tokens attending its own keys by SDPA: prefill chunks of different lengths); a rollback
+is the engine's (the next step's `start`), so its layers refuse `rollback`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch import Tensor
 
 from decoderlm.cpu.paged_attention import check_block_tables, paged_decode_attention
 from decoderlm.errors import DecoderLMError
+from decoderlm.model.attention import attend
 from decoderlm.model.cache import BaseLayerCache, Int8Buffer, LayerCaches, kv_buffer
 from decoderlm.model.config import ModelConfig
 
@@ -184,6 +187,7 @@ class PagedLayerCache(BaseLayerCache):
         self.n_keys = 0  # keys each row attends (full layers: the longest row's length)
         self.lengths: Tensor | None = None  # (B,) keys of each row, this step's included
         self.queries: tuple[Tensor, Tensor] | None = None  # (B·T, n_blocks), (B·T,): per query
+        self.segments: list[tuple[int, Tensor]] | None = None  # per sequence: (n_b, (Tk_b,) slots)
         self.key_padding_mask: Tensor | None = None  # (B, Tk) True at real keys; None: all real
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -202,6 +206,8 @@ class PagedLayerCache(BaseLayerCache):
         kernel, attending the row's first start_b + t + 1 keys: causal, whatever the rows'
         lengths. None otherwise (or without `in_place`): then the caller calls `update` and
         attends the keys it returns."""
+        if self.segments is not None:
+            return self._attend_segments(q, k, v, scale)
         b, h, t, hd = q.shape
         if not self.in_place or (t > 1 and self.queries is None):
             return None
@@ -215,6 +221,22 @@ class PagedLayerCache(BaseLayerCache):
             q, self.k, self.v, table, lengths, scale, checked=True
         )
         return out if t == 1 else out.view(b, t, h, hd).transpose(1, 2)  # (B, H, T, hd)
+
+    def _attend_segments(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """A pass over several sequences' tokens in one row (`PagedKVCache.seek_segments`): store
+        k, v (1, Hkv, N, hd), then each sequence's queries attend its own keys, read from the
+        pool (its first start + n_b positions, or those within the window), by SDPA; q (1, H, N,
+        hd) → (1, H, N, hd)."""
+        self._store(k, v)
+        outs = []
+        for q_b, (_, slots) in zip(q.split([n for n, _ in self.segments], dim=2), self.segments, strict=True):  # fmt: skip
+            keys = self.k_slots.index_select(0, slots).transpose(0, 1)[None]  # (1, Hkv, Tk_b, hd)
+            values = self.v_slots.index_select(0, slots).transpose(0, 1)[None]
+            out, _ = attend(
+                q_b, keys, values, scale=scale, window=self.window
+            )  # causal, bottom-right
+            outs.append(out)  # (1, H, n_b, hd)
+        return torch.cat(outs, dim=2)
 
     def _store(self, k: Tensor, v: Tensor) -> None:
         self.k_slots.index_copy_(0, self.write, k.transpose(1, 2).flatten(0, 1))  # (B·T, Hkv, hd)
@@ -281,7 +303,28 @@ class PagedKVCache(LayerCaches):
         check_block_tables(tables, lengths, self.layers[0].k.shape[0], self.block_size)
         write = self.slots(tables, positions[:, None]).flatten()  # (N,)
         for layer in self.layers:
-            layer.write, layer.queries = write, (tables, lengths)
+            layer.write, layer.queries, layer.segments = write, (tables, lengths), None
+
+    def seek_segments(self, tables: list[Tensor], starts: list[int], lengths: list[int]) -> None:
+        """Before a forward pass over one row of Σ n_b tokens from several sequences, each its own
+        segment (prefill chunks of different lengths in one pass: the weights read once): sequence
+        b's n_b = lengths[b] tokens at positions starts[b] .. of block table tables[b] (n_blocks,)
+        attend its keys up to themselves (within the layer's window), gathered per sequence."""
+        device = tables[0].device
+        positions = [torch.arange(s, s + n, device=device) for s, n in zip(starts, lengths, strict=True)]  # fmt: skip
+        write = torch.cat([self.slots(t[None], p[None])[0] for t, p in zip(tables, positions, strict=True)])  # fmt: skip
+        keys: dict[int | None, list[tuple[int, Tensor]]] = {}  # per window: (n_b, slots) a sequence
+        for layer in self.layers:
+            w = layer.window
+            if w not in keys:
+                keys[w] = []
+                for table, start, n in zip(tables, starts, lengths, strict=True):
+                    first = (
+                        0 if w is None else max(0, start - w + 1)
+                    )  # its first new token's first key
+                    seen = torch.arange(first, start + n, device=device)
+                    keys[w].append((n, self.slots(table[None], seen[None])[0]))
+            layer.write, layer.segments, layer.queries = write, keys[w], None
 
     def slots(self, table: Tensor, positions: Tensor) -> Tensor:
         """Pool slots of token `positions` (B, T) given block tables (B, n_blocks): same shape."""
@@ -329,5 +372,5 @@ class PagedKVCache(LayerCaches):
                 slots = self.slots(table, positions.clamp(min=0))  # (B, Tk)
                 reads[w] = (slots, n_keys, None if bool(mask.all()) else mask)
             layer.write, layer.lengths, layer.by_slot = write, lengths, w is not None or ragged
-            layer.queries = queries
+            layer.queries, layer.segments = queries, None
             layer.read, layer.n_keys, layer.key_padding_mask = reads[w]

@@ -1,8 +1,9 @@
 """One engine step's forward passes, typed: what `EngineCore.schedule` builds from the scheduler's
 plan, `ModelRunner.forward` runs, and `EngineCore.outputs` turns into tokens.
 
-- `PrefillPass`: a chunk of n prompt tokens of each of its sequences, all at the same start (one
-  uniform pass); a row that reaches its prompt's end samples its first token.
+- `PrefillPass`: a chunk of prompt tokens of each of its sequences (`sizes`: how many of each;
+  one uniform pass where all are alike, else one row of segments); a row that reaches its
+  prompt's end samples its first token.
 - `DecodePass`: the last token of each decoding sequence; every row samples its next token.
 - `VerifyPass`: the decoding sequences when some speculate (speculative decoding: Leviathan et
   al., 2023; Chen et al., 2023). Each speculating sequence's proposer gives up to k drafts
@@ -42,13 +43,13 @@ class Row:
 
 @dataclass(eq=False)
 class PrefillPass:
-    """n prompt tokens of each sequence, all from the same position."""
+    """sizes[i] prompt tokens of seqs[i], from where it stands."""
 
     seqs: list[Sequence]
-    n: int
+    sizes: list[int]
 
     def rows(self) -> list[Row]:
-        return [Row.of(seq, self.n) for seq in self.seqs]
+        return [Row.of(seq, n) for seq, n in zip(self.seqs, self.sizes, strict=True)]
 
 
 @dataclass(eq=False)
@@ -56,7 +57,10 @@ class DecodePass:
     """One token of each decoding sequence: its last."""
 
     seqs: list[Sequence]
-    n: int = 1
+
+    @property
+    def sizes(self) -> list[int]:
+        return [1] * len(self.seqs)
 
     def rows(self) -> list[Row]:
         return [Row.of(seq, 1) for seq in self.seqs]

@@ -12,7 +12,12 @@ One forward over a pass's rows (`passes.Row`: each row's tokens, where they star
   library compiled ahead of time (`decoderlm.cpu.paged_step`), made when the runner is; wider
   decode passes, prefill chunks and models it does not take (recurrent layers among them) run
   eagerly;
-- ragged rows (a speculative verification: some rows run their last token and k_b drafts, the
+- rows of different lengths of which one runs more than `IN_PLACE_MAX_TOKENS` (prefill chunks of
+  prompts of different lengths), or that neither of the next two ways takes, run as segments of
+  one row of Σ n_b tokens, so that the linear weights are read once for all of them, each row's
+  queries attending its own keys by SDPA (`PagedKVCache.seek_segments`), the logits taken at each
+  row's last token only;
+- other ragged rows (a speculative verification: some rows run their last token and k_b drafts, the
   others one token; a draft model's catch-up) run packed, vLLM's layout, where every layer
   attends in place (`PagedKVCache.packable`): all rows' tokens in one row of Σ n_b tokens, each
   query attending its own sequence's keys up to itself (`PagedKVCache.seek_packed`), no padding;
@@ -40,7 +45,7 @@ from torch import Tensor
 from decoderlm.cpu import invariant, paged_attention, paged_step
 from decoderlm.cpu.packed_linear import swapped
 from decoderlm.cpu.paths import SpeedPaths
-from decoderlm.engine.kv_pool import PagedKVCache, blocks_for
+from decoderlm.engine.kv_pool import IN_PLACE_MAX_TOKENS, PagedKVCache, blocks_for
 from decoderlm.engine.passes import Row
 from decoderlm.engine.state_pool import StatePool, split_budget
 from decoderlm.engine.step_inputs import pass_inputs
@@ -187,7 +192,13 @@ class ModelRunner:
             return logits if last_only else list(logits)
         if self.states is not None:
             raise RuntimeError("rows of different lengths cannot run over recurrent states")
-        per_row = self._packed(rows) if self.cache.packable else self._padded(rows)  # (n_b, V)
+        short = max(len(row.tokens) for row in rows) <= IN_PLACE_MAX_TOKENS  # not prefill chunks
+        if short and self.cache.packable:
+            per_row = self._packed(rows)  # (n_b, V)
+        elif short and self.scratch is not None:
+            per_row = self._padded(rows)
+        else:
+            return self._segments(rows, last_only)
         return torch.stack([logits[-1] for logits in per_row]) if last_only else per_row
 
     def _uniform(self, rows: list[Row], n: int, last_only: bool) -> Tensor:
@@ -205,6 +216,22 @@ class ModelRunner:
         if self.states is not None:
             self.states.store()
         return logits[:, -1].float() if last_only else logits.float()
+
+    def _segments(self, rows: list[Row], last_only: bool) -> Tensor | list[Tensor]:
+        """Rows of different lengths, all their tokens in one row of Σ n_b (the weights read once
+        for all), each row's queries attending its own keys (`PagedKVCache.seek_segments`):
+        logits (B, V) of each row's last token, or (n_b, V) of each of its tokens."""
+        dev = self.device
+        lengths = [len(row.tokens) for row in rows]
+        idx = torch.tensor([[token for row in rows for token in row.tokens]], device=dev)  # (1, N)
+        positions = torch.tensor(  # (1, N)
+            [[row.start + t for row in rows for t in range(len(row.tokens))]], device=dev
+        )
+        tables = [torch.tensor(row.blocks, device=dev) for row in rows]
+        self.cache.seek_segments(tables, [row.start for row in rows], lengths)
+        keep = torch.tensor(lengths, device=dev).cumsum(0) - 1 if last_only else None  # (B,)
+        logits = self.model(idx, positions, None, self.cache, keep=keep)[0].float()  # (B|N, V)
+        return logits if last_only else list(logits.split(lengths))
 
     def _packed(self, rows: list[Row]) -> list[Tensor]:
         """Logits (n_b, V) of each row's tokens, all rows' tokens in one row of Σ n_b."""

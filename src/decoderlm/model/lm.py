@@ -75,12 +75,15 @@ class DecoderLM(nn.Module):
         kv_caches: Sequence[LayerCache] | None = None,
         causal: bool = True,
         last_only: bool = False,
+        keep: Tensor | None = None,
     ) -> Tensor:
         """idx (B, T) token ids → logits (B, T, vocab_size).
 
         positions: (T,) or (B, T) absolute positions (default 0..T−1); needed with a KV cache and for
         left-padded batches. key_padding_mask: (B, Tk) bool, False for padding keys. kv_caches: one per layer.
         last_only: logits of the last position only, (B, 1, vocab_size): all that sampling needs.
+        keep: (K,) positions whose logits are returned, (B, K, vocab_size): the tokens sampled from
+        when several sequences' tokens lie in one row (vLLM's logits indices).
         """
         t = idx.shape[1]
         if positions is None:
@@ -101,6 +104,8 @@ class DecoderLM(nn.Module):
             x = block(
                 x, rope, key_padding_mask, None if kv_caches is None else kv_caches[i], causal
             )
+        if keep is not None:
+            x = x[:, keep]  # (B, K, d_model)
         if last_only:
             x = x[:, -1:]  # (B, 1, d_model)
         return self.head(self.norm(x))  # (B, T, vocab_size)

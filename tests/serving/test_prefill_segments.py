@@ -1,0 +1,75 @@
+"""Prefill chunks of different lengths run in one pass (`ModelRunner`'s segments: the sequences'
+tokens in one row, each attending its own keys): each sequence's logits are those of running it
+alone, with and without a sliding window, over float and int8 KV pools, from the start of a prompt
+and from the middle of one; an engine step schedules them as one pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decoderlm import DecoderLM, ModelConfig
+from decoderlm.engine.engine import Engine
+from decoderlm.engine.passes import PrefillPass, Row
+from decoderlm.engine.runner import ModelRunner
+from decoderlm.engine.types import RequestParams
+from decoderlm.inference.sampling import SamplingParams
+from decoderlm.tokenizer import Tokenizer
+
+VOCAB = 31
+
+
+def model(**overrides) -> DecoderLM:
+    torch.manual_seed(0)
+    config = ModelConfig.from_preset("llama-tiny", vocab_size=VOCAB, context_length=128, d_model=32,
+                                     n_layers=2, n_heads=4, n_kv_heads=2, **overrides)  # fmt: skip
+    return DecoderLM(config).double().eval()
+
+
+def runner(lm: DecoderLM, kv_cache_dtype: str | None = None) -> ModelRunner:
+    return ModelRunner(lm, kv_cache_memory="4MiB", block_size=4, kv_cache_dtype=kv_cache_dtype,
+                       cpu_kernels=False)  # fmt: skip
+
+
+def sequences(lengths: list[int], cached: int) -> list[Row]:
+    """One row per length n: `cached` tokens already in the pool, then n to run; blocks of its own."""
+    g = torch.Generator().manual_seed(1)
+    out, block = [], 0
+    for n in lengths:
+        need = -(-(cached + n) // 4)
+        tokens = torch.randint(0, VOCAB, (cached + n,), generator=g).tolist()
+        out.append(Row(list(range(block, block + need)), cached, tokens[cached:]))
+        block += need
+    return out
+
+
+@pytest.mark.parametrize(
+    ("overrides", "kv_cache_dtype"),
+    [({}, None), ({"sliding_window": 6}, None), ({}, "int8")],
+)
+@pytest.mark.parametrize("cached", [0, 9])  # a prompt's first chunk, or a later one
+def test_segments_give_each_sequence_its_logits_alone(overrides, kv_cache_dtype, cached):
+    lm = model(**overrides)
+    batch = sequences([23, 5, 17, 1], cached)
+    together, alone = runner(lm, kv_cache_dtype), runner(lm, kv_cache_dtype)
+    with together.running(), alone.running():
+        if cached:  # the cached tokens' K/V, row by row (random tokens: only their keys matter)
+            for r in batch:
+                for each in (together, alone):
+                    each.forward([Row(r.blocks, 0, list(range(cached)))])
+        last = together.forward(batch)  # (B, V): one pass of segments
+        every = together.forward_tokens(batch)  # each row's (n_b, V)
+        for b, row in enumerate(batch):
+            solo = alone.forward_tokens([row])[0]  # (n_b, V): a uniform pass of one row
+            torch.testing.assert_close(last[b], solo[-1], rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(every[b], solo, rtol=1e-9, atol=1e-9)
+
+
+def test_prompts_of_different_lengths_prefill_in_one_pass():
+    tok = Tokenizer.train_char(["abcdefghijklmnopqrstuvwxyz .,\n"])
+    engine = Engine(model(), tok, block_size=4, prefill_chunk=32, max_batched_tokens=256)
+    params = RequestParams(4, SamplingParams(temperature=0), ignore_eos=True)
+    for n in (7, 19, 30):
+        engine.submit(list(range(1, n + 1)), params, on_event=lambda event: None)
+    (prefill,) = engine.core.schedule()
+    assert isinstance(prefill, PrefillPass) and prefill.sizes == [7, 19, 30]
