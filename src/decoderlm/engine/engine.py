@@ -90,8 +90,8 @@ class Engine:
         """kv_cache_memory, kv_cache_dtype, cpu_kernels (its CPU speed paths): the KV pool and the model's kernels, as
         `ModelRunner` takes them; max_queue: the most sequences waiting; prefill_chunk: the most
         prompt tokens of one sequence one step runs; max_batched_tokens: the most tokens one step
-        runs, decodes first, never less than a chunk of prefill (`Scheduler`; chunks of the same
-        start and length run in one pass; 2048 is vLLM's default for its CPU server, and served
+        runs, decodes first, never less than a chunk of prefill (`Scheduler`; a step's chunks run
+        in one pass, `ModelRunner`'s segments; 2048 is vLLM's default for its CPU server, and served
         SmolLM2-135M's TTFT p99 and throughput at 16 and 64 streams best of 512, 1024 and 2048:
         benchmarks/README.md); prefix_caching: reuse the KV blocks of a shared
         prefix (off for a model with recurrent layers, and `draft` refused: `state_pool`);

@@ -229,12 +229,11 @@ class PagedLayerCache(BaseLayerCache):
         hd) → (1, H, N, hd)."""
         self._store(k, v)
         outs = []
-        for q_b, (_, slots) in zip(q.split([n for n, _ in self.segments], dim=2), self.segments, strict=True):  # fmt: skip
+        sizes = [n for n, _ in self.segments]
+        for q_b, (_, slots) in zip(q.split(sizes, dim=2), self.segments, strict=True):
             keys = self.k_slots.index_select(0, slots).transpose(0, 1)[None]  # (1, Hkv, Tk_b, hd)
             values = self.v_slots.index_select(0, slots).transpose(0, 1)[None]
-            out, _ = attend(
-                q_b, keys, values, scale=scale, window=self.window
-            )  # causal, bottom-right
+            out, _ = attend(q_b, keys, values, scale=scale, window=self.window)  # causal
             outs.append(out)  # (1, H, n_b, hd)
         return torch.cat(outs, dim=2)
 
@@ -319,10 +318,8 @@ class PagedKVCache(LayerCaches):
             if w not in keys:
                 keys[w] = []
                 for table, start, n in zip(tables, starts, lengths, strict=True):
-                    first = (
-                        0 if w is None else max(0, start - w + 1)
-                    )  # its first new token's first key
-                    seen = torch.arange(first, start + n, device=device)
+                    first = 0 if w is None else max(0, start - w + 1)  # of its first query
+                    seen = torch.arange(first, start + n, device=device)  # the keys it attends
                     keys[w].append((n, self.slots(table[None], seen[None])[0]))
             layer.write, layer.segments, layer.queries = write, keys[w], None
 

@@ -217,34 +217,33 @@ class ModelRunner:
             self.states.store()
         return logits[:, -1].float() if last_only else logits.float()
 
+    def _one_row(self, rows: list[Row]) -> tuple[Tensor, Tensor, list[int]]:
+        """All rows' tokens in one row: ids (1, N), positions (N,), and each row's length n_b."""
+        dev = self.device
+        idx = torch.tensor([[token for row in rows for token in row.tokens]], device=dev)  # (1, N)
+        positions = torch.tensor(  # (N,)
+            [row.start + t for row in rows for t in range(len(row.tokens))], device=dev
+        )
+        return idx, positions, [len(row.tokens) for row in rows]
+
     def _segments(self, rows: list[Row], last_only: bool) -> Tensor | list[Tensor]:
         """Rows of different lengths, all their tokens in one row of Σ n_b (the weights read once
         for all), each row's queries attending its own keys (`PagedKVCache.seek_segments`):
         logits (B, V) of each row's last token, or (n_b, V) of each of its tokens."""
-        dev = self.device
-        lengths = [len(row.tokens) for row in rows]
-        idx = torch.tensor([[token for row in rows for token in row.tokens]], device=dev)  # (1, N)
-        positions = torch.tensor(  # (1, N)
-            [[row.start + t for row in rows for t in range(len(row.tokens))]], device=dev
-        )
-        tables = [torch.tensor(row.blocks, device=dev) for row in rows]
+        idx, positions, lengths = self._one_row(rows)
+        tables = [torch.tensor(row.blocks, device=self.device) for row in rows]
         self.cache.seek_segments(tables, [row.start for row in rows], lengths)
-        keep = torch.tensor(lengths, device=dev).cumsum(0) - 1 if last_only else None  # (B,)
-        logits = self.model(idx, positions, None, self.cache, keep=keep)[0].float()  # (B|N, V)
-        return logits if last_only else list(logits.split(lengths))
+        keep = torch.tensor(lengths, device=self.device).cumsum(0) - 1 if last_only else None
+        logits = self.model(idx, positions[None], None, self.cache, keep=keep)[0].float()
+        return logits if last_only else list(logits.split(lengths))  # (B, V) or (n_b, V) each
 
     def _packed(self, rows: list[Row]) -> list[Tensor]:
         """Logits (n_b, V) of each row's tokens, all rows' tokens in one row of Σ n_b."""
-        dev = self.device
+        idx, positions, lengths = self._one_row(rows)
         width = max(len(row.blocks) for row in rows)
-        lengths = [len(row.tokens) for row in rows]
         tables = torch.tensor(  # (N, width): each token's sequence's blocks
-            [row.blocks + [0] * (width - len(row.blocks)) for row in rows], device=dev
-        ).repeat_interleave(torch.tensor(lengths, device=dev), dim=0)
-        positions = torch.tensor(  # (N,)
-            [row.start + t for row in rows for t in range(len(row.tokens))], device=dev
-        )
-        idx = torch.tensor([[token for row in rows for token in row.tokens]], device=dev)  # (1, N)
+            [row.blocks + [0] * (width - len(row.blocks)) for row in rows], device=self.device
+        ).repeat_interleave(torch.tensor(lengths, device=self.device), dim=0)
         self.cache.seek_packed(tables, positions)
         logits = self.model(idx, positions[None], None, self.cache)[0].float()  # (N, V)
         return list(logits.split(lengths))
