@@ -16,10 +16,11 @@ among others.
 - `InvariantSwiGLU`: the SwiGLU MLP with silu(g) ⊙ u by `decoderlm.cpu.fused.silu_mul`, whose
   every element goes through the same vector instructions, the last of a row masked.
 
-RMSNorm needs no swap: its per-row mean and its float32 rsqrt are the same whatever the rows (the
-elementwise rsqrt rounds alike on the vector and scalar paths; `tests/serving/test_batch_invariant.py`
-checks the whole model), nor do LayerNorm (one row per unit of work) and ReLU² (exact
-arithmetic). GELU MLPs are refused (`invariant_modules`).
+RMSNorm and RoPE need no swap: the engine runs them through `decoderlm.cpu.fused`, whose kernels
+give every element of a row the same instructions whatever the rows (PyTorch's own RMSNorm is
+invariant too: its per-row mean and float32 rsqrt; `tests/serving/test_batch_invariant.py` checks
+the whole model), nor do LayerNorm (one row per unit of work) and ReLU² (exact arithmetic). GELU
+MLPs are refused (`invariant_modules`).
 """
 
 from __future__ import annotations
