@@ -5,7 +5,7 @@ PyTorch's eager RMSNorm makes a pass over its rows for each of its operations (w
 square, mean, add ε, 1/√, scale, narrow, gain), RoPE for each of its products, its negation, its
 concatenation and its sum, and SwiGLU's gate two; in the serving engine's passes over SmolLM2-135M
 in bfloat16 these took about a quarter of a 512-token prefill pass (benchmarks/README.md,
-engine_profile.py). vLLM's CPU backend has kernels of its own for the same three (csrc/cpu:
+engine_passes.py). vLLM's CPU backend has kernels of its own for the same three (csrc/cpu:
 rms_norm, rotary_embedding, silu_and_mul). Each kernel rounds where the formula it replaces
 rounds, so a bfloat16 result differs from it only where a float32 sum in another order or expf's
 last ulp crosses a rounding boundary; every one is batch-invariant (`fused.c`).

@@ -310,8 +310,13 @@ class PagedKVCache(LayerCaches):
         b's n_b = lengths[b] tokens at positions starts[b] .. of block table tables[b] (n_blocks,)
         attend its keys up to themselves (within the layer's window), gathered per sequence."""
         device = tables[0].device
-        positions = [torch.arange(s, s + n, device=device) for s, n in zip(starts, lengths, strict=True)]  # fmt: skip
-        write = torch.cat([self.slots(t[None], p[None])[0] for t, p in zip(tables, positions, strict=True)])  # fmt: skip
+        new = [  # (n_b,) the positions of each sequence's new tokens
+            torch.arange(start, start + n, device=device)
+            for start, n in zip(starts, lengths, strict=True)
+        ]
+        write = torch.cat(  # (Σ n_b,) their slots
+            [self.slots(t[None], p[None])[0] for t, p in zip(tables, new, strict=True)]
+        )
         keys: dict[int | None, list[tuple[int, Tensor]]] = {}  # per window: (n_b, slots) a sequence
         for layer in self.layers:
             w = layer.window
