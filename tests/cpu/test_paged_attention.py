@@ -70,6 +70,33 @@ def test_in_place_attention_is_as_close_to_float64_as_gather_and_sdpa(dtype, h_k
     )
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (16, 1, 80)], ids=str)
+def test_a_rows_attention_is_the_same_bits_alone_or_among_64_rows(dtype, heads):
+    # 64 rows: each item takes a K/V head and all its query heads; one row: one query head each.
+    # Head sizes 64 and 128 run the kernel's unrolled forms, 80 the general one (and a tail).
+    h, h_kv, d = heads
+    g = torch.Generator().manual_seed(d)
+    k, v = (torch.randn(512, 16, h_kv, d, generator=g).to(dtype) for _ in range(2))
+    lengths = torch.randint(1, 120, (64,), generator=g)
+    table = torch.randperm(512, generator=g)[: 64 * 8].view(64, 8)
+    q = torch.randn(64, h, 1, d, generator=g).to(dtype)
+    together = paged_decode_attention(q, k, v, table, lengths, d**-0.5)
+    for b in (0, 17, 63):
+        alone = paged_decode_attention(q[b : b + 1], k, v, table[b : b + 1], lengths[b : b + 1], d**-0.5)  # fmt: skip
+        assert torch.equal(alone[0], together[b])
+    keys = gathered(k, table, 128).double()  # (B, Hkv, 128, hd)
+    values = gathered(v, table, 128).double()
+    mask = (torch.arange(128)[None, :] < lengths[:, None])[:, None, None]  # (B, 1, 1, Tk)
+    exact = F.scaled_dot_product_attention(
+        q.double().view(64, h_kv, h // h_kv, d), keys, values, attn_mask=mask, scale=d**-0.5
+    ).view(64, h, 1, d)
+    # The output's rounding (half an ulp ≤ eps·|x| / 2) with room to spare, and float32's sums.
+    bound = torch.finfo(dtype).eps * exact.abs().clamp(min=1) + 1e-5
+    assert ((together.double() - exact).abs() <= bound).all()
+
+
 def assert_as_close_to_float64_as(sdpa, got, q, k, v) -> None:
     """got: the kernel's output; the same sums in another order as sdpa(q, k, v) (B, Hkv, G, hd),
     so within 2× that one's own error against float64 (+ 1 ulp of 1)."""

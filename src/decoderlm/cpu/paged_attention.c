@@ -12,134 +12,176 @@
  * one block of S tokens per row, (Hkv · S · D, S · D, D), with table NULL (row b's block is b).
  * first NULL: every row starts at key 0. q, out (B, H, D) and table (B, W), first, lengths (B,)
  * int64 are contiguous. Query head hq reads K/V head hq / (H / Hkv) (MHA, GQA and MQA).
- * Parallel over (row, query head) with OpenMP: the runtime torch itself loaded, so its threads.
+ *
+ * A work item is one row's K/V head and the G = H / Hkv query heads that read it (GQA), or some of
+ * them: each key and value row is loaded and widened to float32 once for all of them. A score is
+ * q · k_t summed across the lanes of a vector of partial sums; those of LANES keys are summed at
+ * once (`vsum_each`), a fixed tree whatever the key's place among them, and every sum of a query
+ * head runs in the same order whichever heads share its item, so a row's output does not depend
+ * on the batch around it (`Engine(batch_invariant=True)`). Parallel over the items with OpenMP
+ * (the runtime torch itself loaded, so its threads); with fewer items than 4 per thread, one per
+ * query head.
  */
-#include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "vec.h"
 
-static inline float from_f32(float x) { return x; }
-static inline float to_f32(float x) { return x; }
+#define MAX_D 512    /* the largest head_dim */
+#define GROUP_MAX 8  /* query heads an item computes at once */
+#define CHUNKS_MAX (MAX_D / LANES)
 
-#define MAX_D 512 /* the largest head_dim */
-
-/* Per key: its score q·k_t (the query already scaled) and o += p_t v_t, float32 throughout. With
- * AVX-512, 16 dimensions per instruction, the rest one by one (all of them without AVX-512): left
- * to the compiler, these loops over a head_dim known only at run time came out scalar. */
-#ifdef __AVX512F__
-static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16_bf16(const uint16_t *p) { /* bfloat16 → the top half of float32 */
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-#define DOT16(LOAD16, q, k, D, d, s)                                                               \
-    {                                                                                              \
-        __m512 sum16 = _mm512_setzero_ps();                                                        \
-        for (; d + 16 <= D; d += 16) sum16 = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), LOAD16(k + d), sum16); \
-        s = _mm512_reduce_add_ps(sum16);                                                           \
-    }
-#define AXPY16(LOAD16, w, x, y, D, d)                                                              \
-    {                                                                                              \
-        const __m512 w16 = _mm512_set1_ps(w);                                                      \
-        for (; d + 16 <= D; d += 16)                                                               \
-            _mm512_storeu_ps(y + d, _mm512_fmadd_ps(w16, LOAD16(x + d), _mm512_loadu_ps(y + d)));   \
-    }
-#else
-#define DOT16(LOAD16, q, k, D, d, s)
-#define AXPY16(LOAD16, w, x, y, D, d)
-#endif
-
-#define KEY_OPS(SUFFIX, T, LOAD)                                                                   \
-    static inline float dot_##SUFFIX(const float *q, const T *k, int64_t D) {                      \
-        int64_t d = 0;                                                                             \
-        float s = 0.f;                                                                             \
-        DOT16(load16_##SUFFIX, q, k, D, d, s)                                                      \
-        for (; d < D; d++) s += q[d] * LOAD(k[d]);                                                 \
-        return s;                                                                                  \
-    }                                                                                              \
-    static inline void axpy_##SUFFIX(float w, const T *x, float *y, int64_t D) {                   \
-        int64_t d = 0;                                                                             \
-        AXPY16(load16_##SUFFIX, w, x, y, D, d)                                                     \
-        for (; d < D; d++) y[d] += w * LOAD(x[d]);                                                 \
-    }
-
-KEY_OPS(f32, float, from_f32)
-KEY_OPS(bf16, uint16_t, from_bf16)
+struct pools { /* the arguments every item shares */
+    const void *q, *k, *v;
+    const int64_t *table, *first, *lengths;
+    void *out;
+    int64_t H, G, D, block_size, W, block_stride, head_stride, token_stride;
+    float scale;
+};
 
 /* The pool's blocks lie anywhere, so the hardware prefetcher cannot follow a row's keys from one
  * block to the next, and within a block of the paged layout one head reads only D of every
  * Hkv · D values: each token's row of this head is prefetched one block ahead, from the row's next
  * block (none in the static layout, whose rows are one block each). */
-static inline void prefetch(const void *p, int64_t bytes) {
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i, 0, 3);
+static inline void prefetch(const char *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
 }
-/* Block j + 1 of row b (at this head) in pool X, or NULL where the row ends within block j. */
-#define NEXT_BLOCK(X)                                                                              \
-    (table && (j + 1) * block_size < n ? X + table[b * W + j + 1] * block_stride + h * head_stride \
-                                       : NULL)
 
-#define DECODE_ATTENTION(NAME, SUFFIX, T, LOAD, STORE)                                             \
+/* Element i of x (float32 or bfloat16, `bf16`), LANES of them from i on (n < LANES: zeros after). */
+static inline vec load_at(const void *x, int64_t i, int64_t n, int bf16) {
+    return bf16 ? load_bf16((const uint16_t *)x + i, n) : load_f32((const float *)x + i, n);
+}
+
+/* Row b's key/value rows of K/V head h, from key t_first to n − 1, block by block: for each,
+ * VISIT(t, row) with row the element offset of key t in the pool; the next block's rows
+ * prefetched. */
+#define FOR_EACH_KEY(a, pool, b, h, t_first, n, es, VISIT)                                          \
+    for (int64_t j = (t_first) / (a)->block_size; j * (a)->block_size < (n); j++) {               \
+        const int64_t t0 = j * (a)->block_size;                                                    \
+        const int64_t base = ((a)->table ? (a)->table[(b) * (a)->W + j] : (b)) * (a)->block_stride \
+                             + (h) * (a)->head_stride;                                             \
+        const int64_t next = (a)->table && t0 + (a)->block_size < (n)                              \
+            ? (a)->table[(b) * (a)->W + j + 1] * (a)->block_stride + (h) * (a)->head_stride : -1;  \
+        const int64_t lo = t0 > (t_first) ? t0 : (t_first);                                        \
+        const int64_t end = t0 + (a)->block_size < (n) ? t0 + (a)->block_size : (n);               \
+        for (int64_t t = lo; t < end; t++) {                                                       \
+            if (next >= 0)                                                                         \
+                prefetch((const char *)(pool) + (next + (t - t0) * (a)->token_stride) * (es),      \
+                         (a)->D * (es));                                                           \
+            VISIT(t, base + (t - t0) * (a)->token_stride);                                         \
+        }                                                                                          \
+    }
+
+/* Row b, K/V head h, query heads hq .. hq + gh − 1: out = softmax(q Kᵀ · scale) V for each.
+ * `scores`: gh rows of `stride` floats. D is a constant where the caller dispatches on it, so
+ * that a key's vectors stay in registers. */
+static inline __attribute__((always_inline)) void attend_item(const struct pools *a, int64_t b,
+        int64_t h, int64_t hq, int64_t gh, float *scores, int64_t stride, const int64_t D,
+        const int bf16) {
+    const int64_t n = a->lengths[b], t_first = a->first ? a->first[b] : 0;
+    const int64_t chunks = (D + LANES - 1) / LANES, es = bf16 ? 2 : 4;
+    vec qs[GROUP_MAX * CHUNKS_MAX], acc[GROUP_MAX * CHUNKS_MAX], part[GROUP_MAX * LANES];
+    float top[GROUP_MAX], total[GROUP_MAX];
+    for (int64_t i = 0; i < gh; i++) {
+        top[i] = -3.0e38f;
+        for (int64_t c = 0; c < chunks; c++) /* q · scale, zeros past D */
+            qs[i * chunks + c] = vmul(load_at(a->q, (b * a->H + hq + i) * D + c * LANES, D - c * LANES, bf16), vset(a->scale));
+    }
+    /* s_t = q·k_t · scale: each key's partial sums per lane, then LANES keys' lanes summed at once */
+#define SCORE(t, row)                                                                              \
+    {                                                                                              \
+        vec kv[CHUNKS_MAX];                                                                        \
+        for (int64_t c = 0; c < chunks; c++) kv[c] = load_at(a->k, (row) + c * LANES, D - c * LANES, bf16); \
+        const int64_t slot = ((t) - t_first) % LANES;                                              \
+        for (int64_t i = 0; i < gh; i++) {                                                         \
+            vec s = vzero();                                                                       \
+            for (int64_t c = 0; c < chunks; c++) s = vfma(qs[i * chunks + c], kv[c], s);          \
+            part[i * LANES + slot] = s;                                                            \
+        }                                                                                          \
+        if (slot == LANES - 1 || (t) == n - 1) {                                                   \
+            const int64_t t0 = (t) - slot;                                                         \
+            for (int64_t i = 0; i < gh; i++) {                                                     \
+                for (int64_t l = slot + 1; l < LANES; l++) part[i * LANES + l] = vzero();          \
+                float *s = scores + i * stride + (t0 - t_first);                                   \
+                store_f32(s, vsum_each(part + i * LANES), slot + 1);                               \
+                for (int64_t l = 0; l <= slot; l++) top[i] = s[l] > top[i] ? s[l] : top[i];        \
+            }                                                                                      \
+        }                                                                                          \
+    }
+    FOR_EACH_KEY(a, a->k, b, h, t_first, n, es, SCORE)
+#undef SCORE
+    for (int64_t i = 0; i < gh; i++) { /* p_t = exp(s_t − max s) / Σ_t exp(s_t − max s) */
+        float *s = scores + i * stride, sum = 0.f;
+        const float m = top[i];
+        _Pragma("omp simd reduction(+ : sum)") for (int64_t t = 0; t < n - t_first; t++) {
+            s[t] = expf(s[t] - m);
+            sum += s[t];
+        }
+        total[i] = sum;
+        for (int64_t c = 0; c < chunks; c++) acc[i * chunks + c] = vzero();
+    }
+    /* o = Σ_t p_t v_t */
+#define ACCUMULATE(t, row)                                                                         \
+    {                                                                                              \
+        vec vv[CHUNKS_MAX];                                                                        \
+        for (int64_t c = 0; c < chunks; c++) vv[c] = load_at(a->v, (row) + c * LANES, D - c * LANES, bf16); \
+        for (int64_t i = 0; i < gh; i++) {                                                         \
+            const vec p = vset(scores[i * stride + (t) - t_first]);                                \
+            for (int64_t c = 0; c < chunks; c++) acc[i * chunks + c] = vfma(p, vv[c], acc[i * chunks + c]); \
+        }                                                                                          \
+    }
+    FOR_EACH_KEY(a, a->v, b, h, t_first, n, es, ACCUMULATE)
+#undef ACCUMULATE
+    for (int64_t i = 0; i < gh; i++) {
+        const vec inverse = vset(1.f / total[i]);
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t at = (b * a->H + hq + i) * D + c * LANES;
+            const vec o = vmul(acc[i * chunks + c], inverse);
+            if (bf16) store_bf16((uint16_t *)a->out + at, o, D - c * LANES);
+            else store_f32((float *)a->out + at, o, D - c * LANES);
+        }
+    }
+}
+
+/* Every item of the batch, in `pools`' dtype: B rows × Hkv K/V heads × `splits` groups of query
+ * heads. 0, −1 when a thread had no memory for its scores, −2 for D > MAX_D. */
+static int attend_all(const struct pools *a, int64_t B, int64_t Hkv, int bf16) {
+    if (a->D > MAX_D) return -2;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; b++) longest = a->lengths[b] > longest ? a->lengths[b] : longest;
+    int64_t splits = (a->G + GROUP_MAX - 1) / GROUP_MAX;
+    if (B * Hkv * splits < 4 * omp_get_max_threads()) splits = a->G;
+    const int64_t per = (a->G + splits - 1) / splits, stride = (longest + LANES - 1) / LANES * LANES;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(GROUP_MAX * stride));
+        if (scores == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < B * Hkv * splits; p++) {
+            if (scores == NULL) continue;
+            const int64_t b = p / (Hkv * splits), h = p / splits % Hkv, first = p % splits * per;
+            const int64_t gh = a->G - first < per ? a->G - first : per;
+            if (gh <= 0) continue;
+            if (a->D == 64) attend_item(a, b, h, h * a->G + first, gh, scores, stride, 64, bf16);
+            else if (a->D == 128) attend_item(a, b, h, h * a->G + first, gh, scores, stride, 128, bf16);
+            else attend_item(a, b, h, h * a->G + first, gh, scores, stride, a->D, bf16);
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
+
+#define DECODE_ATTENTION(NAME, T, BF16)                                                            \
     int NAME(const T *q, const T *k, const T *v, const int64_t *table, const int64_t *first,       \
              const int64_t *lengths, T *out, int64_t B, int64_t H, int64_t Hkv, int64_t D,         \
              int64_t block_size, int64_t W, int64_t block_stride, int64_t head_stride,             \
              int64_t token_stride, float scale) {                                                  \
-        const int64_t G = H / Hkv; /* query heads per K/V head */                                  \
-        if (D > MAX_D) return -2;                                                                  \
-        int64_t longest = 0;                                                                       \
-        for (int64_t b = 0; b < B; b++) longest = lengths[b] > longest ? lengths[b] : longest;     \
-        int failed = 0;                                                                            \
-        _Pragma("omp parallel") {                                                                  \
-            /* 64-byte aligned in every thread: the vectorised sum of the exponentials below then \
-             * splits its loop the same way whichever thread computes a row (its order of sums \
-             * does not depend on the batch: `Engine(batch_invariant=True)`) */                 \
-            float *scores = aligned_alloc(64, (sizeof(float) * (size_t)longest + 63) / 64 * 64);   \
-            if (scores == NULL) failed = 1;                                                        \
-            _Pragma("omp for schedule(static)") for (int64_t p = 0; p < B * H; p++) {              \
-                if (scores == NULL) continue;                                                      \
-                const int64_t b = p / H, h = (p % H) / G, n = lengths[b];                          \
-                const int64_t t_first = first ? first[b] : 0;                                      \
-                const int64_t j_first = t_first / block_size; /* the block holding key t_first */  \
-                float qf[MAX_D], acc[MAX_D], top = -3.0e38f;                                       \
-                for (int64_t d = 0; d < D; d++) qf[d] = LOAD(q[p * D + d]) * scale;                \
-                for (int64_t j = j_first; j * block_size < n; j++) { /* s_t = q·k_t · scale */    \
-                    const int64_t block = table ? table[b * W + j] : b, t0 = j * block_size;       \
-                    const T *kb = k + block * block_stride + h * head_stride;                      \
-                    const T *kn = NEXT_BLOCK(k);                                                   \
-                    const int64_t lo = t0 > t_first ? t0 : t_first;                                \
-                    const int64_t end = t0 + block_size < n ? t0 + block_size : n;                 \
-                    for (int64_t t = lo; t < end; t++) {                                           \
-                        if (kn) prefetch(kn + (t - t0) * token_stride, D * (int64_t)sizeof(T));    \
-                        const float s = dot_##SUFFIX(qf, kb + (t - t0) * token_stride, D);         \
-                        scores[t] = s;                                                             \
-                        top = s > top ? s : top;                                                   \
-                    }                                                                              \
-                }                                                                                  \
-                float total = 0.f; /* p_t = exp(s_t − max s) / Σ_t exp(s_t − max s) */             \
-                _Pragma("omp simd reduction(+ : total)") for (int64_t t = t_first; t < n; t++) {   \
-                    scores[t] = expf(scores[t] - top);                                             \
-                    total += scores[t];                                                            \
-                }                                                                                  \
-                for (int64_t d = 0; d < D; d++) acc[d] = 0.f;                                      \
-                for (int64_t j = j_first; j * block_size < n; j++) { /* o = Σ_t p_t v_t */        \
-                    const int64_t block = table ? table[b * W + j] : b, t0 = j * block_size;       \
-                    const T *vb = v + block * block_stride + h * head_stride, *vn = NEXT_BLOCK(v);  \
-                    const int64_t lo = t0 > t_first ? t0 : t_first;                                \
-                    const int64_t end = t0 + block_size < n ? t0 + block_size : n;                 \
-                    for (int64_t t = lo; t < end; t++) {                                           \
-                        if (vn) prefetch(vn + (t - t0) * token_stride, D * (int64_t)sizeof(T));    \
-                        axpy_##SUFFIX(scores[t], vb + (t - t0) * token_stride, acc, D);            \
-                    }                                                                              \
-                }                                                                                  \
-                const float inverse = 1.f / total;                                                 \
-                for (int64_t d = 0; d < D; d++) out[p * D + d] = STORE(acc[d] * inverse);          \
-            }                                                                                      \
-            free(scores);                                                                          \
-        }                                                                                          \
-        return failed ? -1 : 0;                                                                    \
+        const struct pools a = {q, k, v, table, first, lengths, out, H, H / Hkv, D, block_size, W, \
+                                block_stride, head_stride, token_stride, scale};                   \
+        return attend_all(&a, B, Hkv, BF16);                                                       \
     }
 
-DECODE_ATTENTION(decode_attention_f32, f32, float, from_f32, to_f32)
-DECODE_ATTENTION(decode_attention_bf16, bf16, uint16_t, from_bf16, to_bf16)
+DECODE_ATTENTION(decode_attention_f32, float, 0)
+DECODE_ATTENTION(decode_attention_bf16, uint16_t, 1)

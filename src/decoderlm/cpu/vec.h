@@ -5,7 +5,8 @@
  * float32) and narrows to the nearest value, ties to even, a NaN staying a NaN: torch's
  * conversions, to the bit. vexp is Cephes' expf (range reduction by ln 2 in two parts, a degree-6
  * polynomial, 2^n put in the exponent): within 2 ulp of e^x on [−87.3, 88.7], the input clamped
- * to it; vrcp is 1/a within 2 ulp. */
+ * to it; vrcp is 1/a within 2 ulp. vsum_each(v) sums LANES vectors at once, lane l the sum of v[l]
+ * by one fixed tree whatever l. */
 #ifndef DECODERLM_VEC_H
 #define DECODERLM_VEC_H
 
@@ -43,6 +44,18 @@ static inline uint16_t to_bf16(float f) {
 #define EXP_P4 1.6666665459e-1f
 #define EXP_P5 5.0000001201e-1f
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+/* Lane l of the result: the sum of h[l]'s 8 lanes, ((e0 + e1) + (e2 + e3)) + ((e4 + e5) + (e6 +
+ * e7)) for every l: the horizontal sums of 8 vectors in 7 instructions, where one at a time takes
+ * 6 each. hadd(a, b) = (a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7). */
+static inline __m256 sum8_each(const __m256 *h) {
+    const __m256 a = _mm256_hadd_ps(h[0], h[1]), b = _mm256_hadd_ps(h[2], h[3]);
+    const __m256 c = _mm256_hadd_ps(h[4], h[5]), d = _mm256_hadd_ps(h[6], h[7]);
+    const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d); /* h0..3 low sums | high */
+    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+#endif
+
 #if defined(__AVX512F__)
 #define LANES 16
 typedef __m512 vec;
@@ -67,6 +80,11 @@ static inline float vsum(vec v) { /* fixed tree: halves, then halves */
     q = _mm_add_ps(q, _mm_movehl_ps(q, q));
     q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
     return _mm_cvtss_f32(q);
+}
+static inline vec vsum_each(const vec *v) { /* lane l: the sum of v[l]'s lanes, halves first */
+    __m256 h[16];
+    for (int l = 0; l < 16; l++) h[l] = _mm256_add_ps(_mm512_castps512_ps256(v[l]), _mm512_extractf32x8_ps(v[l], 1));
+    return _mm512_insertf32x8(_mm512_castps256_ps512(sum8_each(h)), sum8_each(h + 8), 1);
 }
 static inline __mmask16 first(int64_t n) { return n >= LANES ? 0xffff : (__mmask16)((1u << n) - 1); }
 static inline vec load_f32(const float *p, int64_t n) { /* n ≤ LANES values, zeros after */
@@ -122,6 +140,7 @@ static inline float vsum(vec v) {
     q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
     return _mm_cvtss_f32(q);
 }
+static inline vec vsum_each(const vec *v) { return sum8_each(v); } /* lane l: the sum of v[l] */
 static inline vec load_f32(const float *p, int64_t n) {
     if (n >= LANES) return _mm256_loadu_ps(p);
     float t[LANES] = {0};
@@ -170,6 +189,7 @@ static inline vec vclamp(vec a, float lo, float hi) { return a < lo ? lo : a > h
 static inline vec vround(vec a) { return nearbyintf(a); }
 static inline vec vexp2i(vec n) { return ldexpf(1.0f, (int)n); }
 static inline float vsum(vec v) { return v; }
+static inline vec vsum_each(const vec *v) { return v[0]; }
 static inline vec load_f32(const float *p, int64_t n) { (void)n; return *p; }
 static inline vec load_bf16(const uint16_t *p, int64_t n) { (void)n; return from_bf16(*p); }
 static inline void store_f32(float *p, vec v, int64_t n) { (void)n; *p = v; }
