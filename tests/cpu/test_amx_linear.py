@@ -1,5 +1,6 @@
 """bfloat16 linears on AMX tiles: as close to float64 as F.linear for any row count and output
-tails; weights the kernel cannot take stay on oneDNN; the engine's packed linears use it."""
+tails; weights the kernel cannot take stay on oneDNN; the engine's packed linears use it; SwiGLU's
+gate and up in one product, the bits of the two linears and silu_mul."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decoderlm.cpu import amx_linear
-from decoderlm.cpu.packed_linear import PackedLinear
+from decoderlm import DecoderLM, ModelConfig
+from decoderlm.cpu import amx_linear, fused
+from decoderlm.cpu.fused import FusedSwiGLU
+from decoderlm.cpu.packed_linear import PackedLinear, PackedSwiGLU
+from decoderlm.cpu.paths import SpeedPaths
 
 needs_amx = pytest.mark.skipif(
     not amx_linear.supports(torch.zeros(1, 32, dtype=torch.bfloat16)),
@@ -80,3 +84,34 @@ def test_packed_bf16_linears_use_the_tiles_and_others_stay_on_onednn():
         reference_error = (layer.linear(x).double() - exact).abs().max()
         ulp = torch.finfo(torch.bfloat16).eps * exact.abs().max()  # the bias: one more rounding
         assert (layer(x).double() - exact).abs().max() <= 2 * reference_error + ulp
+
+
+@needs_amx
+@pytest.mark.parametrize("n", [1536, 40])  # SmolLM2's d_ff; a last block of 8 outputs
+@pytest.mark.parametrize("m", [1, 17, 32, 300])  # the few-rows path, then the wide one
+def test_swiglu_in_the_epilogue_gives_the_bits_of_two_linears_and_silu_mul(m, n):
+    g = torch.Generator().manual_seed(m + n)
+    gate, up = (torch.randn(n, 64, generator=g).bfloat16() for _ in range(2))
+    x = torch.randn(m, 64, generator=g).bfloat16()
+    two = fused.silu_mul(
+        amx_linear.linear(x, amx_linear.pack(gate), n), amx_linear.linear(x, amx_linear.pack(up), n)
+    )
+    assert torch.equal(amx_linear.swiglu(x, amx_linear.pack_swiglu(gate, up), n), two)
+
+
+@needs_amx
+def test_packing_runs_a_swiglu_mlp_whole_and_the_fused_ops_leave_it_to_the_tiles():
+    torch.manual_seed(0)
+    model = DecoderLM(ModelConfig.from_preset("llama-tiny", d_model=64, n_layers=2, n_heads=4))
+    model = model.bfloat16().eval()
+    x = torch.randn(5, 64).bfloat16()
+    with torch.inference_mode(), SpeedPaths.for_engine().applied(model):
+        mlps = [m for m in model.modules() if isinstance(m, PackedSwiGLU)]
+        assert len(mlps) == 2 and not any(isinstance(m, FusedSwiGLU) for m in model.modules())
+        got = mlps[0](x)
+    mlp = mlps[0].mlp  # the plain module, back in place
+    exact = mlp.double()(x.double())
+    mlp.bfloat16()
+    reference_error = (mlp(x).double() - exact).abs().max()
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().max()
+    assert (got.double() - exact).abs().max() <= 2 * reference_error + ulp

@@ -17,13 +17,21 @@
  * them. The rows past the last multiple of 16 are copied into a tile of zeros.
  * Either way each output is summed by the same TDPBF16PS steps in the same order, so the two give
  * the same bits, whatever the rows (`decoderlm.cpu.invariant` relies on it).
+ *
+ * SwiGLU's gate and up projections (`swiglu`): W holds their blocks in turns (gate block j, up
+ * block j, ...), and each pair's outputs g, u are stored as y = bf16(silu(bf16(g))) ⊙ bf16(u): the
+ * bits of the two linears' bfloat16 outputs through `fused.c`'s silu_mul (the same vec.h lanes,
+ * compiled without fast-math), without writing g and u out and reading them back.
  */
+#pragma GCC optimize("no-fast-math", "fp-contract=off")
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "vec.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: let this process use the AMX tile data state */
 #define XFEATURE_XTILEDATA 18
@@ -50,10 +58,17 @@ static void configure(int64_t rest) {
     _tile_loadconfig(&cfg);
 }
 
-/* Round row m of C (16 float32) to bfloat16 and store its valid outputs. */
-static inline void store_rows(const float *c, int64_t rows, uint16_t *y, int64_t N, __mmask16 valid) {
-    for (int64_t m = 0; m < rows; m++)
-        _mm256_mask_storeu_epi16(y + m * N, valid, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c + m * 16)));
+/* Round row m of C (16 float32) to bfloat16 and store its `valid` outputs. */
+static inline void store_rows(const float *c, int64_t rows, uint16_t *y, int64_t N, int64_t valid) {
+    for (int64_t m = 0; m < rows; m++) store_bf16(y + m * N, _mm512_loadu_ps(c + m * 16), valid);
+}
+
+/* The same for SwiGLU's pair: C of the gate (g) and of the up projection (u). */
+static inline void store_swiglu(const float *g, const float *u, int64_t rows, uint16_t *y, int64_t N, int64_t valid) {
+    for (int64_t m = 0; m < rows; m++) {
+        const vec gate = vround_bf16(_mm512_loadu_ps(g + m * 16)), up = vround_bf16(_mm512_loadu_ps(u + m * 16));
+        store_bf16(y + m * N, vmul(vround_bf16(vsilu(gate)), up), valid);
+    }
 }
 
 /* C (tiles 0-3) of rows 16·g .. and 16·(g + 1) .. (`x0`, `x1`: 16 rows each, K apart) against
@@ -80,11 +95,21 @@ static void tiles_2x2(const uint16_t *x0, const uint16_t *x1, const uint16_t *w0
     }
 }
 
+/* C tile t (0-3) to c (16 × 16 float32): the tile number must be a constant. */
+static inline void tile_to(int t, float *c) {
+    switch (t) {
+    case 0: _tile_stored(0, c, 64); break;
+    case 1: _tile_stored(1, c, 64); break;
+    case 2: _tile_stored(2, c, 64); break;
+    default: _tile_stored(3, c, 64);
+    }
+}
+
 /* The wide path: x (M, K) with M ≥ WIDE; its last M mod 16 rows read from `tail` (16 × K, zeros
- * after them). */
+ * after them); `blocks` blocks of W, in pairs (gate, up) with `swiglu`. */
 static void wide(const uint16_t *x, const uint16_t *tail, const uint16_t *w, uint16_t *y, int64_t M,
-                 int64_t N, int64_t K) {
-    const int64_t blocks = (N + 15) / 16, groups = (M + 15) / 16;
+                 int64_t N, int64_t K, int64_t blocks, int swiglu) {
+    const int64_t groups = (M + 15) / 16;
 #pragma omp parallel
     {
         struct tile_config cfg;
@@ -92,7 +117,7 @@ static void wide(const uint16_t *x, const uint16_t *tail, const uint16_t *w, uin
         cfg.palette = 1;
         for (int t = 0; t < 8; t++) cfg.bytes_per_row[t] = 64, cfg.rows[t] = 16;
         _tile_loadconfig(&cfg);
-        float c[16 * 16];
+        float c[16 * 16], c2[16 * 16];
         for (int64_t g0 = 0; g0 < groups; g0 += CHUNK_GROUPS)
 #pragma omp for schedule(static)
         for (int64_t jj = 0; jj < (blocks + 1) / 2; jj++) {
@@ -102,18 +127,20 @@ static void wide(const uint16_t *x, const uint16_t *tail, const uint16_t *w, uin
                 const uint16_t *x0 = 16 * (g + 1) <= M ? x + g * 16 * K : tail, *x1 = NULL;
                 if (g + 1 < groups) x1 = 16 * (g + 2) <= M ? x + (g + 1) * 16 * K : tail;
                 tiles_2x2(x0, x1, w + j * 16 * K, pair ? w + (j + 1) * 16 * K : NULL, K);
-                for (int t = 0; t < 4; t++) {
-                    const int64_t row = (g + t / 2) * 16, out = (j + t % 2) * 16;
-                    if (row >= M || out >= N) continue;
-                    const int64_t rows = M - row < 16 ? M - row : 16, n_valid = N - out;
-                    const __mmask16 valid = n_valid >= 16 ? 0xFFFF : (__mmask16)((1u << n_valid) - 1);
-                    switch (t) { /* the tile number must be a constant */
-                    case 0: _tile_stored(0, c, 64); break;
-                    case 1: _tile_stored(1, c, 64); break;
-                    case 2: _tile_stored(2, c, 64); break;
-                    default: _tile_stored(3, c, 64);
-                    }
-                    store_rows(c, rows, y + row * N + out, N, valid);
+                for (int r = 0; r < 2; r++) { /* tiles 2r, 2r + 1: rows 16·(g + r) .. */
+                    const int64_t row = (g + r) * 16, rows = M - row < 16 ? M - row : 16;
+                    if (row >= M) continue;
+                    if (swiglu) {
+                        tile_to(2 * r, c);
+                        tile_to(2 * r + 1, c2);
+                        store_swiglu(c, c2, rows, y + row * N + jj * 16, N, N - jj * 16);
+                    } else
+                        for (int s = 0; s < 2; s++) {
+                            const int64_t out = (j + s) * 16;
+                            if (out >= N) continue;
+                            tile_to(2 * r + s, c);
+                            store_rows(c, rows, y + row * N + out, N, N - out);
+                        }
                 }
             }
         }
@@ -121,49 +148,59 @@ static void wide(const uint16_t *x, const uint16_t *tail, const uint16_t *w, uin
     }
 }
 
-/* x (M, K), w blocked as above, y (M, N); all contiguous bfloat16. */
-void amx_linear_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K) {
+/* The few-rows path's C of `rows` rows of x from xg (16: tiles 0, 1; fewer: tiles 3, 4) against
+ * the block wb, to c; `fetch`: the first rows to read the block, which prefetch it ahead. */
+static void narrow_tile(const uint16_t *xg, int64_t rows, const uint16_t *wb, int64_t K, int fetch, float *c) {
+    if (rows == 16) _tile_zero(0); else _tile_zero(3);
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+        const uint16_t *bt = wb + k0 * 16; /* inputs k0 .. k0 + 31: 1 KiB */
+        if (fetch)
+            for (int i = 0; i < 1024; i += 64) _mm_prefetch((const char *)bt + PREFETCH_BYTES + i, _MM_HINT_T0);
+        _tile_loadd(2, bt, 64);
+        if (rows == 16) {
+            _tile_loadd(1, xg + k0, K * 2);
+            _tile_dpbf16ps(0, 1, 2);
+        } else {
+            _tile_loadd(4, xg + k0, K * 2);
+            _tile_dpbf16ps(3, 4, 2);
+        }
+    }
+    if (rows == 16) _tile_stored(0, c, 64); else _tile_stored(3, c, 64);
+}
+
+/* x (M, K), w blocked as above, y (M, N); all contiguous bfloat16. With `swiglu`, w holds the
+ * gate's and the up projection's blocks in turns (2·⌈N/16⌉ blocks) and y = silu(g) ⊙ u. */
+void amx_linear_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K,
+                     int swiglu) {
+    const int64_t blocks = (N + 15) / 16 * (swiglu ? 2 : 1);
     if (M >= WIDE) {
         const int64_t rest = M % 16;
         uint16_t *tail = rest ? calloc((size_t)(16 * K), sizeof(uint16_t)) : NULL;
         if (!rest || tail) {
             if (tail) memcpy(tail, x + (M - rest) * K, (size_t)(rest * K) * sizeof(uint16_t));
-            wide(x, tail, w, y, M, N, K);
+            wide(x, tail, w, y, M, N, K, blocks, swiglu);
             free(tail);
             return;
         }
     }
-    const int64_t blocks = (N + 15) / 16, full = M / 16, rest = M % 16;
+    const int64_t full = M / 16, rest = M % 16, width = swiglu ? 2 : 1; /* blocks per output block */
 #pragma omp parallel
     {
         configure(rest);
-        float c[16 * 16];
+        float c[16 * 16], c2[16 * 16];
 #pragma omp for schedule(static)
-        for (int64_t j = 0; j < blocks; j++) {
-            const uint16_t *wb = w + j * 16 * K; /* this block: K/2 × 16 × 2 */
-            const int64_t n_valid = N - j * 16;
-            const __mmask16 valid = n_valid >= 16 ? 0xFFFF : (__mmask16)((1u << n_valid) - 1);
+        for (int64_t j = 0; j < blocks / width; j++) {
+            const uint16_t *wb = w + j * width * 16 * K; /* this block: K/2 × 16 × 2 */
             for (int64_t g = 0; g <= full; g++) {
                 const int64_t rows = g < full ? 16 : rest;
                 if (rows == 0) break;
-                const uint16_t *xg = x + g * 16 * K;
-                if (rows == 16) _tile_zero(0); else _tile_zero(3);
-                for (int64_t k0 = 0; k0 < K; k0 += 32) {
-                    const uint16_t *bt = wb + k0 * 16; /* inputs k0 .. k0 + 31: 1 KiB */
-                    if (g == 0)
-                        for (int i = 0; i < 1024; i += 64)
-                            _mm_prefetch((const char *)bt + PREFETCH_BYTES + i, _MM_HINT_T0);
-                    _tile_loadd(2, bt, 64);
-                    if (rows == 16) {
-                        _tile_loadd(1, xg + k0, K * 2);
-                        _tile_dpbf16ps(0, 1, 2);
-                    } else {
-                        _tile_loadd(4, xg + k0, K * 2);
-                        _tile_dpbf16ps(3, 4, 2);
-                    }
-                }
-                if (rows == 16) _tile_stored(0, c, 64); else _tile_stored(3, c, 64);
-                store_rows(c, rows, y + g * 16 * N + j * 16, N, valid);
+                uint16_t *yg = y + g * 16 * N + j * 16;
+                narrow_tile(x + g * 16 * K, rows, wb, K, g == 0, c);
+                if (swiglu) {
+                    narrow_tile(x + g * 16 * K, rows, wb + 16 * K, K, g == 0, c2);
+                    store_swiglu(c, c2, rows, yg, N, N - j * 16);
+                } else
+                    store_rows(c, rows, yg, N, N - j * 16);
             }
         }
         _tile_release();

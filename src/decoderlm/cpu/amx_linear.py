@@ -10,7 +10,9 @@ the products are bound by the memory (measured in benchmarks/README.md, serve.py
 re-read the block from the cache, not from memory.
 
 `pack(weight)` lays a weight (N, K) out as (⌈N/16⌉, K/2, 16, 2) once; `linear(x, packed, N)` is
-x Wᵀ in bfloat16. `supports(weight)` says whether the kernel runs for it: bfloat16, K a multiple
+x Wᵀ in bfloat16. `pack_swiglu(gate, up)` lays SwiGLU's two projections out block by block in
+turns, and `swiglu(x, packed, N)` is silu(x W_gateᵀ) ⊙ x W_upᵀ (Shazeer, 2020) in one pass, the
+same bits as the two linears and `decoderlm.cpu.fused.silu_mul`. `supports(weight)` says whether the kernel runs for it: bfloat16, K a multiple
 of 32, a CPU with AMX-BF16 (and AVX512-BF16, for the rounding), a C compiler to build the kernel
 (`decoderlm.cpu.native`), and Linux granting the process the tile state (arch_prctl
 ARCH_REQ_XCOMP_PERM).
@@ -47,7 +49,7 @@ def _library() -> ctypes.CDLL | None:
         log.warning("decoderlm: the kernel refused AMX tiles; bfloat16 linears stay on oneDNN")
         return None
     library.amx_linear_bf16.restype = None
-    library.amx_linear_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    library.amx_linear_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     return library
 
 
@@ -72,8 +74,24 @@ def pack(weight: Tensor) -> Tensor:
     return padded.view(blocks, OUTPUTS_PER_BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def pack_swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """gate, up (N, K) → (2·⌈N/16⌉, K/2, 16, 2): pack(gate)'s block j, then pack(up)'s, for each j."""
+    both = torch.stack([pack(gate), pack(up)], dim=1)  # (⌈N/16⌉, 2, K/2, 16, 2)
+    return both.flatten(0, 1)
+
+
 def linear(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
     """x Wᵀ: x (..., K) bfloat16, packed = pack(W) of W (out_features, K) → (..., out_features)."""
+    return _run(x, packed, out_features, swiglu=False)
+
+
+def swiglu(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
+    """silu(x W_gateᵀ) ⊙ x W_upᵀ, each product rounded to bfloat16 first: x (..., K) bfloat16,
+    packed = pack_swiglu(W_gate, W_up) of two (out_features, K) weights → (..., out_features)."""
+    return _run(x, packed, out_features, swiglu=True)
+
+
+def _run(x: Tensor, packed: Tensor, out_features: int, swiglu: bool) -> Tensor:
     k = packed.shape[1] * 2
     if x.shape[-1] != k or x.dtype != torch.bfloat16:
         raise ValueError(f"amx_linear: x {tuple(x.shape)} {x.dtype} for a weight of {k} inputs")
@@ -81,6 +99,7 @@ def linear(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
     y = x.new_empty(rows.shape[0], out_features)  # (M, N)
     if rows.shape[0]:
         _library().amx_linear_bf16(
-            rows.data_ptr(), packed.data_ptr(), y.data_ptr(), rows.shape[0], out_features, k
-        )
+            rows.data_ptr(), packed.data_ptr(), y.data_ptr(), rows.shape[0], out_features, k,
+            int(swiglu),
+        )  # fmt: skip
     return y.view(*x.shape[:-1], out_features)

@@ -72,8 +72,7 @@ INLINE void rope_head(const void *x, const void *cos, const void *sin, void *y, 
 /* One row (n) of g, u and y, from element at. */
 INLINE void silu_mul_row(const void *g, const void *u, void *y, int64_t at, int64_t n, const int bf16) {
     for (int64_t i = 0; i < n; i += LANES) {
-        const vec gv = load(g, at + i, n - i, bf16);
-        const vec silu = vmul(gv, vrcp(vadd(vset(1.0f), vexp(vsub(vzero(), gv)))));
+        const vec silu = vsilu(load(g, at + i, n - i, bf16));
         store(y, at + i, vmul(rounded(silu, bf16), load(u, at + i, n - i, bf16)), n - i, bf16);
     }
 }

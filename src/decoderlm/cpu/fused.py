@@ -12,7 +12,7 @@ last ulp crosses a rounding boundary; every one is batch-invariant (`fused.c`).
 
 `FusedOps(model)` finds the modules once: each `RMSNorm` becomes a `FusedRMSNorm`, each SwiGLU
 `MLP` a `FusedSwiGLU` (over the MLP's own linears, so a packed or invariant linear swapped into it
-is the one called), each `CausalSelfAttention` applies RoPE by `apply_rope` here; `with ops:`
+is the one called; an MLP that `packed_linear.PackedSwiGLU` runs whole is left to it), each `CausalSelfAttention` applies RoPE by `apply_rope` here; `with ops:`
 swaps them in and back. Where a kernel does not apply — a gradient to keep, a dtype other than
 float32 and bfloat16, weights of another dtype than the input, a device other than the CPU,
 inside torch.compile, no C compiler — each calls the model's own formula.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Collection
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -144,12 +145,16 @@ class FusedSwiGLU(nn.Module):
 
 class FusedOps:
     """The fused kernels in `model` for the duration of each `with` block (re-entered per pass;
-    the modules are found once, here)."""
+    the modules are found once, here). `taken`: modules another swap replaces (the SwiGLU MLPs
+    that `packed_linear.PackedSwiGLU` runs whole), left to it."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, taken: Collection[nn.Module] = ()) -> None:
         self.swap = []
+        taken_ids = {id(m) for m in taken}
         for parent in model.modules():
             for name, child in parent.named_children():
+                if id(child) in taken_ids:
+                    continue
                 if type(child) is RMSNorm:
                     self.swap.append((parent, name, child, FusedRMSNorm(child)))
                 elif isinstance(child, MLP) and child.kind == "swiglu":

@@ -10,7 +10,10 @@ benchmarks/README.md.
 
 Where the CPU has AMX, bfloat16 weights are packed for the tile kernel of
 `decoderlm.cpu.amx_linear` instead, which reads them at memory bandwidth where oneDNN's packed
-product does not (weights whose inputs are not a multiple of 32 stay on oneDNN).
+product does not (weights whose inputs are not a multiple of 32 stay on oneDNN). A SwiGLU MLP's
+gate and up projections then become one product whose epilogue applies silu(g) ⊙ u
+(`PackedSwiGLU`): their outputs are never written out and read back, the same bits as the two
+linears and `decoderlm.cpu.fused.silu_mul`.
 
 `pack_linears(model)` returns the swap without applying it; `swapped(swap)` applies it for the
 duration of a `with` block (the engine does so around each step), so the model itself stays plain
@@ -29,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from decoderlm.cpu import amx_linear
+from decoderlm.model.layers import MLP
 
 BATCH_HINT = 16  # rows the layout is tuned for (any row count runs on it)
 
@@ -57,7 +61,34 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-Swap = list[tuple[nn.Module, str, nn.Linear, PackedLinear]]  # (parent, name, plain, packed)
+class PackedSwiGLU(nn.Module):
+    """A SwiGLU `mlp`, down(silu(gate(x)) ⊙ up(x)), its gate and up projections in one pass over
+    AMX tiles with silu·u in the epilogue (`amx_linear.swiglu`), `down` packed; bfloat16 only
+    (`fuses` says which MLPs)."""
+
+    def __init__(self, mlp: MLP) -> None:
+        super().__init__()
+        self.mlp, self.down = mlp, PackedLinear(mlp.down)
+        self.packed = amx_linear.pack_swiglu(mlp.gate.weight.detach(), mlp.up.weight.detach())
+
+    @staticmethod
+    def fuses(mlp: nn.Module) -> bool:
+        """Whether `mlp` is a SwiGLU MLP without biases whose gate and up AMX tiles take."""
+        return (
+            isinstance(mlp, MLP)
+            and mlp.kind == "swiglu"
+            and mlp.gate.bias is None
+            and mlp.up.bias is None
+            and amx_linear.supports(mlp.gate.weight)
+            and amx_linear.supports(mlp.up.weight)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:  # (..., d_model) → (..., d_model)
+        h = amx_linear.swiglu(x, self.packed, self.mlp.up.out_features)  # (..., d_ff)
+        return self.mlp.dropout(self.down(h))
+
+
+Swap = list[tuple[nn.Module, str, nn.Module, nn.Module]]  # (parent, name, plain, packed)
 
 
 def can_pack(dtype: torch.dtype) -> bool:
@@ -71,14 +102,23 @@ def can_pack(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
+def packable(linear: nn.Linear) -> bool:
+    """Whether `linear`'s weight lies on the CPU in a dtype `can_pack` takes."""
+    return linear.weight.device.type == "cpu" and can_pack(linear.weight.dtype)
+
+
 def pack_linears(model: nn.Module) -> Swap:
-    """A PackedLinear for every plain CPU nn.Linear of `model` in a packable dtype (quantized and
-    other subclassed linears are left as they are)."""
+    """A PackedSwiGLU for every MLP it `fuses`, and a PackedLinear for every other plain CPU
+    nn.Linear of `model` in a packable dtype (quantized and other subclassed linears are left as
+    they are)."""
     swap: Swap = []
+    fused = [m for m in model.modules() if PackedSwiGLU.fuses(m)]
+    inside = {id(linear) for mlp in fused for linear in mlp.children()}
     for parent in model.modules():
         for name, child in parent.named_children():
-            weight = getattr(child, "weight", None)
-            if type(child) is nn.Linear and weight.device.type == "cpu" and can_pack(weight.dtype):
+            if child in fused:
+                swap.append((parent, name, child, PackedSwiGLU(child)))
+            elif type(child) is nn.Linear and id(child) not in inside and packable(child):
                 swap.append((parent, name, child, PackedLinear(child)))
     return swap
 

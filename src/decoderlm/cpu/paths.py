@@ -8,7 +8,7 @@ Each path is one mechanism of `decoderlm.cpu`, applied from outside the model:
 | `attention` | `CausalSelfAttention.attend` → `cpu_attend` (the blockwise formula) | ✓ | | ✓ |
 | `linear_kernels` | F.linear by shape: gemv kernels, oneDNN (`CPULinearKernels`) | ✓ | | |
 | `in_place_attention` | decode attention read where the keys lie (`paged_attention`) | ✓ | ✓ | |
-| `packed_linears` | linear weights packed for oneDNN / AMX tiles (`PackedLinear`) | | ✓ | |
+| `packed_linears` | linear weights packed for oneDNN / AMX tiles (`PackedLinear`; SwiGLU's gate and up as one on AMX: `PackedSwiGLU`) | | ✓ | |
 | `fused_ops` | RMSNorm, RoPE and SwiGLU's gate in one pass each (`fused.FusedOps`) | | ✓ | |
 | `keep_freed_memory` | glibc keeps freed pages for reuse (`heap`) | | ✓ | ✓ |
 
@@ -139,7 +139,8 @@ class AppliedPaths:
         if self.paths.keep_freed_memory:
             heap.keep_freed_memory()  # process-wide; glibc's thresholds stay raised
         self._packed = pack_linears(model) if self.paths.packed_linears else []
-        self._fused = FusedOps(model) if self.paths.fused_ops else nullcontext()
+        taken = [plain for _, _, plain, _ in self._packed]  # (PackedSwiGLU's MLPs)
+        self._fused = FusedOps(model, taken) if self.paths.fused_ops else nullcontext()
         self._open: list[
             AbstractContextManager[None]
         ] = []  # the `with` blocks entered, innermost last

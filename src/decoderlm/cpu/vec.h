@@ -204,7 +204,7 @@ static inline vec vrcp(vec a) {
     return vmul(r, vfma(vsub(vzero(), a), r, vset(2.0f)));
 }
 
-/* e^x, lane by lane (Cephes' expf) */
+/* e^x, lane by lane (Cephes' expf); below, silu(x) = x · 1/(1 + e^−x) */
 static inline vec vexp(vec x) {
     x = vclamp(x, EXP_LO, EXP_HI);
     const vec n = vround(vmul(x, vset(LOG2E)));
@@ -218,5 +218,7 @@ static inline vec vexp(vec x) {
     p = vfma(vmul(p, r), r, vadd(r, vset(1.0f))); /* 1 + r + r²·P(r) */
     return vmul(p, vexp2i(n));
 }
+
+static inline vec vsilu(vec x) { return vmul(x, vrcp(vadd(vset(1.0f), vexp(vsub(vzero(), x))))); }
 
 #endif
