@@ -1,7 +1,8 @@
 """Prefill chunks of different lengths run in one pass (`ModelRunner`'s segments: the sequences'
 tokens in one row, each attending its own keys): each sequence's logits are those of running it
 alone, with and without a sliding window, over float and int8 KV pools, from the start of a prompt
-and from the middle of one; an engine step schedules them as one pass."""
+and from the middle of one, the decode rows among them attended in place; an engine step schedules
+them as one pass."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from decoderlm import DecoderLM, ModelConfig
+from decoderlm.cpu import paged_attention
 from decoderlm.engine.engine import Engine
 from decoderlm.engine.passes import PrefillPass, Row
 from decoderlm.engine.runner import ModelRunner
@@ -63,6 +65,26 @@ def test_segments_give_each_sequence_its_logits_alone(overrides, kv_cache_dtype,
             solo = alone.forward_tokens([row])[0]  # (n_b, V): a uniform pass of one row
             torch.testing.assert_close(last[b], solo[-1], rtol=1e-9, atol=1e-9)
             torch.testing.assert_close(every[b], solo, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.skipif(
+    not paged_attention.available(torch.float32, torch.device("cpu")), reason="no C compiler"
+)
+def test_decode_rows_beside_prefill_chunks_attend_in_place_and_keep_their_logits_alone():
+    lm = model().float()
+    batch = sequences([23, 1, 17, 1, 5], cached=9)  # chunks of 23 and 17; two decodes; a draft
+    together, alone = (ModelRunner(lm, kv_cache_memory="4MiB", block_size=4, kv_cache_dtype=None,
+                                   cpu_kernels=True) for _ in range(2))  # fmt: skip
+    with together.running(), alone.running():
+        for r in batch:  # the cached tokens' K/V, row by row
+            for each in (together, alone):
+                each.forward([Row(r.blocks, 0, list(range(9)))])
+        every = together.forward_tokens(batch)  # one pass of segments
+        places = together.cache.layers[0].queries[0]  # the in-place kernel's queries
+        assert places.tolist() == [23, 41, 42, 43, 44, 45, 46]  # the 1-, 1- and 5-token rows
+        for b, row in enumerate(batch):
+            solo = alone.forward_tokens([row])[0]  # (n_b, V)
+            torch.testing.assert_close(every[b], solo, rtol=1e-5, atol=1e-5)
 
 
 def test_prompts_of_different_lengths_prefill_in_one_pass():

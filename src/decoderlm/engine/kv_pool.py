@@ -186,8 +186,10 @@ class PagedLayerCache(BaseLayerCache):
         self.by_slot = window is not None  # `read` holds slots (left-padded), not block tables
         self.n_keys = 0  # keys each row attends (full layers: the longest row's length)
         self.lengths: Tensor | None = None  # (B,) keys of each row, this step's included
-        self.queries: tuple[Tensor, Tensor] | None = None  # (B·T, n_blocks), (B·T,): per query
-        self.segments: list[tuple[int, Tensor]] | None = None  # per sequence: (n_b, (Tk_b,) slots)
+        # per query: (B·T, n_blocks), (B·T,); in a pass of segments, (Ns,) places first
+        self.queries: tuple[Tensor, ...] | None = None
+        # per sequence SDPA attends in a pass of segments: (offset, n_b, (Tk_b,) slots)
+        self.segments: list[tuple[int, int, Tensor]] | None = None
         self.key_padding_mask: Tensor | None = None  # (B, Tk) True at real keys; None: all real
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -225,17 +227,22 @@ class PagedLayerCache(BaseLayerCache):
     def _attend_segments(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """A pass over several sequences' tokens in one row (`PagedKVCache.seek_segments`): store
         k, v (1, Hkv, N, hd), then each sequence's queries attend its own keys, read from the
-        pool (its first start + n_b positions, or those within the window), by SDPA; q (1, H, N,
-        hd) → (1, H, N, hd)."""
+        pool (its first start + n_b positions, or those within the window), by SDPA, or, where
+        `queries` holds (places, tables, lengths), those places by the in-place kernel; q (1, H,
+        N, hd) → (1, H, N, hd)."""
         self._store(k, v)
-        outs = []
-        sizes = [n for n, _ in self.segments]
-        for q_b, (_, slots) in zip(q.split(sizes, dim=2), self.segments, strict=True):
+        out = torch.empty_like(q)  # (1, H, N, hd): every place is written below
+        if self.queries is not None:
+            places, table, lengths = self.queries
+            rows = q[0].index_select(1, places).transpose(0, 1)[:, :, None]  # (Ns, H, 1, hd)
+            attended = paged_decode_attention(rows, self.k, self.v, table, lengths, scale, checked=True)  # fmt: skip
+            out[0].index_copy_(1, places, attended[:, :, 0].transpose(0, 1))  # (H, Ns, hd)
+        for offset, n, slots in self.segments:
             keys = self.k_slots.index_select(0, slots).transpose(0, 1)[None]  # (1, Hkv, Tk_b, hd)
             values = self.v_slots.index_select(0, slots).transpose(0, 1)[None]
-            out, _ = attend(q_b, keys, values, scale=scale, window=self.window)  # causal
-            outs.append(out)  # (1, H, n_b, hd)
-        return torch.cat(outs, dim=2)
+            part = q[:, :, offset : offset + n]  # (1, H, n_b, hd)
+            out[:, :, offset : offset + n] = attend(part, keys, values, scale=scale, window=self.window)[0]  # fmt: skip
+        return out
 
     def _store(self, k: Tensor, v: Tensor) -> None:
         self.k_slots.index_copy_(0, self.write, k.transpose(1, 2).flatten(0, 1))  # (B·T, Hkv, hd)
@@ -308,7 +315,9 @@ class PagedKVCache(LayerCaches):
         """Before a forward pass over one row of Σ n_b tokens from several sequences, each its own
         segment (prefill chunks of different lengths in one pass: the weights read once): sequence
         b's n_b = lengths[b] tokens at positions starts[b] .. of block table tables[b] (n_blocks,)
-        attend its keys up to themselves (within the layer's window), gathered per sequence."""
+        attend its keys up to themselves (within the layer's window), gathered per sequence. In a
+        layer that attends in place, the queries of sequences of at most `IN_PLACE_MAX_TOKENS`
+        (the decode rows beside the prefill chunks) are rows of one call of the in-place kernel."""
         device = tables[0].device
         new = [  # (n_b,) the positions of each sequence's new tokens
             torch.arange(start, start + n, device=device)
@@ -317,16 +326,40 @@ class PagedKVCache(LayerCaches):
         write = torch.cat(  # (Σ n_b,) their slots
             [self.slots(t[None], p[None])[0] for t, p in zip(tables, new, strict=True)]
         )
-        keys: dict[int | None, list[tuple[int, Tensor]]] = {}  # per window: (n_b, slots) a sequence
+        offsets = [sum(lengths[:b]) for b in range(len(lengths))]  # each sequence's first token
+        short = [b for b, n in enumerate(lengths) if n <= IN_PLACE_MAX_TOKENS]
+        in_kernel = self._short_queries(tables, new, offsets, short) if short else None
+        keys: dict[tuple[int | None, bool], list[tuple[int, int, Tensor]]] = {}
         for layer in self.layers:
-            w = layer.window
-            if w not in keys:
-                keys[w] = []
-                for table, start, n in zip(tables, starts, lengths, strict=True):
-                    first = 0 if w is None else max(0, start - w + 1)  # of its first query
-                    seen = torch.arange(first, start + n, device=device)  # the keys it attends
-                    keys[w].append((n, self.slots(table[None], seen[None])[0]))
-            layer.write, layer.segments, layer.queries = write, keys[w], None
+            kernel = in_kernel if layer.in_place else None
+            key = (layer.window, kernel is not None)
+            if key not in keys:  # per window: (offset, n_b, slots) of each sequence SDPA attends
+                w, skip = layer.window, set(short) if kernel is not None else set()
+                keys[key] = []
+                for b, (table, start, n) in enumerate(zip(tables, starts, lengths, strict=True)):
+                    if b not in skip:
+                        first = 0 if w is None else max(0, start - w + 1)  # of its first query
+                        seen = torch.arange(first, start + n, device=device)  # keys it attends
+                        keys[key].append((offsets[b], n, self.slots(table[None], seen[None])[0]))
+            layer.write, layer.segments, layer.queries = write, keys[key], kernel
+
+    def _short_queries(
+        self, tables: list[Tensor], new: list[Tensor], offsets: list[int], short: list[int]
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The in-place kernel's rows for the tokens of sequences `short`: their places in the
+        pass's row (Ns,), their sequences' block tables (Ns, n_blocks) and keys (Ns,)."""
+        width = max(len(tables[b]) for b in short)
+        index, rows, keys = [], [], []
+        for b in short:
+            n = len(new[b])
+            index.append(torch.arange(offsets[b], offsets[b] + n))
+            padded = torch.zeros(width, dtype=tables[b].dtype, device=tables[b].device)
+            padded[: len(tables[b])] = tables[b]
+            rows.append(padded.expand(n, width))
+            keys.append(new[b] + 1)  # query t attends keys 0 .. its own position
+        table, lengths = torch.cat(rows), torch.cat(keys)  # (Ns, width), (Ns,)
+        check_block_tables(table, lengths, self.layers[0].k.shape[0], self.block_size)
+        return torch.cat(index).to(table.device), table, lengths
 
     def slots(self, table: Tensor, positions: Tensor) -> Tensor:
         """Pool slots of token `positions` (B, T) given block tables (B, n_blocks): same shape."""
