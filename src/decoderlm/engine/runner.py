@@ -13,10 +13,11 @@ One forward over a pass's rows (`passes.Row`: each row's tokens, where they star
   decode passes, prefill chunks and models it does not take (recurrent layers among them) run
   eagerly;
 - rows of different lengths of which one runs more than `IN_PLACE_MAX_TOKENS` (prefill chunks of
-  prompts of different lengths), or that neither of the next two ways takes, run as segments of
-  one row of Σ n_b tokens, so that the linear weights are read once for all of them, each row's
-  queries attending its own keys by SDPA (`PagedKVCache.seek_segments`), the logits taken at each
-  row's last token only;
+  prompts of different lengths, decode rows beside them), or that neither of the next two ways
+  takes, run as segments of one row of Σ n_b tokens, so that the linear weights are read once for
+  all of them, each chunk's queries attending its own keys by SDPA, the short rows' by one call of
+  the in-place kernel (`PagedKVCache.seek_segments`), the logits taken at each row's last token
+  only;
 - other ragged rows (a speculative verification: some rows run their last token and k_b drafts, the
   others one token; a draft model's catch-up) run packed, vLLM's layout, where every layer
   attends in place (`PagedKVCache.packable`): all rows' tokens in one row of Σ n_b tokens, each
