@@ -12,7 +12,7 @@ from torch import nn
 from decoderlm import DecoderLM, ModelConfig
 from decoderlm.cpu import amx_linear, fused
 from decoderlm.cpu.fused import FusedSwiGLU
-from decoderlm.cpu.packed_linear import PackedLinear, PackedSwiGLU
+from decoderlm.cpu.packed_linear import AMX_ROWS_MAX, PackedLinear, PackedSwiGLU
 from decoderlm.cpu.paths import SpeedPaths
 
 needs_amx = pytest.mark.skipif(
@@ -84,6 +84,8 @@ def test_packed_bf16_linears_use_the_tiles_and_others_stay_on_onednn():
         reference_error = (layer.linear(x).double() - exact).abs().max()
         ulp = torch.finfo(torch.bfloat16).eps * exact.abs().max()  # the bias: one more rounding
         assert (layer(x).double() - exact).abs().max() <= 2 * reference_error + ulp
+    many = torch.randn(AMX_ROWS_MAX, 64).bfloat16()  # a long prefill chunk: oneDNN's GEMM
+    assert torch.equal(on_tiles(many), on_tiles.linear(many))
 
 
 @needs_amx

@@ -35,6 +35,9 @@ from decoderlm.cpu import amx_linear
 from decoderlm.model.layers import MLP
 
 BATCH_HINT = 16  # rows the layout is tuned for (any row count runs on it)
+# From this many rows oneDNN's GEMM behind F.linear was level with the AMX tiles or faster in the
+# engine's prefill chunks (benchmarks/README.md, engine_passes.py): they take the plain weight.
+AMX_ROWS_MAX = 1536
 
 
 class PackedLinear(nn.Module):
@@ -53,7 +56,8 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: Tensor) -> Tensor:  # (..., in_features) → (..., out_features)
-        if x.dtype == torch.float32 and x.shape[:-1].numel() == 1:
+        rows = x.shape[:-1].numel()
+        if (x.dtype == torch.float32 and rows == 1) or (self.amx and rows >= AMX_ROWS_MAX):
             return F.linear(x, self.linear.weight, self.linear.bias)
         if self.amx:
             y = amx_linear.linear(x, self.packed, self.linear.out_features)
