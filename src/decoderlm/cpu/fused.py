@@ -165,9 +165,9 @@ class FusedOps:
     def __enter__(self) -> FusedOps:
         with ExitStack() as stack:
             stack.enter_context(swapped(self.swap))
-            for module in self.attention:
-                stack.callback(setattr, module, "apply_rope", module.apply_rope)
-                module.apply_rope = apply_rope
+            for module in self.attention:  # (the instance dict: nn.Module's setattr is slow)
+                stack.callback(module.__dict__.__setitem__, "apply_rope", module.apply_rope)
+                module.__dict__["apply_rope"] = apply_rope
             self._open.append(stack.pop_all())
         return self
 

@@ -101,7 +101,7 @@ class ModelRunner:
         token a query of the in-place attention kernel, whatever the pass) and the linears of
         `decoderlm.cpu.invariant`, so that a row's logits do not depend on the rows beside
         it (`batch_invariant_modules` says which models and pools can); no compiled step."""
-        self.model = model
+        self.model, self.modules = model, list(model.modules())
         floats = float_probe(model)
         self.device = floats.device
         paths = SpeedPaths.resolve(cpu_kernels, SpeedPaths.for_engine())
@@ -167,7 +167,7 @@ class ModelRunner:
     def running(self) -> Iterator[None]:
         """The model in eval mode without gradients, its speed paths applied: one engine step."""
         invariant = nullcontext() if self.invariant is None else swapped(self.invariant)
-        with evaluating(self.model), self.paths, invariant:
+        with evaluating(self.model, self.modules), self.paths, invariant:
             yield
 
     @property

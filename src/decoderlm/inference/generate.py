@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from decoderlm.cpu.decode import CompiledStep
 from decoderlm.cpu.paths import SpeedPaths
@@ -49,12 +49,15 @@ COMPILE_PREFILL_MULTIPLE = 64
 
 
 @contextmanager
-def evaluating(model: DecoderLM) -> Iterator[None]:
+def evaluating(model: DecoderLM, modules: Sequence[nn.Module] | None = None) -> Iterator[None]:
     """Eval mode (no dropout) and no autograd for the duration; each module's mode is restored after.
 
     Only the modules in training mode are switched, so a model already in eval mode (a serving
-    engine calls this at every step) is not written to at all."""
-    training = [m for m in model.modules() if m.training]  # (module setattr is slow in Python)
+    engine calls this at every step) is not written to at all. modules: `list(model.modules())`,
+    made once by a caller that enters this at every step (walking the tree takes ~0.8 ms of a
+    135M model's 12 ms decode step)."""
+    modules = model.modules() if modules is None else modules
+    training = [m for m in modules if m.training]  # (module setattr is slow in Python)
     for module in training:
         module.training = False
     try:
