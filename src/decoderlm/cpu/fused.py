@@ -12,10 +12,11 @@ last ulp crosses a rounding boundary; every one is batch-invariant (`fused.c`).
 
 `FusedOps(model)` finds the modules once: each `RMSNorm` becomes a `FusedRMSNorm`, each SwiGLU
 `MLP` a `FusedSwiGLU` (over the MLP's own linears, so a packed or invariant linear swapped into it
-is the one called; an MLP that `packed_linear.PackedSwiGLU` runs whole is left to it), each `CausalSelfAttention` applies RoPE by `apply_rope` here; `with ops:`
-swaps them in and back. Where a kernel does not apply — a gradient to keep, a dtype other than
-float32 and bfloat16, weights of another dtype than the input, a device other than the CPU,
-inside torch.compile, no C compiler — each calls the model's own formula.
+is the one called; an MLP that `packed_linear.PackedSwiGLU` runs whole is left to it), each
+`CausalSelfAttention` applies RoPE by `apply_rope` here; `with ops:` swaps them in and back.
+Where a kernel does not apply — a gradient to keep, a dtype other than float32 and bfloat16,
+weights of another dtype than the input, a device other than the CPU, inside torch.compile, no C
+compiler — each calls the model's own formula.
 """
 
 from __future__ import annotations

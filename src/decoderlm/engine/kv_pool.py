@@ -25,6 +25,7 @@ is the engine's (the next step's `start`), so its layers refuse `rollback`.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -326,7 +327,7 @@ class PagedKVCache(LayerCaches):
         write = torch.cat(  # (Σ n_b,) their slots
             [self.slots(t[None], p[None])[0] for t, p in zip(tables, new, strict=True)]
         )
-        offsets = [sum(lengths[:b]) for b in range(len(lengths))]  # each sequence's first token
+        offsets = [0, *itertools.accumulate(lengths)][:-1]  # each sequence's first token
         short = [b for b, n in enumerate(lengths) if n <= IN_PLACE_MAX_TOKENS]
         in_kernel = self._short_queries(tables, new, offsets, short) if short else None
         keys: dict[tuple[int | None, bool], list[tuple[int, int, Tensor]]] = {}
