@@ -117,3 +117,16 @@ def test_packing_runs_a_swiglu_mlp_whole_and_the_fused_ops_leave_it_to_the_tiles
     reference_error = (mlp(x).double() - exact).abs().max()
     ulp = torch.finfo(torch.bfloat16).eps * exact.abs().max()
     assert (got.double() - exact).abs().max() <= 2 * reference_error + ulp
+
+
+@needs_amx
+def test_an_mlp_with_a_quantized_or_subclassed_linear_is_not_fused():
+    model = DecoderLM(ModelConfig.from_preset("llama-tiny", d_model=64, n_layers=1, n_heads=4))
+    mlp = model.bfloat16().blocks[0].mlp
+    assert PackedSwiGLU.fuses(mlp)
+
+    class Quantized(nn.Linear):  # (a GGUF file's BlockLinear has no weight at all)
+        pass
+
+    mlp.gate.__class__ = Quantized
+    assert not PackedSwiGLU.fuses(mlp)

@@ -77,10 +77,13 @@ class PackedSwiGLU(nn.Module):
 
     @staticmethod
     def fuses(mlp: nn.Module) -> bool:
-        """Whether `mlp` is a SwiGLU MLP without biases whose gate and up AMX tiles take."""
+        """Whether `mlp` is a SwiGLU MLP whose gate and up are plain nn.Linear layers without
+        biases that AMX tiles take (a quantized model's block linears are left as they are)."""
         return (
             isinstance(mlp, MLP)
             and mlp.kind == "swiglu"
+            and type(mlp.gate) is nn.Linear
+            and type(mlp.up) is nn.Linear
             and mlp.gate.bias is None
             and mlp.up.bias is None
             and amx_linear.supports(mlp.gate.weight)
