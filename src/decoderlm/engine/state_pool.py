@@ -198,7 +198,8 @@ class StatePool:
         start_b (B,): each recurrent layer's cache gets the rows' states, zeros where start_b = 0."""
         self.rows = torch.tensor([p for row in pages for p in row], device=start.device)
         chunks = [_bytes(t.index_select(0, self.rows)) for t in self.tensors]  # (B·p, row bytes)
-        raw = torch.cat(chunks, dim=1).view(len(pages), -1)  # (B, p · page bytes)
+        raw = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)  # (B·p, page bytes)
+        raw = raw.view(len(pages), -1)  # (B, p · page bytes)
         fresh = (start == 0).nonzero()[:, 0]
         if len(fresh):  # a new or recomputed sequence starts from the zero state
             raw.index_fill_(0, fresh, 0)
@@ -206,8 +207,19 @@ class StatePool:
             setattr(self.caches[i], name, _part(raw, offset, shape, dtype))
 
     def store(self) -> None:
-        """After the pass: the recurrent layers' new states back to the rows' pages."""
+        """After the pass: the recurrent layers' new states back to the rows' pages (slots of
+        their own: each state straight to its bytes of the rows' slots)."""
         p, page, n_pages = self.budget.state_pages, sum(self.row_bytes), int(self.rows.shape[0])
+        if len(self.tensors) == 1 and p == 1:
+            slots = self.tensors[0].view(torch.uint8)  # (slots, bytes)
+            for i, name, shape, dtype, offset in self.parts:
+                state = getattr(self.caches[i], name).to(dtype)  # (B, *shape[1:])
+                target = _part(slots, offset, shape, dtype)  # (slots, *shape[1:])
+                if target.data_ptr() != slots.data_ptr() + offset:  # a copy, not a view: bytes
+                    state = _bytes(state)
+                    target = slots[:, offset : offset + state.shape[1]]
+                target.index_copy_(0, self.rows, state)
+            return
         raw = torch.empty(n_pages // p, p * page, dtype=torch.uint8, device=self.rows.device)
         raw[:, self.budget.state_bytes :] = 0  # the last page's tail
         for i, name, _, dtype, offset in self.parts:
