@@ -21,8 +21,8 @@ token) and B the budget:
 
 A step gathers the state bytes of its rows' pages, unpacks each recurrent layer's conv and matrix
 state into a `RecurrentLayerCache` for the mixer (a row starting at position 0, new or recomputed,
-starts from zeros), and after the forward pass packs the new states back into the same pages
-(`seek`, `store`). Every row of an engine pass runs the same number of real tokens: no padding
+starts from zeros), and after the forward pass writes the new states back into the same pages,
+each run of a state's bytes straight to the page rows that hold it (`seek`, `store`). Every row of an engine pass runs the same number of real tokens: no padding
 reaches a state. A page leaving a state is zeroed (`StatePages.release`), so that the K/V read from
 a block never reinterprets a state's bytes (which, seen as bfloat16 or an int8 scale, could be a
 NaN that a masked key would still multiply into attention's output).
@@ -38,6 +38,8 @@ A preempted sequence frees its pages, and its state is recomputed from its first
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -175,6 +177,8 @@ class StatePool:
             shape = (budget.num_slots, -(-budget.state_bytes // 8) * 8)  # as `split_budget`
             self.tensors = [torch.zeros(shape, dtype=torch.uint8, device=device)]
         self.row_bytes = [t.shape[1] * t.element_size() for t in self.tensors]  # of each page
+        self.runs = {(i, name): self._runs(offset, torch.Size(shape).numel() * dt.itemsize)
+                     for i, name, shape, dt, offset in self.parts}  # fmt: skip
         self.caches = {i: RecurrentLayerCache(None, torch.zeros(0)) for i, *_ in states}
         self.rows = torch.zeros(0, dtype=torch.long, device=device)  # (B·p,) this step's pages
 
@@ -207,27 +211,49 @@ class StatePool:
             setattr(self.caches[i], name, _part(raw, offset, shape, dtype))
 
     def store(self) -> None:
-        """After the pass: the recurrent layers' new states back to the rows' pages (slots of
-        their own: each state straight to its bytes of the rows' slots)."""
-        p, page, n_pages = self.budget.state_pages, sum(self.row_bytes), int(self.rows.shape[0])
-        if len(self.tensors) == 1 and p == 1:
-            slots = self.tensors[0].view(torch.uint8)  # (slots, bytes)
-            for i, name, shape, dtype, offset in self.parts:
-                state = getattr(self.caches[i], name).to(dtype)  # (B, *shape[1:])
-                target = _part(slots, offset, shape, dtype)  # (slots, *shape[1:])
-                if target.data_ptr() != slots.data_ptr() + offset:  # a copy, not a view: bytes
-                    state = _bytes(state)
-                    target = slots[:, offset : offset + state.shape[1]]
-                target.index_copy_(0, self.rows, state)
-            return
-        raw = torch.empty(n_pages // p, p * page, dtype=torch.uint8, device=self.rows.device)
-        raw[:, self.budget.state_bytes :] = 0  # the last page's tail
-        for i, name, _, dtype, offset in self.parts:
-            part = _bytes(getattr(self.caches[i], name).to(dtype))
-            raw[:, offset : offset + part.shape[1]] = part
-        chunks = raw.view(n_pages, page).split(self.row_bytes, dim=1)  # (B·p, row bytes) each
-        for t, chunk in zip(self.tensors, chunks, strict=True):
-            t.index_copy_(0, self.rows, _as(chunk, t.dtype))
+        """After the pass: the recurrent layers' new states back to the rows' pages, each run of
+        a state's bytes straight to the page rows that hold it (one copy, one call a run; 4 bytes
+        an element where they align)."""
+        rows, page = self.rows.view(-1, self.budget.state_pages), sum(self.row_bytes)  # (B, p)
+        for i, name, _, dtype, _ in self.parts:
+            state = _bytes(getattr(self.caches[i], name).to(dtype))  # (B, n bytes)
+            for t, k, m, at, x, n in self.runs[(i, name)]:
+                target, source, e = _bytes(self.tensors[t]), state, 1  # e: bytes an element
+                sizes = (at, x, n, page, target.shape[1], state.shape[1], state.storage_offset())
+                if all(v % 4 == 0 for v in sizes):
+                    target, source, e = target.view(torch.int32), state.view(torch.int32), 4
+                run = source.as_strided(  # (B, m, n): the run's bytes of each of its m pages
+                    (state.shape[0], m, n // e),
+                    (state.shape[1] // e, page // e, 1),
+                    source.storage_offset() + x // e,
+                )
+                target[:, at // e : (at + n) // e].index_put_((rows[:, k : k + m],), run)
+
+    def _runs(self, offset: int, n: int) -> list[tuple[int, int, int, int, int, int]]:
+        """Where bytes offset .. offset + n of a sequence's pages lie, in runs: (tensor t, first
+        page k, pages m, byte in each page's row of t, byte in the state at page k, length); page
+        k + j of a run holds the bytes j · page_bytes further on in the state."""
+        page, starts = sum(self.row_bytes), [0, *itertools.accumulate(self.row_bytes)]
+        runs: list[tuple[int, int, int, int, int, int]] = []
+        latest: dict[tuple[int, int, int], int] = {}  # (t, at, length) → its latest run
+        x = 0
+        while x < n:  # one piece per page row of one tensor, joined to the run before if it goes on
+            k, within = divmod(offset + x, page)
+            t = bisect.bisect_right(starts, within) - 1
+            at = within - starts[t]
+            length = min(n - x, self.row_bytes[t] - at)
+            j = latest.get((t, at, length))
+            if (
+                j is not None
+                and runs[j][1] + runs[j][2] == k
+                and runs[j][4] + runs[j][2] * page == x
+            ):
+                runs[j] = (t, runs[j][1], runs[j][2] + 1, at, runs[j][4], length)
+            else:
+                latest[(t, at, length)] = len(runs)
+                runs.append((t, k, 1, at, x, length))
+            x += length
+        return runs
 
     def _zero(self, pages: list[int]) -> None:
         index = torch.tensor(pages, device=self.tensors[0].device)
