@@ -22,10 +22,11 @@ token) and B the budget:
 A step gathers the state bytes of its rows' pages, unpacks each recurrent layer's conv and matrix
 state into a `RecurrentLayerCache` for the mixer (a row starting at position 0, new or recomputed,
 starts from zeros), and after the forward pass writes the new states back into the same pages,
-each run of a state's bytes straight to the page rows that hold it (`seek`, `store`). Every row of an engine pass runs the same number of real tokens: no padding
-reaches a state. A page leaving a state is zeroed (`StatePages.release`), so that the K/V read from
-a block never reinterprets a state's bytes (which, seen as bfloat16 or an int8 scale, could be a
-NaN that a masked key would still multiply into attention's output).
+each run of a state's bytes straight to the page rows that hold it (`seek`, `store`). Every row of
+an engine pass runs the same number of real tokens: no padding reaches a state. A page leaving a
+state is zeroed (`StatePages.release`), so that the K/V read from a block never reinterprets a
+state's bytes (which, seen as bfloat16 or an int8 scale, could be a NaN that a masked key would
+still multiply into attention's output).
 
 What recurrent layers rule out in the engine (`check_engine_options`):
 - prefix caching is off: a block of a shared prefix holds its K/V, but the recurrent state after
