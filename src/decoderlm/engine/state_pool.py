@@ -202,9 +202,12 @@ class StatePool:
         """Before a pass over rows whose states lie in `pages` (B lists of p), row b from position
         start_b (B,): each recurrent layer's cache gets the rows' states, zeros where start_b = 0."""
         self.rows = torch.tensor([p for row in pages for p in row], device=start.device)
-        chunks = [_bytes(t.index_select(0, self.rows)) for t in self.tensors]  # (B·p, row bytes)
-        raw = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)  # (B·p, page bytes)
-        raw = raw.view(len(pages), -1)  # (B, p · page bytes)
+        gathered = torch.empty(len(self.rows), sum(self.row_bytes), dtype=torch.uint8, device=start.device)  # fmt: skip
+        at = 0
+        for t, n in zip(self.tensors, self.row_bytes, strict=True):  # each tensor's rows, in place
+            torch.index_select(_bytes(t), 0, self.rows, out=gathered[:, at : at + n])
+            at += n
+        raw = gathered.view(len(pages), -1)  # (B, p · page bytes)
         fresh = (start == 0).nonzero()[:, 0]
         if len(fresh):  # a new or recomputed sequence starts from the zero state
             raw.index_fill_(0, fresh, 0)
