@@ -97,6 +97,30 @@ def test_a_rows_attention_is_the_same_bits_alone_or_among_64_rows(dtype, heads):
     assert ((together.double() - exact).abs() <= bound).all()
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [64, 1], ids=["item-per-head", "item-per-query-head"])
+def test_appending_the_new_keys_in_the_kernel_equals_storing_them_first(dtype, rows):
+    # 64 rows: each item writes its own row's new key and value; one row: several items read
+    # them (one per query head), so the kernel writes them all first.
+    g = torch.Generator().manual_seed(rows)
+    k, v = (torch.randn(512, 16, 3, 64, generator=g).to(dtype) for _ in range(2))
+    lengths = torch.randint(1, 120, (rows,), generator=g)
+    table = torch.randperm(512, generator=g)[: rows * 8].view(rows, 8)
+    q = torch.randn(rows, 9, 1, 64, generator=g).to(dtype)
+    qkv = torch.randn(rows, 1, 2, 3, 64, generator=g).to(dtype)  # k, v as strided views
+    k_new, v_new = (qkv[:, :, i].transpose(1, 2) for i in range(2))  # (B, 3, 1, 64) each
+    last = lengths - 1  # each row's new position
+    slots = table.gather(1, (last // 16)[:, None])[:, 0] * 16 + last % 16
+    stored_k, stored_v = k.clone(), v.clone()
+    stored_k.view(-1, 3, 64)[slots] = k_new[:, :, 0]
+    stored_v.view(-1, 3, 64)[slots] = v_new[:, :, 0]
+    expected = paged_decode_attention(q, stored_k, stored_v, table, lengths, 0.125)
+    got = paged_decode_attention(q, k, v, table, lengths, 0.125, new=(k_new, v_new))
+    assert torch.equal(got, expected)
+    assert torch.equal(k, stored_k) and torch.equal(v, stored_v)  # nothing else written
+
+
 def assert_as_close_to_float64_as(sdpa, got, q, k, v) -> None:
     """got: the kernel's output; the same sums in another order as sdpa(q, k, v) (B, Hkv, G, hd),
     so within 2× that one's own error against float64 (+ 1 ulp of 1)."""

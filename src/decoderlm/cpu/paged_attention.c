@@ -21,10 +21,16 @@
  * on the batch around it (`Engine(batch_invariant=True)`). Parallel over the items with OpenMP
  * (the runtime torch itself loaded, so its threads); with fewer items than 4 per thread, one per
  * query head.
+ *
+ * append_attention_*: a decode step's store and attention in one call. Each row's new key and
+ * value go to its last position first, by the item that then reads them: the writes' cache misses
+ * (a slot anywhere in a pool of hundreds of MB) overlap the reading of the row's other keys,
+ * where a store before the call waits for each.
  */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "vec.h"
 
@@ -33,11 +39,14 @@
 #define CHUNKS_MAX (MAX_D / LANES)
 
 struct pools { /* the arguments every item shares */
-    const void *q, *k, *v;
+    const void *q;
+    void *k, *v; /* written only where new keys and values are appended */
     const int64_t *table, *first, *lengths;
     void *out;
     int64_t H, G, D, block_size, W, block_stride, head_stride, token_stride;
     float scale;
+    const void *k_new, *v_new; /* NULL, or each row's new key and value (row b, head h at b·*_b + h·*_h) */
+    int64_t k_new_b, k_new_h, v_new_b, v_new_h;
 };
 
 /* The pool's blocks lie anywhere, so the hardware prefetcher cannot follow a row's keys from one
@@ -72,6 +81,16 @@ static inline vec load_at(const void *x, int64_t i, int64_t n, int bf16) {
             VISIT(t, base + (t - t0) * (a)->token_stride);                                         \
         }                                                                                          \
     }
+
+/* Row b's new key and value of K/V head h to its last position, lengths[b] − 1 (es: bytes per
+ * element). */
+static inline void append(const struct pools *a, int64_t b, int64_t h, int64_t es) {
+    const int64_t t = a->lengths[b] - 1, j = t / a->block_size;
+    const int64_t at = (a->table ? a->table[b * a->W + j] : b) * a->block_stride + h * a->head_stride
+                       + (t - j * a->block_size) * a->token_stride;
+    memcpy((char *)a->k + at * es, (const char *)a->k_new + (b * a->k_new_b + h * a->k_new_h) * es, a->D * es);
+    memcpy((char *)a->v + at * es, (const char *)a->v_new + (b * a->v_new_b + h * a->v_new_h) * es, a->D * es);
+}
 
 /* Row b, K/V head h, query heads hq .. hq + gh − 1: out = softmax(q Kᵀ · scale) V for each.
  * `scores`: gh rows of `stride` floats. D is a constant where the caller dispatches on it, so
@@ -153,15 +172,25 @@ static int attend_all(const struct pools *a, int64_t B, int64_t Hkv, int bf16) {
     int64_t splits = (a->G + GROUP_MAX - 1) / GROUP_MAX;
     if (B * Hkv * splits < 4 * omp_get_max_threads()) splits = a->G;
     const int64_t per = (a->G + splits - 1) / splits, stride = (longest + LANES - 1) / LANES * LANES;
+    const int64_t es = bf16 ? 2 : 4;
+    /* An item that is its row's K/V head's only one appends their new key and value itself, so
+     * that the store's cache misses overlap the reading of the other keys; else all are appended
+     * first. */
+    const int own = a->k_new != NULL && splits == 1;
     int failed = 0;
 #pragma omp parallel
     {
         float *scores = aligned_alloc(64, sizeof(float) * (size_t)(GROUP_MAX * stride));
         if (scores == NULL) failed = 1;
+        if (a->k_new != NULL && !own) {
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < B * Hkv; p++) append(a, p / Hkv, p % Hkv, es);
+        } /* (the loop's barrier: every new key is in place before any item reads it) */
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < B * Hkv * splits; p++) {
-            if (scores == NULL) continue;
             const int64_t b = p / (Hkv * splits), h = p / splits % Hkv, first = p % splits * per;
+            if (own) append(a, b, h, es);
+            if (scores == NULL) continue;
             const int64_t gh = a->G - first < per ? a->G - first : per;
             if (gh <= 0) continue;
             if (a->D == 64) attend_item(a, b, h, h * a->G + first, gh, scores, stride, 64, bf16);
@@ -178,10 +207,27 @@ static int attend_all(const struct pools *a, int64_t B, int64_t Hkv, int bf16) {
              const int64_t *lengths, T *out, int64_t B, int64_t H, int64_t Hkv, int64_t D,         \
              int64_t block_size, int64_t W, int64_t block_stride, int64_t head_stride,             \
              int64_t token_stride, float scale) {                                                  \
-        const struct pools a = {q, k, v, table, first, lengths, out, H, H / Hkv, D, block_size, W, \
-                                block_stride, head_stride, token_stride, scale};                   \
+        const struct pools a = {q, (T *)k, (T *)v, table, first, lengths, out, H, H / Hkv, D,      \
+                                block_size, W, block_stride, head_stride, token_stride, scale,     \
+                                NULL, NULL, 0, 0, 0, 0};                                           \
+        return attend_all(&a, B, Hkv, BF16);                                                       \
+    }
+
+/* The same after appending each row's new key and value, k_new / v_new (row b, K/V head h at
+ * element b · *_b + h · *_h), at its last position, lengths[b] − 1, of the paged pools. */
+#define APPEND_ATTENTION(NAME, T, BF16)                                                            \
+    int NAME(const T *q, T *k, T *v, const int64_t *table, const int64_t *lengths, T *out,         \
+             int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, int64_t W,          \
+             int64_t block_stride, int64_t head_stride, int64_t token_stride, float scale,         \
+             const T *k_new, const T *v_new, int64_t k_new_b, int64_t k_new_h, int64_t v_new_b,    \
+             int64_t v_new_h) {                                                                    \
+        const struct pools a = {q, k, v, table, NULL, lengths, out, H, H / Hkv, D, block_size, W,  \
+                                block_stride, head_stride, token_stride, scale, k_new, v_new,      \
+                                k_new_b, k_new_h, v_new_b, v_new_h};                               \
         return attend_all(&a, B, Hkv, BF16);                                                       \
     }
 
 DECODE_ATTENTION(decode_attention_f32, float, 0)
 DECODE_ATTENTION(decode_attention_bf16, uint16_t, 1)
+APPEND_ATTENTION(append_attention_f32, float, 0)
+APPEND_ATTENTION(append_attention_bf16, uint16_t, 1)

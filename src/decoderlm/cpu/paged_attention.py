@@ -37,6 +37,7 @@ from decoderlm.cpu import native
 SOURCE = Path(__file__).with_name("paged_attention.c")
 OPS_SOURCES = [SOURCE, Path(__file__).with_name("decode_attention_ops.cpp")]
 FUNCTIONS = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
+APPENDING = {torch.float32: "append_attention_f32", torch.bfloat16: "append_attention_bf16"}
 
 _OPS = torch.library.Library("decoderlm", "FRAGMENT")
 _OPS.define(
@@ -63,6 +64,13 @@ def _library() -> ctypes.CDLL | None:
         function = getattr(library, name)
         function.restype = ctypes.c_int
         function.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 9 + [ctypes.c_float]
+    for name in APPENDING.values():
+        function = getattr(library, name)
+        function.restype = ctypes.c_int
+        function.argtypes = (
+            [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 9 + [ctypes.c_float]
+            + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4
+        )  # fmt: skip
     return library
 
 
@@ -89,13 +97,16 @@ def paged_decode_attention(
     lengths: Tensor,
     scale: float,
     checked: bool = False,
+    new: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """softmax(q Kᵀ · scale) V for one query per row, the keys read from the pools in place.
 
     q (B, H, 1, hd); k, v: pools (num_blocks, block_size, Hkv, hd) of q's dtype; table (B, W)
     int64 block tables; lengths (B,) int64: row b attends its first lengths[b] ≥ 1 positions,
     in blocks table[b, 0], table[b, 1], .... Returns (B, H, 1, hd). checked: the caller ran
-    `check_block_tables` on these table and lengths (once per step for all layers).
+    `check_block_tables` on these table and lengths (once per step for all layers). new: each
+    row's new key and value (B, Hkv, 1, hd), written first to its last position, lengths[b] − 1
+    (a decode step's store, by the same threads: its cache misses hide behind the reading).
     """
     b, h, t, d = q.shape
     num_blocks, block_size, h_kv, _ = k.shape
@@ -107,15 +118,32 @@ def paged_decode_attention(
     table, lengths = table.contiguous(), lengths.contiguous()
     out = torch.empty_like(q)
     strides = (block_size * h_kv * d, d, h_kv * d)  # a block's, a head's, a token's
-    status = getattr(_library(), FUNCTIONS[q.dtype])(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), None, lengths.data_ptr(),
-        out.data_ptr(), b, h, h_kv, d, block_size, table.shape[1], *strides, scale,
-    )  # fmt: skip
+    if new is None:
+        status = getattr(_library(), FUNCTIONS[q.dtype])(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), None, lengths.data_ptr(),
+            out.data_ptr(), b, h, h_kv, d, block_size, table.shape[1], *strides, scale,
+        )  # fmt: skip
+    else:
+        k_new, v_new = (_rows(x, (b, h_kv, 1, d), q.dtype) for x in new)
+        status = getattr(_library(), APPENDING[q.dtype])(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), lengths.data_ptr(),
+            out.data_ptr(), b, h, h_kv, d, block_size, table.shape[1], *strides, scale,
+            k_new.data_ptr(), v_new.data_ptr(), *k_new.stride()[:2], *v_new.stride()[:2],
+        )  # fmt: skip
     if status == -2:
         raise ValueError(f"paged_decode_attention: head_dim {d} > 512, the kernel's largest")
     if status != 0:
         raise MemoryError("paged_decode_attention: no memory for the scores")
     return out
+
+
+def _rows(x: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """x of `shape` and `dtype`, its last dim contiguous (the kernel reads rows at any stride)."""
+    if tuple(x.shape) != shape or x.dtype != dtype:
+        raise ValueError(
+            f"paged_decode_attention: new rows {tuple(x.shape)} {x.dtype}, not {shape}"
+        )
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 @functools.cache

@@ -214,16 +214,15 @@ class PagedLayerCache(BaseLayerCache):
         b, h, t, hd = q.shape
         if not self.in_place or (t > 1 and self.queries is None):
             return None
-        self._store(k, v)
-        if self.queries is None:  # a decode step: one query per row
-            table, lengths = self.read, self.lengths
-        else:  # one kernel row per query (several per row, or packed rows of one each)
-            table, lengths = self.queries
-            q = q.transpose(1, 2).reshape(b * t, h, 1, hd)  # (B·T, H, 1, hd)
-        out = paged_decode_attention(  # `PagedKVCache.seek` checked this step's tables
-            q, self.k, self.v, table, lengths, scale, checked=True
-        )
-        return out if t == 1 else out.view(b, t, h, hd).transpose(1, 2)  # (B, H, T, hd)
+        if self.queries is None:  # a decode step: one query per row, its K/V stored by the kernel
+            return paged_decode_attention(  # `PagedKVCache.seek` checked this step's tables
+                q, self.k, self.v, self.read, self.lengths, scale, checked=True, new=(k, v)
+            )
+        self._store(k, v)  # one kernel row per query (several per row, or packed rows of one each)
+        table, lengths = self.queries
+        q = q.transpose(1, 2).reshape(b * t, h, 1, hd)  # (B·T, H, 1, hd)
+        out = paged_decode_attention(q, self.k, self.v, table, lengths, scale, checked=True)
+        return out.view(b, t, h, hd).transpose(1, 2)  # (B, H, T, hd)
 
     def _attend_segments(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """A pass over several sequences' tokens in one row (`PagedKVCache.seek_segments`): store
