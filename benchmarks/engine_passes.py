@@ -4,7 +4,9 @@ where a prefill chunk's and a wide decode step's time goes.
 `ModelRunner.forward` over B rows of n tokens each, all starting at position `start` (a prefill
 chunk: n > 1; a decode step: n = 1 over `start` cached tokens, whose K/V is whatever the pool
 holds), in --dtype, with `SpeedPaths.for_engine()` and with each of its paths switched off in
-turn (`without`), then with none. Each cell: the median of --runs passes after two warm-ups, ms.
+turn (`without`), then with none; first the decode shapes through the engine's compiled pass
+(`ModelRunner(compile=True)`: any number of rows where the linears run on AMX tiles, else one).
+Each cell: the median of --runs passes after two warm-ups, ms.
 Then a step's prefill chunks of different lengths (--ragged C: C prompts of 100-130 tokens),
 with the engine's paths: as one pass of segments (`ModelRunner`'s rows of different lengths), and
 as one pass per length (how the engine ran them before).
@@ -67,9 +69,9 @@ def median_ms(runner: ModelRunner, groups: list[list[Row]], runs: int) -> float:
     return statistics.median(times)
 
 
-def runner_for(model: torch.nn.Module, paths: SpeedPaths) -> ModelRunner:
+def runner_for(model: torch.nn.Module, paths: SpeedPaths, compile: bool = False) -> ModelRunner:
     return ModelRunner(model, kv_cache_memory="1GiB", block_size=16, kv_cache_dtype=None,
-                       cpu_kernels=paths)  # fmt: skip
+                       cpu_kernels=paths, compile=compile)  # fmt: skip
 
 
 def time_pass(model: torch.nn.Module, paths: SpeedPaths, shape: tuple[int, int, int], runs: int) -> float:  # fmt: skip
@@ -102,6 +104,16 @@ def main() -> None:
     variants += [("none", SpeedPaths.none())]
     print("| paths | " + " | ".join(f"{s} ms" for s in args.shapes) + " |")
     print("|---" * (len(args.shapes) + 1) + "|")
+    compiled = runner_for(model, SpeedPaths.for_engine(), compile=True)
+    if compiled.step is not None:  # the decode shapes through the engine's compiled pass
+        cells = [
+            f"{median_ms(compiled, [make_rows(model, [n] * b, start)], args.runs):.1f}"
+            if n == 1 and b <= compiled.step.max_batch
+            else "–"
+            for b, n, start in map(parse_shape, args.shapes)
+        ]
+        label = f"compiled decode pass (≤ {compiled.step.max_batch} rows)"
+        print(f"| {label} | " + " | ".join(cells) + " |")
     for label, paths in variants:
         cells = [time_pass(model, paths, parse_shape(s), args.runs) for s in args.shapes]
         print(f"| {label} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")

@@ -130,3 +130,27 @@ def test_an_mlp_with_a_quantized_or_subclassed_linear_is_not_fused():
 
     mlp.gate.__class__ = Quantized
     assert not PackedSwiGLU.fuses(mlp)
+
+
+@needs_amx
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_the_op_that_compiled_passes_call_gives_the_kernels_bits(swiglu):
+    # decoderlm::amx_linear (amx_linear_ops.cpp) over the same packs as the ctypes path, x of
+    # three dims and transposed (made contiguous by the op).
+    assert amx_linear.op_available()
+    g = torch.Generator().manual_seed(5)
+    gate, up = (torch.randn(40, 96, generator=g).bfloat16() * 0.1 for _ in range(2))
+    x = torch.randn(96, 3, 11, generator=g).bfloat16().permute(1, 2, 0)  # (3, 11, 96), strided
+    if swiglu:
+        packed, expected = (
+            amx_linear.pack_swiglu(gate, up),
+            amx_linear.swiglu(x, amx_linear.pack_swiglu(gate, up), 40),
+        )
+    else:
+        packed, expected = amx_linear.pack(gate), amx_linear.linear(x, amx_linear.pack(gate), 40)
+    got = torch.ops.decoderlm.amx_linear(x, packed, 40, swiglu)
+    assert got.shape == (3, 11, 40) and torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match="packed weight's 96 inputs"):
+        torch.ops.decoderlm.amx_linear(x[..., :64], packed, 40, swiglu)
+    with pytest.raises(RuntimeError, match="blocks"):
+        torch.ops.decoderlm.amx_linear(x, packed, 80, swiglu)  # more outputs than it holds

@@ -1,6 +1,7 @@
 """The engine's decode pass compiled ahead of time (`decoderlm.cpu.paged_step`, `Engine(compile=
 True)`): the same logits as the eager pass for one row (the one-row library, the engine's) and for
-several rows of different lengths (the library of any batch size), writes to no slot but the
+several rows of different lengths (the library of any batch size, which the engine takes in
+bfloat16 on AMX tiles, its linears by the op decoderlm::amx_linear), writes to no slot but the
 rows' own, and greedy requests equal to their solo `generate`. The libraries are compiled once per machine (about
 a minute each on 2 shared cores) and loaded from the disk cache after."""
 
@@ -20,7 +21,7 @@ from test_engine import (
 )
 
 from decoderlm import DecoderLMError, generate
-from decoderlm.cpu import paged_attention, paged_step
+from decoderlm.cpu import amx_linear, paged_attention, paged_step
 from decoderlm.engine.engine import Engine
 from decoderlm.engine.passes import Row
 from decoderlm.engine.runner import ModelRunner
@@ -97,6 +98,35 @@ def test_the_compiled_pass_gives_the_eager_logits_for_one_row_and_rows_of_differ
             runner.step = step
     assert compiled.shape == (len(lengths), runner.model.config.vocab_size)
     assert torch.allclose(compiled, eager, atol=ATOL, rtol=0), (compiled - eager).abs().max()
+
+
+@pytest.mark.skipif(
+    not (
+        amx_linear.supports(torch.zeros(1, 32, dtype=torch.bfloat16)) and amx_linear.op_available()
+    ),
+    reason="no AMX-BF16 tiles here, or no C/C++ compiler for their op",
+)
+def test_on_amx_tiles_the_engine_compiles_every_batch_and_gives_the_eager_logits(tok):
+    model = tiny_model(tok, torch.bfloat16, d_ff=64)  # every linear's inputs a multiple of 32
+    runner = ModelRunner(
+        model, kv_cache_memory="64KiB", block_size=BLOCK, kv_cache_dtype=None,
+        cpu_kernels=True, compile=True,
+    )  # fmt: skip
+    assert runner.step is not None and runner.step.max_batch == paged_step.MAX_BATCH
+    rows = [Row.of(s, 1) for s in prefilled(runner, [3, 9, 13, 6])]
+    with runner.running():
+        with torch.profiler.profile() as prof:
+            compiled = runner.forward(rows)  # (B, V)
+        step, runner.step = runner.step, None
+        try:
+            eager = runner.forward(rows)
+        finally:
+            runner.step = step
+    assert "decoderlm::amx_linear" in {event.key for event in prof.key_averages()}
+    # The same tile products; the norms, RoPE and SiLU fused by inductor round differently from
+    # the eager C kernels: a few bfloat16 steps of the largest logit (measured 1 step).
+    step_size = torch.finfo(torch.bfloat16).eps * eager.abs().max()
+    assert (compiled - eager).abs().max() <= 4 * step_size
 
 
 def test_the_compiled_pass_writes_each_rows_slot_and_no_other(runner):

@@ -111,9 +111,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-compile",
         dest="compile",
         action="store_false",
-        help="run the engine's one-sequence decode passes eagerly, not by the library compiled "
-        "ahead of time when the engine starts (minutes the first time on a machine, then loaded from the disk "
-        "cache; CPU float32/bfloat16 models without a sliding window)",
+        help="run the engine's decode passes eagerly, not by the libraries compiled ahead of "
+        "time when the engine starts (minutes the first time on a machine, then loaded from the "
+        "disk cache; CPU float32/bfloat16 models without a sliding window: one sequence, or "
+        "any number where every linear runs on AMX tiles)",
     )
     parser.add_argument(
         "--batch-invariant",

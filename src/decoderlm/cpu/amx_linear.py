@@ -16,6 +16,11 @@ same bits as the two linears and `decoderlm.cpu.fused.silu_mul`. `supports(weigh
 of 32, a CPU with AMX-BF16 (and AVX512-BF16, for the rounding), a C compiler to build the kernel
 (`decoderlm.cpu.native`), and Linux granting the process the tile state (arch_prctl
 ARCH_REQ_XCOMP_PERM).
+
+Eagerly the kernel is called through ctypes; traced code (the engine's compiled decode pass of
+several rows, `decoderlm.cpu.paged_step`) calls the same kernel as the op decoderlm::amx_linear
+(`amx_linear_ops.cpp`, built where `op_available` says), which a library compiled ahead of time
+calls without Python, the packed weights among its inputs.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from decoderlm.cpu import features, native
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("amx_linear.c")
+OPS_SOURCES = [SOURCE, Path(__file__).with_name("amx_linear_ops.cpp")]
 CPU_FLAGS = {"amx_tile", "amx_bf16", "avx512_bf16"}
 INPUTS_PER_TILE = 32  # K is consumed 32 inputs (one tile row of 64 bytes) at a time
 OUTPUTS_PER_BLOCK = 16
@@ -51,6 +57,17 @@ def _library() -> ctypes.CDLL | None:
     library.amx_linear_bf16.restype = None
     library.amx_linear_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     return library
+
+
+_OPS = torch.library.Library("decoderlm", "FRAGMENT")
+_OPS.define("amx_linear(Tensor x, Tensor packed, int out_features, bool swiglu) -> Tensor")
+
+
+@torch.compiler.assume_constant_result  # asked while tracing; the answer never changes
+@functools.cache
+def op_available() -> bool:
+    """Whether the op decoderlm::amx_linear runs here (the kernel, and its op built)."""
+    return _library() is not None and native.load_ops(OPS_SOURCES, "no compiled pass of many rows")
 
 
 def supports(weight: Tensor) -> bool:
@@ -92,6 +109,8 @@ def swiglu(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
 
 
 def _run(x: Tensor, packed: Tensor, out_features: int, swiglu: bool) -> Tensor:
+    if torch.compiler.is_compiling():
+        return torch.ops.decoderlm.amx_linear(x, packed, out_features, swiglu)
     k = packed.shape[1] * 2
     if x.shape[-1] != k or x.dtype != torch.bfloat16:
         raise ValueError(f"amx_linear: x {tuple(x.shape)} {x.dtype} for a weight of {k} inputs")
@@ -103,3 +122,8 @@ def _run(x: Tensor, packed: Tensor, out_features: int, swiglu: bool) -> Tensor:
             int(swiglu),
         )  # fmt: skip
     return y.view(*x.shape[:-1], out_features)
+
+
+@torch.library.register_fake("decoderlm::amx_linear", lib=_OPS)
+def _(x: Tensor, packed: Tensor, out_features: int, swiglu: bool) -> Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from decoderlm.cpu import amx_linear
+from decoderlm.cpu import amx_linear, gemv
 from decoderlm.model.layers import MLP
 
 BATCH_HINT = 16  # rows the layout is tuned for (any row count runs on it)
@@ -49,13 +49,15 @@ class PackedLinear(nn.Module):
         self.linear = linear  # the original, for one row in float32 (MKL's GEMV is faster there)
         weight = linear.weight.detach()
         self.amx = amx_linear.supports(weight)
-        if self.amx:
-            self.packed = amx_linear.pack(weight)
-        else:
+        if self.amx:  # a buffer: an input of the compiled pass (`_traced`)
+            self.register_buffer("packed", amx_linear.pack(weight), persistent=False)
+        else:  # oneDNN's opaque layout, for eager passes only
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: Tensor) -> Tensor:  # (..., in_features) → (..., out_features)
+        if torch.compiler.is_compiling():
+            return self._traced(x)
         rows = x.shape[:-1].numel()
         if (x.dtype == torch.float32 and rows == 1) or (self.amx and rows >= AMX_ROWS_MAX):
             return F.linear(x, self.linear.weight, self.linear.bias)
@@ -63,6 +65,14 @@ class PackedLinear(nn.Module):
             y = amx_linear.linear(x, self.packed, self.linear.out_features)
             return y if self.bias is None else y + self.bias
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def _traced(self, x: Tensor) -> Tensor:
+        """In a compiled pass (`decoderlm.cpu.paged_step`): rows by the op over the AMX pack, one
+        row (and every row without AMX) by F.linear, which the pass's `CPULinearKernels` routes."""
+        if self.amx and not gemv.one_row_of(x):
+            y = amx_linear.linear(x, self.packed, self.linear.out_features)  # the op, traced
+            return y if self.linear.bias is None else y + self.linear.bias
+        return F.linear(x, self.linear.weight, self.linear.bias)
 
 
 class PackedSwiGLU(nn.Module):
@@ -73,7 +83,8 @@ class PackedSwiGLU(nn.Module):
     def __init__(self, mlp: MLP) -> None:
         super().__init__()
         self.mlp, self.down = mlp, PackedLinear(mlp.down)
-        self.packed = amx_linear.pack_swiglu(mlp.gate.weight.detach(), mlp.up.weight.detach())
+        packed = amx_linear.pack_swiglu(mlp.gate.weight.detach(), mlp.up.weight.detach())
+        self.register_buffer("packed", packed, persistent=False)  # a compiled pass's input
 
     @staticmethod
     def fuses(mlp: nn.Module) -> bool:
@@ -91,6 +102,8 @@ class PackedSwiGLU(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:  # (..., d_model) → (..., d_model)
+        if torch.compiler.is_compiling() and gemv.one_row_of(x):
+            return self.mlp(x)  # compiled, one row: its linears by `CPULinearKernels`
         h = amx_linear.swiglu(x, self.packed, self.mlp.up.out_features)  # (..., d_ff)
         return self.mlp.dropout(self.down(h))
 

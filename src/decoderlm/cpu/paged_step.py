@@ -12,8 +12,11 @@ slot = table[b, p // block_size] · block_size + p mod block_size.
 vLLM captures CUDA graphs for a few padded batch sizes because a graph has fixed shapes. An
 AOTInductor library can leave the batch dimension symbolic instead, so two libraries cover every
 batch size with no padding rows: one row (traced with the one-row linear kernels of
-`decoderlm.cpu.gemv`) and 2..`max_batch` rows (the engine takes the first only: COMPILED_ROWS in
-`engine.runner`). They are made with `CompiledPagedStep` (the engine's start): the first start on
+`decoderlm.cpu.gemv`) and 2..`max_batch` rows. The engine takes the second where its linears are
+packed for AMX tiles: traced with the packed modules in place (`engine.runner`), the packs are
+inputs of the library like the weights, and its linears the op decoderlm::amx_linear; elsewhere
+only the first (COMPILED_ROWS), as inductor's GEMMs over unpacked weights made a wider pass no
+faster than the eager one over packed linears. They are made with `CompiledPagedStep` (the engine's start): the first start on
 a machine compiles them (minutes on 2 cores), later ones load them from the disk cache.
 """
 

@@ -43,7 +43,7 @@ from torch import nn
 from decoderlm.cpu import heap, optimize, optimized
 from decoderlm.cpu.decode import CPULinearKernels
 from decoderlm.cpu.fused import FusedOps
-from decoderlm.cpu.packed_linear import pack_linears, swapped
+from decoderlm.cpu.packed_linear import PackedSwiGLU, pack_linears, swapped
 from decoderlm.errors import DecoderLMError
 
 
@@ -144,6 +144,24 @@ class AppliedPaths:
         self._open: list[
             AbstractContextManager[None]
         ] = []  # the `with` blocks entered, innermost last
+
+    @property
+    def tile_products(self) -> bool:
+        """Whether every linear layer (a module with in_ and out_features) is packed for AMX
+        tiles (`amx_linear`): then a compiled pass of several rows takes them as the op
+        decoderlm::amx_linear. A quantized linear, which no pack takes, keeps such passes eager."""
+        tiles: set[int] = set()
+        for _, _, plain, packed in self._packed:
+            if isinstance(packed, PackedSwiGLU):
+                tiles.update(id(m) for m in plain.modules())
+            elif packed.amx:
+                tiles.add(id(plain))
+        linears = [
+            m
+            for m in self.model.modules()
+            if hasattr(m, "in_features") and hasattr(m, "out_features")
+        ]
+        return bool(tiles) and all(id(m) in tiles for m in linears)
 
     def __enter__(self) -> AppliedPaths:
         swap = self._swapped()

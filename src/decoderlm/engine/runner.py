@@ -8,10 +8,10 @@ One forward over a pass's rows (`passes.Row`: each row's tokens, where they star
   place by `decoderlm.cpu.paged_attention` on the CPU, else gathered and padded under a key mask;
   a layer with a sliding window gathers only the keys inside it. A model with recurrent layers
   keeps their states in pages of the same budget (`state_pool`): gathered once for the pass,
-  written back after it. With `compile`, a decode pass of up to COMPILED_ROWS rows runs the
-  library compiled ahead of time (`decoderlm.cpu.paged_step`), made when the runner is; wider
-  decode passes, prefill chunks and models it does not take (recurrent layers among them) run
-  eagerly;
+  written back after it. With `compile`, a decode pass runs the library compiled ahead of time
+  (`decoderlm.cpu.paged_step`), made when the runner is: any number of rows where every linear
+  runs on AMX tiles, else one row (COMPILED_ROWS); wider decode passes, prefill chunks and models
+  it does not take (recurrent layers among them) run eagerly;
 - rows of different lengths of which one runs more than `IN_PLACE_MAX_TOKENS` (prefill chunks of
   prompts of different lengths, decode rows beside them), or that neither of the next two ways
   takes, run as segments of one row of Σ n_b tokens, so that the linear weights are read once for
@@ -43,7 +43,7 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor
 
-from decoderlm.cpu import invariant, paged_attention, paged_step
+from decoderlm.cpu import amx_linear, invariant, paged_attention, paged_step
 from decoderlm.cpu.packed_linear import swapped
 from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.engine.kv_pool import IN_PLACE_MAX_TOKENS, PagedKVCache, blocks_for
@@ -57,9 +57,10 @@ from decoderlm.model.cache import kv_cache_bytes_per_token
 from decoderlm.model.lm import DecoderLM
 
 log = logging.getLogger(__name__)
-# The compiled pass's rows: a wider compiled pass measured no faster than the eager one over
-# packed linears (benchmarks/README.md, engine_profile.py), so wider passes stay eager and the
-# start compiles one library, not two.
+# The compiled pass's rows where its linears have no AMX tiles: over oneDNN's unpacked GEMM a
+# wider compiled pass measured no faster than the eager one over packed linears
+# (benchmarks/README.md, engine_passes.py), so wider passes stay eager and the start compiles one
+# library, not two. With the tiles (the op decoderlm::amx_linear) it takes up to MAX_BATCH rows.
 COMPILED_ROWS = 1
 
 
@@ -91,7 +92,8 @@ class ModelRunner:
         reuse the last step's pages instead of faulting in new ones; and, for float32 and
         bfloat16 pools, the decode rows of layers without a window attended in place, without
         gathering their blocks (`decoderlm.cpu.paged_attention`, where a C compiler builds it).
-        compile: decode passes of up to COMPILED_ROWS rows by
+        compile: decode passes (of up to COMPILED_ROWS rows, or `paged_step.MAX_BATCH` where
+        the linears run on AMX tiles: `AppliedPaths.tile_products`) by
         `decoderlm.cpu.paged_step.CompiledPagedStep` where it runs (the CPU, float32 or bfloat16
         pools, no sliding window, no recurrent layers), its library made now (compiled the
         first time on a machine, then loaded from the disk cache; `compile_s` says how long),
@@ -151,15 +153,17 @@ class ModelRunner:
             and paged_step.compiles(model, floats.dtype, self.device)
         ):
             return None
-        step = paged_step.CompiledPagedStep(
-            model,
-            [layer.k for layer in self.cache.layers],
-            [layer.v for layer in self.cache.layers],
-            next_logits,
-            width=self.width,
-            max_batch=COMPILED_ROWS,
-            linear_kernels=self.paths.paths.packed_linears,
-        )
+        tiles = self.paths.tile_products and amx_linear.op_available()
+        with self.paths:  # traced as the eager passes run: packed linears, their packs inputs
+            step = paged_step.CompiledPagedStep(
+                model,
+                [layer.k for layer in self.cache.layers],
+                [layer.v for layer in self.cache.layers],
+                next_logits,
+                width=self.width,
+                max_batch=paged_step.MAX_BATCH if tiles else COMPILED_ROWS,
+                linear_kernels=self.paths.paths.packed_linears,
+            )
         log.info("decoderlm engine: the compiled decode pass took %.1f s", step.compile_s)
         return step
 
