@@ -2,7 +2,7 @@
 tokens in one row, each attending its own keys): each sequence's logits are those of running it
 alone, with and without a sliding window, over float and int8 KV pools, from the start of a prompt
 and from the middle of one, the decode rows among them attended in place; an engine step schedules
-them as one pass."""
+them as one pass, and where every layer attends in place the decode rows with them."""
 
 from __future__ import annotations
 
@@ -95,3 +95,18 @@ def test_prompts_of_different_lengths_prefill_in_one_pass():
         engine.submit(list(range(1, n + 1)), params, on_event=lambda event: None)
     (prefill,) = engine.core.schedule()
     assert isinstance(prefill, PrefillPass) and prefill.sizes == [7, 19, 30]
+
+
+@pytest.mark.skipif(
+    not paged_attention.available(torch.float32, torch.device("cpu")), reason="no C compiler"
+)
+def test_where_every_layer_attends_in_place_the_decode_rows_join_the_prompts_pass():
+    tok = Tokenizer.train_char(["abcdefghijklmnopqrstuvwxyz .,\n"])
+    engine = Engine(model().float(), tok, block_size=4, prefill_chunk=32, max_batched_tokens=256)
+    assert engine.runner.cache.packable
+    params = RequestParams(4, SamplingParams(temperature=0), ignore_eos=True)
+    engine.submit([1, 2, 3], params, on_event=lambda event: None)
+    engine.step()  # its prompt and first token: it decodes from now on
+    engine.submit(list(range(1, 20)), params, on_event=lambda event: None)
+    (one,) = engine.core.schedule()  # one pass: the weights read once for both
+    assert isinstance(one, PrefillPass) and one.sizes == [1, 19]

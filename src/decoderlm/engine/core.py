@@ -4,7 +4,9 @@ output.
 - `schedule` (under the engine's lock): the `Scheduler`'s plan becomes this step's typed passes
   (`passes`): a `DecodePass` of the decoding sequences, or a `VerifyPass` when some of them
   speculate (their proposer's room made in their blocks), and a `PrefillPass` of the prefill
-  chunks (with recurrent states, one per start and length: their rows run uniform only).
+  chunks (with recurrent states, one per start and length: their rows run uniform only). Where
+  every layer attends in place, the decoding sequences' rows join the chunks' pass instead (one
+  token each, attended by the in-place kernel beside the chunks: the weights read once a step).
 - `run` (outside the lock, inside `runner.running()`): a `VerifyPass` first gets its proposals
   (`proposers.Proposer.propose`: where a token is proposed), then every pass runs through the one
   `ModelRunner.forward` (where a token is verified: the target's logits at each draft).
@@ -167,7 +169,12 @@ class EngineCore:
         if not plan.prefill:
             return passes
         if self.runner.states is None:  # every chunk in one pass: the weights read once
-            return [*passes, PrefillPass(*map(list, zip(*plan.prefill, strict=True)))]
+            chunks = PrefillPass(*map(list, zip(*plan.prefill, strict=True)))
+            if not room and self.runner.cache.packable:  # the decode rows among them, in place
+                return [
+                    PrefillPass(plan.decode + chunks.seqs, [1] * len(plan.decode) + chunks.sizes)
+                ]
+            return [*passes, chunks]
         chunks: dict[tuple[int, int], list[Sequence]] = {}  # recurrent states: one pass per
         for seq, n in plan.prefill:  # (start, n), of uniform rows
             chunks.setdefault((seq.n_computed, n), []).append(seq)
