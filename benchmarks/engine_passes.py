@@ -105,12 +105,15 @@ def main() -> None:
     print("| paths | " + " | ".join(f"{s} ms" for s in args.shapes) + " |")
     print("|---" * (len(args.shapes) + 1) + "|")
     compiled = runner_for(model, SpeedPaths.for_engine(), compile=True)
-    if compiled.step is not None:  # the decode shapes through the engine's compiled pass
+    shapes = list(map(parse_shape, args.shapes))
+    if compiled.step is not None and any(
+        n == 1 and b <= compiled.step.max_batch for b, n, _ in shapes
+    ):
         cells = [
             f"{median_ms(compiled, [make_rows(model, [n] * b, start)], args.runs):.1f}"
             if n == 1 and b <= compiled.step.max_batch
             else "–"
-            for b, n, start in map(parse_shape, args.shapes)
+            for b, n, start in shapes
         ]
         label = f"compiled decode pass (≤ {compiled.step.max_batch} rows)"
         print(f"| {label} | " + " | ".join(cells) + " |")

@@ -227,7 +227,9 @@ class PagedLayerCache(BaseLayerCache):
     def _attend_segments(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """A pass over several sequences' tokens in one row (`PagedKVCache.seek_segments`): store
         k, v (1, Hkv, N, hd), then each sequence's queries attend its own keys, read from the
-        pool (its first start + n_b positions, or those within the window), by SDPA, or, where
+        pool (its first start + n_b positions, or those within the window; a chunk that sees only
+        its own new keys, a prompt's first, takes them from k, v, the bits a plain pool holds), by
+        SDPA, or, where
         `queries` holds (places, tables, lengths), those places by the in-place kernel; q (1, H,
         N, hd) → (1, H, N, hd)."""
         self._store(k, v)
@@ -238,8 +240,11 @@ class PagedLayerCache(BaseLayerCache):
             attended = paged_decode_attention(rows, self.k, self.v, table, lengths, scale, checked=True)  # fmt: skip
             out[0].index_copy_(1, places, attended[:, :, 0].transpose(0, 1))  # (H, Ns, hd)
         for offset, n, slots in self.segments:
-            keys = self.k_slots.index_select(0, slots).transpose(0, 1)[None]  # (1, Hkv, Tk_b, hd)
-            values = self.v_slots.index_select(0, slots).transpose(0, 1)[None]
+            if len(slots) == n and isinstance(self.k, Tensor):  # it attends its own new keys
+                keys, values = k[:, :, offset : offset + n], v[:, :, offset : offset + n]
+            else:  # gathered from the pool: (1, Hkv, Tk_b, hd) each
+                keys = self.k_slots.index_select(0, slots).transpose(0, 1)[None]
+                values = self.v_slots.index_select(0, slots).transpose(0, 1)[None]
             part = q[:, :, offset : offset + n]  # (1, H, n_b, hd)
             out[:, :, offset : offset + n] = attend(part, keys, values, scale=scale, window=self.window)[0]  # fmt: skip
         return out
