@@ -15,8 +15,8 @@ batch size with no padding rows: one row (traced with the one-row linear kernels
 `decoderlm.cpu.gemv`) and 2..`max_batch` rows. The engine takes the second where its linears are
 packed for AMX tiles: traced with the packed modules in place (`engine.runner`), the packs are
 inputs of the library like the weights, and its linears the op decoderlm::amx_linear; elsewhere
-only the first (COMPILED_ROWS), as inductor's GEMMs over unpacked weights made a wider pass no
-faster than the eager one over packed linears. They are made with `CompiledPagedStep` (the engine's start): the first start on
+only the first (COMPILED_ROWS): a traced F.linear reads the plain weights through oneDNN's GEMM,
+slower for a few rows than the eager pass's packed linears. They are made with `CompiledPagedStep` (the engine's start): the first start on
 a machine compiles them (minutes on 2 cores), later ones load them from the disk cache.
 """
 

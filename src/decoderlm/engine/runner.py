@@ -57,10 +57,11 @@ from decoderlm.model.cache import kv_cache_bytes_per_token
 from decoderlm.model.lm import DecoderLM
 
 log = logging.getLogger(__name__)
-# The compiled pass's rows where its linears have no AMX tiles: over oneDNN's unpacked GEMM a
-# wider compiled pass measured no faster than the eager one over packed linears
-# (benchmarks/README.md, engine_passes.py), so wider passes stay eager and the start compiles one
-# library, not two. With the tiles (the op decoderlm::amx_linear) it takes up to MAX_BATCH rows.
+# The compiled pass's rows where its linears have no AMX tiles: a traced F.linear reads the plain
+# weights through oneDNN's GEMM, slower for a few rows than the eager pass's packed linears (the
+# linears of a 64-row SmolLM2 step: ~30 ms against ~17 on the tiles), so wider passes stay eager
+# and the start compiles one library, not two. With the tiles (the op decoderlm::amx_linear over
+# the packs) it takes up to paged_step.MAX_BATCH rows.
 COMPILED_ROWS = 1
 
 
