@@ -133,6 +133,20 @@ def test_an_mlp_with_a_quantized_or_subclassed_linear_is_not_fused():
 
 
 @needs_amx
+def test_only_a_model_whose_every_linear_is_on_the_tiles_compiles_passes_of_many_rows():
+    model = DecoderLM(ModelConfig.from_preset("llama-tiny", d_model=64, n_layers=1, n_heads=4))
+    model = model.bfloat16()
+    assert SpeedPaths.for_engine().applied(model).tile_products
+
+    class Quantized(nn.Linear):  # what no pack takes: a quantized model's linears
+        pass
+
+    model.blocks[0].attn.proj.__class__ = Quantized
+    assert not SpeedPaths.for_engine().applied(model).tile_products
+    assert not SpeedPaths.for_engine().applied(model.float()).tile_products  # float32: oneDNN
+
+
+@needs_amx
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_the_op_that_compiled_passes_call_gives_the_kernels_bits(swiglu):
     # decoderlm::amx_linear (amx_linear_ops.cpp) over the same packs as the ctypes path, x of
