@@ -228,10 +228,9 @@ class PagedLayerCache(BaseLayerCache):
         """A pass over several sequences' tokens in one row (`PagedKVCache.seek_segments`): store
         k, v (1, Hkv, N, hd), then each sequence's queries attend its own keys, read from the
         pool (its first start + n_b positions, or those within the window; a chunk that sees only
-        its own new keys, a prompt's first, takes them from k, v, the bits a plain pool holds), by
-        SDPA, or, where
-        `queries` holds (places, tables, lengths), those places by the in-place kernel; q (1, H,
-        N, hd) → (1, H, N, hd)."""
+        its own new keys, a prompt's first, takes them from k, v, the bits a plain pool holds),
+        by SDPA, or, where `queries` holds (places, tables, lengths), those places by the
+        in-place kernel; q (1, H, N, hd) → (1, H, N, hd)."""
         self._store(k, v)
         out = torch.empty_like(q)  # (1, H, N, hd): every place is written below
         if self.queries is not None:
