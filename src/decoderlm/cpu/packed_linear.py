@@ -71,6 +71,7 @@ class PackedLinear(nn.Module):
         row (and every row without AMX) by F.linear, which the pass's `CPULinearKernels` routes."""
         if self.amx and not gemv.one_row_of(x):
             y = amx_linear.linear(x, self.packed, self.linear.out_features)  # the op, traced
+            # (the parameter, an input of the pass, not the detached `bias`, which would be a constant)
             return y if self.linear.bias is None else y + self.linear.bias
         return F.linear(x, self.linear.weight, self.linear.bias)
 

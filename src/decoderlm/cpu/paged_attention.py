@@ -60,17 +60,12 @@ def _library() -> ctypes.CDLL | None:
     library = native.load([SOURCE], "paged attention gathers the blocks instead", ctypes.CDLL)
     if library is None:
         return None
-    for name in FUNCTIONS.values():
-        function = getattr(library, name)
-        function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 9 + [ctypes.c_float]
-    for name in APPENDING.values():
-        function = getattr(library, name)
-        function.restype = ctypes.c_int
-        function.argtypes = (
-            [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 9 + [ctypes.c_float]
-            + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4
-        )  # fmt: skip
+    attend = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 9 + [ctypes.c_float]
+    append = attend[1:] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4  # no `first`; k_new, v_new
+    for names, argtypes in ((FUNCTIONS, attend), (APPENDING, append)):
+        for name in names.values():
+            function = getattr(library, name)
+            function.restype, function.argtypes = ctypes.c_int, argtypes
     return library
 
 
