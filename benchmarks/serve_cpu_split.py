@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -110,6 +111,8 @@ def main() -> None:
         root = int(subprocess.check_output(pgrep).split()[0])
         print(f"{args.side} {' '.join(args.serve_arg)} up in {startup:.0f} s; load average "
               f"{os.getloadavg()[0]:.2f}")  # fmt: skip
+        gc.collect()
+        gc.freeze()  # as `vllm bench serve` does: no pauses of the client's collector in a run
         for c in args.concurrency:
             prompts = [" ".join(rng.choice(WORDS) for _ in range(100)) for _ in range(2 * c)]
             asyncio.run(drive(port, args.model.name, prompts[:c], 16, c))  # warm-up

@@ -1,4 +1,6 @@
-"""keep_freed_memory: buffers freed and allocated again reuse the heap's pages instead of new ones."""
+"""keep_freed_memory: buffers freed and allocated again reuse the heap's pages instead of new ones;
+freeze_startup_objects: the objects a process holds when it is ready are left out of later
+collections."""
 
 import ctypes.util
 import os
@@ -11,7 +13,7 @@ import pytest
 
 from decoderlm.cpu import heap
 
-pytestmark = pytest.mark.skipif(
+glibc_only = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only"
 )
 
@@ -51,6 +53,7 @@ def _page_faults_of_growing_buffers(keep: bool) -> tuple[int, int]:
     return int(first), int(second)
 
 
+@glibc_only
 def test_freed_buffers_are_reused_without_page_faults():
     pages_of_largest = 16 * 2**20 // 4096
     kept_first, kept_again = _page_faults_of_growing_buffers(keep=True)
@@ -64,6 +67,7 @@ def test_freed_buffers_are_reused_without_page_faults():
     assert default_first > 4 * kept_first
 
 
+@glibc_only
 def test_malloc_in_use_names_glibc_or_the_preloaded_tcmalloc() -> None:
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     in_use = "print(heap.malloc_in_use())"
@@ -72,3 +76,19 @@ def test_malloc_in_use_names_glibc_or_the_preloaded_tcmalloc() -> None:
     if tcmalloc is None:
         pytest.skip("no tcmalloc here (Debian: libtcmalloc-minimal4)")
     assert _with_heap_in_fresh_process(in_use, {**env, "LD_PRELOAD": tcmalloc}) == "tcmalloc"
+
+
+def test_startup_objects_are_frozen_and_later_collections_walk_only_newer_ones():
+    body = """
+        import gc
+        startup = [[i] for i in range(50_000)]  # tracked objects a server holds from its start
+        heap.freeze_startup_objects()
+        frozen, walked = gc.get_freeze_count(), len(gc.get_objects())
+        later = [[i] for i in range(1_000)]
+        gc.collect()
+        print(frozen, walked, len(gc.get_objects()) - walked)
+        """
+    frozen, walked, added = map(int, _with_heap_in_fresh_process(body).split())
+    assert frozen >= 50_000  # the startup objects, and the interpreter's own
+    assert walked < 1_000  # what a collection still walks: next to nothing
+    assert 1_000 <= added < 1_100  # the later objects (and their list)

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from decoderlm.cpu.heap import freeze_startup_objects
 from decoderlm.engine.engine import Engine
 from decoderlm.engine.streams import one_by_one, stream_batches
 from decoderlm.engine.types import EngineStats, EngineStoppedError, RequestParams, Sink, TokenEvent
@@ -338,6 +339,7 @@ def _child_main(spec: EngineSpec, conn: Any) -> None:
         conn.send(("failed", str(exc) if isinstance(exc, DecoderLMError) else repr(exc)))
         return
     vocab_size = engine.inputs.vocab_size
+    freeze_startup_objects()
     conn.send(("ready", EngineFacts(engine.tokenizer, engine.max_sequence, vocab_size)))
     outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
     sender = threading.Thread(target=_send_batches, args=(conn, outbox), daemon=True)
