@@ -1,6 +1,7 @@
 """bfloat16 linears on AMX tiles: as close to float64 as F.linear for any row count and output
 tails; weights the kernel cannot take stay on oneDNN; the engine's packed linears use it; SwiGLU's
-gate and up in one product, the bits of the two linears and silu_mul."""
+gate and up in one product, the bits of the two linears and silu_mul (from SWIGLU_ROWS_MAX rows,
+two oneDNN GEMMs)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch import nn
 from decoderlm import DecoderLM, ModelConfig
 from decoderlm.cpu import amx_linear, fused
 from decoderlm.cpu.fused import FusedSwiGLU
-from decoderlm.cpu.packed_linear import AMX_ROWS_MAX, PackedLinear, PackedSwiGLU
+from decoderlm.cpu.packed_linear import AMX_ROWS_MAX, SWIGLU_ROWS_MAX, PackedLinear, PackedSwiGLU
 from decoderlm.cpu.paths import SpeedPaths
 
 needs_amx = pytest.mark.skipif(
@@ -117,6 +118,20 @@ def test_packing_runs_a_swiglu_mlp_whole_and_the_fused_ops_leave_it_to_the_tiles
     reference_error = (mlp(x).double() - exact).abs().max()
     ulp = torch.finfo(torch.bfloat16).eps * exact.abs().max()
     assert (got.double() - exact).abs().max() <= 2 * reference_error + ulp
+
+
+@needs_amx
+def test_a_long_prefill_chunk_runs_swiglus_gate_and_up_on_onednn():
+    torch.manual_seed(0)
+    model = DecoderLM(ModelConfig.from_preset("llama-tiny", d_model=64, n_layers=1, n_heads=4))
+    mlp = model.bfloat16().blocks[0].mlp
+    packed = PackedSwiGLU(mlp)
+    for rows in (SWIGLU_ROWS_MAX - 1, SWIGLU_ROWS_MAX):
+        x = torch.randn(rows, 64).bfloat16()
+        tiles = amx_linear.swiglu(x, packed.packed, mlp.up.out_features)
+        onednn = fused.silu_mul(F.linear(x, mlp.gate.weight), F.linear(x, mlp.up.weight))
+        h = tiles if rows < SWIGLU_ROWS_MAX else onednn
+        assert torch.equal(packed(x), packed.down(h))
 
 
 @needs_amx

@@ -1,4 +1,5 @@
-"""The CPU paths compute what the plain model computes, and `optimize`/`optimized` switch them."""
+"""The CPU paths compute what the plain model computes, and `optimize`/`optimized` switch them;
+prompts padded to the fused kernel's lengths attend as closely to float64 as unpadded ones."""
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ from decoderlm.cpu.attention import (
     blockwise_attention,
     blockwise_is_faster,
     cpu_attend,
+    padded_self_attention,
+    pads,
     softmax_zero_if_empty,
 )
 from decoderlm.cpu.embedding import CPUEmbedding
@@ -209,3 +212,36 @@ def test_optimized_applies_its_setting_and_restores_the_previous_state_on_exit()
         assert model.blocks[0].attn.attend is cpu_attend
     assert model.tok_emb is plain_emb and model.head.weight is plain_emb.weight
     assert all(block.attn.attend is attend for block in model.blocks)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [7, 93, 100])
+def test_a_padded_prompt_attends_as_closely_to_float64_as_the_fused_kernel(dtype, t):
+    (q, k, v), (q64, k64, v64), _ = _inputs(3, 6, 2, t, t, 16, dtype)
+    q, k, v = (x.detach() for x in (q, k, v))
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q64, k64, v64, is_causal=True, enable_gqa=True
+    )
+    fused = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=True
+    )
+    with torch.no_grad():
+        assert pads(q, k, True, None, None)
+        got, _ = cpu_attend(q, k, v)  # (3, 6, t, 16): padded to a multiple of 16, cut back
+    assert got.shape == fused.shape and torch.equal(got, padded_self_attention(q, k, v, None))
+    ulp = torch.finfo(dtype).eps * exact.abs().max()
+    fused_error = (fused.double() - exact).abs().max()
+    assert (got.double() - exact).abs().max() <= 2 * fused_error + ulp
+
+
+def test_only_causal_self_attention_of_other_lengths_without_gradients_is_padded():
+    q, k = torch.randn(1, 4, 93, 8), torch.randn(1, 2, 93, 8)
+    with torch.no_grad():
+        assert pads(q, k, True, None, None)
+        assert not pads(q[:, :, :80], k[:, :, :80], True, None, None)  # a multiple of 16
+        assert not pads(q[:, :, :1], k[:, :, :1], True, None, None)  # one query
+        assert not pads(q, k, False, None, None)  # not causal
+        assert not pads(q[:, :, :50], k, True, None, None)  # a later chunk: Tq < Tk
+        assert not pads(q, k, True, torch.ones(1, 93, dtype=torch.bool), None)  # a key mask
+        assert not pads(q, k, True, None, 32)  # a sliding window
+    assert not pads(q.requires_grad_(), k, True, None, None)  # training

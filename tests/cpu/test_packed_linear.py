@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoderlm import DecoderLM, ModelConfig
-from decoderlm.cpu.packed_linear import PackedLinear, can_pack, pack_linears, swapped
+from decoderlm.cpu.packed_linear import PackedLinear, can_pack, pack_linears
+from decoderlm.cpu.swap import swapped
 
 DTYPES = [d for d in (torch.float32, torch.bfloat16) if can_pack(d)]
 

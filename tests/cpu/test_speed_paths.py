@@ -27,7 +27,11 @@ def test_each_call_site_states_its_paths():
         embedding=True, attention=True, linear_kernels=True, in_place_attention=True
     )
     assert SpeedPaths.for_engine() == SpeedPaths(
-        in_place_attention=True, packed_linears=True, fused_ops=True, keep_freed_memory=True
+        attention=True,
+        in_place_attention=True,
+        packed_linears=True,
+        fused_ops=True,
+        keep_freed_memory=True,
     )
     assert SpeedPaths.for_training() == SpeedPaths(
         embedding=True, attention=True, keep_freed_memory=True

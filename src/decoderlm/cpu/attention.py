@@ -6,11 +6,18 @@ softmax: each block of queries is scored only against the keys it may see. `cpu_
 signature of `decoderlm.model.attention.attend` and replaces it in every `CausalSelfAttention`
 (`decoderlm.cpu.optimize`); it calls the blockwise formula on the CPU shapes where
 `blockwise_is_faster` says so and the model's `attend` everywhere else.
+
+torch's fused CPU kernel runs a causal attention of T queries over their own T keys 1.3-2.2×
+slower where T is not a multiple of 16 (bfloat16 and float32; benchmarks/README.md, a prompt of
+93 tokens 150 µs a layer against 70 at 96): `padded_self_attention` pads T to the next multiple
+with zeros at the end, which no real query sees (they come after it), and drops the padded
+queries' rows. Inference only; a prompt's first chunk is this shape.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from decoderlm.model.attention import attend, scaled_dot_product_attention
@@ -110,6 +117,46 @@ def blockwise_is_faster(q: Tensor, t_k: int) -> bool:
     return reduced and compiling
 
 
+PAD_MULTIPLE = 16
+
+
+def pads(
+    q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None, window: int | None
+) -> bool:
+    """Whether `padded_self_attention` takes this attention: on the CPU, without gradients,
+    outside torch.compile, causal over its own keys only (Tq = Tk > 1, no mask, no window), of a
+    length the fused kernel runs slowly."""
+    t = q.shape[2]
+    return (
+        q.device.type == "cpu"
+        and causal
+        and key_padding_mask is None
+        and window is None
+        and k.shape[2] == t > 1
+        and t % PAD_MULTIPLE != 0
+        and not (torch.is_grad_enabled() and q.requires_grad)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def padded_self_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
+    """Causal SDPA of T queries over their T keys with T padded to a multiple of PAD_MULTIPLE:
+    q (B, H, T, D), k/v (B, Hkv, T, D) → (B, H, T, D). The padded keys lie after every real
+    query, so the causal mask hides them; only the order of the kernel's sums changes (within
+    one rounding of the unpadded result)."""
+    t = q.shape[2]
+    pad = (0, 0, 0, -t % PAD_MULTIPLE)  # zeros after the T positions
+    out = F.scaled_dot_product_attention(
+        F.pad(q, pad),
+        F.pad(k, pad),
+        F.pad(v, pad),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )  # (B, H, T', D)
+    return out[:, :, :t]
+
+
 def cpu_attend(
     q: Tensor,
     k: Tensor,
@@ -125,9 +172,9 @@ def cpu_attend(
 ) -> tuple[Tensor, Tensor | None]:
     """`attend`, with the CPU's faster paths: q (B, H, Tq, D), k/v (B, Hkv, Tk, D) → (out, weights).
 
-    backend "sdpa": `blockwise_attention` where `blockwise_is_faster`; backend "math" (or
-    need_weights) on the CPU: the formula with the softmax torch.compile fuses best; otherwise
-    the model's `attend`.
+    backend "sdpa": `blockwise_attention` where `blockwise_is_faster`, `padded_self_attention`
+    where it `pads`; backend "math" (or need_weights) on the CPU: the formula with the softmax
+    torch.compile fuses best; otherwise the model's `attend`.
     """
     if q.device.type == "cpu" and (need_weights or backend == "math"):
         mask = build_mask(q.shape[2], k.shape[2], causal, key_padding_mask, q.device, window)
@@ -146,6 +193,8 @@ def cpu_attend(
             window=window,
         )
         return out, None
+    if backend == "sdpa" and dropout_p == 0.0 and pads(q, k, causal, key_padding_mask, window):
+        return padded_self_attention(q, k, v, scale), None
     return attend(
         q,
         k,

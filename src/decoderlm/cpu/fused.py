@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from decoderlm.cpu import native
-from decoderlm.cpu.packed_linear import swapped
+from decoderlm.cpu.swap import swapped
 from decoderlm.model.attention import CausalSelfAttention
 from decoderlm.model.layers import MLP, RMSNorm
 from decoderlm.model.positional import apply_rope as plain_rope

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from decoderlm.cpu import amx_linear, fused, native
+from decoderlm.cpu.swap import Swap
 from decoderlm.model.layers import MLP
 
 SOURCE = Path(__file__).with_name("invariant.c")
@@ -103,9 +104,6 @@ class InvariantSwiGLU(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, d_model) → (B, T, d_model)
         return self.down(fused.silu_mul(self.gate(x), self.up(x)))
-
-
-Swap = list[tuple[nn.Module, str, nn.Module, nn.Module]]  # (parent, name, plain, invariant)
 
 
 def invariant_modules(model: nn.Module) -> Swap:

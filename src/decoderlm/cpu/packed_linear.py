@@ -13,7 +13,8 @@ Where the CPU has AMX, bfloat16 weights are packed for the tile kernel of
 product does not (weights whose inputs are not a multiple of 32 stay on oneDNN). A SwiGLU MLP's
 gate and up projections then become one product whose epilogue applies silu(g) ⊙ u
 (`PackedSwiGLU`): their outputs are never written out and read back, the same bits as the two
-linears and `decoderlm.cpu.fused.silu_mul`.
+linears and `decoderlm.cpu.fused.silu_mul`. From SWIGLU_ROWS_MAX rows (a long prefill pass) oneDNN's
+GEMMs are faster than the tiles: the two linears run there, then `silu_mul`.
 
 `pack_linears(model)` returns the swap without applying it; `swapped(swap)` applies it for the
 duration of a `with` block (the engine does so around each step), so the model itself stays plain
@@ -24,20 +25,22 @@ afterwards need new packs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from decoderlm.cpu import amx_linear, gemv
+from decoderlm.cpu import amx_linear, fused, gemv
+from decoderlm.cpu.swap import Swap
 from decoderlm.model.layers import MLP
 
 BATCH_HINT = 16  # rows the layout is tuned for (any row count runs on it)
 # From this many rows oneDNN's GEMM behind F.linear was level with the AMX tiles or faster in the
 # engine's prefill chunks (benchmarks/README.md, engine_passes.py): they take the plain weight.
 AMX_ROWS_MAX = 1536
+# From this many rows SwiGLU's gate and up run as two oneDNN GEMMs and `fused.silu_mul`: 0.91-0.95×
+# the time of the tile product with silu in its epilogue at 1,024-2,048 rows, 1.03× at 512
+# (benchmarks/README.md, engine_passes.py).
+SWIGLU_ROWS_MAX = 1024
 
 
 class PackedLinear(nn.Module):
@@ -78,8 +81,8 @@ class PackedLinear(nn.Module):
 
 class PackedSwiGLU(nn.Module):
     """A SwiGLU `mlp`, down(silu(gate(x)) ⊙ up(x)), its gate and up projections in one pass over
-    AMX tiles with silu·u in the epilogue (`amx_linear.swiglu`), `down` packed; bfloat16 only
-    (`fuses` says which MLPs)."""
+    AMX tiles with silu·u in the epilogue (`amx_linear.swiglu`; from SWIGLU_ROWS_MAX rows two
+    oneDNN GEMMs and `fused.silu_mul`), `down` packed; bfloat16 only (`fuses` says which MLPs)."""
 
     def __init__(self, mlp: MLP) -> None:
         super().__init__()
@@ -103,13 +106,14 @@ class PackedSwiGLU(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:  # (..., d_model) → (..., d_model)
+        mlp = self.mlp
         if torch.compiler.is_compiling() and gemv.one_row_of(x):
-            return self.mlp(x)  # compiled, one row: its linears by `CPULinearKernels`
-        h = amx_linear.swiglu(x, self.packed, self.mlp.up.out_features)  # (..., d_ff)
-        return self.mlp.dropout(self.down(h))
-
-
-Swap = list[tuple[nn.Module, str, nn.Module, nn.Module]]  # (parent, name, plain, packed)
+            return mlp(x)  # compiled, one row: its linears by `CPULinearKernels`
+        if fused.runs(x, mlp.gate.weight) and x.shape[:-1].numel() >= SWIGLU_ROWS_MAX:
+            h = fused.silu_mul(F.linear(x, mlp.gate.weight), F.linear(x, mlp.up.weight))
+        else:
+            h = amx_linear.swiglu(x, self.packed, mlp.up.out_features)  # (..., d_ff)
+        return mlp.dropout(self.down(h))
 
 
 def can_pack(dtype: torch.dtype) -> bool:
@@ -142,18 +146,3 @@ def pack_linears(model: nn.Module) -> Swap:
             elif type(child) is nn.Linear and id(child) not in inside and packable(child):
                 swap.append((parent, name, child, PackedLinear(child)))
     return swap
-
-
-@contextmanager
-def swapped(swap: Sequence[tuple[nn.Module, str, nn.Module, nn.Module]]) -> Iterator[None]:
-    """Each (parent, name, plain, replacement) of `swap` — the packed linears here, the
-    batch-invariant modules of `decoderlm.cpu.invariant` — in place for the duration; the plain
-    ones back on exit. (It writes the parents' `_modules` directly: nn.Module.__setattr__'s checks
-    cost more than a step's worth of them is worth, and a child module is all it would set.)"""
-    for parent, name, _, replacement in swap:
-        parent._modules[name] = replacement
-    try:
-        yield
-    finally:
-        for parent, name, plain, _ in swap:
-            parent._modules[name] = plain

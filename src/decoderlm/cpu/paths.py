@@ -5,16 +5,17 @@ Each path is one mechanism of `decoderlm.cpu`, applied from outside the model:
 | path | mechanism | generate | engine | training |
 |---|---|---|---|---|
 | `embedding` | nn.Embedding → `CPUEmbedding` (an opaque gradient kernel) | ✓ | | ✓ |
-| `attention` | `CausalSelfAttention.attend` → `cpu_attend` (the blockwise formula) | ✓ | | ✓ |
+| `attention` | `CausalSelfAttention.attend` → `cpu_attend` (the blockwise formula; prompts padded to the fused kernel's lengths) | ✓ | ✓ | ✓ |
 | `linear_kernels` | F.linear by shape: gemv kernels, oneDNN (`CPULinearKernels`) | ✓ | | |
 | `in_place_attention` | decode attention read where the keys lie (`paged_attention`) | ✓ | ✓ | |
 | `packed_linears` | linear weights packed for oneDNN / AMX tiles (`PackedLinear`; SwiGLU's gate and up as one on AMX: `PackedSwiGLU`) | | ✓ | |
 | `fused_ops` | RMSNorm, RoPE and SwiGLU's gate in one pass each (`fused.FusedOps`) | | ✓ | |
 | `keep_freed_memory` | glibc keeps freed pages for reuse (`heap`) | | ✓ | ✓ |
 
-The engine leaves out the paths generate uses inside the model (they made its batched steps slower,
-benchmarks/README.md), and generate applies `linear_kernels` only to its prefill and compiled steps
-(the mode's Python hook on every op costs more than it saves in an eager one-token step).
+The engine leaves out the embedding and the linear kernels generate uses inside the model (they
+made its batched steps slower, benchmarks/README.md), and generate applies `linear_kernels` only to
+its prefill and compiled steps (the mode's Python hook on every op costs more than it saves in an
+eager one-token step).
 
 Compiling is not a path but a call site's option (`generate(compile=True)`, `Engine(compile=True)`:
 `decoderlm.cpu.decode.CompiledStep`, `decoderlm.cpu.paged_step.CompiledPagedStep`), as it costs
@@ -43,7 +44,8 @@ from torch import nn
 from decoderlm.cpu import heap, optimize, optimized
 from decoderlm.cpu.decode import CPULinearKernels
 from decoderlm.cpu.fused import FusedOps
-from decoderlm.cpu.packed_linear import PackedSwiGLU, pack_linears, swapped
+from decoderlm.cpu.packed_linear import PackedSwiGLU, pack_linears
+from decoderlm.cpu.swap import swapped
 from decoderlm.errors import DecoderLMError
 
 
@@ -71,10 +73,14 @@ class SpeedPaths:
 
     @classmethod
     def for_engine(cls, enabled: bool = True) -> SpeedPaths:
-        """The serving engine's batched steps: in-place decode attention, packed linears, the
-        fused elementwise kernels, the heap."""
+        """The serving engine's batched steps: `cpu_attend` (for its padded prompts), in-place
+        decode attention, packed linears, the fused elementwise kernels, the heap."""
         on = dict(
-            in_place_attention=True, packed_linears=True, fused_ops=True, keep_freed_memory=True
+            attention=True,
+            in_place_attention=True,
+            packed_linears=True,
+            fused_ops=True,
+            keep_freed_memory=True,
         )
         return cls(**on) if enabled else cls()
 

@@ -28,16 +28,20 @@ import hashlib
 import itertools
 import re
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
+from decoderlm.cpu.attention import PAD_MULTIPLE
 from decoderlm.cpu.paged_attention import check_block_tables, paged_decode_attention
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.attention import attend
 from decoderlm.model.cache import BaseLayerCache, Int8Buffer, LayerCaches, kv_buffer
 from decoderlm.model.config import ModelConfig
+
+# what `decoderlm.model.attention.attend` is: q, k, v and its keywords → (out, weights)
+Attend = Callable[..., tuple[Tensor, Tensor | None]]
 
 # `attend_in_place` handles passes of up to this many tokens per row (a decode step, a speculative
 # verification); longer ones (prefill chunks) go to SDPA, faster for many queries.
@@ -173,11 +177,13 @@ class PagedLayerCache(BaseLayerCache):
         v: Tensor | Int8Buffer,
         window: int | None,
         in_place: bool = False,
+        attend_with: Attend = attend,
     ) -> None:
         """in_place: attend decode steps in place (`attend_in_place`); the caller checked that
-        `decoderlm.cpu.paged_attention` is available for these pools."""
+        `decoderlm.cpu.paged_attention` is available for these pools. attend_with: what a pass of
+        segments attends each sequence's queries with (the model's layers' `attend`)."""
         super().__init__(k, v)
-        self.window = window
+        self.window, self.attend_with = window, attend_with
         self.in_place = in_place and window is None and isinstance(k, Tensor)
         num_blocks, block_size, n_kv_heads, head_dim = k.shape
         slots = (num_blocks * block_size, n_kv_heads, head_dim)
@@ -239,13 +245,18 @@ class PagedLayerCache(BaseLayerCache):
             attended = paged_decode_attention(rows, self.k, self.v, table, lengths, scale, checked=True)  # fmt: skip
             out[0].index_copy_(1, places, attended[:, :, 0].transpose(0, 1))  # (H, Ns, hd)
         for offset, n, slots in self.segments:
+            m = n  # queries: the sequence's n, or more (below)
             if len(slots) == n and isinstance(self.k, Tensor):  # it attends its own new keys
-                keys, values = k[:, :, offset : offset + n], v[:, :, offset : offset + n]
+                # as many as the fused kernel runs fastest where the pass holds them: the next
+                # sequences' tokens, after each of these queries, which the causal mask hides
+                m = min(n + -n % PAD_MULTIPLE, q.shape[2] - offset)
+                keys, values = k[:, :, offset : offset + m], v[:, :, offset : offset + m]
             else:  # gathered from the pool: (1, Hkv, Tk_b, hd) each
                 keys = self.k_slots.index_select(0, slots).transpose(0, 1)[None]
                 values = self.v_slots.index_select(0, slots).transpose(0, 1)[None]
-            part = q[:, :, offset : offset + n]  # (1, H, n_b, hd)
-            out[:, :, offset : offset + n] = attend(part, keys, values, scale=scale, window=self.window)[0]  # fmt: skip
+            part = q[:, :, offset : offset + m]  # (1, H, m, hd)
+            attended = self.attend_with(part, keys, values, scale=scale, window=self.window)[0]
+            out[:, :, offset : offset + n] = attended[:, :, :n]
         return out
 
     def _store(self, k: Tensor, v: Tensor) -> None:
@@ -272,7 +283,8 @@ class PagedKVCache(LayerCaches):
 
     dtype: the model's; kv_cache_dtype: None (pools in `dtype`) or "int8" (`Int8Buffer` pools,
     handing attention their K/V in `dtype`); in_place: `PagedLayerCache.attend_in_place` for the
-    layers that can (the caller checked `decoderlm.cpu.paged_attention.available`).
+    layers that can (the caller checked `decoderlm.cpu.paged_attention.available`); attend_with:
+    the function a pass of segments attends with, as the layers' `attend`.
     `nbytes` = num_blocks · block_size · `kv_cache_bytes_per_token(config, kv_cache_dtype or dtype)`.
     """
 
@@ -285,6 +297,7 @@ class PagedKVCache(LayerCaches):
         device: torch.device,
         kv_cache_dtype: str | None = None,
         in_place: bool = False,
+        attend_with: Attend = attend,
     ) -> None:
         self.block_size = block_size
         shape = (num_blocks, block_size, config.n_kv_heads, config.head_dim)
@@ -295,6 +308,7 @@ class PagedKVCache(LayerCaches):
                     *(kv_buffer(shape, dtype, device, kv_cache_dtype) for _ in "kv"),
                     config.layer_window(i),
                     in_place,
+                    attend_with,
                 )
                 for i in attention
             ]

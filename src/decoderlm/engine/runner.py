@@ -44,8 +44,9 @@ import torch
 from torch import Tensor
 
 from decoderlm.cpu import amx_linear, invariant, paged_attention, paged_step
-from decoderlm.cpu.packed_linear import swapped
+from decoderlm.cpu.attention import cpu_attend
 from decoderlm.cpu.paths import SpeedPaths
+from decoderlm.cpu.swap import Swap, swapped
 from decoderlm.engine.kv_pool import IN_PLACE_MAX_TOKENS, PagedKVCache, blocks_for
 from decoderlm.engine.passes import Row
 from decoderlm.engine.state_pool import StatePool, split_budget
@@ -53,6 +54,7 @@ from decoderlm.engine.step_inputs import pass_inputs
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference.generate import evaluating, next_logits
 from decoderlm.inference.options import float_probe
+from decoderlm.model.attention import attend
 from decoderlm.model.cache import kv_cache_bytes_per_token
 from decoderlm.model.lm import DecoderLM
 
@@ -130,6 +132,7 @@ class ModelRunner:
             self.device,
             kv_cache_dtype,
             in_place,
+            cpu_attend if self.paths.paths.attention else attend,  # as the layers attend
         )
         self.states = None
         if self.budget.state_pages:
@@ -295,7 +298,7 @@ class ModelRunner:
 
 def batch_invariant_modules(
     model: DecoderLM, cache: PagedKVCache, kv_cache_dtype: str | None
-) -> invariant.Swap:
+) -> Swap:
     """The batch-invariant modules of `model` (`decoderlm.cpu.invariant`); DecoderLMError, naming
     the reason, where a runner cannot make a row's logits independent of its batch: recurrent layers (a prompt's state depends on how its prefill was chunked),
     sliding windows or an int8 KV cache (their layers cannot attend in place), a pool dtype or a
