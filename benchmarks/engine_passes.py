@@ -12,7 +12,7 @@ with the engine's paths: as one pass of segments (`ModelRunner`'s rows of differ
 as one pass per length (how the engine ran them before).
 
     HF_HUB_OFFLINE=1 python benchmarks/engine_passes.py --checkpoint MODEL_DIR
-        [--shapes 4x128@0 1x512@0 16x1@200 64x1@200] [--dtype bfloat16]
+        [--shapes 4x128@0 1x512@0 16x128@0 22x93@0 16x1@200 64x1@200] [--dtype bfloat16]
 
 MODEL_DIR: float weights (the packed linears take plain nn.Linear layers; a GGUF file's
 quantized blocks stay quantized), e.g. the HF directory `decoderlm convert --to-hf` writes from
@@ -34,7 +34,7 @@ from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.engine.passes import Row
 from decoderlm.engine.runner import ModelRunner
 
-PATHS = ("packed_linears", "fused_ops", "in_place_attention")  # each switched off in turn
+PATHS = ("attention", "packed_linears", "fused_ops", "in_place_attention")  # each off in turn
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -83,7 +83,7 @@ def time_pass(model: torch.nn.Module, paths: SpeedPaths, shape: tuple[int, int, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, help="a model of float weights")
-    parser.add_argument("--shapes", nargs="+", default=["4x128@0", "1x512@0", "16x128@0", "16x1@200", "64x1@200"])  # fmt: skip
+    parser.add_argument("--shapes", nargs="+", default=["4x128@0", "1x512@0", "16x128@0", "22x93@0", "16x1@200", "64x1@200"])  # fmt: skip
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument(
