@@ -41,12 +41,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from decoderlm.cpu import heap, optimize, optimized
+from decoderlm.cpu import heap, optimize
+from decoderlm.cpu.attention import cpu_attend
 from decoderlm.cpu.decode import CPULinearKernels
+from decoderlm.cpu.embedding import CPUEmbedding
 from decoderlm.cpu.fused import FusedOps
 from decoderlm.cpu.packed_linear import PackedSwiGLU, pack_linears
-from decoderlm.cpu.swap import swapped
+from decoderlm.cpu.swap import Swap, swapped
 from decoderlm.errors import DecoderLMError
+from decoderlm.model.attention import CausalSelfAttention
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,21 @@ class AppliedPaths:
         self.paths, self.model = paths.on(device), model
         if self.paths.keep_freed_memory:
             heap.keep_freed_memory()  # process-wide; glibc's thresholds stay raised
+        self._embeddings: Swap = (
+            [
+                (parent, name, child, CPUEmbedding.from_embedding(child))
+                for parent in model.modules()
+                for name, child in parent.named_children()
+                if type(child) is nn.Embedding
+            ]
+            if self.paths.embedding
+            else []
+        )
+        self._attentions = (
+            [m for m in model.modules() if isinstance(m, CausalSelfAttention)]
+            if self.paths.attention
+            else []
+        )
         self._packed = pack_linears(model) if self.paths.packed_linears else []
         taken = [plain for _, _, plain, _ in self._packed]  # (PackedSwiGLU's MLPs)
         self._fused = FusedOps(model, taken) if self.paths.fused_ops else nullcontext()
@@ -180,11 +198,14 @@ class AppliedPaths:
 
     @contextmanager
     def _swapped(self) -> Iterator[None]:
-        paths = self.paths
-        inner = (
-            optimized(self.model, embedding=paths.embedding, attention=paths.attention)
-            if paths.embedding or paths.attention
-            else nullcontext()
-        )
-        with inner, swapped(self._packed), self._fused:
-            yield
+        """The modules and attention functions found when this was made, swapped in (a walk
+        over the model's modules each time cost ~1 ms, a twelfth of a one-row decode step)."""
+        attends = [m.attend for m in self._attentions]
+        for m in self._attentions:
+            m.__dict__["attend"] = cpu_attend  # a plain attribute: no nn.Module.__setattr__
+        try:
+            with swapped(self._embeddings), swapped(self._packed), self._fused:
+                yield
+        finally:
+            for m, attend in zip(self._attentions, attends, strict=True):
+                m.__dict__["attend"] = attend
