@@ -13,8 +13,8 @@ Where the CPU has AMX, bfloat16 weights are packed for the tile kernel of
 product does not (weights whose inputs are not a multiple of 32 stay on oneDNN). A SwiGLU MLP's
 gate and up projections then become one product whose epilogue applies silu(g) ⊙ u
 (`PackedSwiGLU`): their outputs are never written out and read back, the same bits as the two
-linears and `decoderlm.cpu.fused.silu_mul`. From SWIGLU_ROWS_MAX rows (a long prefill pass) oneDNN's
-GEMMs are faster than the tiles: the two linears run there, then `silu_mul`.
+linears and `decoderlm.cpu.fused.silu_mul`. From SWIGLU_ROWS_MAX rows (a long prefill pass)
+oneDNN's GEMMs are faster than the tiles: the two linears run there, then `silu_mul`.
 
 `pack_linears(model)` returns the swap without applying it; `swapped(swap)` applies it for the
 duration of a `with` block (the engine does so around each step), so the model itself stays plain
