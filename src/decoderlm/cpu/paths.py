@@ -139,7 +139,8 @@ class SpeedPaths:
 class AppliedPaths:
     """`SpeedPaths` applied to one model: made once (the heap's thresholds set, linears packed, the
     modules and attention functions to swap found), entered for each pass or generation (`with
-    applied:`), which swaps them in and restores the model's own on exit. `paths` holds what applies on the model's device."""
+    applied:`), which swaps them in and restores the model's own on exit. `paths` holds what
+    applies on the model's device."""
 
     def __init__(self, paths: SpeedPaths, model: nn.Module) -> None:
         weight = next(model.parameters(), None)
