@@ -183,6 +183,7 @@ def load_served(
     process of its own (`decoderlm.engine.engine_process`, which calls `on_death(why)` if it
     dies) or, without `engine_process`, on a thread of this one that loaded it and steps it."""
     from decoderlm.chat_template import load_chat_template
+    from decoderlm.cpu.heap import freeze_startup_objects
     from decoderlm.engine.engine_process import EngineProcess, EngineSpec, build_engine_thread
     from decoderlm.server.http import Served
 
@@ -206,6 +207,9 @@ def load_served(
         tokenizer, vocab_size = engine.tokenizer, engine.inputs.vocab_size
     eos = tokenizer.special.eos if tokenizer.special.eos is not None else tokenizer.eot_id
     eos_text = "" if eos is None else tokenizer.decode([eos])
+    # this process's startup heap (the app, the tokenizer, on a thread the engine) out of the
+    # collector; here, not in the app, which a caller may run inside a process of its own
+    freeze_startup_objects()
     return Served(
         engine=engine,
         tokenizer=tokenizer,

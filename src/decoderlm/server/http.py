@@ -20,7 +20,6 @@ from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 
 from decoderlm.chat_template import ChatTemplate, TemplateRenderError
-from decoderlm.cpu.heap import freeze_startup_objects
 from decoderlm.engine.types import EngineClient, EngineStats
 from decoderlm.errors import DecoderLMError
 from decoderlm.server import protocol
@@ -116,7 +115,6 @@ class ServerState:
         try:
             served = await asyncio.to_thread(self.load)
             served.engine.start()
-            freeze_startup_objects()  # the app, the tokenizer and (on a thread) the engine
         except Exception as exc:
             self.error = f"loading failed: {exc}"
             log.error("decoderlm serve: %s", self.error)
