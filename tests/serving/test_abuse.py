@@ -136,13 +136,21 @@ def test_too_many_prompts_or_tokens_are_400_before_any_work(limited, monkeypatch
 
 def test_scoring_waits_for_queue_room_and_a_full_queue_scores_nothing(limited, monkeypatch):
     # 6 prompts echoed with logprobs cannot all queue (max_queue 4): 429 before any scoring.
+    # The engine's thread is held in a call meanwhile, so that no step takes a queued prompt
+    # into the batch (which would make room for the others).
     base, served = limited(Limits(), max_queue=4)
     scored = []
     score = served.engine.score
     monkeypatch.setattr(served.engine, "score", lambda *a: scored.append(a) or score(*a))
     body = {"prompt": ["ab", "cd", "ef", "gh", "ij", "kl"], "echo": True, "logprobs": 2,
             "max_tokens": 1}  # fmt: skip
-    r = httpx.post(f"{base}/v1/completions", json=body)
+    held, release = threading.Event(), threading.Event()
+    served.engine.call(lambda engine: held.set() or release.wait(30))
+    assert held.wait(30)
+    try:
+        r = httpx.post(f"{base}/v1/completions", json=body)
+    finally:
+        release.set()
     assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
     assert scored == []
     until(lambda: served.engine.stats().waiting == 0 and served.engine.stats().running == 0)
