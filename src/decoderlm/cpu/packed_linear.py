@@ -14,12 +14,16 @@ product does not (weights whose inputs are not a multiple of 32 stay on oneDNN).
 gate and up projections then become one product whose epilogue applies silu(g) ⊙ u
 (`PackedSwiGLU`): their outputs are never written out and read back, the same bits as the two
 linears and `decoderlm.cpu.fused.silu_mul`. From SWIGLU_ROWS_MAX rows (a long prefill pass)
-oneDNN's GEMMs are faster than the tiles: the two linears run there, then `silu_mul`.
+oneDNN's GEMMs are faster than the tiles: gate and up then run there on weights packed for it,
+silu and the product in their epilogues (oneDNN's post-ops: s = silu(x Gᵀ), then h = (x Uᵀ) ⊙ s),
+so that neither g nor u is written out and read back either. silu then applies to the float32
+sum, not to g rounded to bfloat16 first as the model's formula does: one rounding fewer, closer
+to float64 (benchmarks/README.md, engine_passes.py).
 
 `pack_linears(model)` returns the swap without applying it; `swapped(swap)` applies it for the
 duration of a `with` block (the engine does so around each step), so the model itself stays plain
 and its state_dict unchanged. A packed copy of each weight is kept beside the original: the linear
-weights take twice their memory. The packs are taken when `pack_linears` runs; weights changed
+weights take twice their memory, a SwiGLU's gate and up three times (the tiles' pack, oneDNN's). The packs are taken when `pack_linears` runs; weights changed
 afterwards need new packs.
 """
 
@@ -37,10 +41,9 @@ BATCH_HINT = 16  # rows the layout is tuned for (any row count runs on it)
 # From this many rows oneDNN's GEMM behind F.linear was level with the AMX tiles or faster in the
 # engine's prefill chunks (benchmarks/README.md, engine_passes.py): they take the plain weight.
 AMX_ROWS_MAX = 1536
-# From this many rows SwiGLU's gate and up run as two oneDNN GEMMs and `fused.silu_mul`: 0.91-0.95×
-# the time of the tile product with silu in its epilogue at 1,024-2,048 rows, 1.03× at 512
-# (benchmarks/README.md, engine_passes.py).
-SWIGLU_ROWS_MAX = 1024
+# From this many rows SwiGLU's gate and up run as two oneDNN GEMMs with silu and the product in
+# their epilogues, faster than the tile product there (benchmarks/README.md, engine_passes.py).
+SWIGLU_ROWS_MAX = 512
 
 
 class PackedLinear(nn.Module):
@@ -82,13 +85,18 @@ class PackedLinear(nn.Module):
 class PackedSwiGLU(nn.Module):
     """A SwiGLU `mlp`, down(silu(gate(x)) ⊙ up(x)), its gate and up projections in one pass over
     AMX tiles with silu·u in the epilogue (`amx_linear.swiglu`; from SWIGLU_ROWS_MAX rows two
-    oneDNN GEMMs and `fused.silu_mul`), `down` packed; bfloat16 only (`fuses` says which MLPs)."""
+    oneDNN GEMMs with the same in theirs: `onednn_swiglu`), `down` packed; bfloat16 only (`fuses`
+    says which MLPs)."""
 
     def __init__(self, mlp: MLP) -> None:
         super().__init__()
         self.mlp, self.down = mlp, PackedLinear(mlp.down)
-        packed = amx_linear.pack_swiglu(mlp.gate.weight.detach(), mlp.up.weight.detach())
+        gate, up = mlp.gate.weight.detach(), mlp.up.weight.detach()
+        packed = amx_linear.pack_swiglu(gate, up)
         self.register_buffer("packed", packed, persistent=False)  # a compiled pass's input
+        # oneDNN's opaque layout, for eager passes of SWIGLU_ROWS_MAX rows or more
+        self.gate_packed = torch.ops.mkldnn._reorder_linear_weight(gate, BATCH_HINT)
+        self.up_packed = torch.ops.mkldnn._reorder_linear_weight(up, BATCH_HINT)
 
     @staticmethod
     def fuses(mlp: nn.Module) -> bool:
@@ -110,10 +118,16 @@ class PackedSwiGLU(nn.Module):
         if torch.compiler.is_compiling() and gemv.one_row_of(x):
             return mlp(x)  # compiled, one row: its linears by `CPULinearKernels`
         if fused.runs(x, mlp.gate.weight) and x.shape[:-1].numel() >= SWIGLU_ROWS_MAX:
-            h = fused.silu_mul(F.linear(x, mlp.gate.weight), F.linear(x, mlp.up.weight))
+            h = self.onednn_swiglu(x)
         else:
             h = amx_linear.swiglu(x, self.packed, mlp.up.out_features)  # (..., d_ff)
         return mlp.dropout(self.down(h))
+
+    def onednn_swiglu(self, x: Tensor) -> Tensor:  # (..., d_model) → (..., d_ff)
+        """h = (x Uᵀ) ⊙ silu(x Gᵀ) by oneDNN's packed GEMMs, silu the first one's post-op and
+        the product the second one's: each rounds to bfloat16 once, from its float32 sums."""
+        s = torch.ops.mkldnn._linear_pointwise(x, self.gate_packed, None, "swish", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, s, self.up_packed, None, "mul")
 
 
 def can_pack(dtype: torch.dtype) -> bool:
