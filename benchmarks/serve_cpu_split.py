@@ -2,7 +2,7 @@
 and the CPU seconds each process of the server used over the timed requests.
 
 Each side starts as `benchmarks/serve.py --peer vllm` starts it (`vllm_peer`: 1 GiB of KV cache,
-bfloat16, vLLM's threads bound to cores 0-1), takes C warm-up requests, then 2·C completions of
+bfloat16, vLLM's threads bound to cores 0-1), takes C warm-up requests, then 2·C completions of other
 ~110-token prompts (100 random common words), `max_tokens` --new, greedy, `ignore_eos`, streamed,
 C at a time (httpx, in this process). Printed per C: output tokens/s (each stream's usage), TTFT
 p50/p99, and for each process of the server's tree (the HTTP process and the engine's process;
@@ -114,8 +114,10 @@ def main() -> None:
         gc.collect()
         gc.freeze()  # as `vllm bench serve` does: no pauses of the client's collector in a run
         for c in args.concurrency:
-            prompts = [" ".join(rng.choice(WORDS) for _ in range(100)) for _ in range(2 * c)]
-            asyncio.run(drive(port, args.model.name, prompts[:c], 16, c))  # warm-up
+            # c warm-up prompts, then 2c others: none of the timed ones in the prefix cache
+            prompts = [" ".join(rng.choice(WORDS) for _ in range(100)) for _ in range(3 * c)]
+            warm_up, prompts = prompts[:c], prompts[c:]
+            asyncio.run(drive(port, args.model.name, warm_up, 16, c))
             before = {pid: cpu_seconds(pid) for pid in tree(root)}
             wall, done = asyncio.run(drive(port, args.model.name, prompts, args.new, c))
             ttft = sorted(t for t, _ in done)

@@ -1,8 +1,9 @@
 """Prefill chunks of different lengths run in one pass (`ModelRunner`'s segments: the sequences'
 tokens in one row, each attending its own keys): each sequence's logits are those of running it
 alone, with and without a sliding window, over float and int8 KV pools, from the start of a prompt
-and from the middle of one, the decode rows among them attended in place; an engine step schedules
-them as one pass, and where every layer attends in place the decode rows with them."""
+and from the middle of one, the decode rows among them attended in place, prompts of one length
+side by side as one batch; an engine step schedules them as one pass, and where every layer attends
+in place the decode rows with them."""
 
 from __future__ import annotations
 
@@ -64,6 +65,19 @@ def test_segments_give_each_sequence_its_logits_alone(overrides, kv_cache_dtype,
         for b, row in enumerate(batch):
             solo = alone.forward_tokens([row])[0]  # (n_b, V): a uniform pass of one row
             torch.testing.assert_close(last[b], solo[-1], rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(every[b], solo, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_prompts_of_one_length_side_by_side_attend_as_one_batch_with_their_logits_alone(window):
+    lm = model() if window is None else model(sliding_window=window)
+    batch = sequences([16, 16, 16, 1, 32, 16], cached=0)  # at offsets 0, 16, 32, 48, 49, 81
+    together, alone = runner(lm), runner(lm)
+    with together.running(), alone.running():
+        every = together.forward_tokens(batch)
+        assert together.cache.layers[0]._runs() == [(0, 16, 3), (49, 32, 1), (81, 16, 1)]
+        for b, row in enumerate(batch):
+            solo = alone.forward_tokens([row])[0]  # (n_b, V)
             torch.testing.assert_close(every[b], solo, rtol=1e-9, atol=1e-9)
 
 

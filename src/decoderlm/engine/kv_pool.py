@@ -236,7 +236,9 @@ class PagedLayerCache(BaseLayerCache):
         pool (its first start + n_b positions, or those within the window; a chunk that sees only
         its own new keys, a prompt's first, takes them from k, v, the bits a plain pool holds),
         by SDPA, or, where `queries` holds (places, tables, lengths), those places by the
-        in-place kernel; q (1, H, N, hd) → (1, H, N, hd)."""
+        in-place kernel; q (1, H, N, hd) → (1, H, N, hd). Sequences side by side that attend
+        only their own new keys, of one length that is a multiple of PAD_MULTIPLE, attend as one
+        batch (`_runs`: prompts' first chunks of 128 tokens beside decode rows, say)."""
         self._store(k, v)
         out = torch.empty_like(q)  # (1, H, N, hd): every place is written below
         if self.queries is not None:
@@ -244,7 +246,16 @@ class PagedLayerCache(BaseLayerCache):
             rows = q[0].index_select(1, places).transpose(0, 1)[:, :, None]  # (Ns, H, 1, hd)
             attended = paged_decode_attention(rows, self.k, self.v, table, lengths, scale, checked=True)  # fmt: skip
             out[0].index_copy_(1, places, attended[:, :, 0].transpose(0, 1))  # (H, Ns, hd)
+        for offset, n, count in self._runs():  # (count, H, n, hd) from count · n places
+            qs, ks, vs = (
+                t[0, :, offset : offset + count * n].unflatten(1, (count, n)).transpose(0, 1)
+                for t in (q, k, v)
+            )
+            attended = self.attend_with(qs, ks, vs, scale=scale, window=self.window)[0]
+            out[0, :, offset : offset + count * n] = attended.transpose(0, 1).flatten(1, 2)
         for offset, n, slots in self.segments:
+            if self._batched(n, slots):
+                continue
             m = n  # queries: the sequence's n, or more (below)
             if len(slots) == n and isinstance(self.k, Tensor):  # it attends its own new keys
                 # as many as the fused kernel runs fastest where the pass holds them: the next
@@ -258,6 +269,24 @@ class PagedLayerCache(BaseLayerCache):
             attended = self.attend_with(part, keys, values, scale=scale, window=self.window)[0]
             out[:, :, offset : offset + n] = attended[:, :, :n]
         return out
+
+    def _batched(self, n: int, slots: Tensor) -> bool:
+        """Whether a segment of n queries over `slots` attends in a run of `_runs`: its own new
+        keys only, a multiple of PAD_MULTIPLE of them, in a plain pool."""
+        return len(slots) == n and n % PAD_MULTIPLE == 0 and isinstance(self.k, Tensor)
+
+    def _runs(self) -> list[tuple[int, int, int]]:
+        """(offset, n, count): the segments' runs of `_batched` sequences of one length n, each
+        starting where the one before it ends (a lone one: a run of 1)."""
+        runs: list[tuple[int, int, int]] = []
+        for offset, n, slots in self.segments:
+            if not self._batched(n, slots):
+                continue
+            if runs and runs[-1][1] == n and runs[-1][0] + runs[-1][1] * runs[-1][2] == offset:
+                runs[-1] = (runs[-1][0], n, runs[-1][2] + 1)
+            else:
+                runs.append((offset, n, 1))
+        return runs
 
     def _store(self, k: Tensor, v: Tensor) -> None:
         self.k_slots.index_copy_(0, self.write, k.transpose(1, 2).flatten(0, 1))  # (B·T, Hkv, hd)
