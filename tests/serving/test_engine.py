@@ -699,19 +699,3 @@ def test_a_running_engine_never_holds_a_step_for_announced_requests(tok, monkeyp
     engine.submit([4, 5], params, on_event=lambda e: e.finish_reason and done.set(), more=True)
     assert done.wait(10) and time.monotonic() - start < 10
     engine.shutdown(grace_s=5)
-
-
-def test_an_idle_engine_holds_no_longer_once_the_waiting_prompts_fill_a_step(tok, monkeypatch):
-    # A step takes at most max_batched_tokens: waiting for more prompts than that gains nothing.
-    monkeypatch.setattr(engine_module, "GATHER_S", 30.0)
-    engine = Engine(tiny_model(tok), tok, block_size=4, prefill_chunk=8, max_batched_tokens=16)
-    steps, params = _first_steps(engine), RequestParams(2, GREEDY, ignore_eos=True)
-    done = threading.Event()
-    engine.start()
-    engine.submit([1] * 10, params, on_event=lambda e: None, more=True)
-    time.sleep(0.2)
-    assert steps == []  # 10 tokens of 16
-    engine.submit([2] * 6, params, on_event=lambda e: e.finish_reason and done.set(), more=True)
-    assert done.wait(10)
-    engine.shutdown(grace_s=5)
-    assert steps[0][1] == 2
