@@ -1,19 +1,16 @@
 """The continuous-batching engine: block pool, admission, chunked prefill, stops, cancellation, and
-exactness against `decoderlm.generate` on each prompt alone (float64, and float32 up to near-ties);
-an idle engine's first step held for the requests a submit announces."""
+exactness against `decoderlm.generate` on each prompt alone (float64, and float32 up to near-ties)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from dataclasses import replace
 
 import pytest
 import torch
 
 from decoderlm import DecoderLM, DecoderLMError, ModelConfig, generate
-from decoderlm.engine import engine as engine_module
 from decoderlm.engine.engine import Engine
 from decoderlm.engine.kv_pool import BlockPool, parse_bytes, prefix_keys
 from decoderlm.engine.passes import DecodePass
@@ -640,62 +637,3 @@ def test_under_64_decoding_streams_new_requests_share_the_step_budget_and_start_
         pass
     for prompt, events in zip(new, firsts, strict=True):
         assert token_ids(events) == generate(model, [prompt], 40, temperature=0)[0][20:]
-
-
-def _first_steps(engine: Engine) -> list[tuple[float, int]]:
-    """(when, sequences waiting) before each step the engine's thread runs, as a list it fills."""
-    seen, step = [], engine.step
-
-    def recorded():
-        seen.append((time.monotonic(), len(engine.core.scheduler.waiting)))
-        return step()
-
-    engine.step = recorded
-    return seen
-
-
-def test_an_idle_engine_holds_its_first_step_for_the_requests_a_submit_announces(tok, monkeypatch):
-    # `more=True`: others are on their way (the HTTP server still reading them); the first step
-    # waits for the submit that says none are, and prefills both prompts in one pass.
-    monkeypatch.setattr(engine_module, "GATHER_S", 30.0)
-    engine = Engine(tiny_model(tok), tok, block_size=4)
-    steps, params = _first_steps(engine), RequestParams(2, GREEDY, ignore_eos=True)
-    done = threading.Event()
-    engine.start()
-    engine.submit([1, 2, 3], params, on_event=lambda e: None, more=True)
-    time.sleep(0.2)
-    assert steps == []  # held, not stepped
-    engine.submit([4, 5], params, on_event=lambda e: e.finish_reason and done.set())
-    assert done.wait(10)
-    engine.shutdown(grace_s=5)
-    assert steps[0][1] == 2  # both in the first step
-
-
-def test_an_announced_request_that_never_comes_holds_the_first_step_at_most_gather_s(tok, monkeypatch):  # fmt: skip
-    monkeypatch.setattr(engine_module, "GATHER_S", 0.3)
-    engine = Engine(tiny_model(tok), tok, block_size=4)
-    steps, params = _first_steps(engine), RequestParams(2, GREEDY, ignore_eos=True)
-    engine.start()
-    start = time.monotonic()
-    engine.submit([1, 2, 3], params, on_event=lambda e: None, more=True)
-    until = time.monotonic() + 10
-    while not steps and time.monotonic() < until:
-        time.sleep(0.01)
-    engine.shutdown(grace_s=5)
-    assert 0.3 <= steps[0][0] - start < 3.0
-
-
-def test_a_running_engine_never_holds_a_step_for_announced_requests(tok, monkeypatch):
-    # While sequences decode, a step held for arrivals would stall every stream.
-    monkeypatch.setattr(engine_module, "GATHER_S", 30.0)
-    engine = Engine(tiny_model(tok), tok, block_size=4)
-    params, done = RequestParams(20, GREEDY, ignore_eos=True), threading.Event()
-    engine.submit([1, 2, 3], params, on_event=lambda e: None)
-    engine.start()
-    until = time.monotonic() + 10
-    while engine.stats().running == 0 and time.monotonic() < until:
-        time.sleep(0.001)
-    start = time.monotonic()
-    engine.submit([4, 5], params, on_event=lambda e: e.finish_reason and done.set(), more=True)
-    assert done.wait(10) and time.monotonic() - start < 10
-    engine.shutdown(grace_s=5)

@@ -7,7 +7,6 @@ import json
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -429,43 +428,3 @@ def test_ignore_eos_goes_on_past_the_end_of_text_token(server, loaded, caplog):
     assert shown.json()["choices"][0]["text"] == tokenizer.decode(greedy(prompt))
     assert full.json()["usage"]["completion_tokens"] == max_tokens
     assert r_chat.status_code == 200 and not caplog.records  # a known field, not an ignored one
-
-
-def test_a_submit_says_more_are_coming_while_other_requests_are_still_arriving(
-    run_dir, loaded, start_server, monkeypatch
-):
-    # `more` on a submit (an idle engine then holds its first step for them): true while another
-    # request is counted between its arrival and its submit, or the request's own next prompt;
-    # a refused request leaves nothing counted.
-    from decoderlm.server import app as app_module
-
-    served = make_served(run_dir, loaded, kv_cache_memory="1MiB")
-    said, submit = [], served.engine.submit
-    monkeypatch.setattr(
-        served.engine, "submit", lambda *a, **k: said.append(k["more"]) or submit(*a, **k)
-    )
-    tokenizing, slow = threading.Event(), threading.Event()
-    prompts = app_module._prompts
-
-    def held(served, prompt, echo):  # the "slow" request stays in its tokenizing
-        if prompt == "slow":
-            tokenizing.set()
-            assert slow.wait(10)
-        return prompts(served, prompt, echo)
-
-    monkeypatch.setattr(app_module, "_prompts", held)
-    app = create_app(lambda: served, grace_s=0)
-    base = start_server(app)
-    wait_healthy(base)
-    url = f"{base}/v1/completions"
-    too_long = httpx.post(url, json={"prompt": "a" * (CONTEXT + 5), "max_tokens": 1})
-    assert too_long.status_code == 400 and app.state.server.intake == 0
-    assert httpx.post(url, json={"prompt": ["ab", "cd"], "max_tokens": 1}).status_code == 200
-    assert said == [True, False]  # its first prompt's submit: its second is coming
-    with ThreadPoolExecutor(1) as pool:
-        waiting = pool.submit(httpx.post, url, json={"prompt": "slow", "max_tokens": 1})
-        assert tokenizing.wait(10)
-        assert httpx.post(url, json={"prompt": "fast", "max_tokens": 1}).status_code == 200
-        slow.set()
-        assert waiting.result().status_code == 200
-    assert said[2:] == [True, False] and app.state.server.intake == 0

@@ -16,11 +16,6 @@ step through its `proposers.Proposer` (K adapted per sequence), verified in the 
 
 Use it offline with `generate`, or `start()` a background thread that steps while there is work
 (or `run()` that loop on the calling thread) and consume `stream(...)` from asyncio (`streams`).
-That thread, woken from idle by a submit that says more requests are on their way (`more=True`:
-the HTTP server knows it is still reading them), holds its first step until a submit that does
-not, at most GATHER_S, so that a burst prefills in one pass, every weight read once, rather than
-its first prompt alone and the others after that pass (vLLM's server has the same effect from its
-tokenizer taking a burst's prompts as one batch).
 Step on the thread that built the model where you can: PyTorch's OpenMP threads belong to the
 first thread that ran a parallel operator, and another thread's operators then ran 2-4× slower
 (measured: a 1 × 576 × 1536 float32 product, 32 µs on the loading thread, 120 µs on another, on 2
@@ -69,9 +64,6 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.inference.speculative import DEFAULT_NUM_SPECULATIVE_TOKENS, PROMPT_LOOKUP
 from decoderlm.model.cache import check_kv_cache_dtype
 from decoderlm.model.lm import DecoderLM
-
-# The longest an idle engine holds its first step for the requests a submit announced (`more`).
-GATHER_S = 0.05
 
 
 class Engine:
@@ -159,7 +151,6 @@ class Engine:
         self._thread: threading.Thread | None = None  # the thread that steps (`start`, `run`)
         self._loop_done = threading.Event()
         self._closed = self._stopping = False
-        self._more = False  # the latest submit said more requests are on their way
         self.failure: str | None = None  # why the engine stopped by itself, if it did
 
     # Requests.
@@ -171,11 +162,8 @@ class Engine:
         *,
         request_id: str | None = None,
         on_event: Sink,
-        more: bool = False,
     ) -> str:
         """Queue a request; `on_event` gets its `TokenEvent`s (from the thread that steps).
-        `more`: other requests are on their way (an idle engine's thread waits for them before
-        its first step; see the module docstring).
 
         Returns the request id. Raises QueueFullError when the waiting queue cannot take its
         `params.n` sequences, and DecoderLMError for a bad prompt or one that cannot fit the pool.
@@ -195,7 +183,6 @@ class Engine:
                 )
             request = Request(request_id, on_event, n_open=params.n)
             events = self.core.add(request, params, ids, max_len, grammar)
-            self._more = more
             self._lock.notify_all()
         self._deliver(events)
         return request_id
@@ -328,7 +315,6 @@ class Engine:
                 with self._lock:
                     while not self._stopping and not self._has_work():
                         self._lock.wait()
-                    self._gather()
                     if self._stopping:
                         return
                 try:
@@ -338,16 +324,6 @@ class Engine:
                     raise
         finally:
             self._loop_done.set()
-
-    def _gather(self) -> None:
-        """Under the lock, before a step of the loop: where nothing is running, wait while the
-        latest submit says more requests are on their way, at most GATHER_S."""
-        if self.core.scheduler.running:
-            return
-        deadline = time.monotonic() + GATHER_S
-        while self._more and not self._stopping and (left := deadline - time.monotonic()) > 0:
-            self._lock.wait(left)
-        self._more = False
 
     def _fail(self) -> None:
         """After a step raised: refuse new requests and end every open one with "error"."""

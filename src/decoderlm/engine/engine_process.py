@@ -12,7 +12,7 @@ use, `types.EngineClient`: `submit`, `stream`, `stream_batches`, `cancel`, `scor
 `stats`, `start`, `shutdown`, `max_sequence` and `failure`. The child loads the checkpoint itself (`EngineSpec`), so the weights never cross
 the pipe. Messages are tuples over one `multiprocessing.Pipe`:
 
-    parent → child: ("submit", key, request_id, ids, params, more) · ("cancel", request_id)
+    parent → child: ("submit", key, request_id, ids, params) · ("cancel", request_id)
                     ("call", key, method, pickled args)  (`Engine.score`, `.call`, `.stats`)
                     ("shutdown", key, grace_s)
     child → parent: ("ready", facts) or ("failed", error) once, then lists of
@@ -156,7 +156,6 @@ class EngineProcess:
         *,
         request_id: str | None = None,
         on_event: Sink,
-        more: bool = False,
     ) -> str:
         """`Engine.submit`: raises its errors (QueueFullError, DecoderLMError) here."""
         request_id = uuid.uuid4().hex if request_id is None else request_id
@@ -165,7 +164,7 @@ class EngineProcess:
                 raise DecoderLMError(f"request_id={request_id!r} is already running")
             self._sinks[request_id] = (on_event, set(range(params.n)))
         try:
-            self._request("submit", request_id, prompt, params, more)
+            self._request("submit", request_id, prompt, params)
         except BaseException:
             with self._lock:
                 self._sinks.pop(request_id, None)
@@ -377,14 +376,12 @@ def _answer(engine: Engine, message: tuple, outbox: queue.SimpleQueue) -> None:
     kind, key = message[0], message[1]
     try:
         if kind == "submit":
-            request_id, prompt, params, more = message[2:]
+            request_id, prompt, params = message[2:]
 
             def sink(event: TokenEvent, request_id: str = request_id) -> None:
                 outbox.put(("event", request_id, event))
 
-            result: Any = engine.submit(
-                prompt, params, request_id=request_id, on_event=sink, more=more
-            )
+            result: Any = engine.submit(prompt, params, request_id=request_id, on_event=sink)
         else:
             method, args = message[2], pickle.loads(message[3])
             result = getattr(engine, method)(*args)

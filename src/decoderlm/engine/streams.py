@@ -56,19 +56,18 @@ def stream_batches(
     params: RequestParams,
     request_id: str | None,
     loop: asyncio.AbstractEventLoop | None = None,
-    more: bool = False,
 ) -> AsyncIterator[list[TokenEvent]]:
     """One request's events as lists, for an engine here or in another process
     (`engine_process.EngineProcess`): submit through `engine.submit` with a sink onto this event
     loop, then yield, each time the consumer asks, every event that has arrived (at least one), so
     a consumer slower than the engine takes several steps' tokens at once, as vLLM's output
     collector merges them. Leaving early calls `engine.cancel`. The events go to `loop` (by
-    default the running one: give it to submit from another thread); `more`: `Engine.submit`'s."""
+    default the running one: give it to submit from another thread)."""
     loop = asyncio.get_running_loop() if loop is None else loop
     mailbox = _mailboxes.get(loop) or _mailboxes.setdefault(loop, _Mailbox(loop))
     events: asyncio.Queue[TokenEvent] = asyncio.Queue()
     sink = functools.partial(mailbox.post, events)
-    request_id = engine.submit(prompt_ids, params, request_id=request_id, on_event=sink, more=more)
+    request_id = engine.submit(prompt_ids, params, request_id=request_id, on_event=sink)
 
     async def iterate(open_: int) -> AsyncIterator[list[TokenEvent]]:
         try:

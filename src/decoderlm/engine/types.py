@@ -210,10 +210,8 @@ class EngineClient(Protocol):
         *,
         request_id: str | None = None,
         on_event: Sink,
-        more: bool = False,
     ) -> str:
-        """Queue a request whose events go to `on_event`; its id. `more`: other requests are on
-        their way (an idle engine may wait for them before its first step)."""
+        """Queue a request whose events go to `on_event`; its id."""
         ...
 
     def stream(

@@ -196,24 +196,17 @@ async def _completions(state: ServerState, body: CompletionRequest) -> Response:
     _check_counts(
         state, len(body.prompt) if several else 1, 0, per_prompt, "prompt"
     )  # before tokenizing
-    with state.arriving() as arrived:
-        prompts = await state.work(_prompts, served, body.prompt, body.echo, what="tokenizing")
-        n_tokens = sum(len(ids) for ids, _ in prompts)
-        _check_counts(state, len(prompts), n_tokens, per_prompt, "prompt")
-        rooms = [_room(served, ids, requested, "prompt") for ids, _ in prompts]
-        if not body.use_beam_search:
-            for p, ((ids, echo), max_tokens) in enumerate(zip(prompts, rooms, strict=True)):
-                params = protocol.to_params(
-                    body, max_tokens, body.logprobs, (), served.sampling_defaults
-                )
-                params = ranked.engine_params(params, body)
-                streams.append(
-                    RequestStream(state, f"{request_id}-{p}", ids, params, p * per_prompt)
-                )
-                echoes += [echo] * body.n
-            await start_all(state, streams, arrived)
+    prompts = await state.work(_prompts, served, body.prompt, body.echo, what="tokenizing")
+    _check_counts(state, len(prompts), sum(len(ids) for ids, _ in prompts), per_prompt, "prompt")
+    rooms = [_room(served, ids, requested, "prompt") for ids, _ in prompts]
     if body.use_beam_search:
         return await _beam_completions(state, request_id, created, body, prompts, rooms)
+    for p, ((ids, echo), max_tokens) in enumerate(zip(prompts, rooms, strict=True)):
+        params = protocol.to_params(body, max_tokens, body.logprobs, (), served.sampling_defaults)
+        params = ranked.engine_params(params, body)
+        streams.append(RequestStream(state, f"{request_id}-{p}", ids, params, p * per_prompt))
+        echoes += [echo] * body.n
+    await start_all(state, streams)
     if body.echo and body.logprobs is not None:  # the prompt's tokens get logprobs too
         scored = await _scored(state, [ids for ids, _ in prompts], body.logprobs, streams)
         prompt_events = [events for events in scored for _ in range(body.n)]
@@ -257,19 +250,14 @@ async def _chat(state: ServerState, body: ChatRequest) -> Response:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     ranked.check(body)
     _check_stopping(served, body, body.max_completion_tokens or body.max_tokens)
+    text = await chat_prompt(state, served, body.messages, body.add_generation_prompt)
+    ids = await state.work(encode, served, text, "messages", what="tokenizing")
+    _check_counts(state, 1, len(ids), ranked.candidates(body), "messages")
+    max_tokens = _room(served, ids, body.max_completion_tokens or body.max_tokens, "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    with state.arriving() as arrived:
-        text = await chat_prompt(state, served, body.messages, body.add_generation_prompt)
-        ids = await state.work(encode, served, text, "messages", what="tokenizing")
-        _check_counts(state, 1, len(ids), ranked.candidates(body), "messages")
-        max_tokens = _room(served, ids, body.max_completion_tokens or body.max_tokens, "messages")
-        params = protocol.to_params(
-            body, max_tokens, logprobs, served.chat_template.stop, served.sampling_defaults
-        )
-        if not body.use_beam_search:
-            stream = RequestStream(state, request_id, ids, ranked.engine_params(params, body), 0)
-            streams = [stream]
-            await start_all(state, streams, arrived)
+    params = protocol.to_params(
+        body, max_tokens, logprobs, served.chat_template.stop, served.sampling_defaults
+    )
     if body.use_beam_search:
         return await ranked.beam(
             state,
@@ -282,7 +270,9 @@ async def _chat(state: ServerState, body: ChatRequest) -> Response:
             logprobs,
             lambda owners: ChatFormat(served, len(owners), logprobs is not None),
         )
+    streams = [RequestStream(state, request_id, ids, ranked.engine_params(params, body), 0)]
     fmt = ChatFormat(served, body.n, logprobs is not None)
+    await start_all(state, streams)
     if ranked.selects(body):
         return await ranked.best_of(request_id, created, served, streams, fmt, body.n)
     return await respond(request_id, created, served, streams, fmt, body.stream, include_usage)

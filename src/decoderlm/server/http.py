@@ -11,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -101,34 +99,9 @@ class ServerState:
         self.error: str | None = None
         self.draining = False
         self.inflight: dict[str, Callable[[], None]] = {}  # request id → how to cancel it
-        self.intake = 0  # generation requests between their arrival and their submit (`arriving`)
-        self._intake_lock = threading.Lock()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.offload = Offload(limits.work_threads)
         self.metrics = Metrics(lambda: self.served.engine.stats() if self.served else None)
-
-    @contextmanager
-    def arriving(self) -> Iterator[Callable[[], bool]]:
-        """A generation request counted in `intake` from its arrival (before its prompt is
-        tokenized) to its submit. Yields `arrived()`, for the submit (`responses.start_all`, on a
-        worker thread): it stops counting the request (leaving the block does, if nothing did)
-        and says whether others are still counted, which the submit tells the engine
-        (`Engine.submit`'s `more`), so that a burst prefills in one pass."""
-        counted = True
-
-        def arrived() -> bool:
-            nonlocal counted
-            with self._intake_lock:
-                if counted:
-                    self.intake, counted = self.intake - 1, False
-                return self.intake > 0
-
-        with self._intake_lock:
-            self.intake += 1
-        try:
-            yield arrived
-        finally:
-            arrived()
 
     async def work(self, fn: Callable[..., Any], *args: Any, what: str = "the request") -> Any:
         """fn(*args) off the event loop, within the limits' work_timeout_s."""

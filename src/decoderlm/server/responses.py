@@ -14,7 +14,7 @@ import asyncio
 import functools
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -51,15 +51,12 @@ class RequestStream:
         self.n_tokens = 0
         self.finished = False
 
-    def start(self, loop: asyncio.AbstractEventLoop, more: bool = False) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Submit to the engine (QueueFullError at once if its queue is full); the events go to
-        `loop`; `more`: other requests are on their way (`Engine.submit`). Blocking (an engine in
-        a process answers the submit): call it off the loop."""
+        `loop`. Blocking (an engine in a process answers the submit): call it off the loop."""
         engine = self.state.served.engine
         self.state.inflight[self.request_id] = functools.partial(engine.cancel, self.request_id)
-        self.batches = stream_batches(
-            engine, self.prompt_ids, self.params, self.request_id, loop, more=more
-        )
+        self.batches = stream_batches(engine, self.prompt_ids, self.params, self.request_id, loop)
 
     async def stream(self) -> AsyncIterator[tuple[int, list[TokenEvent]]]:
         """(choice, its events) as they arrive: all of a choice's events that have arrived when
@@ -89,17 +86,13 @@ class RequestStream:
         self.state.inflight.pop(self.request_id, None)
 
 
-async def start_all(
-    state: ServerState, streams: list[RequestStream], arrived: Callable[[], bool]
-) -> None:
-    """Queue every stream of a request, off the event loop, or none (the error is raised); each
-    submit says whether more are on their way: this request's next stream, or, for its last,
-    other requests still arriving (`arrived`, from `ServerState.arriving`)."""
+async def start_all(state: ServerState, streams: list[RequestStream]) -> None:
+    """Queue every stream of a request, off the event loop, or none (the error is raised)."""
     loop = asyncio.get_running_loop()
 
     def start() -> None:
-        for i, s in enumerate(streams):
-            s.start(loop, more=i < len(streams) - 1 or arrived())
+        for s in streams:
+            s.start(loop)
 
     try:
         await state.work(start, what="queueing the request")
