@@ -23,8 +23,8 @@ to float64 (benchmarks/README.md, engine_passes.py).
 `pack_linears(model)` returns the swap without applying it; `swapped(swap)` applies it for the
 duration of a `with` block (the engine does so around each step), so the model itself stays plain
 and its state_dict unchanged. A packed copy of each weight is kept beside the original: the linear
-weights take twice their memory, a SwiGLU's gate and up three times (the tiles' pack, oneDNN's). The packs are taken when `pack_linears` runs; weights changed
-afterwards need new packs.
+weights take twice their memory, a SwiGLU's gate and up three times (the tiles' pack and oneDNN's).
+The packs are taken when `pack_linears` runs; weights changed afterwards need new packs.
 """
 
 from __future__ import annotations

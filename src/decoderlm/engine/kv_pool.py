@@ -282,10 +282,12 @@ class PagedLayerCache(BaseLayerCache):
         for offset, n, slots in self.segments:
             if not self._batched(n, slots):
                 continue
-            if runs and runs[-1][1] == n and runs[-1][0] + runs[-1][1] * runs[-1][2] == offset:
-                runs[-1] = (runs[-1][0], n, runs[-1][2] + 1)
-            else:
-                runs.append((offset, n, 1))
+            if runs:
+                first, length, count = runs[-1]
+                if length == n and first + n * count == offset:  # the run goes on
+                    runs[-1] = (first, n, count + 1)
+                    continue
+            runs.append((offset, n, 1))
         return runs
 
     def _store(self, k: Tensor, v: Tensor) -> None:
