@@ -75,7 +75,7 @@ def test_prompts_of_one_length_side_by_side_attend_as_one_batch_with_their_logit
     together, alone = runner(lm), runner(lm)
     with together.running(), alone.running():
         every = together.forward_tokens(batch)
-        assert together.cache.layers[0]._runs() == [(0, 16, 3), (49, 32, 1), (81, 16, 1)]
+        assert together.cache.layers[0].runs == [(0, 16, 3), (49, 32, 1), (81, 16, 1)]
         for b, row in enumerate(batch):
             solo = alone.forward_tokens([row])[0]  # (n_b, V)
             torch.testing.assert_close(every[b], solo, rtol=1e-9, atol=1e-9)

@@ -197,6 +197,7 @@ class PagedLayerCache(BaseLayerCache):
         self.queries: tuple[Tensor, ...] | None = None
         # per sequence SDPA attends in a pass of segments: (offset, n_b, (Tk_b,) slots)
         self.segments: list[tuple[int, int, Tensor]] | None = None
+        self.runs: list[tuple[int, int, int]] = []  # the segments' `_runs`, found once a pass
         self.key_padding_mask: Tensor | None = None  # (B, Tk) True at real keys; None: all real
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -238,7 +239,7 @@ class PagedLayerCache(BaseLayerCache):
         by SDPA, or, where `queries` holds (places, tables, lengths), those places by the
         in-place kernel; q (1, H, N, hd) → (1, H, N, hd). Sequences side by side that attend
         only their own new keys, of one length that is a multiple of PAD_MULTIPLE, attend as one
-        batch (`_runs`: prompts' first chunks of 128 tokens beside decode rows, say)."""
+        batch (`runs`: prompts' first chunks of 128 tokens beside decode rows, say)."""
         self._store(k, v)
         out = torch.empty_like(q)  # (1, H, N, hd): every place is written below
         if self.queries is not None:
@@ -246,7 +247,7 @@ class PagedLayerCache(BaseLayerCache):
             rows = q[0].index_select(1, places).transpose(0, 1)[:, :, None]  # (Ns, H, 1, hd)
             attended = paged_decode_attention(rows, self.k, self.v, table, lengths, scale, checked=True)  # fmt: skip
             out[0].index_copy_(1, places, attended[:, :, 0].transpose(0, 1))  # (H, Ns, hd)
-        for offset, n, count in self._runs():  # (count, H, n, hd) from count · n places
+        for offset, n, count in self.runs:  # (count, H, n, hd) from count · n places
             qs, ks, vs = (
                 t[0, :, offset : offset + count * n].unflatten(1, (count, n)).transpose(0, 1)
                 for t in (q, k, v)
@@ -271,7 +272,7 @@ class PagedLayerCache(BaseLayerCache):
         return out
 
     def _batched(self, n: int, slots: Tensor) -> bool:
-        """Whether a segment of n queries over `slots` attends in a run of `_runs`: its own new
+        """Whether a segment of n queries over `slots` attends in one of `runs`: its own new
         keys only, a multiple of PAD_MULTIPLE of them, in a plain pool."""
         return len(slots) == n and n % PAD_MULTIPLE == 0 and isinstance(self.k, Tensor)
 
@@ -379,6 +380,7 @@ class PagedKVCache(LayerCaches):
         short = [b for b, n in enumerate(lengths) if n <= IN_PLACE_MAX_TOKENS]
         in_kernel = self._short_queries(tables, new, offsets, short) if short else None
         keys: dict[tuple[int | None, bool], list[tuple[int, int, Tensor]]] = {}
+        runs: dict[tuple[int | None, bool], list[tuple[int, int, int]]] = {}
         for layer in self.layers:
             kernel = in_kernel if layer.in_place else None
             key = (layer.window, kernel is not None)
@@ -390,7 +392,10 @@ class PagedKVCache(LayerCaches):
                         first = 0 if w is None else max(0, start - w + 1)  # of its first query
                         seen = torch.arange(first, start + n, device=device)  # keys it attends
                         keys[key].append((offsets[b], n, self.slots(table[None], seen[None])[0]))
+                layer.segments = keys[key]
+                runs[key] = layer._runs()  # (the same for every layer of this key)
             layer.write, layer.segments, layer.queries = write, keys[key], kernel
+            layer.runs = runs[key]
 
     def _short_queries(
         self, tables: list[Tensor], new: list[Tensor], offsets: list[int], short: list[int]
