@@ -6,13 +6,15 @@ random init, seed 0) and the same shape as a 3:1 Gated DeltaNet hybrid (GDN, GDN
 twice), in --dtype. For C streams, C requests of --prompt-tokens random tokens each run at once
 (submitted together), each generating --new-tokens greedy tokens (no end-of-text stop); tokens/s
 = C · new tokens / wall time, prefill included. With --batch-invariant the attention model runs
-a third time, in `Engine(batch_invariant=True)`: what the mode costs. Every (model, C) runs --rounds times, interleaved
+a third time, in `Engine(batch_invariant=True)`: what the mode costs. --compile on (the
+server's default) runs decode passes by the libraries compiled ahead of time (`Engine(compile=
+True)`), off eagerly, both each model both ways. Every (model, C) runs --rounds times, interleaved
 with the others, and the best round is kept (a shared CPU's speed drifts; the best of interleaved
 rounds gives each case the same chance of a quiet moment). The table prints the CPU, the threads
 and the load average before and after.
 
     HF_HUB_OFFLINE=1 python benchmarks/engine_throughput.py [--dtype bfloat16] [--streams 1 16 64]
-        [--rounds 3] [--batch-invariant] [--quick]
+        [--rounds 3] [--compile on|off|both] [--batch-invariant] [--quick]
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-cache-memory", default="1GiB")
+    parser.add_argument("--compile", choices=["on", "off", "both"], default="on")
     parser.add_argument(
         "--batch-invariant",
         action="store_true",
@@ -88,9 +91,13 @@ def main() -> None:
     print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"{args.dtype}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")  # fmt: skip
     memory = args.kv_cache_memory
+    ways = {"on": [True], "off": [False], "both": [False, True]}[args.compile]
     engines = {
-        kind: Engine(model(kind, dtype), Vocabulary(32000), kv_cache_memory=memory)
+        kind + (", compiled" if compile and args.compile == "both" else ""): Engine(
+            model(kind, dtype), Vocabulary(32000), kv_cache_memory=memory, compile=compile
+        )
         for kind in ("attention", "hybrid")
+        for compile in ways
     }
     if args.batch_invariant:
         invariant = model("attention", dtype)

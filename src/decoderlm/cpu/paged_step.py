@@ -7,7 +7,12 @@ that is most of the pass (benchmarks/README.md, engine_profile.py). Here the pas
 weights and the pools are inputs, not constants; kept on disk under a hash of the graph), its
 attention read in place from the pools by the op decoderlm::paged_decode_attention
 (`decoderlm.cpu.paged_attention`) and each new token's K/V written to its slot
-slot = table[b, p // block_size] · block_size + p mod block_size.
+slot = table[b, p // block_size] · block_size + p mod block_size. A recurrent layer's conv and
+matrix states (linear attention, Gated DeltaNet, Mamba-2) are inputs too: the engine gathers the
+rows' states from their pages before the pass (`decoderlm.engine.state_pool`), the pass folds the
+token into them in place, and the engine writes them back after it. (Gathered inside the pass,
+as raw bytes of the bfloat16 pools viewed as float32 states, Inductor's code took 118-178 ms at
+64 rows of a 55M hybrid against the engine's 16-18 ms.)
 
 vLLM captures CUDA graphs for a few padded batch sizes because a graph has fixed shapes. An
 AOTInductor library can leave the batch dimension symbolic instead, so two libraries cover every
@@ -23,6 +28,7 @@ a machine compiles them (minutes on 2 cores), later ones load them from the disk
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -33,7 +39,7 @@ from torch.export import Dim
 from decoderlm.cpu import paged_attention
 from decoderlm.cpu.decode import CPULinearKernels, Forward, step_library
 from decoderlm.errors import DecoderLMError
-from decoderlm.model.cache import BaseLayerCache
+from decoderlm.model.cache import BaseLayerCache, RecurrentLayerCache, StatePart
 from decoderlm.model.lm import DecoderLM
 
 MAX_BATCH = 1024  # rows the batched library takes; more run eagerly
@@ -70,43 +76,74 @@ class _PagedLayer(BaseLayerCache):
 class _PagedDecodeStep(nn.Module):
     """The decode pass as a function of tensors only, for torch.export.
 
-    forward(*state, *keys, *values, token, position, table): the model's parameters and buffers
-    (in the order of `names`), each layer's K and V pools, the new tokens (B, 1), their positions
-    (B, 1) and the rows' block tables (B, W) → logits (B, V) in float32: `forward` of the model,
-    under `CPULinearKernels` if `linear_kernels`.
+    forward(*state, *keys, *values, token, position, table, *states): the model's parameters and
+    buffers (in the order of `names`), each attention layer's K and V pools, the new tokens
+    (B, 1), their positions (B, 1), the rows' block tables (B, W) and, with recurrent layers,
+    their states (`parts`' order) → logits (B, V) in float32: `forward` of the model, under
+    `CPULinearKernels` if `linear_kernels`. The recurrent layers' states after the token are
+    copied into their inputs (S_t over S_{t−1}), as the attention layers store their K/V in the
+    pools.
     """
 
     def __init__(
-        self, model: DecoderLM, names: list[str], forward: Forward, linear_kernels: bool
+        self,
+        model: DecoderLM,
+        names: list[str],
+        forward: Forward,
+        linear_kernels: bool,
+        parts: list[StatePart],
     ) -> None:
         super().__init__()
-        self.model, self.names, self.logits = model, names, forward
+        self.model, self.names, self.logits, self.parts = model, names, forward, parts
         self.paths = (linear_kernels,)  # the speed paths traced into the pass
 
     def forward(self, *tensors: Tensor) -> Tensor:
-        n, n_layers = len(self.names), self.model.config.n_layers
+        config, n = self.model.config, len(self.names)
+        n_attention = config.n_layers - len({part.layer for part in self.parts})
         state = dict(zip(self.names, tensors[:n], strict=True))
-        keys, values = tensors[n : n + n_layers], tensors[n + n_layers : n + 2 * n_layers]
-        token, position, table = tensors[n + 2 * n_layers :]  # (B, 1), (B, 1), (B, W)
+        keys = tensors[n : n + n_attention]
+        values = tensors[n + n_attention : n + 2 * n_attention]
+        token, position, table = tensors[n + 2 * n_attention : n + 2 * n_attention + 3]
+        inputs = tensors[n + 2 * n_attention + 3 :]  # each part's state (B, ...)
+        recurrent: dict[int, RecurrentLayerCache] = {}
+        for part, value in zip(self.parts, inputs, strict=True):  # a matrix state before its conv
+            if part.name == "state":
+                recurrent[part.layer] = RecurrentLayerCache(None, value)
+            else:
+                recurrent[part.layer].conv = value
+        attention = iter(self._attention_layers(keys, values, position, table))
+        cache = [
+            recurrent[i] if i in recurrent else next(attention) for i in range(config.n_layers)
+        ]
+        with CPULinearKernels(compiling=True) if self.paths[0] else nullcontext():
+            logits = self.logits(self.model, cache, token, position, None, state)
+        for part, value in zip(self.parts, inputs, strict=True):  # the states after the token
+            value.copy_(getattr(recurrent[part.layer], part.name))
+        return logits
+
+    @staticmethod
+    def _attention_layers(
+        keys: tuple[Tensor, ...], values: tuple[Tensor, ...], position: Tensor, table: Tensor
+    ) -> list[_PagedLayer]:
+        if not keys:
+            return []
         block_size = keys[0].shape[1]
         block = table.gather(1, position // block_size)[:, 0]  # (B,) the block of each new token
         where = (block, position[:, 0] % block_size)  # slot = block · block_size + p mod bs
         lengths = position[:, 0] + 1  # (B,) keys of each row, the new one included
-        cache = [
-            _PagedLayer(k, v, where, table, lengths) for k, v in zip(keys, values, strict=True)
-        ]
-        with CPULinearKernels(compiling=True) if self.paths[0] else nullcontext():
-            return self.logits(self.model, cache, token, position, None, state)
+        return [_PagedLayer(k, v, where, table, lengths) for k, v in zip(keys, values, strict=True)]
 
 
 class CompiledPagedStep:
-    """The engine's decode pass of `model` over the pools `keys`, `values` (one per layer,
-    (num_blocks ≥ 2, block_size, Hkv, hd) each), compiled ahead of time by AOTInductor.
+    """The engine's decode pass of `model` over the pools `keys`, `values` (one per attention
+    layer, (num_blocks ≥ 2, block_size, Hkv, hd) each), compiled ahead of time by AOTInductor.
 
-    `step(token, position, table)` writes the K/V of token (B, 1) at position (B, 1) of each row
-    to its slot and returns the logits (B, V) in float32 of the token after it; table (B, W) holds
-    each row's blocks (W = `width`, unused entries any block in the pool). B is 1 to `max_batch`;
-    the libraries take pools of any number of blocks. `forward` is the forward pass compiled
+    `step(token, position, table, states)` writes the K/V of token (B, 1) at position (B, 1) of
+    each row to its slot, folds it into the recurrent layers' `states` (the B rows' state of each
+    of `parts`, contiguous, as `decoderlm.model.cache.unpack_states` gives them), updated in
+    place, and returns the logits (B, V) in float32 of the token after it; table (B, W) holds each
+    row's blocks (W = `width`, unused entries any block in the pool). B is 1 to `max_batch`; the
+    libraries take pools of any number of blocks. `forward` is the forward pass compiled
     (`decoderlm.inference.generate.next_logits`), under `CPULinearKernels` with `linear_kernels`.
     `compile_s`: the seconds making both libraries took (compiling, or loading them from disk).
     """
@@ -121,36 +158,47 @@ class CompiledPagedStep:
         width: int,
         max_batch: int = MAX_BATCH,
         linear_kernels: bool = True,
+        parts: list[StatePart] | None = None,
     ) -> None:
         start = time.perf_counter()
-        if not compiles(model, keys[0].dtype, keys[0].device):  # (and loads the op's library)
+        floats = next(model.parameters())
+        if not compiles(model, floats.dtype, floats.device):  # (and loads the op's library)
             raise DecoderLMError(
                 "the compiled decode pass needs CPU pools in float32 or bfloat16, no sliding "
                 "window, and a C/C++ compiler for its attention op"
             )
         state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         self.inputs = [*state.values(), *keys, *values]
-        self.width, self.max_batch = width, max_batch
-        step = _PagedDecodeStep(model, list(state), forward, linear_kernels)
+        self.width, self.max_batch, self.parts = width, max_batch, parts or []
+        step = _PagedDecodeStep(model, list(state), forward, linear_kernels, self.parts)
         blocks = Dim("blocks", min=2)  # one library for every pool size
         pools: tuple[Any, ...] = tuple({0: blocks} for _ in [*keys, *values])
         weights = tuple(None for _ in state)
-        device = keys[0].device
-        one = (*weights, *pools, None, None, None)
-        self.runs = {1: step_library(step, self.inputs, _examples(1, width, device), (one,))}
+        one = (*weights, *pools, *(None for _ in self._examples(1)))
+        self.runs = {1: step_library(step, self.inputs, self._examples(1), (one,))}
         if max_batch >= 2:
-            batch = Dim("batch", min=2, max=max_batch)
-            rows = (*weights, *pools, {0: batch}, {0: batch}, {0: batch})
-            examples = _examples(2, width, device)  # (forward's one argument: *tensors)
-            self.runs[2] = step_library(step, self.inputs, examples, (rows,))
+            rows = Dim("batch", min=2, max=max_batch)
+            examples = self._examples(2)
+            batch = (*weights, *pools, *({0: rows} for _ in examples))
+            self.runs[2] = step_library(step, self.inputs, examples, (batch,))
         self.compile_s = time.perf_counter() - start
 
-    def __call__(self, token: Tensor, position: Tensor, table: Tensor) -> Tensor:
+    def __call__(
+        self, token: Tensor, position: Tensor, table: Tensor, states: Sequence[Tensor] = ()
+    ) -> Tensor:
+        # The library reads each state as contiguous (as traced): another layout would be misread.
+        if not all(t.is_contiguous() for t in states):
+            raise RuntimeError("the compiled decode pass takes contiguous recurrent states")
         run = self.runs[min(token.shape[0], 2)]
-        return run([*self.inputs, token, position, table])[0]
+        return run([*self.inputs, token, position, table, *states])[0]
 
-
-def _examples(batch: int, width: int, device: torch.device) -> list[Tensor]:
-    """Example per-call inputs: token (B, 1), position (B, 1), table (B, W)."""
-    shapes = [(batch, 1), (batch, 1), (batch, width)]
-    return [torch.zeros(shape, dtype=torch.long, device=device) for shape in shapes]
+    def _examples(self, batch: int) -> list[Tensor]:
+        """Example per-call inputs: token (B, 1), position (B, 1), table (B, W), the states."""
+        device = self.inputs[0].device
+        shapes = [(batch, 1), (batch, 1), (batch, self.width)]
+        ids = [torch.zeros(shape, dtype=torch.long, device=device) for shape in shapes]
+        states = [
+            torch.zeros(batch, *part.shape[1:], dtype=part.dtype, device=device)
+            for part in self.parts
+        ]
+        return ids + states

@@ -9,9 +9,10 @@ One forward over a pass's rows (`passes.Row`: each row's tokens, where they star
   a layer with a sliding window gathers only the keys inside it. A model with recurrent layers
   keeps their states in pages of the same budget (`state_pool`): gathered once for the pass,
   written back after it. With `compile`, a decode pass runs the library compiled ahead of time
-  (`decoderlm.cpu.paged_step`), made when the runner is: any number of rows where every linear
-  runs on AMX tiles, else one row (COMPILED_ROWS); wider decode passes, prefill chunks and models
-  it does not take (recurrent layers among them) run eagerly;
+  (`decoderlm.cpu.paged_step`, the recurrent layers' gathered states among its inputs, updated in
+  place), made when the runner is: any number of rows where every linear runs on AMX tiles, else
+  one row (COMPILED_ROWS); wider decode passes, prefill chunks and models it does not take run
+  eagerly;
 - rows of different lengths of which one runs more than `IN_PLACE_MAX_TOKENS` (prefill chunks of
   prompts of different lengths, decode rows beside them), or that neither of the next two ways
   takes, run as segments of one row of Σ n_b tokens, so that the linear weights are read once for
@@ -98,7 +99,8 @@ class ModelRunner:
         compile: decode passes (of up to COMPILED_ROWS rows, or `paged_step.MAX_BATCH` where
         the linears run on AMX tiles: `AppliedPaths.tile_products`) by
         `decoderlm.cpu.paged_step.CompiledPagedStep` where it runs (the CPU, float32 or bfloat16
-        pools, no sliding window, no recurrent layers), its library made now (compiled the
+        pools, no sliding window; a pure recurrent model's budget of two states or more), its
+        library made now (compiled the
         first time on a machine, then loaded from the disk cache; `compile_s` says how long),
         through the one-row linear kernels if the speed paths pack linears. ragged: passes of
         rows of different lengths will run (speculative decoding): the last block is kept out of
@@ -151,9 +153,10 @@ class ModelRunner:
     def _compiled_step(self) -> paged_step.CompiledPagedStep | None:
         """The compiled decode pass over this runner's pools, where it runs (else None)."""
         model, floats = self.model, float_probe(self.model)
+        slots = self.budget.num_slots  # a model without attention layers: its states' slots
         if not (
-            self.states is None
-            and self.num_blocks >= 2
+            self.num_blocks >= 2
+            and (slots is None or slots >= 2)
             and paged_step.compiles(model, floats.dtype, self.device)
         ):
             return None
@@ -167,6 +170,7 @@ class ModelRunner:
                 width=self.width,
                 max_batch=paged_step.MAX_BATCH if tiles else COMPILED_ROWS,
                 linear_kernels=self.paths.paths.packed_linears,
+                parts=None if self.states is None else self.states.parts,
             )
         log.info("decoderlm engine: the compiled decode pass took %.1f s", step.compile_s)
         return step
@@ -212,16 +216,21 @@ class ModelRunner:
 
     def _uniform(self, rows: list[Row], n: int, last_only: bool) -> Tensor:
         """Logits (B, V) of each row's last token, or (B, n, V) of every one."""
-        if self.step is not None and n == 1 and last_only and len(rows) <= self.step.max_batch:
-            token, start, table = pass_inputs(rows, self.width, self.device)  # (B, 1), (B,), (B, W)
-            return self.step(token, start[:, None], table)  # (B, V)
-        idx, start, table = pass_inputs(rows, None, self.device)  # (B, n), (B,), (B, n_blocks)
+        compiled = (
+            self.step is not None and n == 1 and last_only and len(rows) <= self.step.max_batch
+        )
+        # (B, n), (B,), (B, W): the compiled pass's tables as wide as it was traced with
+        idx, start, table = pass_inputs(rows, self.width if compiled else None, self.device)
         if self.states is not None:
             self.states.seek([row.state_pages for row in rows], start)
-        self.cache.seek(table, start, n)  # each layer cache supplies its own key mask
-        positions = start[:, None] + torch.arange(n, device=self.device)  # (B, n)
-        # (B, n|1, V)
-        logits = self.model(idx, positions, None, self.layer_caches, last_only=last_only)
+        if compiled:
+            states = [] if self.states is None else self.states.layer_states()
+            logits = self.step(idx, start[:, None], table, states)[:, None]  # (B, 1, V)
+        else:
+            self.cache.seek(table, start, n)  # each layer cache supplies its own key mask
+            positions = start[:, None] + torch.arange(n, device=self.device)  # (B, n)
+            # (B, n|1, V)
+            logits = self.model(idx, positions, None, self.layer_caches, last_only=last_only)
         if self.states is not None:
             self.states.store()
         return logits[:, -1].float() if last_only else logits.float()

@@ -21,8 +21,11 @@ token) and B the budget:
 
 A step gathers the state bytes of its rows' pages, unpacks each recurrent layer's conv and matrix
 state into a `RecurrentLayerCache` for the mixer (a row starting at position 0, new or recomputed,
-starts from zeros), and after the forward pass writes the new states back into the same pages,
-each run of a state's bytes straight to the page rows that hold it (`seek`, `store`). Every row of
+starts from zeros; `decoderlm.model.cache.state_parts` says where each lies in a sequence's
+bytes), and after the forward pass writes the new states back into the same pages, each run of a
+state's bytes straight to the page rows that hold it (`seek`, `store`). The compiled decode pass
+(`decoderlm.cpu.paged_step`) takes the gathered states as inputs and updates them in place
+(`layer_states`). Every row of
 an engine pass runs the same number of real tokens: no padding reaches a state. A page leaving a
 state is zeroed (`StatePages.release`), so that the K/V read from a block never reinterprets a
 state's bytes (which, seen as bfloat16 or an int8 scale, could be a NaN that a masked key would
@@ -56,8 +59,8 @@ from decoderlm.model.cache import (
     RecurrentLayerCache,
     kv_cache_bytes_per_token,
     recurrent_state_bytes,
-    recurrent_state_dtype,
-    recurrent_state_shapes,
+    state_parts,
+    unpack_states,
 )
 from decoderlm.model.config import ModelConfig
 
@@ -154,22 +157,7 @@ class StatePool:
         device: torch.device,
         kv: PagedKVCache,
     ) -> None:
-        state_dtype = recurrent_state_dtype(dtype)
-        # Where each state lies in a row of s bytes: (layer, "conv" or "state", shape (1, ...),
-        # dtype, byte offset); the matrix states first, then the conv states, so that every
-        # part starts at a multiple of its element size and is viewed in place.
-        states: list[tuple[int, str, tuple[int, ...], torch.dtype]] = []
-        convs: list[tuple[int, str, tuple[int, ...], torch.dtype]] = []
-        for i in range(config.n_layers):
-            kind = config.layer_type(i)
-            if kind != "attention":
-                conv, state = recurrent_state_shapes(config, kind, 1)
-                states.append((i, "state", state, state_dtype))
-                convs += [] if conv is None else [(i, "conv", conv, dtype)]
-        self.parts, offset = [], 0
-        for i, name, shape, part_dtype in states + convs:
-            self.parts.append((i, name, shape, part_dtype, offset))
-            offset += torch.Size(shape).numel() * part_dtype.itemsize
+        self.parts = state_parts(config, dtype)  # where each state lies in a sequence's bytes
         self.budget = budget
         if budget.num_slots is None:  # every K/V tensor's row j is a part of page j
             raw = [t for layer in kv.layers for buf in (layer.k, layer.v) for t in _raw(buf)]
@@ -178,10 +166,13 @@ class StatePool:
             shape = (budget.num_slots, -(-budget.state_bytes // 8) * 8)  # as `split_budget`
             self.tensors = [torch.zeros(shape, dtype=torch.uint8, device=device)]
         self.row_bytes = [t.shape[1] * t.element_size() for t in self.tensors]  # of each page
-        self.runs = {(i, name): self._runs(offset, torch.Size(shape).numel() * dt.itemsize)
-                     for i, name, shape, dt, offset in self.parts}  # fmt: skip
-        self.caches = {i: RecurrentLayerCache(None, torch.zeros(0)) for i, *_ in states}
+        self.runs = [self._runs(part.offset, part.nbytes) for part in self.parts]  # as parts
+        self.caches = {part.layer: RecurrentLayerCache(None, torch.zeros(0)) for part in self.parts}
         self.rows = torch.zeros(0, dtype=torch.long, device=device)  # (B·p,) this step's pages
+        # The pages' bytes, gathered: kept from step to step, as large as the most rows yet (a
+        # buffer past malloc's mmap threshold, 32 MiB, would take fresh pages from the kernel every
+        # step, each write to one a page fault: 64 rows of a 55M hybrid, 54 MB, took 14 ms).
+        self.gathered = torch.zeros(0, dtype=torch.uint8, device=device)
 
     def pages(self, kv_pool: BlockPool) -> StatePages:
         """The scheduler's side: a hybrid's pages come from `kv_pool`, slots from a pool of their own."""
@@ -202,7 +193,10 @@ class StatePool:
         """Before a pass over rows whose states lie in `pages` (B lists of p), row b from position
         start_b (B,): each recurrent layer's cache gets the rows' states, zeros where start_b = 0."""
         self.rows = torch.tensor([p for row in pages for p in row], device=start.device)
-        gathered = torch.empty(len(self.rows), sum(self.row_bytes), dtype=torch.uint8, device=start.device)  # fmt: skip
+        size = len(self.rows) * sum(self.row_bytes)
+        if self.gathered.numel() < size:
+            self.gathered = torch.empty(size, dtype=torch.uint8, device=start.device)
+        gathered = self.gathered[:size].view(len(self.rows), -1)  # (B·p, page bytes)
         at = 0
         for t, n in zip(self.tensors, self.row_bytes, strict=True):  # each tensor's rows, in place
             torch.index_select(_bytes(t), 0, self.rows, out=gathered[:, at : at + n])
@@ -211,17 +205,22 @@ class StatePool:
         fresh = (start == 0).nonzero()[:, 0]
         if len(fresh):  # a new or recomputed sequence starts from the zero state
             raw.index_fill_(0, fresh, 0)
-        for i, name, shape, dtype, offset in self.parts:  # views where the alignment allows
-            setattr(self.caches[i], name, _part(raw, offset, shape, dtype))
+        for i, states in unpack_states(raw, self.parts).items():  # each state contiguous
+            self.caches[i].conv, self.caches[i].state = states.conv, states.state
+
+    def layer_states(self) -> list[Tensor]:
+        """The states `seek` gave the recurrent layers' caches, in `parts`' order: what the
+        compiled pass (`decoderlm.cpu.paged_step`) reads and updates in place."""
+        return [getattr(self.caches[part.layer], part.name) for part in self.parts]
 
     def store(self) -> None:
         """After the pass: the recurrent layers' new states back to the rows' pages, each run of
         a state's bytes straight to the page rows that hold it (one copy, one call a run; 4 bytes
         an element where they align)."""
         rows, page = self.rows.view(-1, self.budget.state_pages), sum(self.row_bytes)  # (B, p)
-        for i, name, _, dtype, _ in self.parts:
-            state = _bytes(getattr(self.caches[i], name).to(dtype))  # (B, n bytes)
-            for t, k, m, at, x, n in self.runs[(i, name)]:
+        for part, runs in zip(self.parts, self.runs, strict=True):
+            state = _bytes(getattr(self.caches[part.layer], part.name).to(part.dtype))  # (B, n)
+            for t, k, m, at, x, n in runs:
                 target, source, e = _bytes(self.tensors[t]), state, 1  # e: bytes an element
                 sizes = (at, x, n, page, target.shape[1], state.shape[1], state.storage_offset())
                 if all(v % 4 == 0 for v in sizes):
@@ -273,16 +272,3 @@ def _raw(buf: Tensor | Int8Buffer) -> list[Tensor]:
 def _bytes(x: Tensor) -> Tensor:
     """x (N, ...) as its raw bytes (N, nbytes / N), uint8."""
     return x.contiguous().view(x.shape[0], -1).view(torch.uint8)
-
-
-def _as(raw: Tensor, dtype: torch.dtype) -> Tensor:
-    """The bytes raw (B, n) read as `dtype` (B, n / size): a view where the row stride allows."""
-    if raw.stride(0) % dtype.itemsize or raw.storage_offset() % dtype.itemsize:
-        raw = raw.contiguous()
-    return raw.view(dtype)
-
-
-def _part(raw: Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    """The state (B, *shape[1:]) of `dtype` at byte `offset` of each row of raw (B, bytes)."""
-    n = torch.Size(shape).numel() * dtype.itemsize
-    return _as(raw[:, offset : offset + n], dtype).view(raw.shape[0], *shape[1:])

@@ -105,8 +105,8 @@ def recurrent_gated_linear_attention(
     out = []
     for t in range(q.shape[2]):
         s = s * g[:, :, t, None, None].exp() + k[:, :, t, :, None] * v[:, :, t, None, :]
-        out.append((q[:, :, t, :, None] * s).sum(-2))  # (B, H, d_v)
-    return torch.stack(out, dim=2), s
+        out.append(q[:, :, t, None, :] @ s)  # oᵀ = qᵀ S (B, H, 1, d_v)
+    return torch.cat(out, dim=2), s
 
 
 def chunk_gated_delta_rule(
@@ -159,9 +159,11 @@ def recurrent_gated_delta_rule(
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     out = []
     for t in range(q.shape[2]):
-        s = s * g[:, :, t, None, None].exp()
-        k_t = k[:, :, t, :, None]  # (B, H, d_k, 1)
-        delta = (v[:, :, t] - (k_t * s).sum(-2)) * beta[:, :, t, None]  # (B, H, d_v)
-        s = s + k_t * delta[:, :, None, :]
-        out.append((q[:, :, t, :, None] * s).sum(-2))  # (B, H, d_v)
-    return torch.stack(out, dim=2), s
+        alpha = g[:, :, t, None, None].exp()  # α_t (B, H, 1, 1)
+        beta_t = beta[:, :, t, None, None]  # β_t (B, H, 1, 1)
+        k_t = k[:, :, t, None, :]  # (B, H, 1, d_k)
+        # the delta β (v − (α S)ᵀ k), where (α S)ᵀ k = α (kᵀ S): S read by one matrix product
+        delta = (v[:, :, t, None, :] - alpha * (k_t @ s)) * beta_t  # (B, H, 1, d_v)
+        s = alpha * s + k_t.mT * delta  # (B, H, d_k, d_v)
+        out.append(q[:, :, t, None, :] @ s)  # oᵀ = qᵀ S (B, H, 1, d_v)
+    return torch.cat(out, dim=2), s

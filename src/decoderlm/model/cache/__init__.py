@@ -14,8 +14,10 @@ cache with `seek(step)`; every cache here has that one signature. (The paged poo
 
 The caches: `static` (`StaticKVCache`: max_len slots per layer), `ring` (`RingKVCache`: W slots per
 windowed layer), `recurrent` (`HybridCache`: a recurrent layer's conv and matrix state, a static
-layer for each attention layer); `make_cache` picks one from the config. Their storage (`storage`) is a tensor in the model's dtype or an `Int8Buffer`
-(kv_cache_dtype "int8"): a storage choice, not a cache type. `sizes` counts their bytes.
+layer for each attention layer; `state_parts`: a sequence's states laid out as raw bytes, which
+the engine keeps in pages); `make_cache` picks one from the config. Their storage (`storage`) is
+a tensor in the model's dtype or an `Int8Buffer` (kv_cache_dtype "int8"): a storage choice, not a
+cache type. `sizes` counts their bytes.
 
 A new kind of state (a recurrent layer's conv and matrix state, say) is a new module here: a
 `BaseLayerCache` subclass keyed by the same `CacheStep`, its cache a `LayerCaches` with `seek`.
@@ -26,9 +28,12 @@ from decoderlm.model.cache.protocol import BaseLayerCache, LayerCache, LayerCach
 from decoderlm.model.cache.recurrent import (
     HybridCache,
     RecurrentLayerCache,
+    StatePart,
     recurrent_state_bytes,
     recurrent_state_dtype,
     recurrent_state_shapes,
+    state_parts,
+    unpack_states,
 )
 from decoderlm.model.cache.ring import RingKVCache, RingLayerCache
 from decoderlm.model.cache.sizes import (
@@ -59,6 +64,7 @@ __all__ = [
     "RecurrentLayerCache",
     "RingKVCache",
     "RingLayerCache",
+    "StatePart",
     "StaticKVCache",
     "StaticLayerCache",
     "attention_kind",
@@ -71,4 +77,6 @@ __all__ = [
     "recurrent_state_bytes",
     "recurrent_state_dtype",
     "recurrent_state_shapes",
+    "state_parts",
+    "unpack_states",
 ]

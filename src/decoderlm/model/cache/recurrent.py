@@ -24,6 +24,8 @@ column). `RecurrentLayerCache` holds them, keyed by the same `CacheStep` as the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -54,15 +56,58 @@ def recurrent_state_dtype(dtype: torch.dtype) -> torch.dtype:
 def recurrent_state_bytes(config: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
     """Bytes of every recurrent layer's state for one sequence: the conv states in `dtype`, the
     matrix states in `recurrent_state_dtype(dtype)`. Independent of the context."""
-    state_dtype = recurrent_state_dtype(dtype)
-    total = 0
+    return sum(part.nbytes for part in state_parts(config, dtype))
+
+
+@dataclass(frozen=True)
+class StatePart:
+    """One recurrent layer's conv or matrix state in a sequence's state bytes (`state_parts`)."""
+
+    layer: int
+    name: str  # "state" (the matrix state) or "conv"
+    shape: tuple[int, ...]  # (1, ...): one sequence's
+    dtype: torch.dtype
+    offset: int  # its first byte
+
+    @property
+    def nbytes(self) -> int:
+        return torch.Size(self.shape).numel() * self.dtype.itemsize
+
+
+def state_parts(config: ModelConfig, dtype: torch.dtype) -> list[StatePart]:
+    """Where every recurrent layer's states lie in one sequence's `recurrent_state_bytes`, a
+    model's states kept as raw bytes (the serving engine's pages): the matrix states first, then
+    the conv states, so that every part starts at a multiple of its element size and is viewed
+    in place (`unpack_states`)."""
+    states: list[tuple[int, str, tuple[int, ...], torch.dtype]] = []
+    convs: list[tuple[int, str, tuple[int, ...], torch.dtype]] = []
     for i in range(config.n_layers):
-        if config.layer_type(i) == "attention":
-            continue
-        conv, state = recurrent_state_shapes(config, config.layer_type(i), 1)
-        total += state_dtype.itemsize * torch.Size(state).numel()
-        total += 0 if conv is None else dtype.itemsize * torch.Size(conv).numel()
-    return total
+        kind = config.layer_type(i)
+        if kind != "attention":
+            conv, state = recurrent_state_shapes(config, kind, 1)
+            states.append((i, "state", state, recurrent_state_dtype(dtype)))
+            convs += [] if conv is None else [(i, "conv", conv, dtype)]
+    parts, offset = [], 0
+    for i, name, shape, part_dtype in states + convs:
+        parts.append(StatePart(i, name, shape, part_dtype, offset))
+        offset += parts[-1].nbytes
+    return parts
+
+
+def unpack_states(raw: Tensor, parts: list[StatePart]) -> dict[int, RecurrentLayerCache]:
+    """The states in raw (B, ≥ Σ bytes) uint8, each row a sequence's bytes laid out as `parts`:
+    a `RecurrentLayerCache` per recurrent layer, its conv (B, C, K − 1) and matrix state
+    (B, H, d_k, d_v) contiguous (copied out of raw, where B > 1): a mixer's kernels read a state
+    of one sequence after another faster than a state strided by the other states' bytes."""
+    caches: dict[int, RecurrentLayerCache] = {}
+    for part in parts:
+        part_raw = raw[:, part.offset : part.offset + part.nbytes].contiguous()  # (B, n)
+        value = part_raw.view(part.dtype).view(raw.shape[0], *part.shape[1:])
+        if part.name == "state":  # a layer's matrix state comes before its conv state
+            caches[part.layer] = RecurrentLayerCache(None, value)
+        else:
+            caches[part.layer].conv = value
+    return caches
 
 
 class RecurrentLayerCache(BaseLayerCache):
