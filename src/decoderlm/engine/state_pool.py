@@ -194,8 +194,9 @@ class StatePool:
         start_b (B,): each recurrent layer's cache gets the rows' states, zeros where start_b = 0."""
         self.rows = torch.tensor([p for row in pages for p in row], device=start.device)
         size = len(self.rows) * sum(self.row_bytes)
-        if self.gathered.numel() < size:
-            self.gathered = torch.empty(size, dtype=torch.uint8, device=start.device)
+        if self.gathered.numel() < size:  # (a normal tensor: written in and out of inference mode)
+            with torch.inference_mode(False):
+                self.gathered = torch.empty(size, dtype=torch.uint8, device=start.device)
         gathered = self.gathered[:size].view(len(self.rows), -1)  # (B·p, page bytes)
         at = 0
         for t, n in zip(self.tensors, self.row_bytes, strict=True):  # each tensor's rows, in place
