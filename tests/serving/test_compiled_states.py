@@ -21,7 +21,6 @@ from decoderlm.engine.passes import Row
 from decoderlm.engine.runner import ModelRunner
 from decoderlm.engine.scheduler import Sequence
 from decoderlm.inference.generate import next_logits
-from decoderlm.model.cache import unpack_states
 from decoderlm.tokenizer import Tokenizer
 
 pytestmark = [
@@ -104,10 +103,11 @@ def prefilled(runner: ModelRunner, lengths: list[int]) -> list[Sequence]:
 
 def states_of(runner: ModelRunner, seq: Sequence) -> dict[str, torch.Tensor]:
     """The sequence's states as its pages hold them: {"layer.part": tensor (1, ...)}."""
-    rows = torch.tensor(seq.state_pages)
-    raw = torch.cat([t.view(torch.uint8)[rows] for t in runner.states.tensors], 1).view(1, -1)
-    caches = unpack_states(raw, runner.states.parts)
-    return {f"{p.layer}.{p.name}": getattr(caches[p.layer], p.name) for p in runner.states.parts}
+    runner.states.seek([seq.state_pages], torch.tensor([seq.n_computed + 1]))
+    return {
+        f"{p.layer}.{p.name}": t
+        for p, t in zip(runner.states.parts, runner.states.layer_states(), strict=True)
+    }
 
 
 @pytest.mark.parametrize("lengths", [[6], [0], [3, 9, 0, 13], [1, 4, 8, 12, 15]])

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from decoderlm.cpu.state_pages import StateCopies
 from decoderlm.engine.kv_pool import BlockPool, PagedKVCache, blocks_for, parse_bytes
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.cache import (
@@ -60,7 +61,6 @@ from decoderlm.model.cache import (
     kv_cache_bytes_per_token,
     recurrent_state_bytes,
     state_parts,
-    unpack_states,
 )
 from decoderlm.model.config import ModelConfig
 
@@ -166,13 +166,10 @@ class StatePool:
             shape = (budget.num_slots, -(-budget.state_bytes // 8) * 8)  # as `split_budget`
             self.tensors = [torch.zeros(shape, dtype=torch.uint8, device=device)]
         self.row_bytes = [t.shape[1] * t.element_size() for t in self.tensors]  # of each page
-        self.runs = [self._runs(part.offset, part.nbytes) for part in self.parts]  # as parts
+        runs = [self._runs(part.offset, part.nbytes) for part in self.parts]  # as parts
+        self.copies = StateCopies(self.tensors, runs)  # copies the runs' bytes
         self.caches = {part.layer: RecurrentLayerCache(None, torch.zeros(0)) for part in self.parts}
         self.rows = torch.zeros(0, dtype=torch.long, device=device)  # (B·p,) this step's pages
-        # The pages' bytes, gathered: kept from step to step, as large as the most rows yet (a
-        # buffer past malloc's mmap threshold, 32 MiB, would take fresh pages from the kernel every
-        # step, each write to one a page fault: 64 rows of a 55M hybrid, 54 MB, took 14 ms).
-        self.gathered = torch.zeros(0, dtype=torch.uint8, device=device)
 
     def pages(self, kv_pool: BlockPool) -> StatePages:
         """The scheduler's side: a hybrid's pages come from `kv_pool`, slots from a pool of their own."""
@@ -191,23 +188,14 @@ class StatePool:
 
     def seek(self, pages: Sequence[list[int]], start: Tensor) -> None:
         """Before a pass over rows whose states lie in `pages` (B lists of p), row b from position
-        start_b (B,): each recurrent layer's cache gets the rows' states, zeros where start_b = 0."""
+        start_b (B,): each recurrent layer's cache gets the rows' states, contiguous, zeros where
+        start_b = 0."""
         self.rows = torch.tensor([p for row in pages for p in row], device=start.device)
-        size = len(self.rows) * sum(self.row_bytes)
-        if self.gathered.numel() < size:  # (a normal tensor: written in and out of inference mode)
-            with torch.inference_mode(False):
-                self.gathered = torch.empty(size, dtype=torch.uint8, device=start.device)
-        gathered = self.gathered[:size].view(len(self.rows), -1)  # (B·p, page bytes)
-        at = 0
-        for t, n in zip(self.tensors, self.row_bytes, strict=True):  # each tensor's rows, in place
-            torch.index_select(_bytes(t), 0, self.rows, out=gathered[:, at : at + n])
-            at += n
-        raw = gathered.view(len(pages), -1)  # (B, p · page bytes)
-        fresh = (start == 0).nonzero()[:, 0]
-        if len(fresh):  # a new or recomputed sequence starts from the zero state
-            raw.index_fill_(0, fresh, 0)
-        for i, states in unpack_states(raw, self.parts).items():  # each state contiguous
-            self.caches[i].conv, self.caches[i].state = states.conv, states.state
+        fresh = start == 0  # (B,): a new or recomputed sequence starts from the zero state
+        for i, part in enumerate(self.parts):
+            state = torch.empty(len(pages), *part.shape[1:], dtype=part.dtype, device=start.device)
+            self.copies.gather(i, self.rows, state, fresh)
+            setattr(self.caches[part.layer], part.name, state)
 
     def layer_states(self) -> list[Tensor]:
         """The states `seek` gave the recurrent layers' caches, in `parts`' order: what the
@@ -216,22 +204,10 @@ class StatePool:
 
     def store(self) -> None:
         """After the pass: the recurrent layers' new states back to the rows' pages, each run of
-        a state's bytes straight to the page rows that hold it (one copy, one call a run; 4 bytes
-        an element where they align)."""
-        rows, page = self.rows.view(-1, self.budget.state_pages), sum(self.row_bytes)  # (B, p)
-        for part, runs in zip(self.parts, self.runs, strict=True):
-            state = _bytes(getattr(self.caches[part.layer], part.name).to(part.dtype))  # (B, n)
-            for t, k, m, at, x, n in runs:
-                target, source, e = _bytes(self.tensors[t]), state, 1  # e: bytes an element
-                sizes = (at, x, n, page, target.shape[1], state.shape[1], state.storage_offset())
-                if all(v % 4 == 0 for v in sizes):
-                    target, source, e = target.view(torch.int32), state.view(torch.int32), 4
-                run = source.as_strided(  # (B, m, n): the run's bytes of each of its m pages
-                    (state.shape[0], m, n // e),
-                    (state.shape[1] // e, page // e, 1),
-                    source.storage_offset() + x // e,
-                )
-                target[:, at // e : (at + n) // e].index_put_((rows[:, k : k + m],), run)
+        a state's bytes straight to the page rows that hold it."""
+        for i, part in enumerate(self.parts):
+            state = getattr(self.caches[part.layer], part.name).to(part.dtype).contiguous()
+            self.copies.scatter(i, self.rows, state)
 
     def _runs(self, offset: int, n: int) -> list[tuple[int, int, int, int, int, int]]:
         """Where bytes offset .. offset + n of a sequence's pages lie, in runs: (tensor t, first
@@ -268,8 +244,3 @@ class StatePool:
 def _raw(buf: Tensor | Int8Buffer) -> list[Tensor]:
     """The tensors that hold a K or V buffer: itself, or an int8 buffer's values and scales."""
     return [buf.values, buf.scales] if isinstance(buf, Int8Buffer) else [buf]
-
-
-def _bytes(x: Tensor) -> Tensor:
-    """x (N, ...) as its raw bytes (N, nbytes / N), uint8."""
-    return x.contiguous().view(x.shape[0], -1).view(torch.uint8)

@@ -33,7 +33,6 @@ from decoderlm.model.cache.recurrent import (
     recurrent_state_dtype,
     recurrent_state_shapes,
     state_parts,
-    unpack_states,
 )
 from decoderlm.model.cache.ring import RingKVCache, RingLayerCache
 from decoderlm.model.cache.sizes import (
@@ -78,5 +77,4 @@ __all__ = [
     "recurrent_state_dtype",
     "recurrent_state_shapes",
     "state_parts",
-    "unpack_states",
 ]

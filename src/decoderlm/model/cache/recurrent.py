@@ -77,8 +77,7 @@ class StatePart:
 def state_parts(config: ModelConfig, dtype: torch.dtype) -> list[StatePart]:
     """Where every recurrent layer's states lie in one sequence's `recurrent_state_bytes`, a
     model's states kept as raw bytes (the serving engine's pages): the matrix states first, then
-    the conv states, so that every part starts at a multiple of its element size and is viewed
-    in place (`unpack_states`)."""
+    the conv states, so that every part starts at a multiple of its element size."""
     states: list[tuple[int, str, tuple[int, ...], torch.dtype]] = []
     convs: list[tuple[int, str, tuple[int, ...], torch.dtype]] = []
     for i in range(config.n_layers):
@@ -92,22 +91,6 @@ def state_parts(config: ModelConfig, dtype: torch.dtype) -> list[StatePart]:
         parts.append(StatePart(i, name, shape, part_dtype, offset))
         offset += parts[-1].nbytes
     return parts
-
-
-def unpack_states(raw: Tensor, parts: list[StatePart]) -> dict[int, RecurrentLayerCache]:
-    """The states in raw (B, ≥ Σ bytes) uint8, each row a sequence's bytes laid out as `parts`:
-    a `RecurrentLayerCache` per recurrent layer, its conv (B, C, K − 1) and matrix state
-    (B, H, d_k, d_v) contiguous (copied out of raw, where B > 1): a mixer's kernels read a state
-    of one sequence after another faster than a state strided by the other states' bytes."""
-    caches: dict[int, RecurrentLayerCache] = {}
-    for part in parts:
-        part_raw = raw[:, part.offset : part.offset + part.nbytes].contiguous()  # (B, n)
-        value = part_raw.view(part.dtype).view(raw.shape[0], *part.shape[1:])
-        if part.name == "state":  # a layer's matrix state comes before its conv state
-            caches[part.layer] = RecurrentLayerCache(None, value)
-        else:
-            caches[part.layer].conv = value
-    return caches
 
 
 class RecurrentLayerCache(BaseLayerCache):
