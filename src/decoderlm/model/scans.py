@@ -98,14 +98,17 @@ def chunk_gated_linear_attention(
 def recurrent_gated_linear_attention(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, state: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """S_t = exp(g_t) S_{t−1} + k_t v_tᵀ, o_t = S_tᵀ q_t, one token at a time."""
+    """S_t = exp(g_t) S_{t−1} + k_t v_tᵀ, o_t = S_tᵀ q_t, one token at a time, with
+    o = exp(g) Sᵀq + (qᵀk) v: S read once for the product qᵀS and once for its update."""
     dtype = _work_dtype(v)
     s = _initial(state, q, v, dtype)
     q, k, v, g = (x.to(dtype) for x in (q, k, v, g))
     out = []
     for t in range(q.shape[2]):
-        s = s * g[:, :, t, None, None].exp() + k[:, :, t, :, None] * v[:, :, t, None, :]
-        out.append(q[:, :, t, None, :] @ s)  # oᵀ = qᵀ S (B, H, 1, d_v)
+        alpha = g[:, :, t, None, None].exp()  # (B, H, 1, 1)
+        k_t, q_t, v_t = k[:, :, t, None, :], q[:, :, t, None, :], v[:, :, t, None, :]
+        out.append(alpha * (q_t @ s) + (q_t * k_t).sum(-1, keepdim=True) * v_t)  # (B, H, 1, d_v)
+        s = alpha * s + k_t.mT * v_t  # (B, H, d_k, d_v)
     return torch.cat(out, dim=2), s
 
 
@@ -153,17 +156,18 @@ def recurrent_gated_delta_rule(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ, o_t = S_tᵀ q_t, one token at a time:
-    S ← α S, then S ← S + k (β (v − Sᵀk))ᵀ (the delta: the new value less what S predicts)."""
+    S ← α S + k δᵀ with the delta δ = β (v − (α S)ᵀ k) (the new value less what S predicts), and
+    o = α Sᵀq + (qᵀk) δ, so that S is read once for both products (kᵀS and qᵀS) and once for its
+    update."""
     dtype = _work_dtype(v)
     s = _initial(state, q, v, dtype)
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     out = []
     for t in range(q.shape[2]):
         alpha = g[:, :, t, None, None].exp()  # α_t (B, H, 1, 1)
-        beta_t = beta[:, :, t, None, None]  # β_t (B, H, 1, 1)
-        k_t = k[:, :, t, None, :]  # (B, H, 1, d_k)
-        # the delta β (v − (α S)ᵀ k), where (α S)ᵀ k = α (kᵀ S): S read by one matrix product
-        delta = (v[:, :, t, None, :] - alpha * (k_t @ s)) * beta_t  # (B, H, 1, d_v)
+        k_t, q_t = k[:, :, t, None, :], q[:, :, t, None, :]  # (B, H, 1, d_k)
+        ks, qs = k_t @ s, q_t @ s  # kᵀS, qᵀS (B, H, 1, d_v)
+        delta = (v[:, :, t, None, :] - alpha * ks) * beta[:, :, t, None, None]  # (B, H, 1, d_v)
         s = alpha * s + k_t.mT * delta  # (B, H, d_k, d_v)
-        out.append(q[:, :, t, None, :] @ s)  # oᵀ = qᵀ S (B, H, 1, d_v)
+        out.append(alpha * qs + (q_t * k_t).sum(-1, keepdim=True) * delta)  # oᵀ (B, H, 1, d_v)
     return torch.cat(out, dim=2), s
