@@ -16,6 +16,7 @@ import torch
 
 from decoderlm import DecoderLM, ModelConfig, load
 from decoderlm.checkpoint import save_model
+from decoderlm.cpu import paged_attention
 from decoderlm.tokenizer import Tokenizer
 
 # Every character a test sends, the default chat template's included.
@@ -25,6 +26,14 @@ TEXT = (
 )
 CONTEXT = 96
 LONG_STREAM = 1500  # tokens of one greedy stream: a second or more of engine steps
+# The marks of a module testing the compiled decode pass (`decoderlm.cpu.paged_step`).
+COMPILED_PASS = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(
+        not paged_attention.static_available(torch.float32),
+        reason="no C/C++ compiler for the paged attention op",
+    ),
+]
 
 
 @pytest.fixture(scope="session")

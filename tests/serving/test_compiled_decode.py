@@ -20,8 +20,9 @@ from test_engine import (
     token_ids,
 )
 
+from conftest import COMPILED_PASS
 from decoderlm import DecoderLMError, generate
-from decoderlm.cpu import amx_linear, paged_attention, paged_step
+from decoderlm.cpu import amx_linear, paged_step
 from decoderlm.engine.engine import Engine
 from decoderlm.engine.passes import Row
 from decoderlm.engine.runner import ModelRunner
@@ -30,13 +31,7 @@ from decoderlm.engine.types import RequestParams
 from decoderlm.inference.generate import next_logits
 from decoderlm.tokenizer import Tokenizer
 
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.skipif(
-        not paged_attention.static_available(torch.float32),
-        reason="no C/C++ compiler for the paged attention op",
-    ),
-]
+pytestmark = COMPILED_PASS
 BLOCK = 4
 ATOL = 1e-5  # float32: the compiled pass sums in another order (measured ≤ 1e-7 here)
 

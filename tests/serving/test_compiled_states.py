@@ -14,8 +14,9 @@ import pytest
 import torch
 from test_engine_recurrent import prompts, run, solo, tiny
 
+from conftest import COMPILED_PASS
 from decoderlm import DecoderLM, ModelConfig
-from decoderlm.cpu import paged_attention, paged_step
+from decoderlm.cpu import paged_step
 from decoderlm.engine.engine import Engine
 from decoderlm.engine.passes import Row
 from decoderlm.engine.runner import ModelRunner
@@ -23,13 +24,7 @@ from decoderlm.engine.scheduler import Sequence
 from decoderlm.inference.generate import next_logits
 from decoderlm.tokenizer import Tokenizer
 
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.skipif(
-        not paged_attention.static_available(torch.float32),
-        reason="no C/C++ compiler for the paged attention op",
-    ),
-]
+pytestmark = COMPILED_PASS
 BLOCK = 4
 MEMORY = "2MiB"
 ATOL = 1e-4  # float32: the compiled pass sums in another order (measured ≤ 1.3e-5 here)
