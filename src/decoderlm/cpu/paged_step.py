@@ -140,11 +140,12 @@ class CompiledPagedStep:
 
     `step(token, position, table, states)` writes the K/V of token (B, 1) at position (B, 1) of
     each row to its slot, folds it into the recurrent layers' `states` (the B rows' state of each
-    of `parts`, contiguous), updated in place, and returns the logits (B, V) in float32 of the token after it; table (B, W) holds each
-    row's blocks (W = `width`, unused entries any block in the pool). B is 1 to `max_batch`; the
-    libraries take pools of any number of blocks. `forward` is the forward pass compiled
-    (`decoderlm.inference.generate.next_logits`), under `CPULinearKernels` with `linear_kernels`.
-    `compile_s`: the seconds making both libraries took (compiling, or loading them from disk).
+    of `parts`, contiguous), updated in place, and returns the logits (B, V) in float32 of the
+    token after it; table (B, W) holds each row's blocks (W = `width`, unused entries any block in
+    the pool). B is 1 to `max_batch`; the libraries take pools of any number of blocks. `forward`
+    is the forward pass compiled (`decoderlm.inference.generate.next_logits`), under
+    `CPULinearKernels` with `linear_kernels`. `compile_s`: the seconds making both libraries took
+    (compiling, or loading them from disk).
     """
 
     def __init__(

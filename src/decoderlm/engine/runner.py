@@ -99,8 +99,7 @@ class ModelRunner:
         compile: decode passes (of up to COMPILED_ROWS rows, or `paged_step.MAX_BATCH` where
         the linears run on AMX tiles: `AppliedPaths.tile_products`) by
         `decoderlm.cpu.paged_step.CompiledPagedStep` where it runs (the CPU, float32 or bfloat16
-        pools, no sliding window; a pure recurrent model's budget of two states or more), its
-        library made now (compiled the
+        pools, no sliding window), its library made now (compiled the
         first time on a machine, then loaded from the disk cache; `compile_s` says how long),
         through the one-row linear kernels if the speed paths pack linears. ragged: passes of
         rows of different lengths will run (speculative decoding): the last block is kept out of
@@ -153,12 +152,7 @@ class ModelRunner:
     def _compiled_step(self) -> paged_step.CompiledPagedStep | None:
         """The compiled decode pass over this runner's pools, where it runs (else None)."""
         model, floats = self.model, float_probe(self.model)
-        slots = self.budget.num_slots  # a model without attention layers: its states' slots
-        if not (
-            self.num_blocks >= 2
-            and (slots is None or slots >= 2)
-            and paged_step.compiles(model, floats.dtype, self.device)
-        ):
+        if not (self.num_blocks >= 2 and paged_step.compiles(model, floats.dtype, self.device)):
             return None
         tiles = self.paths.tile_products and amx_linear.op_available()
         with self.paths:  # traced as the eager passes run: packed linears, their packs inputs

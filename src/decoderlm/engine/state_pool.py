@@ -19,17 +19,17 @@ token) and B the budget:
   bookkeeping without storage);
 - no recurrent layers (s = 0): ⌊B / b⌋ blocks, as before.
 
-A step gathers the state bytes of its rows' pages, unpacks each recurrent layer's conv and matrix
-state into a `RecurrentLayerCache` for the mixer (a row starting at position 0, new or recomputed,
-starts from zeros; `decoderlm.model.cache.state_parts` says where each lies in a sequence's
-bytes), and after the forward pass writes the new states back into the same pages, each run of a
-state's bytes straight to the page rows that hold it (`seek`, `store`). The compiled decode pass
+A step gathers its rows' states from their pages, each recurrent layer's conv and matrix state
+into one contiguous tensor for the mixer's `RecurrentLayerCache` (a row starting at position 0,
+new or recomputed, starts from zeros; `decoderlm.model.cache.state_parts` says where each lies in
+a sequence's bytes), and after the forward pass writes the new states back into the same pages,
+each run of a state's bytes straight between the page rows that hold it and its tensor (`seek`,
+`store`; a memcpy per run, `decoderlm.cpu.state_pages`). The compiled decode pass
 (`decoderlm.cpu.paged_step`) takes the gathered states as inputs and updates them in place
-(`layer_states`). Every row of
-an engine pass runs the same number of real tokens: no padding reaches a state. A page leaving a
-state is zeroed (`StatePages.release`), so that the K/V read from a block never reinterprets a
-state's bytes (which, seen as bfloat16 or an int8 scale, could be a NaN that a masked key would
-still multiply into attention's output).
+(`layer_states`). Every row of an engine pass runs the same number of real tokens: no padding
+reaches a state. A page leaving a state is zeroed (`StatePages.release`), so that the K/V read
+from a block never reinterprets a state's bytes (which, seen as bfloat16 or an int8 scale, could
+be a NaN that a masked key would still multiply into attention's output).
 
 What recurrent layers rule out in the engine (`check_engine_options`):
 - prefix caching is off: a block of a shared prefix holds its K/V, but the recurrent state after
