@@ -11,8 +11,10 @@ of 21; by memcpy they take 7.5 of 13.5 (benchmarks/README.md, engine_states.py).
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
+import itertools
 from pathlib import Path
 
 import torch
@@ -36,25 +38,53 @@ def _library() -> ctypes.CDLL | None:
 
 class StateCopies:
     """Pages that are rows of `tensors` ((num_pages, row elements) each, contiguous: page j is row
-    j of every one, in turn) and the runs of each state part over a sequence's pages: a run
-    (t, k, m, at, x, n) says that its pages k .. k + m − 1 hold, at byte `at` of their row of
-    tensor t, the part's bytes x + j·page .. x + j·page + n − 1 (j < m)."""
+    j of every one, in turn), and state parts that lie at `spans` (byte offset, length) of a
+    sequence's pages, each part as runs (`runs`): a run (t, k, m, at, x, n) says that its pages
+    k .. k + m − 1 hold, at byte `at` of their row of tensor t, the part's bytes
+    x + j·page .. x + j·page + n − 1 (j < m)."""
 
-    def __init__(self, tensors: list[Tensor], runs: list[list[Run]]) -> None:
-        self.tensors, self.runs = tensors, runs
+    def __init__(self, tensors: list[Tensor], spans: list[tuple[int, int]]) -> None:
+        self.tensors = tensors
         self.row_bytes = [t.shape[1] * t.element_size() for t in tensors]
         self.page = sum(self.row_bytes)
+        self.runs = [self._runs(offset, n) for offset, n in spans]
         self.memcpy = tensors[0].device.type == "cpu" and _library() is not None
         if self.memcpy:  # the addresses and runs as the C function reads them
             self.pointers = (_PTR * len(tensors))(*(t.data_ptr() for t in tensors))
             self.row_bytes_c = torch.tensor(self.row_bytes)
-            self.runs_c = [torch.tensor(r, dtype=torch.int64).view(-1, 6) for r in runs]
+            self.runs_c = [torch.tensor(r, dtype=torch.int64).view(-1, 6) for r in self.runs]
+
+    def _runs(self, offset: int, n: int) -> list[Run]:
+        """Where bytes offset .. offset + n of a sequence's pages lie, in runs: (tensor t, first
+        page k, pages m, byte in each page's row of t, byte x of the part at page k, length);
+        page k + j of a run holds the part's bytes j · page further on."""
+        page, starts = self.page, [0, *itertools.accumulate(self.row_bytes)]
+        runs: list[Run] = []
+        latest: dict[tuple[int, int, int], int] = {}  # (t, at, length) → its latest run
+        x = 0
+        while x < n:  # one piece per page row of one tensor, joined to the run before if it goes on
+            k, within = divmod(offset + x, page)
+            t = bisect.bisect_right(starts, within) - 1
+            at = within - starts[t]
+            length = min(n - x, self.row_bytes[t] - at)
+            j = latest.get((t, at, length))
+            if (
+                j is not None
+                and runs[j][1] + runs[j][2] == k
+                and runs[j][4] + runs[j][2] * page == x
+            ):
+                runs[j] = (t, runs[j][1], runs[j][2] + 1, at, runs[j][4], length)
+            else:
+                latest[(t, at, length)] = len(runs)
+                runs.append((t, k, 1, at, x, length))
+            x += length
+        return runs
 
     def gather(self, part: int, rows: Tensor, state: Tensor, fresh: Tensor) -> None:
         """Part `part` of each row's state into state (B, ...), contiguous, from the page rows
         rows (B·p,) int64; zeros where fresh (B,) bool."""
         if self.memcpy:
-            self._memcpy(part, rows, state, fresh.to(torch.uint8), to_pages=False)
+            self._memcpy(part, rows, state, fresh.view(torch.uint8), to_pages=False)
             return
         b, raw = state.shape[0], _bytes(state)  # (B, n bytes)
         for t, k, m, at, x, n in self.runs[part]:

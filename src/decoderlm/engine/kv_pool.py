@@ -276,11 +276,11 @@ class PagedLayerCache(BaseLayerCache):
         keys only, a multiple of PAD_MULTIPLE of them, in a plain pool."""
         return len(slots) == n and n % PAD_MULTIPLE == 0 and isinstance(self.k, Tensor)
 
-    def _runs(self) -> list[tuple[int, int, int]]:
+    def _runs(self, segments: list[tuple[int, int, Tensor]]) -> list[tuple[int, int, int]]:
         """(offset, n, count): the segments' runs of `_batched` sequences of one length n, each
         starting where the one before it ends (a lone one: a run of 1)."""
         runs: list[tuple[int, int, int]] = []
-        for offset, n, slots in self.segments:
+        for offset, n, slots in segments:
             if not self._batched(n, slots):
                 continue
             if runs:
@@ -392,8 +392,7 @@ class PagedKVCache(LayerCaches):
                         first = 0 if w is None else max(0, start - w + 1)  # of its first query
                         seen = torch.arange(first, start + n, device=device)  # keys it attends
                         keys[key].append((offsets[b], n, self.slots(table[None], seen[None])[0]))
-                layer.segments = keys[key]
-                runs[key] = layer._runs()  # (the same for every layer of this key)
+                runs[key] = layer._runs(keys[key])  # (the same for every layer of this key)
             layer.write, layer.segments, layer.queries = write, keys[key], kernel
             layer.runs = runs[key]
 

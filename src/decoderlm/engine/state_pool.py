@@ -42,8 +42,6 @@ A preempted sequence frees its pages, and its state is recomputed from its first
 
 from __future__ import annotations
 
-import bisect
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -165,9 +163,8 @@ class StatePool:
         else:
             shape = (budget.num_slots, -(-budget.state_bytes // 8) * 8)  # as `split_budget`
             self.tensors = [torch.zeros(shape, dtype=torch.uint8, device=device)]
-        self.row_bytes = [t.shape[1] * t.element_size() for t in self.tensors]  # of each page
-        runs = [self._runs(part.offset, part.nbytes) for part in self.parts]  # as parts
-        self.copies = StateCopies(self.tensors, runs)  # copies the runs' bytes
+        # copies each part's bytes between the pages and its tensor
+        self.copies = StateCopies(self.tensors, [(part.offset, part.nbytes) for part in self.parts])
         self.caches = {part.layer: RecurrentLayerCache(None, torch.zeros(0)) for part in self.parts}
         self.rows = torch.zeros(0, dtype=torch.long, device=device)  # (B·p,) this step's pages
 
@@ -208,32 +205,6 @@ class StatePool:
         for i, part in enumerate(self.parts):
             state = getattr(self.caches[part.layer], part.name).to(part.dtype).contiguous()
             self.copies.scatter(i, self.rows, state)
-
-    def _runs(self, offset: int, n: int) -> list[tuple[int, int, int, int, int, int]]:
-        """Where bytes offset .. offset + n of a sequence's pages lie, in runs: (tensor t, first
-        page k, pages m, byte in each page's row of t, byte in the state at page k, length); page
-        k + j of a run holds the bytes j · page_bytes further on in the state."""
-        page, starts = sum(self.row_bytes), [0, *itertools.accumulate(self.row_bytes)]
-        runs: list[tuple[int, int, int, int, int, int]] = []
-        latest: dict[tuple[int, int, int], int] = {}  # (t, at, length) → its latest run
-        x = 0
-        while x < n:  # one piece per page row of one tensor, joined to the run before if it goes on
-            k, within = divmod(offset + x, page)
-            t = bisect.bisect_right(starts, within) - 1
-            at = within - starts[t]
-            length = min(n - x, self.row_bytes[t] - at)
-            j = latest.get((t, at, length))
-            if (
-                j is not None
-                and runs[j][1] + runs[j][2] == k
-                and runs[j][4] + runs[j][2] * page == x
-            ):
-                runs[j] = (t, runs[j][1], runs[j][2] + 1, at, runs[j][4], length)
-            else:
-                latest[(t, at, length)] = len(runs)
-                runs.append((t, k, 1, at, x, length))
-            x += length
-        return runs
 
     def _zero(self, pages: list[int]) -> None:
         index = torch.tensor(pages, device=self.tensors[0].device)
