@@ -1,0 +1,116 @@
+"""Prefill attention on AMX tiles: as close to float64 as torch's SDPA for causal self-attention
+of any length, GQA, queries aligned to the last keys, strided views; a query's output does not
+depend on the queries computed beside it; `cpu_attend` routes the shapes it takes to it and
+leaves the others (gradients, float32, masks, windows) to SDPA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from decoderlm.cpu import amx_attention
+from decoderlm.cpu.attention import cpu_attend
+
+needs_amx = pytest.mark.skipif(
+    not amx_attention.available(), reason="no AMX-BF16 here, or no C compiler"
+)
+
+
+def reference(q, k, v):
+    """softmax(QKᵀ/√d + M)V in float64, M causal aligned bottom-right, K/V heads repeated."""
+    t_q, t_k, group = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+    k, v = (x.double().repeat_interleave(group, dim=1) for x in (k, v))
+    scores = q.double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    visible = torch.ones(t_q, t_k, dtype=torch.bool).tril(t_k - t_q)
+    return scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v
+
+
+def sdpa(q, k, v):
+    t_q, t_k = q.shape[2], k.shape[2]
+    mask = torch.ones(t_q, t_k, dtype=torch.bool).tril(t_k - t_q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def inputs(b, h, h_kv, t_q, t_k, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, t_q, d, generator=g).bfloat16()
+    k, v = (torch.randn(b, h_kv, t_k, d, generator=g).bfloat16() for _ in range(2))
+    return q, k, v
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "b, h, h_kv, t_q, t_k, d",
+    [
+        (1, 9, 3, 128, 128, 64),  # a prompt of SmolLM2's heads: whole tiles
+        (1, 9, 3, 93, 93, 64),  # a last tile of 13 queries, keys not a multiple of 32
+        (2, 4, 2, 37, 50, 64),  # a chunk after 13 cached keys, two sequences
+        (1, 8, 8, 2, 300, 128),  # MHA, two queries over many keys, D = 128
+        (1, 6, 1, 65, 65, 32),  # MQA, D = 32
+        (1, 4, 2, 700, 700, 64),  # rows of scores past one 4-block group of keys
+    ],
+)
+def test_tiles_are_as_close_to_float64_as_sdpa(b, h, h_kv, t_q, t_k, d):
+    q, k, v = inputs(b, h, h_kv, t_q, t_k, d)
+    exact = reference(q, k, v)
+    got = amx_attention.attention(q, k, v)
+    assert got.shape == (b, h, t_q, d) and got.dtype == torch.bfloat16
+    error, sdpa_error = ((x.double() - exact).abs() for x in (got, sdpa(q, k, v)))
+    # the same rounding points as SDPA's kernel (P and the output in bfloat16), sums in another order
+    assert error.max() <= 1.25 * sdpa_error.max()
+    assert error.mean() <= 1.1 * sdpa_error.mean()
+
+
+@needs_amx
+def test_takes_strided_views_and_returns_the_output_projections_layout():
+    """q, k, v as a layer's projections give them: (B, T, H, D) storage viewed as (B, H, T, D)."""
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(2, 40, 9 + 3 + 3, 64, generator=g).bfloat16()  # (B, T, heads, D)
+    q, k, v = (x.transpose(1, 2) for x in qkv.split([9, 3, 3], dim=2))
+    got = amx_attention.attention(q, k, v)
+    assert torch.equal(got, amx_attention.attention(*(x.contiguous() for x in (q, k, v))))
+    assert got.transpose(1, 2).is_contiguous()  # (B, T, H, D): reshapes to (B, T, H·D) in place
+    assert (got.double() - reference(q, k, v)).abs().max() <= 1.25 * (
+        sdpa(q, k, v).double() - reference(q, k, v)
+    ).abs().max()
+
+
+@needs_amx
+def test_a_query_gets_the_same_bits_whatever_the_queries_beside_it():
+    """Each query's scores, softmax and product with V depend on its own visible keys only: a
+    prompt's last 16 queries as a chunk after its first ones give the bits they get in the whole
+    prompt, and a sequence's output is the same alone or in a batch of three."""
+    q, k, v = inputs(3, 6, 2, 77, 77, 64, seed=2)
+    whole = amx_attention.attention(q, k, v)
+    assert torch.equal(amx_attention.attention(q[:, :, -16:], k, v), whole[:, :, -16:])
+    assert torch.equal(amx_attention.attention(q[1:2], k[1:2], v[1:2]), whole[1:2])
+
+
+@needs_amx
+def test_cpu_attend_routes_prefill_shapes_to_the_tiles():
+    q, k, v = inputs(1, 9, 3, 40, 40, 64, seed=3)
+    out, _ = cpu_attend(q, k, v, causal=True)
+    assert torch.equal(out, amx_attention.attention(q, k, v))
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["float32", "gradient", "mask", "window", "one query", "head dim 48", "not causal"],
+)
+def test_takes_only_what_the_kernel_computes(change):
+    q, k, v = inputs(1, 4, 2, 32, 32, 48 if change == "head dim 48" else 64)
+    keywords = dict(
+        causal=change != "not causal", key_padding_mask=None, window=None, dropout_p=0.0
+    )
+    if change == "float32":
+        q, k, v = q.float(), k.float(), v.float()
+    if change == "gradient":
+        q.requires_grad_(True)
+    if change == "mask":
+        keywords["key_padding_mask"] = torch.ones(1, 32, dtype=torch.bool)
+    if change == "window":
+        keywords["window"] = 8
+    if change == "one query":
+        q = q[:, :, -1:]
+    assert not amx_attention.takes(q, k, v, **keywords)
