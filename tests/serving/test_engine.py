@@ -156,6 +156,32 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_get_a_token_every
     assert token_ids(long) == generate(model, [long_prompt], 30, temperature=0)[0][60:]
 
 
+def test_prompts_alone_take_the_whole_step_budget_and_chunks_once_a_stream_decodes(tok):
+    """No sequence decodes: a 60-token prompt runs in passes of the budget (24 + 24 + 12), not of
+    chunks of 8; once it decodes, the next prompt gets chunks of 8 beside it."""
+    model = tiny_model(tok)
+    engine = Engine(model, tok, block_size=4, prefill_chunk=8, max_batched_tokens=24)
+    params = RequestParams(max_tokens=30, sampling=GREEDY, ignore_eos=True)
+    first, second = random_prompts(2, tok.vocab_size, (60, 61), seed=4)
+    events: list[TokenEvent] = []
+    engine.submit(first, params, on_event=events.append)
+    sizes = []
+    for _ in range(3):
+        (prefill,) = engine.core.schedule()  # one pass of segments: the prompt's chunk
+        sizes.append(sum(prefill.sizes))
+        with engine.runner.running():
+            logits = engine.core.run([prefill])
+        for request, event in engine.core.outputs([prefill], logits):
+            request.sink(event)
+    assert sizes == [24, 24, 12] and len(events) == 1  # its first token after three passes
+    engine.submit(second, params, on_event=lambda event: None)
+    passes = engine.core.schedule()
+    assert sorted(size for p in passes for size in p.sizes) == [1, 8]  # the decode, one chunk
+    while engine.step():
+        pass
+    assert token_ids(events) == generate(model, [first], 30, temperature=0)[0][60:]
+
+
 def test_a_stop_string_across_tokens_is_held_back_and_never_emitted(tok):
     model = tiny_model(tok)
     engine = Engine(model, tok)

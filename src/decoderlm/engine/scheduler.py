@@ -6,11 +6,15 @@ Every step runs at most `max_batched_tokens` tokens, as vLLM's chunked-prefill s
 (vllm/v1/core/sched/scheduler.py, `max_num_batched_tokens`) does, decodes first: each running
 sequence whose K/V is computed up to its last token decodes one token; the rest of the budget, and
 never less than one chunk (so that prefills progress however many sequences decode), goes to the
-sequences still prefilling, oldest first, each at most `prefill_chunk` tokens per step. So a long
-prompt delays the running streams by at most one chunk per step, and new requests share the
-budget: while D sequences decode, a request whose prompt needs c chunks, admitted behind q prompt
-tokens still to prefill, has its first token within ⌈q / max(budget − D, prefill_chunk)⌉ + c
-steps (at worst ⌈q / prefill_chunk⌉ + c, however many decode).
+sequences still prefilling, oldest first, each at most `prefill_chunk` tokens per step while any
+sequence decodes. So a long prompt delays the running streams by at most one chunk per step, and
+new requests share the budget: while D sequences decode, a request whose prompt needs c chunks,
+admitted behind q prompt tokens still to prefill, has its first token within
+⌈q / max(budget − D, prefill_chunk)⌉ + c steps (at worst ⌈q / prefill_chunk⌉ + c, however many
+decode). In a step where none decodes, no stream waits on the prompts: they take the whole budget,
+as vLLM's chunks do, so a long prompt sent to an idle engine is prefilled in passes of up to
+`max_batched_tokens` tokens, not of one chunk each (its first token sooner: benchmarks/README.md,
+prompt_ttft.py).
 
 Admission is FIFO: the head of the waiting queue is admitted when the pool has blocks for its
 tokens plus one more token (the K/V of its first generated token), so a new sequence reaches its
@@ -99,12 +103,13 @@ class Scheduler:
         decode = [s for s in decode if s in self.running]  # minus those preempted for others
         self._admit()
         budget = max(self.max_batched_tokens - len(decode), self.prefill_chunk)
+        chunk = self.prefill_chunk if decode else budget  # alone, the prompts hold up no stream
         prefill, decoding = [], set(decode)
         for seq in self.running:
             if budget == 0:
                 break
             if seq not in decoding and seq.n_pending > 0:
-                n = min(seq.n_pending, budget, self.prefill_chunk)
+                n = min(seq.n_pending, budget, chunk)
                 prefill.append((seq, n))
                 budget -= n
         return Plan(decode, prefill)
