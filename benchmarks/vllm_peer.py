@@ -8,7 +8,7 @@ venv of its own: see benchmarks/README.md; 1 GiB of KV cache, VLLM_CPU_KVCACHE_S
 VLLM_CPU_OMP_THREADS_BIND=0-1 unless --vllm-omp-bind says otherwise), then by `decoderlm serve`
 (bfloat16, --kv-cache-memory 1GiB), each on 127.0.0.1 at a free port, and each driven by vLLM's own
 client, `vllm bench serve` (`--dataset-name random --random-input-len 128 --random-output-len 128
---ignore-eos`, seed 0: the same prompts for both; `--temperature 0`, greedy: without it 0.32's
+--ignore-eos`, seed 0: the same prompts for both; `--peer-prompt-tokens N`: prompts of N tokens; `--temperature 0`, greedy: without it 0.32's
 client leaves the temperature to the server, whose default is 1). At each concurrency C, a warm-up
 pass of C prompts (other ones: seed 1) at concurrency C, then the timed pass of max(8, 2·C) prompts:
 vLLM compiles new batch shapes on first sight, and its first pass reads ~2× slower. Reported: output
@@ -120,6 +120,9 @@ def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--peer-concurrency", type=int, nargs="+", default=[1, 16, 64], help="--peer's loads"
+    )
+    parser.add_argument(
+        "--peer-prompt-tokens", type=int, default=128, help="--peer: random prompts' tokens"
     )
     parser.add_argument(
         "--peer-model",
@@ -347,16 +350,10 @@ def run_peer(args: argparse.Namespace) -> None:
 def run_comparison(args: argparse.Namespace, work: Path) -> str:
     directory = model_dir(work) if args.peer_model is None else args.peer_model.resolve()
     print(f"model: {directory.name}", flush=True)
-    dataset = [
-        "--dataset-name",
-        "random",
-        "--random-input-len",
-        "128",
-        "--random-output-len",
-        "128",
-    ]
+    n = args.peer_prompt_tokens
+    dataset = ["--dataset-name", "random", "--random-input-len", str(n), "--random-output-len", "128"]  # fmt: skip
     passes = [(c, dataset, dataset) for c in args.peer_concurrency]  # warm-up: seed 1
-    print("random prompts of 128 tokens, 128 new (ignore_eos); per concurrency C: C warm-up "
+    print(f"random prompts of {n} tokens, 128 new (ignore_eos); per concurrency C: C warm-up "
           "prompts, then max(8, 2·C) timed", flush=True)  # fmt: skip
     rows: dict[int, dict[str, Measured]] = {c: {} for c in args.peer_concurrency}
     for side in ("vLLM", "decoderlm"):

@@ -20,6 +20,14 @@ so that neither g nor u is written out and read back either. silu then applies t
 sum, not to g rounded to bfloat16 first as the model's formula does: one rounding fewer, closer
 to float64 (benchmarks/README.md, engine_passes.py).
 
+oneDNN compiles a kernel (a "primitive") for every row count it meets, a few milliseconds each,
+and keeps the last 1,024: a serving engine's prefill passes, whose rows are the decoding
+sequences plus the prompts' chunks, would meet a new count almost every step (SmolLM2 in
+bfloat16: a 16-prompt pass of a new row count 1.2× the time of the same pass again; the 55M model
+of benchmarks/serve.py 1.9×). The rows of every oneDNN product here are padded with zero rows to
+`bucket(rows)` (at most an eighth more: a few dozen counts per power of two), whose kernels are
+compiled once and reused.
+
 `pack_linears(model)` returns the swap without applying it; `swapped(swap)` applies it for the
 duration of a `with` block (the engine does so around each step), so the model itself stays plain
 and its state_dict unchanged. A packed copy of each weight is kept beside the original: the linear
@@ -28,6 +36,8 @@ The packs are taken when `pack_linears` runs; weights changed afterwards need ne
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +54,26 @@ AMX_ROWS_MAX = 1536
 # From this many rows SwiGLU's gate and up run as two oneDNN GEMMs with silu and the product in
 # their epilogues, faster than the tile product there (benchmarks/README.md, engine_passes.py).
 SWIGLU_ROWS_MAX = 512
+
+
+def bucket(rows: int) -> int:
+    """rows rounded up to a multiple of an eighth of its power of two (17 → 18, 100 → 104, 1,500
+    → 1,536): at most 12.5% more rows, eight counts per power of two; up to 16 rows as they are."""
+    if rows <= 16:
+        return rows
+    step = 1 << (rows.bit_length() - 4)  # rows in [2^k, 2^(k+1)): multiples of 2^(k−3)
+    return -(-rows // step) * step
+
+
+def on_bucketed_rows(x: Tensor, product: Callable[[Tensor], Tensor]) -> Tensor:
+    """product(rows) of x's rows (M, K) padded with zero rows to `bucket(M)`, its first M rows
+    (a view): x (..., K) → (..., N)."""
+    rows = x.reshape(-1, x.shape[-1])  # (M, K)
+    m = rows.shape[0]
+    if bucket(m) != m:
+        rows = F.pad(rows, (0, 0, 0, bucket(m) - m))  # (bucket(M), K)
+    y = product(rows)  # (bucket(M), N)
+    return y[:m].view(*x.shape[:-1], y.shape[-1])
 
 
 class PackedLinear(nn.Module):
@@ -65,12 +95,17 @@ class PackedLinear(nn.Module):
         if torch.compiler.is_compiling():
             return self._traced(x)
         rows = x.shape[:-1].numel()
-        if (x.dtype == torch.float32 and rows == 1) or (self.amx and rows >= AMX_ROWS_MAX):
+        if x.dtype == torch.float32 and rows == 1:
             return F.linear(x, self.linear.weight, self.linear.bias)
+        if self.amx and rows >= AMX_ROWS_MAX:  # oneDNN's GEMM
+            return on_bucketed_rows(x, lambda r: F.linear(r, self.linear.weight, self.linear.bias))
         if self.amx:
             y = amx_linear.linear(x, self.packed, self.linear.out_features)
             return y if self.bias is None else y + self.bias
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return on_bucketed_rows(
+            x,
+            lambda r: torch.ops.mkldnn._linear_pointwise(r, self.packed, self.bias, "none", [], ""),
+        )
 
     def _traced(self, x: Tensor) -> Tensor:
         """In a compiled pass (`decoderlm.cpu.paged_step`): rows by the op over the AMX pack, one
@@ -126,8 +161,12 @@ class PackedSwiGLU(nn.Module):
     def onednn_swiglu(self, x: Tensor) -> Tensor:  # (..., d_model) → (..., d_ff)
         """h = (x Uᵀ) ⊙ silu(x Gᵀ) by oneDNN's packed GEMMs, silu the first one's post-op and
         the product the second one's: each rounds to bfloat16 once, from its float32 sums."""
-        s = torch.ops.mkldnn._linear_pointwise(x, self.gate_packed, None, "swish", [], "")
-        return torch.ops.mkldnn._linear_pointwise.binary(x, s, self.up_packed, None, "mul")
+
+        def product(rows: Tensor) -> Tensor:  # (M, d_model) → (M, d_ff)
+            s = torch.ops.mkldnn._linear_pointwise(rows, self.gate_packed, None, "swish", [], "")
+            return torch.ops.mkldnn._linear_pointwise.binary(rows, s, self.up_packed, None, "mul")
+
+        return on_bucketed_rows(x, product)
 
 
 def can_pack(dtype: torch.dtype) -> bool:
