@@ -85,8 +85,12 @@ def test_packed_bf16_linears_use_the_tiles_and_others_stay_on_onednn():
         reference_error = (layer.linear(x).double() - exact).abs().max()
         ulp = torch.finfo(torch.bfloat16).eps * exact.abs().max()  # the bias: one more rounding
         assert (layer(x).double() - exact).abs().max() <= 2 * reference_error + ulp
-    many = torch.randn(AMX_ROWS_MAX, 64).bfloat16()  # a long prefill chunk: oneDNN's GEMM
-    assert torch.equal(on_tiles(many), on_tiles.linear(many))
+    # a long prefill chunk: whole buckets of 32 rows by oneDNN's GEMM, the last 5 on the tiles
+    many = torch.randn(AMX_ROWS_MAX + 5, 64).bfloat16()
+    got, head = on_tiles(many), AMX_ROWS_MAX
+    assert torch.equal(got[:head], on_tiles.linear(many[:head]))
+    tail = amx_linear.linear(many[head:], on_tiles.packed, 40) + on_tiles.bias
+    assert torch.equal(got[head:], tail)
 
 
 @needs_amx

@@ -24,9 +24,10 @@ oneDNN compiles a kernel (a "primitive") for every row count it meets, a few mil
 and keeps the last 1,024: a serving engine's prefill passes, whose rows are the decoding
 sequences plus the prompts' chunks, would meet a new count almost every step (SmolLM2 in
 bfloat16: a 16-prompt pass of a new row count 1.2× the time of the same pass again; the 55M model
-of benchmarks/serve.py 1.9×). The rows of every oneDNN product here are padded with zero rows to
-`bucket(rows)` (at most an eighth more: a few dozen counts per power of two), whose kernels are
-compiled once and reused.
+of benchmarks/serve.py 1.9×). So oneDNN only ever sees `bucket(rows)` rows (a multiple of 32 from
+256 rows, of an eighth of the power of two below: ~150 counts up to 4,096): a plain GEMM on AMX
+takes the rows of whole buckets of 32 and leaves the last few to the tiles, writing both into one
+output; the other products run on rows padded with zeros to their bucket.
 
 `pack_linears(model)` returns the swap without applying it; `swapped(swap)` applies it for the
 duration of a `with` block (the engine does so around each step), so the model itself stays plain
@@ -56,12 +57,15 @@ AMX_ROWS_MAX = 1536
 SWIGLU_ROWS_MAX = 512
 
 
+BUCKET_ROWS = 32  # the largest step between the row counts oneDNN is given
+
+
 def bucket(rows: int) -> int:
-    """rows rounded up to a multiple of an eighth of its power of two (17 → 18, 100 → 104, 1,500
-    → 1,536): at most 12.5% more rows, eight counts per power of two; up to 16 rows as they are."""
+    """rows rounded up to a multiple of an eighth of its power of two, at most BUCKET_ROWS (17 →
+    18, 100 → 104, 1,500 → 1,504): at most 12.5% more rows (1.6% from 2,048); up to 16 as they are."""
     if rows <= 16:
         return rows
-    step = 1 << (rows.bit_length() - 4)  # rows in [2^k, 2^(k+1)): multiples of 2^(k−3)
+    step = min(BUCKET_ROWS, 1 << (rows.bit_length() - 4))  # rows in [2^k, 2^(k+1)): ≤ 2^(k−3)
     return -(-rows // step) * step
 
 
@@ -71,7 +75,10 @@ def on_bucketed_rows(x: Tensor, product: Callable[[Tensor], Tensor]) -> Tensor:
     rows = x.reshape(-1, x.shape[-1])  # (M, K)
     m = rows.shape[0]
     if bucket(m) != m:
-        rows = F.pad(rows, (0, 0, 0, bucket(m) - m))  # (bucket(M), K)
+        padded = rows.new_empty(bucket(m), rows.shape[1])  # a copy and a fill: F.pad takes 1.6×
+        padded[:m].copy_(rows)
+        rows = padded
+        rows[m:].zero_()
     y = product(rows)  # (bucket(M), N)
     return y[:m].view(*x.shape[:-1], y.shape[-1])
 
@@ -97,8 +104,8 @@ class PackedLinear(nn.Module):
         rows = x.shape[:-1].numel()
         if x.dtype == torch.float32 and rows == 1:
             return F.linear(x, self.linear.weight, self.linear.bias)
-        if self.amx and rows >= AMX_ROWS_MAX:  # oneDNN's GEMM
-            return on_bucketed_rows(x, lambda r: F.linear(r, self.linear.weight, self.linear.bias))
+        if self.amx and rows >= AMX_ROWS_MAX:
+            return self._gemm_and_tiles(x)
         if self.amx:
             y = amx_linear.linear(x, self.packed, self.linear.out_features)
             return y if self.bias is None else y + self.bias
@@ -106,6 +113,23 @@ class PackedLinear(nn.Module):
             x,
             lambda r: torch.ops.mkldnn._linear_pointwise(r, self.packed, self.bias, "none", [], ""),
         )
+
+    def _gemm_and_tiles(self, x: Tensor) -> Tensor:  # (..., in_features) → (..., out_features)
+        """x Wᵀ + b: the rows of whole buckets of BUCKET_ROWS by oneDNN's GEMM, the last few on the
+        tiles, into one output (no row count oneDNN has not seen before, no copy of x)."""
+        rows = x.reshape(-1, x.shape[-1])  # (M, K)
+        m, n = rows.shape[0], self.linear.out_features
+        head = m // BUCKET_ROWS * BUCKET_ROWS
+        y = rows.new_empty(m, n)  # (M, N)
+        weight = self.linear.weight.detach().T
+        if self.bias is None:
+            torch.mm(rows[:head], weight, out=y[:head])
+        else:  # the bias added to the float32 sums, as F.linear does
+            torch.addmm(self.bias, rows[:head], weight, out=y[:head])
+        if head < m:
+            tail = amx_linear.linear(rows[head:], self.packed, n)
+            y[head:] = tail if self.bias is None else tail + self.bias
+        return y.view(*x.shape[:-1], n)
 
     def _traced(self, x: Tensor) -> Tensor:
         """In a compiled pass (`decoderlm.cpu.paged_step`): rows by the op over the AMX pack, one
