@@ -117,7 +117,7 @@ static float softmax_row(const float *s, uint16_t *p, int64_t n, int64_t width, 
     return vsum(sum);
 }
 
-/* Tile c (0-3) of the group: the tile number of an AMX instruction is an immediate. */
+/* C tile c (0-3): the tile number of an AMX instruction is an immediate. */
 #define FOR_TILE(c, op)                                                                                            \
     switch (c) {                                                                                                   \
     case 0: op(0); break;                                                                                          \
@@ -126,44 +126,27 @@ static float softmax_row(const float *s, uint16_t *p, int64_t n, int64_t width, 
     default: op(3);                                                                                                \
     }
 
-/* S (16 × 16·count, float32, row stride `width`) = Q Kᵀ for `count` ≤ 4 blocks of 16 keys from kb:
- * C tiles 0-3, A (Q) tile 4, B tiles 5 and 6 in turns: one load of Q for up to four products. */
-static void scores(const uint16_t *qt, int64_t q_stride, const uint16_t *kp, int64_t kb, int count, int64_t D,
-                   float *s, int64_t width) {
+static inline void zero_tiles(int count) {
 #define ZERO(c) _tile_zero(c)
-#define STORE(c) _tile_stored(c, s + (kb + c) * 16, width * 4)
     for (int c = 0; c < count; c++) FOR_TILE(c, ZERO)
-    for (int64_t dc = 0; dc < D / 32; dc++) {
-        _tile_loadd(4, qt + dc * 32, q_stride * 2);
-        const uint16_t *b = kp + (kb * (D / 32) + dc) * TILE;
-        _tile_loadd(5, b, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        if (count > 1) { _tile_loadd(6, b + (D / 32) * TILE, 64); _tile_dpbf16ps(1, 4, 6); }
-        if (count > 2) { _tile_loadd(5, b + 2 * (D / 32) * TILE, 64); _tile_dpbf16ps(2, 4, 5); }
-        if (count > 3) { _tile_loadd(6, b + 3 * (D / 32) * TILE, 64); _tile_dpbf16ps(3, 4, 6); }
-    }
-    for (int c = 0; c < count; c++) FOR_TILE(c, STORE)
 #undef ZERO
-#undef STORE
 }
 
-/* O (16 × 16·count, float32, row stride 16·count) = P V for `count` ≤ 4 blocks of 16 dims from db,
- * over `width` keys: C tiles 0-3, A (P) tile 4, B tiles 5 and 6 in turns. */
-static void values(const uint16_t *p, int64_t width, const uint16_t *vp, int64_t db, int count, int64_t D, float *o) {
-#define ZERO(c) _tile_zero(c)
-#define STORE(c) _tile_stored(c, o + c * 16, count * 64)
-    for (int c = 0; c < count; c++) FOR_TILE(c, ZERO)
-    for (int64_t kc = 0; kc < width / 32; kc++) {
-        _tile_loadd(4, p + kc * 32, width * 2);
-        const uint16_t *b = vp + (kc * (D / 16) + db) * TILE;
-        _tile_loadd(5, b, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        if (count > 1) { _tile_loadd(6, b + TILE, 64); _tile_dpbf16ps(1, 4, 6); }
-        if (count > 2) { _tile_loadd(5, b + 2 * TILE, 64); _tile_dpbf16ps(2, 4, 5); }
-        if (count > 3) { _tile_loadd(6, b + 3 * TILE, 64); _tile_dpbf16ps(3, 4, 6); }
-    }
+/* C tiles 0 .. count − 1 (count ≤ 4) += A · B_c: A (tile 4) loaded once from a, its rows `stride`
+ * bytes apart; B_c (tiles 5 and 6 in turns) the tile at b + c · step. */
+static inline void multiply(const uint16_t *a, int64_t stride, const uint16_t *b, int64_t step, int count) {
+    _tile_loadd(4, a, stride);
+    _tile_loadd(5, b, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if (count > 1) { _tile_loadd(6, b + step, 64); _tile_dpbf16ps(1, 4, 6); }
+    if (count > 2) { _tile_loadd(5, b + 2 * step, 64); _tile_dpbf16ps(2, 4, 5); }
+    if (count > 3) { _tile_loadd(6, b + 3 * step, 64); _tile_dpbf16ps(3, 4, 6); }
+}
+
+/* C tile c (c < count) to the 16 × 16 floats at out + 16 c, rows `stride` bytes apart. */
+static inline void store_tiles(float *out, int64_t stride, int count) {
+#define STORE(c) _tile_stored(c, out + (c) * 16, stride)
     for (int c = 0; c < count; c++) FOR_TILE(c, STORE)
-#undef ZERO
 #undef STORE
 }
 
@@ -211,8 +194,11 @@ int amx_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, 
                     qt = tail, q_stride = D;
                 }
                 for (int64_t kb = 0; kb < (seen + 15) / 16; kb += 4) { /* S = Q Kᵀ, 64 keys a step */
-                    const int64_t left = (seen + 15) / 16 - kb;
-                    scores(qt, q_stride, kp + bg * per_head, kb, left < 4 ? (int)left : 4, D, s, width);
+                    const int count = (seen + 15) / 16 - kb < 4 ? (int)((seen + 15) / 16 - kb) : 4;
+                    zero_tiles(count);
+                    for (int64_t dc = 0; dc < D / 32; dc++) /* B: 16 keys × 32 dims, the group's tiles D / 32 apart */
+                        multiply(qt + dc * 32, q_stride * 2, kp + bg * per_head + (kb * (D / 32) + dc) * TILE, (D / 32) * TILE, count);
+                    store_tiles(s + kb * 16, width * 4, count);
                 }
                 float l[16];
                 for (int64_t m = 0; m < 16; m++)
@@ -220,7 +206,10 @@ int amx_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, 
                     else memset(p + m * width, 0, (size_t)width * sizeof(uint16_t));
                 for (int64_t db = 0; db < D / 16; db += 4) { /* O = P V, 64 dims a step */
                     const int count = D / 16 - db < 4 ? (int)(D / 16 - db) : 4;
-                    values(p, width, vp + bg * per_head, db, count, D, o);
+                    zero_tiles(count);
+                    for (int64_t kc = 0; kc < width / 32; kc++) /* B: 32 keys × 16 dims, the group's tiles adjacent */
+                        multiply(p + kc * 32, width * 2, vp + bg * per_head + (kc * (D / 16) + db) * TILE, TILE, count);
+                    store_tiles(o, count * 64, count);
                     for (int64_t m = 0; m < rows; m++) {
                         uint16_t *row = out + b * o_s[0] + h * o_s[1] + (i0 + m) * o_s[2] + db * 16;
                         const vec inverse = vset(1.0f / l[m]);
