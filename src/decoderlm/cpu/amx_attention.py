@@ -3,13 +3,14 @@ both products as tile multiplies (TDPBF16PS, float32 sums).
 
 torch's CPU flash-attention kernel runs a prompt's causal self-attention well below the rate of
 its matrix products: in a serving engine's prefill pass over SmolLM2-135M (16 prompts of 100-130
-tokens, 9 query and 3 K/V heads of 64 dims) ~150 µs a prompt and layer, a quarter of the pass
-(benchmarks/README.md, engine_passes.py). `amx_attention.c` computes the same attention as the
+tokens, 9 query and 3 K/V heads of 64 dims) ~100-130 µs a prompt and layer, a sixth of the pass.
+`amx_attention.c` takes 0.47-0.63× its time from 93 to 2,048 tokens (benchmarks/README.md,
+prefill_attention.py). It computes the same attention as the
 blocked matrix products of FlashAttention (Dao et al., 2022) with AMX tiles doing both: each tile
 of 16 queries is scored against the keys its last query sees (Q Kᵀ), softmaxed in float32 and
 multiplied by V, the keys and values of each K/V head laid out once for the tile multiply and
 shared by the GQA group's query heads. It rounds where torch's kernel does (the float32 scores'
-exponentials rounded to bfloat16 for the product with V; the sum and the division in float32), so
+exponentials rounded to bfloat16 for the product with V; their sum l and 1 / l in float32), so
 the two differ only by the order of float32 sums.
 
 `takes(q, k, v, ...)` says whether `attention(q, k, v, scale)` runs for a call of

@@ -176,8 +176,8 @@ def cpu_attend(
 
     backend "sdpa": `blockwise_attention` where `blockwise_is_faster`, the AMX tile kernel
     (`decoderlm.cpu.amx_attention`) where it `takes` the call (a bfloat16 prompt's causal
-    attention), `padded_self_attention` where it `pads`; backend "math" (or need_weights) on the CPU: the formula with the softmax
-    torch.compile fuses best; otherwise the model's `attend`.
+    attention), `padded_self_attention` where it `pads`; backend "math" (or need_weights) on the
+    CPU: the formula with the softmax torch.compile fuses best; otherwise the model's `attend`.
     """
     if q.device.type == "cpu" and (need_weights or backend == "math"):
         mask = build_mask(q.shape[2], k.shape[2], causal, key_padding_mask, q.device, window)

@@ -115,8 +115,8 @@ class PackedLinear(nn.Module):
         )
 
     def _gemm_and_tiles(self, x: Tensor) -> Tensor:  # (..., in_features) → (..., out_features)
-        """x Wᵀ + b: the rows of whole buckets of BUCKET_ROWS by oneDNN's GEMM, the last few on the
-        tiles, into one output (no row count oneDNN has not seen before, no copy of x)."""
+        """x Wᵀ + b: the rows of whole buckets of BUCKET_ROWS by oneDNN's GEMM (its row counts
+        multiples of BUCKET_ROWS), the last few on the tiles, into one output (no copy of x)."""
         rows = x.reshape(-1, x.shape[-1])  # (M, K)
         m, n = rows.shape[0], self.linear.out_features
         head = m // BUCKET_ROWS * BUCKET_ROWS
