@@ -359,7 +359,8 @@ def run_comparison(args: argparse.Namespace, work: Path) -> str:
     for side in ("vLLM", "decoderlm"):
         port = free_port()
         cmd = command(args, side, directory, port, None)
-        for c, m in drive(args, side, side, cmd, port, directory, passes, work).items():
+        label = f"{side}-{directory.name}"  # each model's logs and results beside the others'
+        for c, m in drive(args, side, label, cmd, port, directory, passes, work).items():
             rows[c][side] = m
     return comparison_table(rows)
 
