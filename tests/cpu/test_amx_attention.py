@@ -94,15 +94,16 @@ def test_cpu_attend_routes_prefill_shapes_to_the_tiles():
     assert torch.equal(out, amx_attention.attention(q, k, v))
 
 
+@needs_amx
 @pytest.mark.parametrize(
     "change",
     ["float32", "gradient", "mask", "window", "one query", "head dim 48", "not causal"],
 )
 def test_takes_only_what_the_kernel_computes(change):
+    plain = dict(causal=True, key_padding_mask=None, window=None, dropout_p=0.0)
+    assert amx_attention.takes(*inputs(1, 4, 2, 32, 32, 64), **plain)  # the call unchanged
     q, k, v = inputs(1, 4, 2, 32, 32, 48 if change == "head dim 48" else 64)
-    keywords = dict(
-        causal=change != "not causal", key_padding_mask=None, window=None, dropout_p=0.0
-    )
+    keywords = dict(plain, causal=change != "not causal")
     if change == "float32":
         q, k, v = q.float(), k.float(), v.float()
     if change == "gradient":

@@ -22,22 +22,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx.h"
 #include "vec.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: let this process use the AMX tile data state */
-#define XFEATURE_XTILEDATA 18
 #define TILE 512 /* bfloat16 elements of one A or B tile: 16 rows × 64 bytes */
-
-int amx_request(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
-
-struct tile_config { /* palette 1, the layout LDTILECFG reads */
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-};
 
 /* Tiles 0-3 (C), 4 (A), 5 and 6 (B), each 16 rows of 64 bytes. */
 static void configure(void) {

@@ -4,7 +4,7 @@ both products as tile multiplies (TDPBF16PS, float32 sums).
 torch's CPU flash-attention kernel runs a prompt's causal self-attention well below the rate of
 its matrix products: in a serving engine's prefill pass over SmolLM2-135M (16 prompts of 100-130
 tokens, 9 query and 3 K/V heads of 64 dims) ~100-130 µs a prompt and layer, a sixth of the pass.
-`amx_attention.c` takes 0.47-0.63× its time from 93 to 2,048 tokens (benchmarks/README.md,
+`amx_attention.c` takes 0.49-0.63× its time from 93 to 2,048 tokens (benchmarks/README.md,
 prefill_attention.py). It computes the same attention as the
 blocked matrix products of FlashAttention (Dao et al., 2022) with AMX tiles doing both: each tile
 of 16 queries is scored against the keys its last query sees (Q Kᵀ), softmaxed in float32 and
@@ -24,30 +24,21 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from decoderlm.cpu import features, native
+from decoderlm.cpu import amx_linear
 
-log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("amx_attention.c")
-CPU_FLAGS = {"amx_tile", "amx_bf16", "avx512_bf16"}
 DIMS_PER_TILE = 32  # a tile row holds 32 bfloat16 of a query or key
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if not CPU_FLAGS.issubset(features.cpu_flags()):
-        return None
-    library = native.load([SOURCE], "prefill attention stays torch's SDPA", ctypes.CDLL)
+    library = amx_linear.load_tile_library(SOURCE, "prefill attention stays torch's SDPA")
     if library is None:
-        return None
-    library.amx_request.restype = ctypes.c_int
-    if library.amx_request() != 0:
-        log.warning("decoderlm: the kernel refused AMX tiles; prefill attention stays torch's SDPA")
         return None
     library.amx_attention_bf16.restype = ctypes.c_int
     library.amx_attention_bf16.argtypes = (

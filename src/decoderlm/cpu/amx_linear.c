@@ -28,24 +28,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx.h"
 #include "vec.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: let this process use the AMX tile data state */
-#define XFEATURE_XTILEDATA 18
 #define PREFETCH_BYTES 6144 /* not a multiple of 4 KiB: see gemv.c */
 #define WIDE 32 /* rows from which two tiles of rows share each load of W */
 #define CHUNK_GROUPS 16 /* the wide path takes 256 rows of x at a time, which stay in the cache */
-
-int amx_request(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
-
-struct tile_config { /* palette 1, the layout LDTILECFG reads */
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-};
 
 /* Tiles: 0 = C and 1 = A for groups of 16 rows, 3 = C and 4 = A for the last `rest` rows, 2 = B. */
 static void configure(int64_t rest) {

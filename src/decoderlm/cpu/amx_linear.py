@@ -43,16 +43,26 @@ INPUTS_PER_TILE = 32  # K is consumed 32 inputs (one tile row of 64 bytes) at a 
 OUTPUTS_PER_BLOCK = 16
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
+def load_tile_library(source: Path, fallback: str) -> ctypes.CDLL | None:
+    """An AMX kernel's library (its source includes `amx.h`), built if need be, the process
+    granted the tile state; None (warned, the caller doing `fallback` instead) where the CPU
+    lacks CPU_FLAGS, the library does not build, or Linux refuses the tiles."""
     if not CPU_FLAGS.issubset(features.cpu_flags()):
         return None
-    library = native.load([SOURCE], "bfloat16 linears stay on oneDNN", ctypes.CDLL)
+    library = native.load([source], fallback, ctypes.CDLL)
     if library is None:
         return None
     library.amx_request.restype = ctypes.c_int
     if library.amx_request() != 0:
-        log.warning("decoderlm: the kernel refused AMX tiles; bfloat16 linears stay on oneDNN")
+        log.warning("decoderlm: the kernel refused AMX tiles; %s", fallback)
+        return None
+    return library
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    library = load_tile_library(SOURCE, "bfloat16 linears stay on oneDNN")
+    if library is None:
         return None
     library.amx_linear_bf16.restype = None
     library.amx_linear_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]

@@ -24,10 +24,12 @@ oneDNN compiles a kernel (a "primitive") for every row count it meets, a few mil
 and keeps the last 1,024: a serving engine's prefill passes, whose rows are the decoding
 sequences plus the prompts' chunks, would meet a new count almost every step (SmolLM2 in
 bfloat16: a 16-prompt pass of a new row count 1.2× the time of the same pass again; the 55M model
-of benchmarks/serve.py 1.9×). So oneDNN only ever sees `bucket(rows)` rows (a multiple of 32 from
-256 rows, of an eighth of the power of two below: ~150 counts up to 4,096): a plain GEMM on AMX
-takes the rows of whole buckets of 32 and leaves the last few to the tiles, writing both into one
-output; the other products run on rows padded with zeros to their bucket.
+of benchmarks/serve.py 1.9×). So where the CPU has AMX, oneDNN only sees `bucket(rows)` rows (a
+multiple of 32 from 256 rows, of an eighth of the power of two below: ~150 counts up to 4,096): a
+plain GEMM takes the rows of whole buckets of 32 and leaves the last few to the tiles, writing both
+into one output; SwiGLU's two products run on rows padded with zeros to their bucket. Without AMX
+(every product on the packed kernels, float32 on AVX2 lanes) the buckets measured no faster, so
+those take their rows as they are.
 
 `pack_linears(model)` returns the swap without applying it; `swapped(swap)` applies it for the
 duration of a `with` block (the engine does so around each step), so the model itself stays plain
@@ -37,8 +39,6 @@ The packs are taken when `pack_linears` runs; weights changed afterwards need ne
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -69,20 +69,6 @@ def bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def on_bucketed_rows(x: Tensor, product: Callable[[Tensor], Tensor]) -> Tensor:
-    """product(rows) of x's rows (M, K) padded with zero rows to `bucket(M)`, its first M rows
-    (a view): x (..., K) → (..., N)."""
-    rows = x.reshape(-1, x.shape[-1])  # (M, K)
-    m = rows.shape[0]
-    if bucket(m) != m:
-        padded = rows.new_empty(bucket(m), rows.shape[1])  # a copy and a fill: F.pad takes 1.6×
-        padded[:m].copy_(rows)
-        rows = padded
-        rows[m:].zero_()
-    y = product(rows)  # (bucket(M), N)
-    return y[:m].view(*x.shape[:-1], y.shape[-1])
-
-
 class PackedLinear(nn.Module):
     """y = x Wᵀ + b with W prepacked for oneDNN, or for AMX tiles (bfloat16 where `amx_linear`
     supports it); inference only (no gradient reaches W)."""
@@ -109,10 +95,7 @@ class PackedLinear(nn.Module):
         if self.amx:
             y = amx_linear.linear(x, self.packed, self.linear.out_features)
             return y if self.bias is None else y + self.bias
-        return on_bucketed_rows(
-            x,
-            lambda r: torch.ops.mkldnn._linear_pointwise(r, self.packed, self.bias, "none", [], ""),
-        )
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def _gemm_and_tiles(self, x: Tensor) -> Tensor:  # (..., in_features) → (..., out_features)
         """x Wᵀ + b: the rows of whole buckets of BUCKET_ROWS by oneDNN's GEMM (its row counts
@@ -184,13 +167,18 @@ class PackedSwiGLU(nn.Module):
 
     def onednn_swiglu(self, x: Tensor) -> Tensor:  # (..., d_model) → (..., d_ff)
         """h = (x Uᵀ) ⊙ silu(x Gᵀ) by oneDNN's packed GEMMs, silu the first one's post-op and
-        the product the second one's: each rounds to bfloat16 once, from its float32 sums."""
-
-        def product(rows: Tensor) -> Tensor:  # (M, d_model) → (M, d_ff)
-            s = torch.ops.mkldnn._linear_pointwise(rows, self.gate_packed, None, "swish", [], "")
-            return torch.ops.mkldnn._linear_pointwise.binary(rows, s, self.up_packed, None, "mul")
-
-        return on_bucketed_rows(x, product)
+        the product the second one's: each rounds to bfloat16 once, from its float32 sums. The
+        rows are padded with zero rows to `bucket(rows)`, and the first ones returned (a view)."""
+        rows = x.reshape(-1, x.shape[-1])  # (M, d_model)
+        m = rows.shape[0]
+        if bucket(m) != m:
+            padded = rows.new_empty(bucket(m), rows.shape[1])  # a copy and a fill: F.pad takes 1.6×
+            padded[:m].copy_(rows)
+            padded[m:].zero_()
+            rows = padded
+        s = torch.ops.mkldnn._linear_pointwise(rows, self.gate_packed, None, "swish", [], "")
+        h = torch.ops.mkldnn._linear_pointwise.binary(rows, s, self.up_packed, None, "mul")
+        return h[:m].view(*x.shape[:-1], h.shape[-1])
 
 
 def can_pack(dtype: torch.dtype) -> bool:
