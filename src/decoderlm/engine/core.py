@@ -165,7 +165,7 @@ class EngineCore:
         if room:
             passes.append(VerifyPass(plan.decode, room))
         elif plan.decode:
-            passes.append(DecodePass(plan.decode))
+            passes.append(DecodePass(self._in_kept_order(plan.decode)))
         if not plan.prefill:
             return passes
         if self.runner.states is None:  # every chunk in one pass: the weights read once
@@ -179,6 +179,14 @@ class EngineCore:
         for seq, n in plan.prefill:  # (start, n), of uniform rows
             chunks.setdefault((seq.n_computed, n), []).append(seq)
         return passes + [PrefillPass(seqs, [n] * len(seqs)) for (_, n), seqs in chunks.items()]
+
+    def _in_kept_order(self, seqs: list[Sequence]) -> list[Sequence]:
+        """The decoding sequences in the order that moves the fewest of the recurrent states
+        their last pass kept (`StatePool.order`); as they are without recurrent layers."""
+        if self.runner.states is None:
+            return seqs
+        order = self.runner.states.order([tuple(seq.state_pages) for seq in seqs])
+        return [seqs[i] for i in order]
 
     def _room(self, seq: Sequence) -> int:
         """How many drafts decoding `seq` may take this step: what its schedule asks for, what

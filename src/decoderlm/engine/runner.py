@@ -216,7 +216,8 @@ class ModelRunner:
         # (B, n), (B,), (B, W): the compiled pass's tables as wide as it was traced with
         idx, start, table = pass_inputs(rows, self.width if compiled else None, self.device)
         if self.states is not None:
-            self.states.seek([row.state_pages for row in rows], start)
+            # a decode pass (a token a row) keeps its states: its rows mostly decode again next
+            self.states.seek([row.state_pages for row in rows], start, keep=n == 1)
         if compiled:
             states = [] if self.states is None else self.states.layer_states()
             logits = self.step(idx, start[:, None], table, states)[:, None]  # (B, 1, V)
