@@ -8,11 +8,12 @@ weights and the pools are inputs, not constants; kept on disk under a hash of th
 attention read in place from the pools by the op decoderlm::paged_decode_attention
 (`decoderlm.cpu.paged_attention`) and each new token's K/V written to its slot
 slot = table[b, p // block_size] · block_size + p mod block_size. A recurrent layer's conv and
-matrix states (linear attention, Gated DeltaNet, Mamba-2) are inputs too: the engine gathers the
-rows' states from their pages before the pass (`decoderlm.engine.state_pool`), the pass folds the
-token into them in place, and the engine writes them back after it. (Gathered inside the pass,
-as raw bytes of the bfloat16 pools viewed as float32 states, Inductor's code took 118-178 ms at
-64 rows of a 55M hybrid against the engine's 16-18 ms.)
+matrix states (linear attention, Gated DeltaNet, Mamba-2) are inputs too: the engine keeps the
+decoding rows' states in contiguous buffers from one pass to the next
+(`decoderlm.engine.state_pool`: gathered from their pages when a row joins, written back when it
+leaves), and the pass folds the token into them in place. (Gathered inside the pass, as raw
+bytes of the bfloat16 pools viewed as float32 states, Inductor's code took 118-178 ms at 64 rows
+of a 55M hybrid against the engine's 16-18 ms.)
 
 vLLM captures CUDA graphs for a few padded batch sizes because a graph has fixed shapes. An
 AOTInductor library can leave the batch dimension symbolic instead, so two libraries cover every

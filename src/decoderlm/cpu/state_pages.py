@@ -4,9 +4,11 @@ its page rows and the state's contiguous buffer, one pass over memory each way (
 elsewhere, or without a C compiler, by PyTorch ops over the same runs.
 
 The PyTorch ops gather a run's rows by `index_select`, then copy them into place, and write a
-run back by `index_put_`, a TensorIterator over every element: in a compiled decode step of 64
-rows of a 3:1 Gated DeltaNet hybrid (d_model 512), the engine's copies by PyTorch ops took 14 ms
-of 21; by memcpy they take 7.5 of 13.5 (benchmarks/README.md, engine_states.py).
+run back by `index_put_`, a TensorIterator over every element: copying every row's states both
+ways around a compiled decode step of 64 rows of a 3:1 Gated DeltaNet hybrid (d_model 512) took
+14 ms of a 21 ms step by PyTorch ops, 7.5-8.0 of 13.1-13.5 by memcpy (benchmarks/README.md,
+engine_states.py, "copied"). The engine's decode passes keep their states between steps and
+copy only the rows that join or leave (`decoderlm.engine.state_pool`).
 """
 
 from __future__ import annotations

@@ -7,10 +7,11 @@ One forward over a pass's rows (`passes.Row`: each row's tokens, where they star
   path: one (B, n) batch over the rows' block tables. Decode rows attend their own blocks, read in
   place by `decoderlm.cpu.paged_attention` on the CPU, else gathered and padded under a key mask;
   a layer with a sliding window gathers only the keys inside it. A model with recurrent layers
-  keeps their states in pages of the same budget (`state_pool`): gathered once for the pass,
-  written back after it. With `compile`, a decode pass runs the library compiled ahead of time
-  (`decoderlm.cpu.paged_step`, the recurrent layers' gathered states among its inputs, updated in
-  place), made when the runner is: any number of rows where every linear runs on AMX tiles, else
+  keeps their states in pages of the same budget (`state_pool`): a prefill pass gathers its rows'
+  and writes them back after it, a decode pass keeps its rows' in the pool's buffers from one step
+  to the next (copying only the rows that join, leave or move). With `compile`, a decode pass runs
+  the library compiled ahead of time (`decoderlm.cpu.paged_step`, the recurrent layers' kept
+  states among its inputs, updated in place), made when the runner is: any number of rows where every linear runs on AMX tiles, else
   one row (COMPILED_ROWS); wider decode passes, prefill chunks and models it does not take run
   eagerly;
 - rows of different lengths of which one runs more than `IN_PLACE_MAX_TOKENS` (prefill chunks of
