@@ -3,7 +3,8 @@ tokens in one row, each attending its own keys): each sequence's logits are thos
 alone, with and without a sliding window, over float and int8 KV pools, from the start of a prompt
 and from the middle of one, the decode rows among them attended in place, prompts of one length
 side by side as one batch; an engine step schedules them as one pass, and where every layer attends
-in place the decode rows with them."""
+in place the decode rows with them. A prompt's first pass of uniform rows attends the K/V it stores
+without reading them back from a plain pool."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from decoderlm import DecoderLM, ModelConfig
 from decoderlm.cpu import paged_attention
 from decoderlm.engine.engine import Engine
+from decoderlm.engine.kv_pool import PagedLayerCache
 from decoderlm.engine.passes import PrefillPass, Row
 from decoderlm.engine.runner import ModelRunner
 from decoderlm.engine.types import RequestParams
@@ -124,3 +126,37 @@ def test_where_every_layer_attends_in_place_the_decode_rows_join_the_prompts_pas
     engine.submit(list(range(1, 20)), params, on_event=lambda event: None)
     (one,) = engine.core.schedule()  # one pass: the weights read once for both
     assert isinstance(one, PrefillPass) and one.sizes == [1, 19]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "kv_cache_dtype", "reads_back"),
+    [({}, None, False), ({"sliding_window": 6}, None, False), ({}, "int8", True)],
+)
+def test_a_prompts_first_uniform_pass_attends_its_new_keys_without_reading_them_back(
+    overrides, kv_cache_dtype, reads_back, monkeypatch
+):
+    """Rows all starting at position 0 over a plain pool attend the K/V they store as they are
+    (the bits the pool holds); an int8 pool's are read back, as its later chunks read them, and
+    a later chunk reads the pool. Logits as the model's own forward without a cache."""
+    lm = model(**overrides)
+    reads = []
+    for name in ("_blocks", "_slots"):
+        read = getattr(PagedLayerCache, name)
+        monkeypatch.setattr(PagedLayerCache, name, lambda s, pool, r=read: reads.append(1) or r(s, pool))  # fmt: skip
+    whole = sequences([37, 37], cached=0)  # blocks for 37 tokens each
+    batch = [Row(row.blocks, 0, row.tokens[:20]) for row in whole]  # past the in-place kernel's 16
+    later = [Row(row.blocks, 20, row.tokens[20:]) for row in whole]  # a second chunk of each
+    pool = runner(lm, kv_cache_dtype)
+    with pool.running():
+        first = pool.forward_tokens(batch)
+        assert bool(reads) == reads_back
+        reads.clear()
+        second = pool.forward_tokens(later)
+        assert reads
+    with torch.no_grad():
+        ids = torch.tensor([row.tokens for row in whole])
+        want = lm(ids).float()  # (2, 37, V): no cache; the runner's logits are float32
+    tolerance = 0.05 if kv_cache_dtype else 1e-6  # int8 keys: the rounding of their scales
+    for b in range(2):
+        torch.testing.assert_close(first[b], want[b, :20], rtol=0, atol=tolerance)
+        torch.testing.assert_close(second[b], want[b, 20:], rtol=0, atol=tolerance)
