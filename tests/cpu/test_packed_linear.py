@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoderlm import DecoderLM, ModelConfig
-from decoderlm.cpu.packed_linear import PackedLinear, bucket, can_pack, pack_linears
+from decoderlm.cpu.packed_linear import PackedLinear, can_pack, pack_linears
 from decoderlm.cpu.swap import swapped
 
 DTYPES = [d for d in (torch.float32, torch.bfloat16) if can_pack(d)]
@@ -29,23 +29,6 @@ def test_packed_linear_is_as_close_to_float64_as_f_linear(dtype, shape):
     # the same products in another order: within 2× F.linear's own rounding error (+1 ulp of 1)
     ulp = torch.finfo(dtype).eps
     assert (got.double() - exact).abs().max() <= 2 * plain_error + ulp
-
-
-def test_row_buckets_add_at_most_an_eighth_and_step_by_at_most_32():
-    """oneDNN compiles a kernel per row count: the products run on `bucket(rows)` rows, so that a
-    serving engine's passes of ever new row counts reuse ~150 kernels up to 4,096 rows."""
-    counts = range(1, 4097)
-    assert all(rows <= bucket(rows) <= rows * 9 / 8 for rows in counts)
-    assert all(bucket(rows) - rows < 32 for rows in counts)
-    got = [bucket(rows) for rows in (1, 16, 17, 100, 1500, 1536, 1537, 2048)]
-    assert got == [1, 16, 18, 104, 1504, 1536, 1568, 2048]
-    assert len({bucket(rows) for rows in counts}) == 16 + 4 * 8 + (4096 - 256) // 32
-    for k in range(5, 12):  # rows in [2^k, 2^(k+1)): multiples of 2^(k−3), at most 32
-        step = min(32, 2 ** (k - 3))
-        assert {bucket(rows) for rows in range(2**k, 2 ** (k + 1))} == set(
-            range(2**k, 2 ** (k + 1) + 1, step)
-        )
-    assert all(bucket(bucket(rows)) == bucket(rows) for rows in counts)
 
 
 @pytest.mark.skipif(not DTYPES, reason="this torch build has no oneDNN packed linear")

@@ -13,28 +13,24 @@ Where the CPU has AMX, bfloat16 weights are packed for the tile kernel of
 product does not (weights whose inputs are not a multiple of 32 stay on oneDNN). A SwiGLU MLP's
 gate and up projections then become one product whose epilogue applies silu(g) ⊙ u
 (`PackedSwiGLU`): their outputs are never written out and read back, the same bits as the two
-linears and `decoderlm.cpu.fused.silu_mul`. From SWIGLU_ROWS_MAX rows (a long prefill pass)
-oneDNN's GEMMs are faster than the tiles: gate and up then run there on weights packed for it,
-silu and the product in their epilogues (oneDNN's post-ops: s = silu(x Gᵀ), then h = (x Uᵀ) ⊙ s),
-so that neither g nor u is written out and read back either. silu then applies to the float32
-sum, not to g rounded to bfloat16 first as the model's formula does: one rounding fewer, closer
-to float64 (benchmarks/README.md, engine_passes.py).
+linears and `decoderlm.cpu.fused.silu_mul`, whatever the rows (two oneDNN GEMMs with silu and
+the product in their epilogues measured 1.01-1.45× the tile product's time from 256 to 8,192
+rows: benchmarks/README.md, AMX linears).
 
-oneDNN compiles a kernel (a "primitive") for every row count it meets, a few milliseconds each,
-and keeps the last 1,024: a serving engine's prefill passes, whose rows are the decoding
-sequences plus the prompts' chunks, would meet a new count almost every step (SmolLM2 in
-bfloat16: a 16-prompt pass of a new row count 1.2× the time of the same pass again; the 55M model
-of benchmarks/serve.py 1.9×). So where the CPU has AMX, oneDNN only sees `bucket(rows)` rows (a
-multiple of 32 from 256 rows, of an eighth of the power of two below: ~150 counts up to 4,096): a
-plain GEMM takes the rows of whole buckets of 32 and leaves the last few to the tiles, writing both
-into one output; SwiGLU's two products run on rows padded with zeros to their bucket. Without AMX
-(every product on the packed kernels, float32 on AVX2 lanes) the buckets measured no faster, so
-those take their rows as they are.
+From AMX_ROWS_MAX rows (a long prefill pass) a plain linear's GEMM runs on oneDNN (level with the
+tiles there). oneDNN compiles a kernel (a "primitive") for every row count it meets, a few
+milliseconds each, and keeps the last 1,024: a serving engine's prefill passes, whose rows are
+the decoding sequences plus the prompts' chunks, would meet a new count almost every step
+(SmolLM2 in bfloat16: a 16-prompt pass of a new row count 1.2× the time of the same pass again;
+the 55M model of benchmarks/serve.py 1.9×). So oneDNN takes the rows of whole multiples of
+BUCKET_ROWS and the tiles the last few, both written into one output: oneDNN meets 81 row counts
+from 1,536 to 4,096. Without AMX (every product on the packed kernels, float32 on AVX2 lanes) a product
+takes its rows as they are (buckets of rows measured no faster there).
 
 `pack_linears(model)` returns the swap without applying it; `swapped(swap)` applies it for the
 duration of a `with` block (the engine does so around each step), so the model itself stays plain
 and its state_dict unchanged. A packed copy of each weight is kept beside the original: the linear
-weights take twice their memory, a SwiGLU's gate and up three times (the tiles' pack and oneDNN's).
+weights take twice their memory.
 The packs are taken when `pack_linears` runs; weights changed afterwards need new packs.
 """
 
@@ -44,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from decoderlm.cpu import amx_linear, fused, gemv
+from decoderlm.cpu import amx_linear, gemv
 from decoderlm.cpu.swap import Swap
 from decoderlm.model.layers import MLP
 
@@ -52,21 +48,7 @@ BATCH_HINT = 16  # rows the layout is tuned for (any row count runs on it)
 # From this many rows oneDNN's GEMM behind F.linear was level with the AMX tiles or faster in the
 # engine's prefill chunks (benchmarks/README.md, engine_passes.py): they take the plain weight.
 AMX_ROWS_MAX = 1536
-# From this many rows SwiGLU's gate and up run as two oneDNN GEMMs with silu and the product in
-# their epilogues, faster than the tile product there (benchmarks/README.md, engine_passes.py).
-SWIGLU_ROWS_MAX = 512
-
-
-BUCKET_ROWS = 32  # the largest step between the row counts oneDNN is given
-
-
-def bucket(rows: int) -> int:
-    """rows rounded up to a multiple of an eighth of its power of two, at most BUCKET_ROWS (17 →
-    18, 100 → 104, 1,500 → 1,504): at most 12.5% more rows (1.6% from 2,048); up to 16 as they are."""
-    if rows <= 16:
-        return rows
-    step = min(BUCKET_ROWS, 1 << (rows.bit_length() - 4))  # rows in [2^k, 2^(k+1)): ≤ 2^(k−3)
-    return -(-rows // step) * step
+BUCKET_ROWS = 32  # oneDNN's row counts are multiples of this (`PackedLinear._gemm_and_tiles`)
 
 
 class PackedLinear(nn.Module):
@@ -126,9 +108,8 @@ class PackedLinear(nn.Module):
 
 class PackedSwiGLU(nn.Module):
     """A SwiGLU `mlp`, down(silu(gate(x)) ⊙ up(x)), its gate and up projections in one pass over
-    AMX tiles with silu·u in the epilogue (`amx_linear.swiglu`; from SWIGLU_ROWS_MAX rows two
-    oneDNN GEMMs with the same in theirs: `onednn_swiglu`), `down` packed; bfloat16 only (`fuses`
-    says which MLPs)."""
+    AMX tiles with silu·u in the epilogue (`amx_linear.swiglu`), `down` packed; bfloat16 only
+    (`fuses` says which MLPs)."""
 
     def __init__(self, mlp: MLP) -> None:
         super().__init__()
@@ -136,9 +117,6 @@ class PackedSwiGLU(nn.Module):
         gate, up = mlp.gate.weight.detach(), mlp.up.weight.detach()
         packed = amx_linear.pack_swiglu(gate, up)
         self.register_buffer("packed", packed, persistent=False)  # a compiled pass's input
-        # oneDNN's opaque layout, for eager passes of SWIGLU_ROWS_MAX rows or more
-        self.gate_packed = torch.ops.mkldnn._reorder_linear_weight(gate, BATCH_HINT)
-        self.up_packed = torch.ops.mkldnn._reorder_linear_weight(up, BATCH_HINT)
 
     @staticmethod
     def fuses(mlp: nn.Module) -> bool:
@@ -159,26 +137,8 @@ class PackedSwiGLU(nn.Module):
         mlp = self.mlp
         if torch.compiler.is_compiling() and gemv.one_row_of(x):
             return mlp(x)  # compiled, one row: its linears by `CPULinearKernels`
-        if fused.runs(x, mlp.gate.weight) and x.shape[:-1].numel() >= SWIGLU_ROWS_MAX:
-            h = self.onednn_swiglu(x)
-        else:
-            h = amx_linear.swiglu(x, self.packed, mlp.up.out_features)  # (..., d_ff)
+        h = amx_linear.swiglu(x, self.packed, mlp.up.out_features)  # (..., d_ff)
         return mlp.dropout(self.down(h))
-
-    def onednn_swiglu(self, x: Tensor) -> Tensor:  # (..., d_model) → (..., d_ff)
-        """h = (x Uᵀ) ⊙ silu(x Gᵀ) by oneDNN's packed GEMMs, silu the first one's post-op and
-        the product the second one's: each rounds to bfloat16 once, from its float32 sums. The
-        rows are padded with zero rows to `bucket(rows)`, and the first ones returned (a view)."""
-        rows = x.reshape(-1, x.shape[-1])  # (M, d_model)
-        m = rows.shape[0]
-        if bucket(m) != m:
-            padded = rows.new_empty(bucket(m), rows.shape[1])  # a copy and a fill: F.pad takes 1.6×
-            padded[:m].copy_(rows)
-            padded[m:].zero_()
-            rows = padded
-        s = torch.ops.mkldnn._linear_pointwise(rows, self.gate_packed, None, "swish", [], "")
-        h = torch.ops.mkldnn._linear_pointwise.binary(rows, s, self.up_packed, None, "mul")
-        return h[:m].view(*x.shape[:-1], h.shape[-1])
 
 
 def can_pack(dtype: torch.dtype) -> bool:
