@@ -15,7 +15,7 @@ gate and up projections then become one product whose epilogue applies silu(g) �
 (`PackedSwiGLU`): their outputs are never written out and read back, the same bits as the two
 linears and `decoderlm.cpu.fused.silu_mul`, whatever the rows (two oneDNN GEMMs with silu and
 the product in their epilogues measured 1.01-1.45× the tile product's time from 256 to 8,192
-rows: benchmarks/README.md, AMX linears).
+rows: benchmarks/README.md, engine_passes.py).
 
 From AMX_ROWS_MAX rows (a long prefill pass) a plain linear's GEMM runs on oneDNN (level with the
 tiles there). oneDNN compiles a kernel (a "primitive") for every row count it meets, a few
@@ -24,8 +24,8 @@ the decoding sequences plus the prompts' chunks, would meet a new count almost e
 (SmolLM2 in bfloat16: a 16-prompt pass of a new row count 1.2× the time of the same pass again;
 the 55M model of benchmarks/serve.py 1.9×). So oneDNN takes the rows of whole multiples of
 BUCKET_ROWS and the tiles the last few, both written into one output: oneDNN meets 81 row counts
-from 1,536 to 4,096. Without AMX (every product on the packed kernels, float32 on AVX2 lanes) a product
-takes its rows as they are (buckets of rows measured no faster there).
+from 1,536 to 4,096. Without AMX (every product on the packed kernels, float32 on AVX2 lanes) a
+product takes its rows as they are (row counts rounded up measured no faster there).
 
 `pack_linears(model)` returns the swap without applying it; `swapped(swap)` applies it for the
 duration of a `with` block (the engine does so around each step), so the model itself stays plain

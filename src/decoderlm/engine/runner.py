@@ -11,9 +11,9 @@ One forward over a pass's rows (`passes.Row`: each row's tokens, where they star
   and writes them back after it, a decode pass keeps its rows' in the pool's buffers from one step
   to the next (copying only the rows that join, leave or move). With `compile`, a decode pass runs
   the library compiled ahead of time (`decoderlm.cpu.paged_step`, the recurrent layers' kept
-  states among its inputs, updated in place), made when the runner is: any number of rows where every linear runs on AMX tiles, else
-  one row (COMPILED_ROWS); wider decode passes, prefill chunks and models it does not take run
-  eagerly;
+  states among its inputs, updated in place), made when the runner is: any number of rows where
+  every linear runs on AMX tiles, else one row (COMPILED_ROWS); wider decode passes, prefill
+  chunks and models it does not take run eagerly;
 - rows of different lengths of which one runs more than `IN_PLACE_MAX_TOKENS` (prefill chunks of
   prompts of different lengths, decode rows beside them), or that neither of the next two ways
   takes, run as segments of one row of Σ n_b tokens, so that the linear weights are read once for

@@ -32,12 +32,14 @@ sequence that left the decode rows is written back to its pages, unless it left 
 (its pages are freed and its state dropped), and a prefill pass writes back a kept row it runs.
 So a steady decode step copies no state at all, where gathering and writing back every row took
 half of a compiled step at 64 rows (benchmarks/README.md, engine_states.py), as vLLM's persistent
-batch keeps its rows in place between steps (vllm/v1/worker/gpu_input_batch.py). The compiled
-decode pass (`decoderlm.cpu.paged_step`) takes the buffers' rows as inputs and updates them in
-place (`layer_states`). Every row of an engine pass runs the same number of real tokens: no
-padding reaches a state. A page leaving a state is zeroed (`StatePages.release`), so that the K/V
-read from a block never reinterprets a state's bytes (which, seen as bfloat16 or an int8 scale,
-could be a NaN that a masked key would still multiply into attention's output).
+batch keeps its rows in place between steps (vllm/v1/worker/gpu_input_batch.py). The buffers
+hold at most twice the rows of the widest decode pass so far and lie outside the budget, as a
+prefill pass's gathered states do. The compiled decode pass (`decoderlm.cpu.paged_step`) takes
+the buffers' rows as inputs and updates them in place (`layer_states`). Every row of an engine
+pass runs the same number of real tokens: no padding reaches a state. A page leaving a state is
+zeroed (`StatePages.release`), so that the K/V read from a block never reinterprets a state's
+bytes (which, seen as bfloat16 or an int8 scale, could be a NaN that a masked key would still
+multiply into attention's output).
 
 What recurrent layers rule out in the engine (`check_engine_options`):
 - prefix caching is off: a block of a shared prefix holds its K/V, but the recurrent state after
