@@ -91,6 +91,7 @@ def test_kept_decode_states_equal_gathering_and_writing_back_every_row(pool):
     for k, pages in enumerate(owners):
         pool.seek([pages], torch.tensor([1]))
         want[k] = [state[0].view(torch.uint8).clone() for state in pool.layer_states()]
+    drop = pool.pages(BlockPool(pool.budget.num_blocks, 16, False)).drop  # a sequence leaves
     rng, dropped = random.Random(0), set()
     for _ in range(80):
         rows = rng.sample(range(6), rng.randint(1, 6))
@@ -103,7 +104,7 @@ def test_kept_decode_states_equal_gathering_and_writing_back_every_row(pool):
             want[k] = [(0 * s if new else s) + (owners[k][0] + 1) for s in want[k]]  # uint8
         if rng.random() < 0.15:  # a sequence leaves the running batch: its state is gone
             k = rng.randrange(6)
-            pool.pages(BlockPool(pool.budget.num_blocks, 16, False)).drop(owners[k])
+            drop(owners[k])
             want[k], dropped = [0 * s for s in want[k]], dropped | {k}
     pool.write_back()
     assert not any(pool.kept)
