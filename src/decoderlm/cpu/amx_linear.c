@@ -86,7 +86,7 @@ static void write_row(struct pending *p) {
         }
         for (int s = 0; s < 2; s++) {
             const int64_t out = (p->j + s) * 16;
-            if (out < N) store_bf16(y + out, _mm512_loadu_ps(p->c[2 * r + s] + m * 16), N - out);
+            if (out < N) store_rows(p->c[2 * r + s] + m * 16, 1, y + out, N, N - out);
         }
     }
 }
@@ -152,9 +152,9 @@ static void wide(const uint16_t *x, const uint16_t *tail, const uint16_t *w, uin
                     if (g + 1 < groups) x1 = 16 * (g + 2) <= M ? x + (g + 1) * 16 * K : tail;
                     tiles_2x2(x0, x1, w + j * 16 * K, pair ? w + (j + 1) * 16 * K : NULL, K, &p);
                     for (int t = 0; t < 4; t++) tile_to(t, p.c[t]); /* tiles 2r, 2r + 1: rows 16·(g + r) .. */
-                    for (int r = 0; r < 2; r++) {
-                        p.row[r] = (g + r) * 16;
-                        p.rows[r] = M - p.row[r] < 16 ? (M > p.row[r] ? M - p.row[r] : 0) : 16;
+                    for (int r = 0; r < 2; r++) { /* rows[r]: M − row[r] within 0 .. 16 */
+                        const int64_t left = M - (g + r) * 16;
+                        p.row[r] = (g + r) * 16, p.rows[r] = left < 0 ? 0 : left < 16 ? left : 16;
                     }
                     p.j = j, p.jj = jj, p.done = 0;
                 }
