@@ -1,7 +1,7 @@
 """The engine's decode pass compiled ahead of time (`decoderlm.cpu.paged_step`, `Engine(compile=
 True)`): the same logits as the eager pass for one row (the one-row library, the engine's) and for
 several rows of different lengths (the library of any batch size, which the engine takes in
-bfloat16 on AMX tiles, its linears by the op decoderlm::amx_linear), writes to no slot but the
+bfloat16 on AMX tiles, its linears by the op decoderlm::bf16_linear), writes to no slot but the
 rows' own, and greedy requests equal to their solo `generate`. The libraries are compiled once per machine (about
 a minute each on 2 shared cores) and loaded from the disk cache after."""
 
@@ -22,7 +22,7 @@ from test_engine import (
 
 from conftest import COMPILED_PASS
 from decoderlm import DecoderLMError, generate
-from decoderlm.cpu import amx_linear, paged_step
+from decoderlm.cpu import bf16_linear, paged_step
 from decoderlm.engine.engine import Engine
 from decoderlm.engine.passes import Row
 from decoderlm.engine.runner import ModelRunner
@@ -97,7 +97,8 @@ def test_the_compiled_pass_gives_the_eager_logits_for_one_row_and_rows_of_differ
 
 @pytest.mark.skipif(
     not (
-        amx_linear.supports(torch.zeros(1, 32, dtype=torch.bfloat16)) and amx_linear.op_available()
+        bf16_linear.supports(torch.zeros(1, 32, dtype=torch.bfloat16))
+        and bf16_linear.op_available()
     ),
     reason="no AMX-BF16 tiles here, or no C/C++ compiler for their op",
 )
@@ -117,7 +118,7 @@ def test_on_amx_tiles_the_engine_compiles_every_batch_and_gives_the_eager_logits
             eager = runner.forward(rows)
         finally:
             runner.step = step
-    assert "decoderlm::amx_linear" in {event.key for event in prof.key_averages()}
+    assert "decoderlm::bf16_linear" in {event.key for event in prof.key_averages()}
     # The same tile products; the norms, RoPE and SiLU fused by inductor round differently from
     # the eager C kernels: a few bfloat16 steps of the largest logit (measured 1 step).
     step_size = torch.finfo(torch.bfloat16).eps * eager.abs().max()

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from decoderlm.cpu import amx_linear
+from decoderlm.cpu import amx
 
 SOURCE = Path(__file__).with_name("amx_attention.c")
 DIMS_PER_TILE = 32  # a tile row holds 32 bfloat16 of a query or key
@@ -37,7 +37,7 @@ DIMS_PER_TILE = 32  # a tile row holds 32 bfloat16 of a query or key
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    library = amx_linear.load_tile_library(SOURCE, "prefill attention stays torch's SDPA")
+    library = amx.load_tile_library(SOURCE, "prefill attention stays torch's SDPA")
     if library is None:
         return None
     library.amx_attention_bf16.restype = ctypes.c_int

@@ -1,4 +1,4 @@
-/* bfloat16 linear layers on Intel AMX tiles (decoderlm.cpu.amx_linear): y = x Wᵀ for a few rows.
+/* bfloat16 linear layers on Intel AMX tiles (decoderlm.cpu.bf16_linear): y = x Wᵀ for a few rows.
  *
  * W (N, K) is stored blocked once, (⌈N/16⌉, K/2, 16, 2): for each 16 outputs, K/2 rows of
  * 16 (output, pair of inputs) in the VNNI order a tile multiply reads, so that each block of 16
@@ -185,9 +185,12 @@ static void narrow_tile(const uint16_t *xg, int64_t rows, const uint16_t *wb, in
     if (rows == 16) _tile_stored(0, c, 64); else _tile_stored(3, c, 64);
 }
 
+/* What the op's first call needs (bf16_linear_ops.cpp): the process's tile state. */
+int packed_linear_prepare(void) { return amx_request(); }
+
 /* x (M, K), w blocked as above, y (M, N); all contiguous bfloat16. With `swiglu`, w holds the
  * gate's and the up projection's blocks in turns (2·⌈N/16⌉ blocks) and y = silu(g) ⊙ u. */
-void amx_linear_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K,
+void packed_linear_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K,
                      int swiglu) {
     const int64_t blocks = (N + 15) / 16 * (swiglu ? 2 : 1);
     if (M >= WIDE) {

@@ -10,9 +10,9 @@ among others.
 
 - `InvariantLinear`: y = x Wᵀ, every output summed over its inputs in one fixed order
   (`invariant.c`: AVX-512, AVX2 + FMA or plain C, chosen when the kernel is built for this CPU,
-  never by the shape). On a CPU with AMX, bfloat16 weights whose inputs are a multiple of 32 use
-  the tile kernel of `decoderlm.cpu.amx_linear`, which sums each output 32 inputs at a time in
-  order, whatever the rows.
+  never by the shape). On a CPU with bfloat16 dot products (AMX tiles, AVX512-BF16), bfloat16
+  weights the kernel of `decoderlm.cpu.bf16_linear` takes use it, which sums each output in the
+  order of its inputs, whatever the rows.
 - `InvariantSwiGLU`: the SwiGLU MLP with silu(g) ⊙ u by `decoderlm.cpu.fused.silu_mul`, whose
   every element goes through the same vector instructions, the last of a row masked.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from decoderlm.cpu import amx_linear, fused, native
+from decoderlm.cpu import bf16_linear, fused, native
 from decoderlm.cpu.swap import Swap
 from decoderlm.model.layers import MLP
 
@@ -83,13 +83,13 @@ class InvariantLinear(nn.Module):
         super().__init__()
         self.linear = linear
         weight = linear.weight.detach()
-        self.amx = amx_linear.supports(weight)
-        self.packed = amx_linear.pack(weight) if self.amx else None
+        self.bf16_kernel = bf16_linear.supports(weight)
+        self.packed = bf16_linear.pack(weight) if self.bf16_kernel else None
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: Tensor) -> Tensor:  # (..., in_features) → (..., out_features)
-        if self.amx:
-            y = amx_linear.linear(x, self.packed, self.linear.out_features)
+        if self.bf16_kernel:
+            y = bf16_linear.linear(x, self.packed, self.linear.out_features)
         else:
             y = linear(x, self.linear.weight.detach())
         return y if self.bias is None else y + self.bias

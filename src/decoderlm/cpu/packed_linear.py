@@ -8,24 +8,25 @@ pass applies) and run every later product on it (`torch.ops.mkldnn._linear_point
 products are the same; only the order of the sums may differ. Measured in the serving engine: see
 benchmarks/README.md.
 
-Where the CPU has AMX, bfloat16 weights are packed for the tile kernel of
-`decoderlm.cpu.amx_linear` instead, which reads them at memory bandwidth where oneDNN's packed
-product does not (weights whose inputs are not a multiple of 32 stay on oneDNN). A SwiGLU MLP's
-gate and up projections then become one product whose epilogue applies silu(g) ⊙ u
-(`PackedSwiGLU`): their outputs are never written out and read back, the same bits as the two
-linears and `decoderlm.cpu.fused.silu_mul`, whatever the rows (two oneDNN GEMMs with silu and
-the product in their epilogues measured 1.01-1.45× the tile product's time from 256 to 8,192
-rows: benchmarks/README.md, engine_passes.py).
+Where the CPU has bfloat16 dot products (AMX tiles, or AVX512-BF16), bfloat16 weights are packed
+for the kernel of `decoderlm.cpu.bf16_linear` instead (`bf16_linear.kernel()`), which reads them
+at memory bandwidth where oneDNN's packed product does not (weights whose inputs the kernel does
+not take stay on oneDNN). A SwiGLU MLP's gate and up projections then become one product whose
+epilogue applies silu(g) ⊙ u (`PackedSwiGLU`): their outputs are never written out and read back,
+the same bits as the two linears and `decoderlm.cpu.fused.silu_mul`, whatever the rows (on AMX,
+two oneDNN GEMMs with silu and the product in their epilogues measured 1.01-1.45× the tile
+product's time from 256 to 8,192 rows: benchmarks/README.md, engine_passes.py).
 
-From AMX_ROWS_MAX rows (a long prefill pass) a plain linear's GEMM runs on oneDNN (level with the
-tiles there). oneDNN compiles a kernel (a "primitive") for every row count it meets, a few
+From KERNEL_ROWS_MAX rows (a long prefill pass) a plain linear's GEMM runs on oneDNN (level with
+the kernels there). oneDNN compiles a kernel (a "primitive") for every row count it meets, a few
 milliseconds each, and keeps the last 1,024: a serving engine's prefill passes, whose rows are
 the decoding sequences plus the prompts' chunks, would meet a new count almost every step
 (SmolLM2 in bfloat16: a 16-prompt pass of a new row count 1.2× the time of the same pass again;
 the 55M model of benchmarks/serve.py 1.9×). So oneDNN takes the rows of whole multiples of
-BUCKET_ROWS and the tiles the last few, both written into one output: oneDNN meets 81 row counts
-from 1,536 to 4,096. Without AMX (every product on the packed kernels, float32 on AVX2 lanes) a
-product takes its rows as they are (row counts rounded up measured no faster there).
+BUCKET_ROWS and the kernel the last few, both written into one output: oneDNN meets 81 row counts
+from 1,536 to 4,096. Without either kernel (every product on the packed oneDNN kernels, float32
+on AVX2 lanes) a product takes its rows as they are (row counts rounded up measured no faster
+there).
 
 `pack_linears(model)` returns the swap without applying it; `swapped(swap)` applies it for the
 duration of a `with` block (the engine does so around each step), so the model itself stays plain
@@ -40,28 +41,29 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from decoderlm.cpu import amx_linear, gemv
+from decoderlm.cpu import bf16_linear, gemv
 from decoderlm.cpu.swap import Swap
 from decoderlm.model.layers import MLP
 
 BATCH_HINT = 16  # rows the layout is tuned for (any row count runs on it)
 # From this many rows oneDNN's GEMM behind F.linear was level with the AMX tiles or faster in the
-# engine's prefill chunks (benchmarks/README.md, engine_passes.py): they take the plain weight.
-AMX_ROWS_MAX = 1536
-BUCKET_ROWS = 32  # oneDNN's row counts are multiples of this (`PackedLinear._gemm_and_tiles`)
+# engine's prefill chunks, and 0.97-1.01× the AVX512-BF16 kernel's time at 2,048 rows on a Zen 4
+# (benchmarks/README.md, engine_passes.py): they take the plain weight.
+KERNEL_ROWS_MAX = 1536
+BUCKET_ROWS = 32  # oneDNN's row counts are multiples of this (`PackedLinear._gemm_and_kernel`)
 
 
 class PackedLinear(nn.Module):
-    """y = x Wᵀ + b with W prepacked for oneDNN, or for AMX tiles (bfloat16 where `amx_linear`
+    """y = x Wᵀ + b with W prepacked for oneDNN, or for `bf16_linear`'s kernel (bfloat16 where it
     supports it); inference only (no gradient reaches W)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.linear = linear  # the original, for one row in float32 (MKL's GEMV is faster there)
         weight = linear.weight.detach()
-        self.amx = amx_linear.supports(weight)
-        if self.amx:  # a buffer: an input of the compiled pass (`_traced`)
-            self.register_buffer("packed", amx_linear.pack(weight), persistent=False)
+        self.bf16_kernel = bf16_linear.supports(weight)
+        if self.bf16_kernel:  # a buffer: an input of the compiled pass (`_traced`)
+            self.register_buffer("packed", bf16_linear.pack(weight), persistent=False)
         else:  # oneDNN's opaque layout, for eager passes only
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
@@ -72,16 +74,17 @@ class PackedLinear(nn.Module):
         rows = x.shape[:-1].numel()
         if x.dtype == torch.float32 and rows == 1:
             return F.linear(x, self.linear.weight, self.linear.bias)
-        if self.amx and rows >= AMX_ROWS_MAX:
-            return self._gemm_and_tiles(x)
-        if self.amx:
-            y = amx_linear.linear(x, self.packed, self.linear.out_features)
+        if self.bf16_kernel and rows >= KERNEL_ROWS_MAX:
+            return self._gemm_and_kernel(x)
+        if self.bf16_kernel:
+            y = bf16_linear.linear(x, self.packed, self.linear.out_features)
             return y if self.bias is None else y + self.bias
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
-    def _gemm_and_tiles(self, x: Tensor) -> Tensor:  # (..., in_features) → (..., out_features)
+    def _gemm_and_kernel(self, x: Tensor) -> Tensor:  # (..., in_features) → (..., out_features)
         """x Wᵀ + b: the rows of whole buckets of BUCKET_ROWS by oneDNN's GEMM (its row counts
-        multiples of BUCKET_ROWS), the last few on the tiles, into one output (no copy of x)."""
+        multiples of BUCKET_ROWS), the last few on `bf16_linear`'s kernel, into one output (no
+        copy of x)."""
         rows = x.reshape(-1, x.shape[-1])  # (M, K)
         m, n = rows.shape[0], self.linear.out_features
         head = m // BUCKET_ROWS * BUCKET_ROWS
@@ -92,36 +95,38 @@ class PackedLinear(nn.Module):
         else:  # the bias added to the float32 sums, as F.linear does
             torch.addmm(self.bias, rows[:head], weight, out=y[:head])
         if head < m:
-            tail = amx_linear.linear(rows[head:], self.packed, n)
+            tail = bf16_linear.linear(rows[head:], self.packed, n)
             y[head:] = tail if self.bias is None else tail + self.bias
         return y.view(*x.shape[:-1], n)
 
     def _traced(self, x: Tensor) -> Tensor:
-        """In a compiled pass (`decoderlm.cpu.paged_step`): rows by the op over the AMX pack, one
-        row (and every row without AMX) by F.linear, which the pass's `CPULinearKernels` routes."""
-        if self.amx and not gemv.one_row_of(x):
-            y = amx_linear.linear(x, self.packed, self.linear.out_features)  # the op, traced
+        """In a compiled pass (`decoderlm.cpu.paged_step`): rows by the op over the pack, one row
+        (and every row without the kernel) by F.linear, which the pass's `CPULinearKernels`
+        routes."""
+        if self.bf16_kernel and not gemv.one_row_of(x):
+            y = bf16_linear.linear(x, self.packed, self.linear.out_features)  # the op, traced
             # (the parameter, an input of the pass, not the detached `bias`, which would be a constant)
             return y if self.linear.bias is None else y + self.linear.bias
         return F.linear(x, self.linear.weight, self.linear.bias)
 
 
 class PackedSwiGLU(nn.Module):
-    """A SwiGLU `mlp`, down(silu(gate(x)) ⊙ up(x)), its gate and up projections in one pass over
-    AMX tiles with silu·u in the epilogue (`amx_linear.swiglu`), `down` packed; bfloat16 only
-    (`fuses` says which MLPs)."""
+    """A SwiGLU `mlp`, down(silu(gate(x)) ⊙ up(x)), its gate and up projections in one pass of
+    `bf16_linear`'s kernel with silu·u in the epilogue (`bf16_linear.swiglu`), `down` packed;
+    bfloat16 only (`fuses` says which MLPs)."""
 
     def __init__(self, mlp: MLP) -> None:
         super().__init__()
         self.mlp, self.down = mlp, PackedLinear(mlp.down)
         gate, up = mlp.gate.weight.detach(), mlp.up.weight.detach()
-        packed = amx_linear.pack_swiglu(gate, up)
+        packed = bf16_linear.pack_swiglu(gate, up)
         self.register_buffer("packed", packed, persistent=False)  # a compiled pass's input
 
     @staticmethod
     def fuses(mlp: nn.Module) -> bool:
         """Whether `mlp` is a SwiGLU MLP whose gate and up are plain nn.Linear layers without
-        biases that AMX tiles take (a quantized model's block linears are left as they are)."""
+        biases that `bf16_linear`'s kernel takes (a quantized model's block linears are left as
+        they are)."""
         return (
             isinstance(mlp, MLP)
             and mlp.kind == "swiglu"
@@ -129,15 +134,15 @@ class PackedSwiGLU(nn.Module):
             and type(mlp.up) is nn.Linear
             and mlp.gate.bias is None
             and mlp.up.bias is None
-            and amx_linear.supports(mlp.gate.weight)
-            and amx_linear.supports(mlp.up.weight)
+            and bf16_linear.supports(mlp.gate.weight)
+            and bf16_linear.supports(mlp.up.weight)
         )
 
     def forward(self, x: Tensor) -> Tensor:  # (..., d_model) → (..., d_model)
         mlp = self.mlp
         if torch.compiler.is_compiling() and gemv.one_row_of(x):
             return mlp(x)  # compiled, one row: its linears by `CPULinearKernels`
-        h = amx_linear.swiglu(x, self.packed, mlp.up.out_features)  # (..., d_ff)
+        h = bf16_linear.swiglu(x, self.packed, mlp.up.out_features)  # (..., d_ff)
         return mlp.dropout(self.down(h))
 
 

@@ -19,11 +19,13 @@ vLLM captures CUDA graphs for a few padded batch sizes because a graph has fixed
 AOTInductor library can leave the batch dimension symbolic instead, so two libraries cover every
 batch size with no padding rows: one row (traced with the one-row linear kernels of
 `decoderlm.cpu.gemv`) and 2..`max_batch` rows. The engine takes the second where its linears are
-packed for AMX tiles: traced with the packed modules in place (`engine.runner`), the packs are
-inputs of the library like the weights, and its linears the op decoderlm::amx_linear; elsewhere
-only the first (COMPILED_ROWS): a traced F.linear reads the plain weights through oneDNN's GEMM,
-slower for a few rows than the eager pass's packed linears. They are made with `CompiledPagedStep` (the engine's start): the first start on
-a machine compiles them (minutes on 2 cores), later ones load them from the disk cache.
+packed for `decoderlm.cpu.bf16_linear`'s kernel (bfloat16 on AMX tiles or AVX512-BF16): traced
+with the packed modules in place (`engine.runner`), the packs are inputs of the library like the
+weights, and its linears the op decoderlm::bf16_linear; elsewhere only the first
+(COMPILED_ROWS): a traced F.linear reads the plain weights through oneDNN's GEMM, slower for a
+few rows than the eager pass's packed linears. They are made with `CompiledPagedStep` (the
+engine's start): the first start on a machine compiles them (minutes on 2 cores), later ones
+load them from the disk cache.
 """
 
 from __future__ import annotations

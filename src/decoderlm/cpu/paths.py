@@ -8,7 +8,7 @@ Each path is one mechanism of `decoderlm.cpu`, applied from outside the model:
 | `attention` | `CausalSelfAttention.attend` → `cpu_attend` (the blockwise formula; bfloat16 prompts on AMX tiles, `amx_attention`; others padded to the fused kernel's lengths) | ✓ | ✓ | ✓ |
 | `linear_kernels` | F.linear by shape: gemv kernels, oneDNN (`CPULinearKernels`) | ✓ | | |
 | `in_place_attention` | decode attention read where the keys lie (`paged_attention`) | ✓ | ✓ | |
-| `packed_linears` | linear weights packed for oneDNN / AMX tiles (`PackedLinear`; SwiGLU's gate and up as one on AMX: `PackedSwiGLU`) | | ✓ | |
+| `packed_linears` | linear weights packed for oneDNN / `bf16_linear`'s kernels (`PackedLinear`; SwiGLU's gate and up as one product: `PackedSwiGLU`) | | ✓ | |
 | `fused_ops` | RMSNorm, RoPE and SwiGLU's gate in one pass each (`fused.FusedOps`) | | ✓ | |
 | `keep_freed_memory` | glibc keeps freed pages for reuse (`heap`) | | ✓ | ✓ |
 
@@ -171,22 +171,22 @@ class AppliedPaths:
         ] = []  # the `with` blocks entered, innermost last
 
     @property
-    def tile_products(self) -> bool:
-        """Whether every linear layer (a module with in_ and out_features) is packed for AMX
-        tiles (`amx_linear`): then a compiled pass of several rows takes them as the op
-        decoderlm::amx_linear. A quantized linear, which no pack takes, keeps such passes eager."""
-        tiles: set[int] = set()
+    def bf16_products(self) -> bool:
+        """Whether every linear layer (a module with in_ and out_features) is packed for
+        `bf16_linear`'s kernel: then a compiled pass of several rows takes them as the op
+        decoderlm::bf16_linear. A quantized linear, which no pack takes, keeps such passes eager."""
+        packs: set[int] = set()
         for _, _, plain, packed in self._packed:
             if isinstance(packed, PackedSwiGLU):
-                tiles.update(id(m) for m in plain.modules())
-            elif packed.amx:
-                tiles.add(id(plain))
+                packs.update(id(m) for m in plain.modules())
+            elif packed.bf16_kernel:
+                packs.add(id(plain))
         linears = [
             m
             for m in self.model.modules()
             if hasattr(m, "in_features") and hasattr(m, "out_features")
         ]
-        return bool(tiles) and all(id(m) in tiles for m in linears)
+        return bool(packs) and all(id(m) in packs for m in linears)
 
     def __enter__(self) -> AppliedPaths:
         swap = self._swapped()

@@ -12,8 +12,9 @@ One forward over a pass's rows (`passes.Row`: each row's tokens, where they star
   to the next (copying only the rows that join, leave or move). With `compile`, a decode pass runs
   the library compiled ahead of time (`decoderlm.cpu.paged_step`, the recurrent layers' kept
   states among its inputs, updated in place), made when the runner is: any number of rows where
-  every linear runs on AMX tiles, else one row (COMPILED_ROWS); wider decode passes, prefill
-  chunks and models it does not take run eagerly;
+  every linear runs on `bf16_linear`'s kernel (bfloat16 on a CPU with AMX or AVX512-BF16), else
+  one row (COMPILED_ROWS); wider decode passes, prefill chunks and models it does not take run
+  eagerly;
 - rows of different lengths of which one runs more than `IN_PLACE_MAX_TOKENS` (prefill chunks of
   prompts of different lengths, decode rows beside them), or that neither of the next two ways
   takes, run as segments of one row of Σ n_b tokens, so that the linear weights are read once for
@@ -45,7 +46,7 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor
 
-from decoderlm.cpu import amx_linear, invariant, paged_attention, paged_step
+from decoderlm.cpu import bf16_linear, invariant, paged_attention, paged_step
 from decoderlm.cpu.attention import cpu_attend
 from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.cpu.swap import Swap, swapped
@@ -61,11 +62,11 @@ from decoderlm.model.cache import kv_cache_bytes_per_token
 from decoderlm.model.lm import DecoderLM
 
 log = logging.getLogger(__name__)
-# The compiled pass's rows where its linears have no AMX tiles: a traced F.linear reads the plain
-# weights through oneDNN's GEMM, slower for a few rows than the eager pass's packed linears (the
-# linears of a 64-row SmolLM2 step: ~30 ms against ~17 on the tiles), so wider passes stay eager
-# and the start compiles one library, not two. With the tiles (the op decoderlm::amx_linear over
-# the packs) it takes up to paged_step.MAX_BATCH rows.
+# The compiled pass's rows where its linears are not all on `bf16_linear`'s kernel: a traced
+# F.linear reads the plain weights through oneDNN's GEMM, slower for a few rows than the eager
+# pass's packed linears (the linears of a 64-row SmolLM2 step: ~30 ms against ~17 on AMX tiles),
+# so wider passes stay eager and the start compiles one library, not two. On the kernel (the op
+# decoderlm::bf16_linear over the packs) it takes up to paged_step.MAX_BATCH rows.
 COMPILED_ROWS = 1
 
 
@@ -90,15 +91,15 @@ class ModelRunner:
         state pages of `state_pool.split_budget`); kv_cache_dtype: None (K/V in the model's
         dtype) or "int8" (`decoderlm.model.cache.storage`, whose scales the bytes per token count);
         cpu_kernels: the CPU speed paths, True for `SpeedPaths.for_engine()` (False none, or a
-        `SpeedPaths`): the linear weights packed for oneDNN, or for AMX tiles in bfloat16 where
-        the CPU has them (`decoderlm.cpu.packed_linear`: faster for a batch of rows, at twice the
+        `SpeedPaths`): the linear weights packed for oneDNN, or for `bf16_linear`'s kernel in
+        bfloat16 where the CPU has AMX or AVX512-BF16 (`decoderlm.cpu.packed_linear`: faster for a batch of rows, at twice the
         linear weights' memory; packed now, so a model changed later needs a new engine); freed
         memory kept in the process (`decoderlm.cpu.heap`), so that each step's gathered K/V
         reuse the last step's pages instead of faulting in new ones; and, for float32 and
         bfloat16 pools, the decode rows of layers without a window attended in place, without
         gathering their blocks (`decoderlm.cpu.paged_attention`, where a C compiler builds it).
         compile: decode passes (of up to COMPILED_ROWS rows, or `paged_step.MAX_BATCH` where
-        the linears run on AMX tiles: `AppliedPaths.tile_products`) by
+        the linears run on `bf16_linear`'s kernel: `AppliedPaths.bf16_products`) by
         `decoderlm.cpu.paged_step.CompiledPagedStep` where it runs (the CPU, float32 or bfloat16
         pools, no sliding window), its library made now (compiled the
         first time on a machine, then loaded from the disk cache; `compile_s` says how long),
@@ -155,7 +156,7 @@ class ModelRunner:
         model, floats = self.model, float_probe(self.model)
         if not (self.num_blocks >= 2 and paged_step.compiles(model, floats.dtype, self.device)):
             return None
-        tiles = self.paths.tile_products and amx_linear.op_available()
+        many_rows = self.paths.bf16_products and bf16_linear.op_available()
         with self.paths:  # traced as the eager passes run: packed linears, their packs inputs
             step = paged_step.CompiledPagedStep(
                 model,
@@ -163,7 +164,7 @@ class ModelRunner:
                 [layer.v for layer in self.cache.layers],
                 next_logits,
                 width=self.width,
-                max_batch=paged_step.MAX_BATCH if tiles else COMPILED_ROWS,
+                max_batch=paged_step.MAX_BATCH if many_rows else COMPILED_ROWS,
                 linear_kernels=self.paths.paths.packed_linears,
                 parts=None if self.states is None else self.states.parts,
             )

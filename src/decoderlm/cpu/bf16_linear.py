@@ -1,0 +1,154 @@
+"""bfloat16 linear layers on the CPU's bfloat16 dot-product instructions, for the serving engine:
+the products of its batched decode steps, read at memory bandwidth, and of its prefill chunks.
+
+A decode step of B running sequences multiplies B rows by every weight: a few flops per weight
+byte, so its speed is the rate at which the weights stream from memory. oneDNN's packed bfloat16
+linear (`decoderlm.cpu.packed_linear`) reads them well below that rate at 4-16 rows. Here each
+weight is laid out once in pairs of inputs for 16 outputs, (⌈N/16⌉, K/2, 16, 2), the order both
+of the CPU's bfloat16 dot products read (float32 sums), and streamed block by block with a
+software prefetch ahead. Two kernels take that layout, one per kind of CPU:
+
+- `amx_linear.c` (Intel Sapphire Rapids and later, AMX-BF16): TDPBF16PS multiplies 16 rows × 32
+  inputs by 32 inputs × 16 outputs per instruction; from 32 rows two tiles of rows share each
+  load of the weights;
+- `dpbf16_linear.c` (AVX512-BF16 without AMX: AMD Zen 4, Intel Cooper Lake): VDPBF16PS adds
+  the products of one pair of inputs to 16 outputs per instruction, 6 rows × 4 blocks of 16
+  outputs in registers at a time. On a Zen 4, SmolLM2-135M's 30 layers' products in 0.57× the
+  time of oneDNN's packed linear at one row, 0.77× at 16, 0.85× at 64 and 0.95× at 512
+  (benchmarks/README.md, "bfloat16 linears on the CPU's dot products").
+
+Either sums each output pair by pair in the order of K whatever the rows beside it: a row's
+outputs have the same bits alone or among others (`decoderlm.cpu.invariant` relies on it); the
+two kernels' bits may differ from each other (each instruction rounds its own way).
+
+`pack(weight)` lays a weight (N, K) out; `linear(x, packed, N)` is x Wᵀ in bfloat16.
+`pack_swiglu(gate, up)` lays SwiGLU's two projections out block by block in turns, and
+`swiglu(x, packed, N)` is silu(x W_gateᵀ) ⊙ x W_upᵀ (Shazeer, 2020) in one pass, the same bits as
+the two linears and `decoderlm.cpu.fused.silu_mul`. `supports(weight)` says whether a kernel runs
+for it: bfloat16, K a multiple of the kernel's step (32 on the tiles, 2 on AVX512-BF16), and
+`kernel()` not None (a CPU with either kernel's instructions, a C compiler to build it
+(`decoderlm.cpu.native`), and for the tiles Linux granting the process their state).
+
+Eagerly the kernel is called through ctypes; traced code (the engine's compiled decode pass of
+several rows, `decoderlm.cpu.paged_step`) calls the same kernel as the op decoderlm::bf16_linear
+(`bf16_linear_ops.cpp`, built with the kernel where `op_available` says), which a library
+compiled ahead of time calls without Python, the packed weights among its inputs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from decoderlm.cpu import amx, features, native
+
+HERE = Path(__file__).parent
+SOURCES = {"amx": HERE / "amx_linear.c", "avx512_bf16": HERE / "dpbf16_linear.c"}
+INPUTS_PER_STEP = {"amx": 32, "avx512_bf16": 2}  # K is consumed this many inputs at a time
+OUTPUTS_PER_BLOCK = 16
+
+
+@functools.cache
+def _library(name: str) -> ctypes.CDLL | None:
+    """Kernel `name`'s library, None where it does not run here."""
+    fallback = "bfloat16 linears stay on oneDNN"
+    if name == "amx":
+        library = amx.load_tile_library(SOURCES[name], fallback)
+    elif "avx512_bf16" in features.cpu_flags():
+        library = native.load([SOURCES[name]], fallback, ctypes.CDLL)
+    else:
+        library = None
+    if library is not None:
+        library.packed_linear_bf16.restype = None
+        library.packed_linear_bf16.argtypes = (
+            [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        )
+    return library
+
+
+@functools.cache
+def kernels() -> tuple[str, ...]:
+    """The kernels that run here, the faster first: "amx" where the CPU has the tiles,
+    "avx512_bf16" where it has VDPBF16PS."""
+    return tuple(name for name in SOURCES if _library(name) is not None)
+
+
+def kernel() -> str | None:
+    """The kernel the packed linears run here (the first of `kernels()`), None if none does."""
+    return next(iter(kernels()), None)
+
+
+_OPS = torch.library.Library("decoderlm", "FRAGMENT")
+_OPS.define("bf16_linear(Tensor x, Tensor packed, int out_features, bool swiglu) -> Tensor")
+
+
+@torch.compiler.assume_constant_result  # asked while tracing; the answer never changes
+@functools.cache
+def op_available() -> bool:
+    """Whether the op decoderlm::bf16_linear runs here (`kernel()`, and its op built with it)."""
+    name = kernel()
+    sources = [SOURCES[name], HERE / "bf16_linear_ops.cpp"] if name else []
+    return bool(sources) and native.load_ops(sources, "no compiled pass of many rows")
+
+
+def supports(weight: Tensor) -> bool:
+    """Whether `linear` runs for this weight (N, K) here."""
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and weight.dim() == 2
+        and kernel() is not None
+        and weight.shape[1] % INPUTS_PER_STEP[kernel()] == 0
+    )
+
+
+def pack(weight: Tensor) -> Tensor:
+    """weight (N, K) → (⌈N/16⌉, K/2, 16, 2): block j, row p holds outputs 16j .. 16j + 15, each with
+    inputs 2p and 2p + 1 (outputs past N are zeros)."""
+    n, k = weight.shape
+    blocks = -(-n // OUTPUTS_PER_BLOCK)
+    padded = weight.new_zeros(blocks * OUTPUTS_PER_BLOCK, k)
+    padded[:n] = weight
+    return padded.view(blocks, OUTPUTS_PER_BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def pack_swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """gate, up (N, K) → (2·⌈N/16⌉, K/2, 16, 2): pack(gate)'s block j, then pack(up)'s, for each j."""
+    both = torch.stack([pack(gate), pack(up)], dim=1)  # (⌈N/16⌉, 2, K/2, 16, 2)
+    return both.flatten(0, 1)
+
+
+def linear(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
+    """x Wᵀ: x (..., K) bfloat16, packed = pack(W) of W (out_features, K) → (..., out_features)."""
+    return _run(x, packed, out_features, swiglu=False)
+
+
+def swiglu(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
+    """silu(x W_gateᵀ) ⊙ x W_upᵀ, each product rounded to bfloat16 first: x (..., K) bfloat16,
+    packed = pack_swiglu(W_gate, W_up) of two (out_features, K) weights → (..., out_features)."""
+    return _run(x, packed, out_features, swiglu=True)
+
+
+def _run(x: Tensor, packed: Tensor, out_features: int, swiglu: bool) -> Tensor:
+    if torch.compiler.is_compiling():
+        return torch.ops.decoderlm.bf16_linear(x, packed, out_features, swiglu)
+    k = packed.shape[1] * 2
+    if x.shape[-1] != k or x.dtype != torch.bfloat16:
+        raise ValueError(f"bf16_linear: x {tuple(x.shape)} {x.dtype} for a weight of {k} inputs")
+    rows = x.reshape(-1, k).contiguous()  # (M, K)
+    y = x.new_empty(rows.shape[0], out_features)  # (M, N)
+    if rows.shape[0]:
+        _library(kernel()).packed_linear_bf16(
+            rows.data_ptr(), packed.data_ptr(), y.data_ptr(), rows.shape[0], out_features, k,
+            int(swiglu),
+        )  # fmt: skip
+    return y.view(*x.shape[:-1], out_features)
+
+
+@torch.library.register_fake("decoderlm::bf16_linear", lib=_OPS)
+def _(x: Tensor, packed: Tensor, out_features: int, swiglu: bool) -> Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
