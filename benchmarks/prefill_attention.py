@@ -1,18 +1,20 @@
-"""A prompt's causal self-attention in bfloat16: the AMX tile kernel (`decoderlm.cpu.amx_attention`)
-against torch's SDPA (the fused CPU flash-attention kernel `cpu_attend` called before), per call.
+"""A prompt's causal self-attention in bfloat16: the kernels of `decoderlm.cpu.bf16_attention` that
+run here (AMX tiles, AVX512-BF16) against torch's SDPA (the fused CPU flash-attention kernel
+`cpu_attend` called before), per call.
 
     python benchmarks/prefill_attention.py [--heads 9 --kv-heads 3 --head-dim 64] [--rounds 7]
 
 Shapes: one prompt of T tokens (T = 93, 128, 512, 2,048; SDPA's call pads a length that is not a
 multiple of 16 to the next one, as `cpu_attend` does, `padded_self_attention`), and a prefill
 pass's 16 prompts of 100-130 tokens, one call each (the engine's pass of segments). Each cell: the
-median over --rounds of the two paths in turn (interleaved, so that the machine's drift falls on
+median over --rounds of the paths in turn (interleaved, so that the machine's drift falls on
 both), of the mean of enough calls to fill ~0.1 s; and each path's largest error against float64.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -20,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from decoderlm.cpu import amx_attention
+from decoderlm.cpu import bf16_attention
 from decoderlm.cpu.attention import padded_self_attention
 from decoderlm.cpu.features import cpu_name
 
@@ -57,8 +59,9 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    if not amx_attention.available():
-        raise SystemExit("prefill_attention.py: the AMX kernel does not run here (no AMX-BF16 or no C compiler)")  # fmt: skip
+    kernels = bf16_attention.kernels()
+    if not kernels:
+        raise SystemExit("prefill_attention.py: no kernel runs here (no AMX-BF16 or AVX512-BF16, or no C compiler)")  # fmt: skip
     g = torch.Generator().manual_seed(0)
 
     def prompt(t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,17 +74,20 @@ def main() -> None:
     print(f"CPU: {cpu_name()} ({torch.get_num_threads()} threads), torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}, {args.heads} query / {args.kv_heads} K/V heads of "
           f"{args.head_dim}, load average {os.getloadavg()[0]:.2f}")  # fmt: skip
-    print("| shape | SDPA µs | tiles µs | ratio | SDPA max error | tiles max error |")
-    print("|---|---|---|---|---|---|")
+    paths = {"SDPA": sdpa} | {name: functools.partial(bf16_attention.attention, kernel_name=name) for name in kernels}  # fmt: skip
+    print("| shape | " + " | ".join(f"{p} µs" for p in paths) + " | "
+          + " | ".join(f"{k} ÷ SDPA" for k in kernels) + " | "
+          + " | ".join(f"{p} max error" for p in paths) + " |")  # fmt: skip
+    print("|---" * (2 * len(paths) + len(kernels) + 1) + "|")
     for name, inputs in cases.items():
-        times: dict[str, list[float]] = {"sdpa": [], "tiles": []}
-        paths = {"sdpa": sdpa, "tiles": amx_attention.attention}
+        times: dict[str, list[float]] = {label: [] for label in paths}
         for _ in range(args.rounds):
             for label, fn in paths.items():
                 times[label].append(mean_us(lambda fn=fn, inputs=inputs: [fn(*x) for x in inputs]))
-        ours, theirs = statistics.median(times["tiles"]), statistics.median(times["sdpa"])
-        errors = [float64_error(paths[p], inputs) for p in ("sdpa", "tiles")]
-        print(f"| {name} | {theirs:,.0f} | {ours:,.0f} | {ours / theirs:.2f}× | {errors[0]:.4f} | {errors[1]:.4f} |")  # fmt: skip
+        us = {label: statistics.median(t) for label, t in times.items()}
+        errors = [float64_error(fn, inputs) for fn in paths.values()]
+        cells = [f"{us[p]:,.0f}" for p in paths] + [f"{us[k] / us['SDPA']:.2f}×" for k in kernels]
+        print(f"| {name} | " + " | ".join(cells + [f"{e:.4f}" for e in errors]) + " |")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

@@ -11,8 +11,9 @@ torch's fused CPU kernel runs a causal attention of T queries over their own T k
 slower where T is not a multiple of 16 (bfloat16 and float32; benchmarks/README.md, a prompt of
 93 tokens 150 µs a layer against 70 at 96): `padded_self_attention` pads T to the next multiple
 with zeros at the end, which no real query sees (they come after it), and drops the padded
-queries' rows. Inference only; a prompt's first chunk is this shape. On a CPU with AMX a bfloat16
-prompt's causal attention goes to the tile kernel of `decoderlm.cpu.amx_attention` instead.
+queries' rows. Inference only; a prompt's first chunk is this shape. On a CPU with AMX or
+AVX512-BF16 a bfloat16 prompt's causal attention goes to the kernel of `decoderlm.cpu.bf16_attention`
+instead.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from decoderlm.cpu import amx_attention
+from decoderlm.cpu import bf16_attention
 from decoderlm.model.attention import attend, scaled_dot_product_attention
 from decoderlm.model.masks import MaskedSoftmax, build_mask, effective_window, masked_softmax
 
@@ -174,8 +175,8 @@ def cpu_attend(
 ) -> tuple[Tensor, Tensor | None]:
     """`attend`, with the CPU's faster paths: q (B, H, Tq, D), k/v (B, Hkv, Tk, D) → (out, weights).
 
-    backend "sdpa": `blockwise_attention` where `blockwise_is_faster`, the AMX tile kernel
-    (`decoderlm.cpu.amx_attention`) where it `takes` the call (a bfloat16 prompt's causal
+    backend "sdpa": `blockwise_attention` where `blockwise_is_faster`, the bfloat16 kernel
+    (`decoderlm.cpu.bf16_attention`) where it `takes` the call (a bfloat16 prompt's causal
     attention), `padded_self_attention` where it `pads`; backend "math" (or need_weights) on the
     CPU: the formula with the softmax torch.compile fuses best; otherwise the model's `attend`.
     """
@@ -196,7 +197,7 @@ def cpu_attend(
             window=window,
         )
         return out, None
-    if backend == "sdpa" and amx_attention.takes(
+    if backend == "sdpa" and bf16_attention.takes(
         q,
         k,
         v,
@@ -205,7 +206,7 @@ def cpu_attend(
         window=window,
         dropout_p=dropout_p,
     ):
-        return amx_attention.attention(q, k, v, scale), None
+        return bf16_attention.attention(q, k, v, scale), None
     if backend == "sdpa" and dropout_p == 0.0 and pads(q, k, causal, key_padding_mask, window):
         return padded_self_attention(q, k, v, scale), None
     return attend(

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from decoderlm.cpu import amx, features, native
+from decoderlm.cpu import bf16_kernels, native
 
 HERE = Path(__file__).parent
 SOURCES = {"amx": HERE / "amx_linear.c", "avx512_bf16": HERE / "dpbf16_linear.c"}
@@ -55,13 +55,7 @@ OUTPUTS_PER_BLOCK = 16
 @functools.cache
 def _library(name: str) -> ctypes.CDLL | None:
     """Kernel `name`'s library, None where it does not run here."""
-    fallback = "bfloat16 linears stay on oneDNN"
-    if name == "amx":
-        library = amx.load_tile_library(SOURCES[name], fallback)
-    elif "avx512_bf16" in features.cpu_flags():
-        library = native.load([SOURCES[name]], fallback, ctypes.CDLL)
-    else:
-        library = None
+    library = bf16_kernels.load(name, SOURCES[name], "bfloat16 linears stay on oneDNN")
     if library is not None:
         library.packed_linear_bf16.restype = None
         library.packed_linear_bf16.argtypes = (

@@ -8,58 +8,20 @@
  * one instruction a pair, every output summed pair by pair in the order of K, whatever the rows
  * beside it (`decoderlm.cpu.invariant` relies on it): the same bits for a row alone or among others.
  *
- * Register blocking: ROWS rows of x against BLOCKS blocks of W at a time, ROWS × BLOCKS float32
- * accumulators, the BLOCKS weight vectors of a pair loaded once for the ROWS rows, x's pairs
- * broadcast from memory. Each thread takes a contiguous range of blocks (balanced to one block);
+ * Register blocking (dpbf16.h): ROWS rows of x against BLOCKS blocks of W at a time, ROWS × BLOCKS
+ * float32 accumulators, the BLOCKS weight vectors of a pair loaded once for the ROWS rows, x's
+ * pairs broadcast from memory. Each thread takes a contiguous range of blocks (balanced to one block);
  * within it, a group of BLOCKS blocks is read from memory by its first ROWS rows
  * (software-prefetched 6 KiB ahead, as in gemv.c) and from the cache by the others. Sums in
  * float32, rounded to bfloat16 once; SwiGLU's pairs of blocks (gate j, up j) stored as
  * bf16(silu(bf16(g))) ⊙ bf16(u), the bits of amx_linear.c's epilogue.
  */
 #pragma GCC optimize("no-fast-math", "fp-contract=off")
-#include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 
+#include "dpbf16.h"
 #include "vec.h"
-
-#define PREFETCH_BYTES 6144 /* not a multiple of 4 KiB: see gemv.c */
-#define ROWS 6
-#define BLOCKS 4 /* even: a SwiGLU pair of blocks never straddles two groups */
-
-/* acc[r][b] = Σ_p x[r, 2p .. 2p + 1] · W_b[p] for `rows` ≤ ROWS rows of x (K apart) and `blocks`
- * ≤ BLOCKS blocks from wb (16·K apart); constants after inlining, so the loops unroll into
- * registers. `fetch`: prefetch the blocks ahead (the first rows to read them). */
-static inline __attribute__((always_inline)) void
-dot_group(const uint16_t *x, int64_t K, const uint16_t *wb, int rows, int blocks, int fetch, __m512 acc[ROWS][BLOCKS]) {
-#pragma GCC unroll 8
-    for (int r = 0; r < ROWS; r++)
-#pragma GCC unroll 8
-        for (int b = 0; b < BLOCKS; b++) acc[r][b] = _mm512_setzero_ps();
-    const int32_t *xr[ROWS];
-#pragma GCC unroll 8
-    for (int r = 0; r < ROWS; r++) xr[r] = (const int32_t *)(x + (r < rows ? r : 0) * K);
-    for (int64_t p = 0; p < K / 2; p++) {
-        __m512bh w[BLOCKS];
-#pragma GCC unroll 8
-        for (int b = 0; b < BLOCKS; b++) {
-            if (b >= blocks) break;
-            const uint16_t *at = wb + b * 16 * K + p * 32;
-            if (fetch) _mm_prefetch((const char *)at + PREFETCH_BYTES, _MM_HINT_T0);
-            w[b] = (__m512bh)_mm512_loadu_si512(at);
-        }
-#pragma GCC unroll 8
-        for (int r = 0; r < ROWS; r++) {
-            if (r >= rows) break;
-            const __m512bh xp = (__m512bh)_mm512_set1_epi32(xr[r][p]);
-#pragma GCC unroll 8
-            for (int b = 0; b < BLOCKS; b++) {
-                if (b >= blocks) break;
-                acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xp, w[b]);
-            }
-        }
-    }
-}
 
 /* The group's sums to y (rows of N outputs) from output block j0; with `swiglu`, blocks 2i, 2i + 1
  * of the group are gate and up of output block j0 + i. */
@@ -90,13 +52,13 @@ group(const uint16_t *x, const uint16_t *wb, uint16_t *y, int64_t M, int64_t N, 
     __m512 acc[ROWS][BLOCKS];
     int64_t m = 0;
     for (; m + ROWS <= M; m += ROWS) {
-        dot_group(x + m * K, K, wb, ROWS, blocks, m == 0, acc);
+        dot_group(x + m * K, K, K / 2, wb, 16 * K, ROWS, blocks, m == 0, acc);
         store_group(acc, ROWS, blocks, y + m * N, N, j0, swiglu);
     }
     switch (M - m) {
 #define REST(R)                                                                                                        \
     case R:                                                                                                            \
-        dot_group(x + m * K, K, wb, R, blocks, m == 0, acc);                                                           \
+        dot_group(x + m * K, K, K / 2, wb, 16 * K, R, blocks, m == 0, acc);                                                           \
         store_group(acc, R, blocks, y + m * N, N, j0, swiglu);                                                         \
         break;
         REST(1) REST(2) REST(3) REST(4) REST(5)

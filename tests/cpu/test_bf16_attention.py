@@ -1,4 +1,5 @@
-"""Prefill attention on AMX tiles: as close to float64 as torch's SDPA for causal self-attention
+"""Prefill attention on the CPU's bfloat16 dot products, each kernel that runs here (AMX tiles,
+AVX512-BF16): as close to float64 as torch's SDPA for causal self-attention
 of any length, GQA, queries aligned to the last keys, strided views; a query's output does not
 depend on the queries computed beside it; `cpu_attend` routes the shapes it takes to it and
 leaves the others (gradients, float32, masks, windows) to SDPA."""
@@ -9,12 +10,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from decoderlm.cpu import amx_attention
+from decoderlm.cpu import bf16_attention
 from decoderlm.cpu.attention import cpu_attend
 
-needs_amx = pytest.mark.skipif(
-    not amx_attention.available(), reason="no AMX-BF16 here, or no C compiler"
+needs_kernel = pytest.mark.skipif(
+    not bf16_attention.kernels(), reason="no AMX-BF16 or AVX512-BF16 here, or no C compiler"
 )
+
+
+@pytest.fixture(params=bf16_attention.kernels() or ["none"])
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each kernel that runs here in turn, as the one `attention` takes."""
+    monkeypatch.setattr(bf16_attention, "kernel", lambda: request.param)
+    return request.param
 
 
 def reference(q, k, v):
@@ -39,7 +47,7 @@ def inputs(b, h, h_kv, t_q, t_k, d, seed=0):
     return q, k, v
 
 
-@needs_amx
+@needs_kernel
 @pytest.mark.parametrize(
     "b, h, h_kv, t_q, t_k, d",
     [
@@ -51,10 +59,10 @@ def inputs(b, h, h_kv, t_q, t_k, d, seed=0):
         (1, 4, 2, 700, 700, 64),  # rows of scores past one 4-block group of keys
     ],
 )
-def test_tiles_are_as_close_to_float64_as_sdpa(b, h, h_kv, t_q, t_k, d):
+def test_kernel_is_as_close_to_float64_as_sdpa(kernel, b, h, h_kv, t_q, t_k, d):
     q, k, v = inputs(b, h, h_kv, t_q, t_k, d)
     exact = reference(q, k, v)
-    got = amx_attention.attention(q, k, v)
+    got = bf16_attention.attention(q, k, v)
     assert got.shape == (b, h, t_q, d) and got.dtype == torch.bfloat16
     error, sdpa_error = ((x.double() - exact).abs() for x in (got, sdpa(q, k, v)))
     # the same rounding points as SDPA's kernel (P and the output in bfloat16), sums in another order
@@ -62,46 +70,46 @@ def test_tiles_are_as_close_to_float64_as_sdpa(b, h, h_kv, t_q, t_k, d):
     assert error.mean() <= 1.1 * sdpa_error.mean()
 
 
-@needs_amx
-def test_takes_strided_views_and_returns_the_output_projections_layout():
+@needs_kernel
+def test_takes_strided_views_and_returns_the_output_projections_layout(kernel):
     """q, k, v as a layer's projections give them: (B, T, H, D) storage viewed as (B, H, T, D)."""
     g = torch.Generator().manual_seed(1)
     qkv = torch.randn(2, 40, 9 + 3 + 3, 64, generator=g).bfloat16()  # (B, T, heads, D)
     q, k, v = (x.transpose(1, 2) for x in qkv.split([9, 3, 3], dim=2))
-    got = amx_attention.attention(q, k, v)
-    assert torch.equal(got, amx_attention.attention(*(x.contiguous() for x in (q, k, v))))
+    got = bf16_attention.attention(q, k, v)
+    assert torch.equal(got, bf16_attention.attention(*(x.contiguous() for x in (q, k, v))))
     assert got.transpose(1, 2).is_contiguous()  # (B, T, H, D): reshapes to (B, T, H·D) in place
     assert (got.double() - reference(q, k, v)).abs().max() <= 1.25 * (
         sdpa(q, k, v).double() - reference(q, k, v)
     ).abs().max()
 
 
-@needs_amx
-def test_a_query_gets_the_same_bits_whatever_the_queries_beside_it():
+@needs_kernel
+def test_a_query_gets_the_same_bits_whatever_the_queries_beside_it(kernel):
     """Each query's scores, softmax and product with V depend on its own visible keys only: a
     prompt's last 16 queries as a chunk after its first ones give the bits they get in the whole
     prompt, and a sequence's output is the same alone or in a batch of three."""
     q, k, v = inputs(3, 6, 2, 77, 77, 64, seed=2)
-    whole = amx_attention.attention(q, k, v)
-    assert torch.equal(amx_attention.attention(q[:, :, -16:], k, v), whole[:, :, -16:])
-    assert torch.equal(amx_attention.attention(q[1:2], k[1:2], v[1:2]), whole[1:2])
+    whole = bf16_attention.attention(q, k, v)
+    assert torch.equal(bf16_attention.attention(q[:, :, -16:], k, v), whole[:, :, -16:])
+    assert torch.equal(bf16_attention.attention(q[1:2], k[1:2], v[1:2]), whole[1:2])
 
 
-@needs_amx
-def test_cpu_attend_routes_prefill_shapes_to_the_tiles():
+@needs_kernel
+def test_cpu_attend_routes_prefill_shapes_to_the_kernel(kernel):
     q, k, v = inputs(1, 9, 3, 40, 40, 64, seed=3)
     out, _ = cpu_attend(q, k, v, causal=True)
-    assert torch.equal(out, amx_attention.attention(q, k, v))
+    assert torch.equal(out, bf16_attention.attention(q, k, v))
 
 
-@needs_amx
+@needs_kernel
 @pytest.mark.parametrize(
     "change",
     ["float32", "gradient", "mask", "window", "one query", "head dim 48", "not causal"],
 )
-def test_takes_only_what_the_kernel_computes(change):
+def test_takes_only_what_the_kernel_computes(kernel, change):
     plain = dict(causal=True, key_padding_mask=None, window=None, dropout_p=0.0)
-    assert amx_attention.takes(*inputs(1, 4, 2, 32, 32, 64), **plain)  # the call unchanged
+    assert bf16_attention.takes(*inputs(1, 4, 2, 32, 32, 64), **plain)  # the call unchanged
     q, k, v = inputs(1, 4, 2, 32, 32, 48 if change == "head dim 48" else 64)
     keywords = dict(plain, causal=change != "not causal")
     if change == "float32":
@@ -114,4 +122,4 @@ def test_takes_only_what_the_kernel_computes(change):
         keywords["window"] = 8
     if change == "one query":
         q = q[:, :, -1:]
-    assert not amx_attention.takes(q, k, v, **keywords)
+    assert not bf16_attention.takes(q, k, v, **keywords)
