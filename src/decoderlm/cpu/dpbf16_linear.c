@@ -1,12 +1,9 @@
 /* bfloat16 linear layers on AVX512-BF16's VDPBF16PS, for CPUs without AMX tiles (AMD Zen 4,
- * Intel Cooper Lake): y = x Wᵀ over the weight layout of amx_linear.c, the same entry point.
- *
- * W (N, K) is stored blocked once, (⌈N/16⌉, K/2, 16, 2): for each 16 outputs, K/2 rows of 16
- * (output, pair of inputs), 64 bytes, exactly one zmm register: VDPBF16PS adds to each of its 16
- * float32 lanes the two products of that lane's pair of weights with a pair of inputs of x
- * broadcast to every lane. So y[m, 16j .. 16j + 15] = Σ over pairs p of W_j[p] · x[m, 2p .. 2p + 1],
- * one instruction a pair, every output summed pair by pair in the order of K, whatever the rows
- * beside it (`decoderlm.cpu.invariant` relies on it): the same bits for a row alone or among others.
+ * Intel Cooper Lake): y = x Wᵀ over the weight layout of amx_linear.c, (⌈N/16⌉, K/2, 16, 2), with
+ * the same entry point (decoderlm.cpu.bf16_linear). y[m, 16j .. 16j + 15] = Σ over pairs p of
+ * W_j[p] · x[m, 2p .. 2p + 1], one instruction a pair (dpbf16.h), every output summed pair by pair
+ * in the order of K whatever the rows beside it (`decoderlm.cpu.invariant` relies on it): the same
+ * bits for a row alone or among others.
  *
  * Register blocking (dpbf16.h): ROWS rows of x against BLOCKS blocks of W at a time, ROWS × BLOCKS
  * float32 accumulators, the BLOCKS weight vectors of a pair loaded once for the ROWS rows, x's
@@ -79,7 +76,7 @@ void packed_linear_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64
     {
         const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t first = units * t / threads, last = units * (t + 1) / threads;
-        const int64_t step = BLOCKS / width; /* output blocks per group */
+        const int64_t step = BLOCKS / width; /* output blocks per group (BLOCKS even: a SwiGLU pair never straddles two) */
         int64_t j = first;
         for (; j + step <= last; j += step)
             group(x, w + j * width * 16 * K, y, M, N, K, j, BLOCKS, swiglu);
