@@ -1,9 +1,10 @@
 """The engine's decode pass compiled ahead of time (`decoderlm.cpu.paged_step`, `Engine(compile=
 True)`): the same logits as the eager pass for one row (the one-row library, the engine's) and for
 several rows of different lengths (the library of any batch size, which the engine takes in
-bfloat16 on AMX tiles, its linears by the op decoderlm::bf16_linear), writes to no slot but the
-rows' own, and greedy requests equal to their solo `generate`. The libraries are compiled once per machine (about
-a minute each on 2 shared cores) and loaded from the disk cache after."""
+bfloat16 on AMX tiles or AVX512-BF16, its linears by the op decoderlm::bf16_linear), writes to no
+slot but the rows' own, and greedy requests equal to their solo `generate`. The libraries are
+compiled once per machine (about a minute each on 2 shared cores) and loaded from the disk cache
+after."""
 
 from __future__ import annotations
 
@@ -100,9 +101,9 @@ def test_the_compiled_pass_gives_the_eager_logits_for_one_row_and_rows_of_differ
         bf16_linear.supports(torch.zeros(1, 32, dtype=torch.bfloat16))
         and bf16_linear.op_available()
     ),
-    reason="no AMX-BF16 tiles here, or no C/C++ compiler for their op",
+    reason="no AMX-BF16 or AVX512-BF16 here, or no C/C++ compiler for the op",
 )
-def test_on_amx_tiles_the_engine_compiles_every_batch_and_gives_the_eager_logits(tok):
+def test_on_bf16_kernels_the_engine_compiles_every_batch_and_gives_the_eager_logits(tok):
     model = tiny_model(tok, torch.bfloat16, d_ff=64)  # every linear's inputs a multiple of 32
     runner = ModelRunner(
         model, kv_cache_memory="64KiB", block_size=BLOCK, kv_cache_dtype=None,
