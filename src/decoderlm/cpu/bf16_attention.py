@@ -5,9 +5,10 @@ AVX512-BF16's VDPBF16PS (float32 sums either way).
 torch's CPU flash-attention kernel runs a prompt's causal self-attention well below the rate of
 its matrix products: in a serving engine's prefill pass over SmolLM2-135M (16 prompts of 100-130
 tokens, 9 query and 3 K/V heads of 64 dims) ~100-130 µs a prompt and layer on a Sapphire Rapids, a
-sixth of the pass, ~500 µs on a Zen 4. `amx_attention.c` takes 0.49-0.63× its time from 93 to 2,048
+sixth of the pass, ~390 µs on a Zen 4. `amx_attention.c` takes 0.49-0.63× its time from 93 to 2,048
 tokens on the tiles, `dpbf16_attention.c` the same computation with register-blocked VDPBF16PS
-products (`dpbf16.h`) on a Zen 4 (benchmarks/README.md, prefill_attention.py). Both compute the
+products (`dpbf16.h`) 0.40-0.48× from 93 to 512 tokens on a Zen 4 (benchmarks/README.md,
+prefill_attention.py). Both compute the
 attention as the blocked matrix products of FlashAttention (Dao et al., 2022): each block of
 queries is scored against the keys its last query sees (Q Kᵀ), softmaxed in float32 and
 multiplied by V, the keys and values of each K/V head laid out once for the products and shared by
