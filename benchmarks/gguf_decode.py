@@ -6,7 +6,9 @@ layers, a tied Q8_0 embedding and head) and Q8_0, BF16 and F32 files made from i
 For each file:
 
 - decoderlm: `decoderlm.load(file)` (the weights stay in their blocks; `--dtype bfloat16` runs
-  the activations in bfloat16), `generate(..., compile=True)`: batch-1 decode tok/s after a prompt
+  the activations in bfloat16; `--matmul-precision medium` lets a prefill's float32 products
+  with BF16 weights round their inputs to bfloat16, as llama.cpp's do: `torch.
+  set_float32_matmul_precision`), `generate(..., compile=True)`: batch-1 decode tok/s after a prompt
   of 128 and of 2,048 tokens (N / (t(N + 1) − t(1)): the prefill and per-call costs cancel) and
   prefill-512 tok/s (512 / time to the first token);
 - llama.cpp: `llama-bench -t T -p 0 -n N -d 128` (and `-d 2048`), `-p 512 -n 0`;
@@ -47,7 +49,7 @@ from llama_cpp import build_llama_logits, interleaved_runs, llama_bench, llama_l
 from torch import nn
 
 import decoderlm
-from decoderlm.cpu import block_linear, features, gemv
+from decoderlm.cpu import bf16_linear, block_linear, features, gemv
 from decoderlm.gguf import export_gguf
 from decoderlm.inference.generate import generate, next_logits
 from decoderlm.inference.options import float_probe
@@ -135,15 +137,24 @@ def logits_errors(
     return reference, {name: float(e) for name, e in errors.items()}
 
 
+def many_rows_kernel(ggml_type: str, dtype: torch.dtype) -> str:
+    """What a product of many rows of `dtype` runs on `ggml_type` weights here."""
+    rounding = torch.get_float32_matmul_precision() == "medium"
+    if ggml_type == "BF16" and dtype == torch.float32 and rounding and "avx512_bf16" in bf16_linear.kernels():  # fmt: skip
+        return "x rounded to bfloat16, VDPBF16PS (bf16_linear.float32_linear)"
+    return "dequantized, GEMM (oneDNN)"
+
+
 def kernel_table(model: nn.Module) -> list[tuple[str, str, str, str]]:
     """(layers, weights, kernel for a few rows, for many) of each kind of weighted layer (the
     head of a prefill multiplies the last row only: a few rows)."""
+    dtype = float_probe(model).dtype
     rows: dict[tuple[str, ...], None] = {}
     for name, module in model.named_modules():
         layers = re.sub(r"\.\d+\.", ".*.", name)
         if isinstance(module, BlockLinear):
             kind = module.ggml_type
-            row = (layers, kind, block_linear.kernel_name(kind), "dequantized, GEMM (oneDNN)")
+            row = (layers, kind, block_linear.kernel_name(kind), many_rows_kernel(kind, dtype))
         elif isinstance(module, BlockEmbedding):
             row = (layers, module.ggml_type, "rows dequantized", "rows dequantized")
         elif type(module) is nn.Linear:
@@ -212,6 +223,7 @@ def report(args: argparse.Namespace, measured: dict[str, dict], load: float) -> 
     cap = features.isa_cap()
     print(
         f"{args.threads} threads, torch {torch.__version__}, decoderlm activations {args.dtype}, "
+        f"float32 matmul precision {args.matmul_precision}, "
         f"load average {load:.2f} before / {os.getloadavg()[0]:.2f} after"
         + (f", kernels capped at {cap} ({AVX2_ENV})" if cap else "")
     )
@@ -256,6 +268,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--matmul-precision", choices=["highest", "high", "medium"], default="highest"
+    )
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 2048])
     parser.add_argument("--prefill-tokens", type=int, default=512)
@@ -271,6 +286,7 @@ def main() -> None:
         args.kinds, args.new_tokens, args.contexts, args.runs = ["Q4_1"], 16, [128], 1
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
+    torch.set_float32_matmul_precision(args.matmul_precision)
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="gguf-decode-") as tmp:
         files = gguf_files(args.llama_cpp, Path(tmp), args.kinds)

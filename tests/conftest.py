@@ -7,6 +7,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(autouse=True)
+def float32_matmul_precision():
+    """torch's float32 matmul precision as each test found it, whatever the test (or a command it
+    runs in-process: --matmul-precision) set."""
+    precision = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(precision)
+
+
 @pytest.fixture
 def one_thread():
     """Tiny shapes run faster on one thread than on two fighting other tests for a shared CPU."""

@@ -2,7 +2,8 @@
 AVX512-BF16): as close to float64 as F.linear for any row count and output tails, a row's bits
 the same alone or among others; weights the kernel cannot take stay on oneDNN; the engine's packed
 linears use it; SwiGLU's gate and up in one product, the bits of the two linears and silu_mul at
-any row count."""
+any row count; float32 activations times bfloat16 weights rounded to bfloat16 only at float32
+matmul precision "medium", compiled graphs following the precision as it is when they run."""
 
 from __future__ import annotations
 
@@ -203,3 +204,50 @@ def test_the_op_that_compiled_passes_call_gives_the_kernels_bits(swiglu):
         torch.ops.decoderlm.bf16_linear(x[..., :64], packed, 40, swiglu)
     with pytest.raises(RuntimeError, match="blocks"):
         torch.ops.decoderlm.bf16_linear(x, packed, 80, swiglu)  # more outputs than it holds
+
+
+needs_dpbf16 = pytest.mark.skipif(
+    "avx512_bf16" not in bf16_linear.kernels(), reason="no AVX512-BF16 here, or no C compiler"
+)
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 37, 64), (17, 576, 96), (300, 40, 34)])
+def test_float32_products_at_highest_precision_are_f_linears_bits(m, n, k):
+    g = torch.Generator().manual_seed(m + n)
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(m, k, generator=g)
+    torch.set_float32_matmul_precision("highest")
+    assert torch.equal(bf16_linear.float32_linear(x, w), F.linear(x, w.float()))
+
+
+@needs_dpbf16
+@pytest.mark.parametrize("m, n, k", [(1, 37, 64), (17, 576, 96), (300, 40, 34), (7, 16, 2)])
+def test_float32_products_at_medium_precision_sum_the_inputs_rounded_to_bfloat16(m, n, k):
+    """x rounded to bfloat16, the products summed in float32 (as close to float64 of the rounded
+    inputs as F.linear of them, not to the unrounded product), a row's bits alone or among
+    others, output tails and odd row counts included."""
+    g = torch.Generator().manual_seed(m + n)
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(2, m, k, generator=g)
+    rounded = x.bfloat16()
+    exact = rounded.double() @ w.double().T
+    torch.set_float32_matmul_precision("highest")
+    reference_error = (F.linear(rounded.float(), w.float()).double() - exact).abs().max()
+    unrounded_error = (x.double() @ w.double().T - exact).abs().max()
+    torch.set_float32_matmul_precision("medium")
+    y = bf16_linear.float32_linear(x, w)
+    assert y.shape == (2, m, n) and y.dtype == torch.float32
+    assert (y.double() - exact).abs().max() <= 2 * reference_error + 1e-6
+    assert unrounded_error > 100 * (reference_error + 1e-6)  # the rounding is what is measured
+    assert torch.equal(bf16_linear.float32_linear(x[1, -1:], w), y[1, -1:])
+
+
+@needs_dpbf16
+def test_a_compiled_graph_follows_the_precision_set_after_it_was_traced():
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(200, 64, generator=g).bfloat16(), torch.randn(40, 64, generator=g)
+    compiled = torch.compile(lambda x, w: bf16_linear.float32_linear(x, w) + 1, fullgraph=True)
+    got = {}
+    for precision in ("highest", "medium", "highest"):
+        torch.set_float32_matmul_precision(precision)
+        got[precision] = compiled(x, w)
+        assert torch.equal(got[precision], bf16_linear.float32_linear(x, w) + 1)
+    assert not torch.equal(got["medium"], got["highest"])

@@ -23,10 +23,16 @@ from torch import nn
 from torch.profiler import profile
 
 from decoderlm import DecoderLM, DecoderLMError, ModelConfig
-from decoderlm.cpu import block_linear, decode, features
+from decoderlm.cpu import bf16_linear, block_linear, decode, features
 from decoderlm.inference.generate import generate
 from decoderlm.quant import Int4Linear, Int8Linear, quantize
-from decoderlm.quant.blocks import BLOCK_TYPES, BlockLinear, dequantize_rows, row_bytes
+from decoderlm.quant.blocks import (
+    BLOCK_TYPES,
+    CHUNK_WEIGHTS,
+    BlockLinear,
+    dequantize_rows,
+    row_bytes,
+)
 from decoderlm.quant.linear import INT4_GROUP_SIZES
 
 needs_kernels = pytest.mark.skipif(not block_linear.available(), reason="no C/C++ compiler")
@@ -195,6 +201,26 @@ def test_a_block_linear_runs_a_few_rows_on_the_kernel_and_many_on_a_gemm():
         assert "decoderlm::block_dequantize" in called and "decoderlm::block_linear" not in called
         weight = dequantize_rows(layer.blocks, "Q4_1", 64)
         assert torch.equal(layer(many), F.linear(many, weight))
+
+
+@needs_kernels
+def test_many_float32_rows_times_bf16_blocks_follow_the_float32_matmul_precision():
+    """BF16 rows (their bytes the weights) go to bf16_linear.float32_linear in chunks: exact at
+    "highest", x rounded to bfloat16 at "medium"."""
+    n, k = 2 * CHUNK_WEIGHTS // 64 + 5, 64  # three chunks, the last of 5 rows
+    w = torch.randn(n, k).bfloat16()
+    layer = BlockLinear(k, n, "BF16", blocks=w.view(torch.uint8))
+    x = torch.randn(block_linear.MAX_ROWS + 1, k)
+    chunks = torch.split(w, CHUNK_WEIGHTS // k)
+    with torch.no_grad():
+        for precision in ("highest", "medium"):
+            torch.set_float32_matmul_precision(precision)
+            assert "decoderlm::float32_linear" in ops_called(lambda: layer(x))
+            expected = torch.cat([bf16_linear.float32_linear(x, c) for c in chunks], dim=-1)
+            assert torch.equal(layer(x), expected)
+        assert torch.equal(layer(x), bf16_linear.float32_linear(x, w))  # per output: unchunked
+        torch.set_float32_matmul_precision("highest")
+        torch.testing.assert_close(layer(x), F.linear(x, w.float()))  # float32 sums, reordered
 
 
 @needs_kernels

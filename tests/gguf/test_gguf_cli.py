@@ -41,6 +41,22 @@ def test_generate_on_a_gguf_file_prints_python_generates_text(tiny_gguf, capsys)
     assert capsys.readouterr().out.rstrip("\n") == tokenizer.decode(ids).rstrip("\n")
 
 
+def test_generate_runs_under_the_float32_matmul_precision_it_is_given(tiny_gguf, capsys):
+    _, path = tiny_gguf("llama", T.BF16)
+    model, tokenizer = decoderlm.load(path)
+    prompt = "the capital of France is the largest city of the country and its seat of government"
+    ids = tokenizer.encode_prompt(prompt)
+    assert len(ids) > 16  # a prefill of many rows: the products that --matmul-precision changes
+    torch.set_float32_matmul_precision("medium")
+    expected = decoderlm.generate(model, [ids], 6, temperature=0)[0]
+    torch.set_float32_matmul_precision("highest")
+    argv = ["generate", "--checkpoint", str(path), "--prompt", prompt, "--temperature", "0",
+            "--max-new-tokens", "6", "--matmul-precision", "medium"]  # fmt: skip
+    assert main(argv) == 0
+    assert capsys.readouterr().out.rstrip("\n") == tokenizer.decode(expected).rstrip("\n")
+    assert torch.get_float32_matmul_precision() == "medium"
+
+
 def test_convert_from_gguf_keeps_the_blocks_and_reloads_bit_exactly(tiny_gguf, tmp_path, capsys):
     _, path = tiny_gguf("llama", T.Q4_1)
     assert main(["convert", "--from-gguf", str(path), "--out", str(tmp_path / "run")]) == 0

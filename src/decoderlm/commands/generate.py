@@ -118,18 +118,30 @@ def sampling_from_args(args: argparse.Namespace, tokenizer: Any) -> SamplingPara
 
 
 def add_weights_arguments(parser: argparse.ArgumentParser) -> None:
-    """--dtype and --device: where `load_model_and_tokenizer` puts the weights (generate and eval)."""
+    """--dtype, --device and --matmul-precision: where `load_model_and_tokenizer` puts the weights
+    and how float32 products may run (generate and eval)."""
     parser.add_argument(
         "--dtype", default=None, help="weights dtype: float32 (default), bfloat16, float16"
     )
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument(
+        "--matmul-precision",
+        choices=("highest", "high", "medium"),
+        default="highest",
+        help="torch.set_float32_matmul_precision: highest (default) multiplies float32 exactly; "
+        "medium lets a product round its float32 inputs to bfloat16 where that is faster (a GGUF "
+        "file's BF16 weights on a CPU with AVX512-BF16, as llama.cpp computes them)",
+    )
 
 
 def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[DecoderLM, Tokenizer]:
     """The model of --checkpoint, with --device and --dtype, and its tokenizer (which it must
     have: the commands that call this encode text)."""
+    import torch
+
     from decoderlm.loading import load
 
+    torch.set_float32_matmul_precision(args.matmul_precision)
     model, tokenizer = load(args.checkpoint, device=args.device, dtype=args.dtype)
     if tokenizer is None:
         raise DecoderLMError(f"{args.checkpoint} has no tokenizer.json, so text cannot be encoded")

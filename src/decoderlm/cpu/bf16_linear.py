@@ -29,6 +29,13 @@ for it: bfloat16, K a multiple of the kernel's step (32 on the tiles, 2 on AVX51
 `kernel()` not None (a CPU with either kernel's instructions, a C compiler to build it
 (`decoderlm.cpu.native`), and for the tiles Linux granting the process their state).
 
+`float32_linear(x, W)` multiplies float32 activations by a bfloat16 weight (a GGUF file's BF16
+rows, `decoderlm.quant.BlockLinear`) as torch's float32 matmul precision allows: at "medium"
+(`torch.set_float32_matmul_precision`: bfloat16 inside a float32 product) x is rounded to
+bfloat16 and the VDPBF16PS kernel keeps its float32 sums, llama.cpp's arithmetic for such weights,
+in 0.4× the time of a float32 GEMM on a Zen 4; otherwise W is widened and F.linear multiplies
+exactly.
+
 Eagerly the kernel is called through ctypes; traced code (the engine's compiled decode pass of
 several rows, `decoderlm.cpu.paged_step`) calls the same kernel as the op decoderlm::bf16_linear
 (`bf16_linear_ops.cpp`, built with the kernel where `op_available` says), which a library
@@ -42,6 +49,7 @@ import functools
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from decoderlm.cpu import bf16_kernels, native
@@ -61,6 +69,9 @@ def _library(name: str) -> ctypes.CDLL | None:
         library.packed_linear_bf16.argtypes = (
             [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         )
+    if library is not None and name == "avx512_bf16":
+        library.packed_linear_bf16_f32.restype = None
+        library.packed_linear_bf16_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     return library
 
 
@@ -78,6 +89,7 @@ def kernel() -> str | None:
 
 _OPS = torch.library.Library("decoderlm", "FRAGMENT")
 _OPS.define("bf16_linear(Tensor x, Tensor packed, int out_features, bool swiglu) -> Tensor")
+_OPS.define("float32_linear(Tensor x, Tensor weight) -> Tensor")
 
 
 @torch.compiler.assume_constant_result  # asked while tracing; the answer never changes
@@ -105,9 +117,12 @@ def pack(weight: Tensor) -> Tensor:
     inputs 2p and 2p + 1 (outputs past N are zeros)."""
     n, k = weight.shape
     blocks = -(-n // OUTPUTS_PER_BLOCK)
-    padded = weight.new_zeros(blocks * OUTPUTS_PER_BLOCK, k)
-    padded[:n] = weight
-    return padded.view(blocks, OUTPUTS_PER_BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    padded = weight.contiguous()
+    if n % OUTPUTS_PER_BLOCK:
+        padded = weight.new_zeros(blocks * OUTPUTS_PER_BLOCK, k)
+        padded[:n] = weight
+    pairs = padded.view(torch.int32).view(blocks, OUTPUTS_PER_BLOCK, k // 2)  # a pair as one int32
+    return pairs.transpose(1, 2).contiguous().view(torch.bfloat16).view(blocks, k // 2, 16, 2)
 
 
 def pack_swiglu(gate: Tensor, up: Tensor) -> Tensor:
@@ -141,6 +156,36 @@ def _run(x: Tensor, packed: Tensor, out_features: int, swiglu: bool) -> Tensor:
             int(swiglu),
         )  # fmt: skip
     return y.view(*x.shape[:-1], out_features)
+
+
+def float32_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x Wᵀ: x (..., K) float32, W (N, K) bfloat16 → (..., N) float32. At float32 matmul precision
+    "medium", where the VDPBF16PS kernel runs and K is even, x is rounded to bfloat16 (to nearest
+    even) and W packed for the kernel on each call (`pack`: nothing kept beside the weight), each
+    output the float32 sum of its products in the order of K; otherwise F.linear(x, W in float32).
+    The op decides as it runs, so a compiled graph follows the precision set after tracing."""
+    return torch.ops.decoderlm.float32_linear(x, weight)
+
+
+@torch.library.impl("decoderlm::float32_linear", "CPU", lib=_OPS)
+def _(x: Tensor, weight: Tensor) -> Tensor:
+    n, k = weight.shape
+    rounding = torch.get_float32_matmul_precision() == "medium"
+    if not (rounding and "avx512_bf16" in kernels() and k % 2 == 0):
+        return F.linear(x, weight.float())
+    rows = x.reshape(-1, k).bfloat16()  # (M, K), rounded to nearest even
+    packed = pack(weight)  # (⌈N/16⌉, K/2, 16, 2)
+    y = x.new_empty(rows.shape[0], n)  # (M, N) float32
+    if rows.shape[0]:
+        _library("avx512_bf16").packed_linear_bf16_f32(
+            rows.data_ptr(), packed.data_ptr(), y.data_ptr(), rows.shape[0], n, k
+        )
+    return y.view(*x.shape[:-1], n)
+
+
+@torch.library.register_fake("decoderlm::float32_linear", lib=_OPS)
+def _(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
 
 
 @torch.library.register_fake("decoderlm::bf16_linear", lib=_OPS)

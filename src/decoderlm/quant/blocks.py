@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from decoderlm.cpu import block_linear
+from decoderlm.cpu import bf16_linear, block_linear
 from decoderlm.quant.linear import QuantizedLinear
 
 # type name → (weights per block, bytes per block), as gguf.GGML_QUANT_SIZES.
@@ -148,16 +148,23 @@ class BlockLinear(QuantizedLinear):
     def matmul(self, x: Tensor) -> Tensor:
         """x·Ŵᵀ (..., in_features) → (..., out_features): a few rows by the block kernels of
         `decoderlm.cpu.block_linear`; more by F.linear on Ŵ dequantized CHUNK_WEIGHTS at a time
-        (a vocabulary-sized head would otherwise be made whole, in floats, at every step)."""
-        if block_linear.runs(x, self.blocks) and not block_linear.many_rows(x):
+        (a vocabulary-sized head would otherwise be made whole, in floats, at every step), BF16
+        rows times float32 x by `bf16_linear.float32_linear` (bfloat16 products at torch's float32
+        matmul precision "medium")."""
+        runs = block_linear.runs(x, self.blocks)
+        if runs and not block_linear.many_rows(x):
             # a few rows, or a number left symbolic (the op picks the kernel or a GEMM then)
             return block_linear.linear(x, self.blocks, self.ggml_type)
         rows = max(1, CHUNK_WEIGHTS // self.in_features)
-        k, kind = self.in_features, self.ggml_type
-        chunks = [
-            F.linear(x, dequantized_chunk(self.blocks, kind, k, i, rows, x.dtype))
-            for i in range(0, self.out_features, rows)
-        ]  # each (..., rows)
+        k, kind, starts = self.in_features, self.ggml_type, range(0, self.out_features, rows)
+        if runs and kind == "BF16" and x.dtype == torch.float32:
+            weight = self.blocks.view(torch.bfloat16)  # (N, K): a BF16 row is its weights
+            chunks = [bf16_linear.float32_linear(x, weight[i : i + rows]) for i in starts]
+        else:
+            chunks = [
+                F.linear(x, dequantized_chunk(self.blocks, kind, k, i, rows, x.dtype))
+                for i in starts
+            ]  # each (..., rows)
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-1)
 
     def extra_repr(self) -> str:
