@@ -32,9 +32,9 @@ for it: bfloat16, K a multiple of the kernel's step (32 on the tiles, 2 on AVX51
 `float32_linear(x, W)` multiplies float32 activations by a bfloat16 weight (a GGUF file's BF16
 rows, `decoderlm.quant.BlockLinear`) as torch's float32 matmul precision allows: at "medium"
 (`torch.set_float32_matmul_precision`: bfloat16 inside a float32 product) x is rounded to
-bfloat16 and the VDPBF16PS kernel keeps its float32 sums, llama.cpp's arithmetic for such weights,
-in 0.4× the time of a float32 GEMM on a Zen 4; otherwise W is widened and F.linear multiplies
-exactly.
+bfloat16 and the VDPBF16PS kernel keeps its float32 sums, llama.cpp's arithmetic for such weights
+(on a Zen 4 SmolLM2-135M's BF16 file then prefills 512 tokens at 1.20× llama.cpp's rate, against
+0.82× exactly: benchmarks/README.md); otherwise W is widened and F.linear multiplies exactly.
 
 Eagerly the kernel is called through ctypes; traced code (the engine's compiled decode pass of
 several rows, `decoderlm.cpu.paged_step`) calls the same kernel as the op decoderlm::bf16_linear
