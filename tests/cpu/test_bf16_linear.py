@@ -2,8 +2,8 @@
 AVX512-BF16): as close to float64 as F.linear for any row count and output tails, a row's bits
 the same alone or among others; weights the kernel cannot take stay on oneDNN; the engine's packed
 linears use it; SwiGLU's gate and up in one product, the bits of the two linears and silu_mul at
-any row count; float32 activations times bfloat16 weights rounded to bfloat16 only at float32
-matmul precision "medium", compiled graphs following the precision as it is when they run."""
+any row count; float32 products rounded to bfloat16 only at float32 matmul precision "medium", compiled graphs
+following the precision as it is when they run."""
 
 from __future__ import annotations
 
@@ -221,16 +221,19 @@ def test_float32_products_at_highest_precision_are_f_linears_bits(m, n, k):
 
 @needs_dpbf16
 @pytest.mark.parametrize("m, n, k", [(1, 37, 64), (17, 576, 96), (300, 40, 34), (7, 16, 2)])
-def test_float32_products_at_medium_precision_sum_the_inputs_rounded_to_bfloat16(m, n, k):
-    """x rounded to bfloat16, the products summed in float32 (as close to float64 of the rounded
-    inputs as F.linear of them, not to the unrounded product), a row's bits alone or among
-    others, output tails and odd row counts included."""
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_float32_products_at_medium_precision_sum_the_inputs_rounded_to_bfloat16(
+    m, n, k, weight_dtype
+):
+    """x (and a float32 W) rounded to bfloat16, the products summed in float32 (as close to
+    float64 of the rounded inputs as F.linear of them, not to the unrounded product), a row's
+    bits alone or among others, output tails and odd row counts included."""
     g = torch.Generator().manual_seed(m + n)
-    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(2, m, k, generator=g)
-    rounded = x.bfloat16()
-    exact = rounded.double() @ w.double().T
+    w, x = torch.randn(n, k, generator=g).to(weight_dtype), torch.randn(2, m, k, generator=g)
+    rounded, w_rounded = x.bfloat16(), w.bfloat16()
+    exact = rounded.double() @ w_rounded.double().T
     torch.set_float32_matmul_precision("highest")
-    reference_error = (F.linear(rounded.float(), w.float()).double() - exact).abs().max()
+    reference_error = (F.linear(rounded.float(), w_rounded.float()).double() - exact).abs().max()
     unrounded_error = (x.double() @ w.double().T - exact).abs().max()
     torch.set_float32_matmul_precision("medium")
     y = bf16_linear.float32_linear(x, w)

@@ -29,12 +29,13 @@ for it: bfloat16, K a multiple of the kernel's step (32 on the tiles, 2 on AVX51
 `kernel()` not None (a CPU with either kernel's instructions, a C compiler to build it
 (`decoderlm.cpu.native`), and for the tiles Linux granting the process their state).
 
-`float32_linear(x, W)` multiplies float32 activations by a bfloat16 weight (a GGUF file's BF16
-rows, `decoderlm.quant.BlockLinear`) as torch's float32 matmul precision allows: at "medium"
-(`torch.set_float32_matmul_precision`: bfloat16 inside a float32 product) x is rounded to
-bfloat16 and the VDPBF16PS kernel keeps its float32 sums, llama.cpp's arithmetic for such weights
+`float32_linear(x, W)` multiplies float32 activations by a weight a prefill has just made from
+a GGUF file's rows (`decoderlm.quant.BlockLinear`: BF16 rows as they are, other types
+dequantized) as torch's float32 matmul precision allows: at "medium"
+(`torch.set_float32_matmul_precision`: bfloat16 inside a float32 product) x and W are rounded to
+bfloat16 and the VDPBF16PS kernel keeps its float32 sums, llama.cpp's arithmetic for BF16 weights
 (on a Zen 4 SmolLM2-135M's BF16 file then prefills 512 tokens at 1.20× llama.cpp's rate, against
-0.82× exactly: benchmarks/README.md); otherwise W is widened and F.linear multiplies exactly.
+0.82× exactly: benchmarks/README.md); otherwise F.linear multiplies exactly.
 
 Eagerly the kernel is called through ctypes; traced code (the engine's compiled decode pass of
 several rows, `decoderlm.cpu.paged_step`) calls the same kernel as the op decoderlm::bf16_linear
@@ -159,11 +160,12 @@ def _run(x: Tensor, packed: Tensor, out_features: int, swiglu: bool) -> Tensor:
 
 
 def float32_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x Wᵀ: x (..., K) float32, W (N, K) bfloat16 → (..., N) float32. At float32 matmul precision
-    "medium", where the VDPBF16PS kernel runs and K is even, x is rounded to bfloat16 (to nearest
-    even) and W packed for the kernel on each call (`pack`: nothing kept beside the weight), each
-    output the float32 sum of its products in the order of K; otherwise F.linear(x, W in float32).
-    The op decides as it runs, so a compiled graph follows the precision set after tracing."""
+    """x Wᵀ: x (..., K) float32, W (N, K) bfloat16 or float32 → (..., N) float32. At float32
+    matmul precision "medium", where the VDPBF16PS kernel runs and K is even, x and W are rounded
+    to bfloat16 (to nearest even; a bfloat16 W is taken as it is) and W packed for the kernel on
+    each call (`pack`: nothing kept beside the weight), each output the float32 sum of its
+    products in the order of K; otherwise F.linear(x, W in float32). The op decides as it runs,
+    so a compiled graph follows the precision set after tracing."""
     return torch.ops.decoderlm.float32_linear(x, weight)
 
 
@@ -174,7 +176,7 @@ def _(x: Tensor, weight: Tensor) -> Tensor:
     if not (rounding and "avx512_bf16" in kernels() and k % 2 == 0):
         return F.linear(x, weight.float())
     rows = x.reshape(-1, k).bfloat16()  # (M, K), rounded to nearest even
-    packed = pack(weight)  # (⌈N/16⌉, K/2, 16, 2)
+    packed = pack(weight.bfloat16())  # (⌈N/16⌉, K/2, 16, 2)
     y = x.new_empty(rows.shape[0], n)  # (M, N) float32
     if rows.shape[0]:
         _library("avx512_bf16").packed_linear_bf16_f32(

@@ -147,25 +147,29 @@ class BlockLinear(QuantizedLinear):
 
     def matmul(self, x: Tensor) -> Tensor:
         """x·Ŵᵀ (..., in_features) → (..., out_features): a few rows by the block kernels of
-        `decoderlm.cpu.block_linear`; more by F.linear on Ŵ dequantized CHUNK_WEIGHTS at a time
-        (a vocabulary-sized head would otherwise be made whole, in floats, at every step), BF16
-        rows times float32 x by `bf16_linear.float32_linear` (bfloat16 products at torch's float32
-        matmul precision "medium")."""
+        `decoderlm.cpu.block_linear`; more CHUNK_WEIGHTS of Ŵ at a time (a vocabulary-sized head
+        would otherwise be made whole, in floats, at every step): float32 x by
+        `bf16_linear.float32_linear` (exact, or bfloat16 products at torch's float32 matmul
+        precision "medium"), others by F.linear on Ŵ dequantized to x's dtype."""
         runs = block_linear.runs(x, self.blocks)
         if runs and not block_linear.many_rows(x):
             # a few rows, or a number left symbolic (the op picks the kernel or a GEMM then)
             return block_linear.linear(x, self.blocks, self.ggml_type)
         rows = max(1, CHUNK_WEIGHTS // self.in_features)
-        k, kind, starts = self.in_features, self.ggml_type, range(0, self.out_features, rows)
-        if runs and kind == "BF16" and x.dtype == torch.float32:
-            weight = self.blocks.view(torch.bfloat16)  # (N, K): a BF16 row is its weights
-            chunks = [bf16_linear.float32_linear(x, weight[i : i + rows]) for i in starts]
+        starts = range(0, self.out_features, rows)
+        if runs and x.dtype == torch.float32:
+            chunks = [bf16_linear.float32_linear(x, self._chunk(i, rows)) for i in starts]
         else:
-            chunks = [
-                F.linear(x, dequantized_chunk(self.blocks, kind, k, i, rows, x.dtype))
-                for i in starts
-            ]  # each (..., rows)
+            chunks = [F.linear(x, self._chunk(i, rows, x.dtype)) for i in starts]  # (..., rows)
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-1)
+
+    def _chunk(self, start: int, rows: int, dtype: torch.dtype | None = None) -> Tensor:
+        """Rows start .. start + rows − 1 of Ŵ in `dtype`; None: BF16's rows as stored (a view),
+        others dequantized to float32."""
+        if dtype is None and self.ggml_type == "BF16":
+            return self.blocks[start : start + rows].view(torch.bfloat16)
+        kind, k = self.ggml_type, self.in_features
+        return dequantized_chunk(self.blocks, kind, k, start, rows, dtype or torch.float32)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, ggml_type={self.ggml_type}"
