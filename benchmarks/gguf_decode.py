@@ -140,8 +140,9 @@ def logits_errors(
 def many_rows_kernel(ggml_type: str, dtype: torch.dtype) -> str:
     """What a product of many rows of `dtype` runs on `ggml_type` weights here."""
     rounding = torch.get_float32_matmul_precision() == "medium"
-    if ggml_type == "BF16" and dtype == torch.float32 and rounding and "avx512_bf16" in bf16_linear.kernels():  # fmt: skip
-        return "x rounded to bfloat16, VDPBF16PS (bf16_linear.float32_linear)"
+    if dtype == torch.float32 and rounding and "avx512_bf16" in bf16_linear.kernels():
+        weights = "as stored" if ggml_type == "BF16" else "dequantized, rounded to bfloat16"
+        return f"{weights}, x rounded to bfloat16, VDPBF16PS (bf16_linear.float32_linear)"
     return "dequantized, GEMM (oneDNN)"
 
 
@@ -196,6 +197,7 @@ def theirs_fns(bench: Path, path: Path, threads: int, n: int, contexts: list[int
 
 def measure(args: argparse.Namespace, kind: str, path: Path, logits_binary: Path | None) -> dict:
     """Speeds (lists over runs) and logits errors of both sides on one file."""
+    torch._dynamo.reset()  # the compiled prefill's graphs of the files before: under the limit
     model, tokenizer = decoderlm.load(path, dtype=getattr(torch, args.dtype))
     ids = torch.tensor(tokenizer.encode(TEXT)[:64])
     reference, errors = logits_errors(model, decoderlm.load(path)[0], ids)

@@ -129,8 +129,9 @@ def add_weights_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("highest", "high", "medium"),
         default="highest",
         help="torch.set_float32_matmul_precision: highest (default) multiplies float32 exactly; "
-        "medium lets a product round its float32 inputs to bfloat16 where that is faster (a GGUF "
-        "file's BF16 weights on a CPU with AVX512-BF16, as llama.cpp computes them)",
+        "medium lets a product round its inputs to bfloat16 where that is faster (a prompt's "
+        "products on a GGUF file's weights, on a CPU with AVX512-BF16, as llama.cpp does for "
+        "BF16 weights)",
     )
 
 
