@@ -2,8 +2,8 @@
 AVX512-BF16): as close to float64 as F.linear for any row count and output tails, a row's bits
 the same alone or among others; weights the kernel cannot take stay on oneDNN; the engine's packed
 linears use it; SwiGLU's gate and up in one product, the bits of the two linears and silu_mul at
-any row count; float32 products rounded to bfloat16 only at float32 matmul precision "medium", compiled graphs
-following the precision as it is when they run."""
+any row count; float32 products rounded to bfloat16 only at float32 matmul precision "medium",
+compiled graphs following the precision as it is when they run."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoderlm import DecoderLM, ModelConfig
-from decoderlm.cpu import bf16_linear, fused
+from decoderlm.cpu import bf16_linear, fused, onednn
 from decoderlm.cpu.fused import FusedSwiGLU
 from decoderlm.cpu.packed_linear import KERNEL_ROWS_MAX, PackedLinear, PackedSwiGLU
 from decoderlm.cpu.paths import SpeedPaths
@@ -212,11 +212,11 @@ needs_dpbf16 = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("m, n, k", [(1, 37, 64), (17, 576, 96), (300, 40, 34)])
-def test_float32_products_at_highest_precision_are_f_linears_bits(m, n, k):
+def test_float32_products_at_highest_precision_are_the_float32_linears_bits(m, n, k):
     g = torch.Generator().manual_seed(m + n)
     w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(m, k, generator=g)
     torch.set_float32_matmul_precision("highest")
-    assert torch.equal(bf16_linear.float32_linear(x, w), F.linear(x, w.float()))
+    assert torch.equal(bf16_linear.float32_linear(x, w), onednn.linear(x, w.float()))
 
 
 @needs_dpbf16

@@ -17,6 +17,7 @@ from gguf_builders import randomize, write_gguf
 from gguf_reference import NO_SPECIALS
 
 import decoderlm
+from decoderlm.cpu import onednn
 from decoderlm.cpu.block_linear import MAX_ROWS
 from decoderlm.gguf import DEQUANTIZED_TYPES, KEPT_TYPES
 from decoderlm.quant.blocks import BlockLinear, dequantize_rows, row_bytes
@@ -57,11 +58,13 @@ def test_a_block_linear_is_its_dequantized_product():
     raw = torch.from_numpy(random_blocks("Q4_1", rows=6, k=64))
     linear = BlockLinear(64, 6, "Q4_1", bias=True, blocks=raw)
     linear.bias.copy_(torch.arange(6.0))
-    # More rows than the block kernels take (tests/cpu/test_block_linear.py has those): a GEMM on
-    # the dequantized weight.
+    # More rows than the block kernels take (tests/cpu/test_block_linear.py has those): oneDNN's
+    # float32 linear on the dequantized weight.
     x = torch.randn(3, MAX_ROWS, 64)
     weight = dequantize_rows(raw, "Q4_1", 64)
-    torch.testing.assert_close(linear(x), x @ weight.T + torch.arange(6.0), rtol=0, atol=0)
+    torch.testing.assert_close(
+        linear(x), onednn.linear(x, weight) + torch.arange(6.0), rtol=0, atol=0
+    )
     assert torch.equal(linear.dequantized(), weight)
 
 

@@ -322,7 +322,7 @@ def test_an_unknown_option_raises_one_line_naming_the_sampling_options(tokenizer
 
 
 def test_cpu_kernels_switch_routes_linears_to_onednn_or_leaves_them(monkeypatch):
-    if not decode_step._HAS_ONEDNN:
+    if not decode_step.onednn.AVAILABLE:
         pytest.skip("this torch build has no oneDNN linear")
     calls = []
     kernel = decode_step.onednn_linear

@@ -35,7 +35,7 @@ dequantized) as torch's float32 matmul precision allows: at "medium"
 (`torch.set_float32_matmul_precision`: bfloat16 inside a float32 product) x and W are rounded to
 bfloat16 and the VDPBF16PS kernel keeps its float32 sums, llama.cpp's arithmetic for BF16 weights
 (on a Zen 4 SmolLM2-135M's BF16 file then prefills 512 tokens at 1.20× llama.cpp's rate, against
-0.82× exactly: benchmarks/README.md); otherwise F.linear multiplies exactly.
+0.82× exactly: benchmarks/README.md); otherwise oneDNN's float32 linear multiplies exactly.
 
 Eagerly the kernel is called through ctypes; traced code (the engine's compiled decode pass of
 several rows, `decoderlm.cpu.paged_step`) calls the same kernel as the op decoderlm::bf16_linear
@@ -50,10 +50,9 @@ import functools
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from decoderlm.cpu import bf16_kernels, native
+from decoderlm.cpu import bf16_kernels, native, onednn
 
 HERE = Path(__file__).parent
 SOURCES = {"amx": HERE / "amx_linear.c", "avx512_bf16": HERE / "dpbf16_linear.c"}
@@ -164,7 +163,8 @@ def float32_linear(x: Tensor, weight: Tensor) -> Tensor:
     matmul precision "medium", where the VDPBF16PS kernel runs and K is even, x and W are rounded
     to bfloat16 (to nearest even; a bfloat16 W is taken as it is) and W packed for the kernel on
     each call (`pack`: nothing kept beside the weight), each output the float32 sum of its
-    products in the order of K; otherwise F.linear(x, W in float32). The op decides as it runs,
+    products in the order of K; otherwise oneDNN's float32 linear of x and W in float32 (as the
+    model's own float32 prefills run: `decoderlm.cpu.decode`). The op decides as it runs,
     so a compiled graph follows the precision set after tracing."""
     return torch.ops.decoderlm.float32_linear(x, weight)
 
@@ -174,7 +174,7 @@ def _(x: Tensor, weight: Tensor) -> Tensor:
     n, k = weight.shape
     rounding = torch.get_float32_matmul_precision() == "medium"
     if not (rounding and "avx512_bf16" in kernels() and k % 2 == 0):
-        return F.linear(x, weight.float())
+        return onednn.linear(x, weight.float())
     rows = x.reshape(-1, k).bfloat16()  # (M, K), rounded to nearest even
     packed = pack(weight.bfloat16())  # (⌈N/16⌉, K/2, 16, 2)
     y = x.new_empty(rows.shape[0], n)  # (M, N) float32

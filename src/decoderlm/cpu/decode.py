@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from decoderlm.cpu import block_linear, features, gemv, paged_attention
+from decoderlm.cpu import block_linear, features, gemv, onednn, paged_attention
+from decoderlm.cpu.onednn import onednn_linear
 from decoderlm.model.cache import (
     CacheStep,
     LayerCache,
@@ -87,7 +88,7 @@ class CPULinearKernels(TorchFunctionMode):
         plain_float32 = all(
             type(t) in (Tensor, nn.Parameter) and t.dtype == torch.float32 for t in tensors
         )
-        if plain_float32 and not _needs_grad(tensors) and _HAS_ONEDNN:
+        if plain_float32 and not _needs_grad(tensors) and onednn.AVAILABLE:
             return onednn_linear(x, weight, bias)  # (..., N)
         return func(*args, **kwargs)
 
@@ -108,25 +109,7 @@ def bf16_in_float32(x: Tensor, weight: Tensor) -> Tensor:
     bfloat16: a few rows on `block_linear`'s BF16 kernel, more by a float32 GEMM."""
     if block_linear.handles(x, weight):
         return block_linear.linear(x, weight.view(torch.uint8).view(weight.shape[0], -1), "BF16")
-    wide = onednn_linear if _HAS_ONEDNN else F.linear
-    return wide(x.float(), weight.float(), None).to(torch.bfloat16)
-
-
-_HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(
-    torch.ops.mkldnn, "_linear_pointwise"
-)
-
-
-@torch.library.custom_op("decoderlm::onednn_linear", mutates_args=())
-def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """x Wᵀ + b by oneDNN's dense linear (inference only); an opaque op, so that torch.compile
-    calls it as it is rather than lowering it to the MKL GEMM behind F.linear."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-@onednn_linear.register_fake
-def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    return onednn.linear(x.float(), weight.float()).to(torch.bfloat16)
 
 
 # The forward pass over a cache that the step compiles: (model, cache, idx (B, T), positions
