@@ -6,9 +6,9 @@ layers, a tied Q8_0 embedding and head) and Q8_0, BF16 and F32 files made from i
 For each file:
 
 - decoderlm: `decoderlm.load(file)` (the weights stay in their blocks; `--dtype bfloat16` runs
-  the activations in bfloat16; `--matmul-precision medium` lets a prefill's float32 products
-  with BF16 weights round their inputs to bfloat16, as llama.cpp's do: `torch.
-  set_float32_matmul_precision`), `generate(..., compile=True)`: batch-1 decode tok/s after a prompt
+  the activations in bfloat16; `--matmul-precision medium`, torch's float32 matmul precision,
+  lets a prefill's float32 products round x and the weights to bfloat16, as llama.cpp's BF16
+  products do), `generate(..., compile=True)`: batch-1 decode tok/s after a prompt
   of 128 and of 2,048 tokens (N / (t(N + 1) − t(1)): the prefill and per-call costs cancel) and
   prefill-512 tok/s (512 / time to the first token);
 - llama.cpp: `llama-bench -t T -p 0 -n N -d 128` (and `-d 2048`), `-p 512 -n 0`;

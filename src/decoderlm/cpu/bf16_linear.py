@@ -34,8 +34,9 @@ a GGUF file's rows (`decoderlm.quant.BlockLinear`: BF16 rows as they are, other 
 dequantized) as torch's float32 matmul precision allows: at "medium"
 (`torch.set_float32_matmul_precision`: bfloat16 inside a float32 product) x and W are rounded to
 bfloat16 and the VDPBF16PS kernel keeps its float32 sums, llama.cpp's arithmetic for BF16 weights
-(on a Zen 4 SmolLM2-135M's BF16 file then prefills 512 tokens at 1.20× llama.cpp's rate, against
-0.82× exactly: benchmarks/README.md); otherwise oneDNN's float32 linear multiplies exactly.
+(on a Zen 4 SmolLM2-135M's BF16 file then prefills 512 tokens at 1.07-1.20× llama.cpp's rate,
+against 0.80-0.82× exactly: benchmarks/README.md); otherwise oneDNN's float32 linear multiplies
+exactly.
 
 Eagerly the kernel is called through ctypes; traced code (the engine's compiled decode pass of
 several rows, `decoderlm.cpu.paged_step`) calls the same kernel as the op decoderlm::bf16_linear

@@ -1,6 +1,7 @@
 """oneDNN's dense float32 linear as an opaque op, decoderlm::onednn_linear: torch.compile calls it
-as it is rather than lowering it to the MKL GEMM behind F.linear, which oneDNN outruns on the
-CPU's float32 prefills and LM heads (`decoderlm.cpu.decode`)."""
+as it is rather than lowering it to the MKL sgemm/sgemv behind F.linear, which it outruns on the
+llama-55m shapes (the float32 prefills and LM heads of `decoderlm.cpu.decode`, the exact
+products of `decoderlm.cpu.bf16_linear.float32_linear`)."""
 
 from __future__ import annotations
 
