@@ -325,9 +325,9 @@ def test_cpu_kernels_switch_routes_linears_to_onednn_or_leaves_them(monkeypatch)
     if not decode_step.onednn.AVAILABLE:
         pytest.skip("this torch build has no oneDNN linear")
     calls = []
-    kernel = decode_step.onednn_linear
+    kernel = decode_step.onednn.onednn_linear
     monkeypatch.setattr(
-        decode_step, "onednn_linear", lambda *args: calls.append(1) or kernel(*args)
+        decode_step.onednn, "onednn_linear", lambda *args: calls.append(1) or kernel(*args)
     )
     model = tiny_model(dtype=torch.float32, seed=3)
     prompts = [[5, 6, 7, 8], [9, 10]]

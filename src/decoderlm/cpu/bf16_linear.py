@@ -35,7 +35,7 @@ dequantized) as torch's float32 matmul precision allows: at "medium"
 (`torch.set_float32_matmul_precision`: bfloat16 inside a float32 product) x and W are rounded to
 bfloat16 and the VDPBF16PS kernel keeps its float32 sums, llama.cpp's arithmetic for BF16 weights
 (on a Zen 4 SmolLM2-135M's BF16 file then prefills 512 tokens at 1.07-1.20× llama.cpp's rate,
-against 0.80-0.82× exactly: benchmarks/README.md); otherwise oneDNN's float32 linear multiplies
+against 0.72-0.82× exactly: benchmarks/README.md); otherwise oneDNN's float32 linear multiplies
 exactly.
 
 Eagerly the kernel is called through ctypes; traced code (the engine's compiled decode pass of

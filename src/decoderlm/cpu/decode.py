@@ -35,7 +35,6 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from decoderlm.cpu import block_linear, features, gemv, onednn, paged_attention
-from decoderlm.cpu.onednn import onednn_linear
 from decoderlm.model.cache import (
     CacheStep,
     LayerCache,
@@ -59,7 +58,7 @@ class CPULinearKernels(TorchFunctionMode):
     - Otherwise one row under compilation: y_n = Σ_k x_k W_nk as a product and a row sum, which
       inductor fuses into one vectorised pass, faster than F.linear's GEMV.
     - The other float32 calls without autograd (prefill, evaluation, the LM head of the last
-      position; eager or compiled): oneDNN's dense linear (`onednn_linear`), faster than the MKL
+      position; eager or compiled): oneDNN's dense linear (`decoderlm.cpu.onednn`), faster than the MKL
       sgemm/sgemv behind F.linear on the llama-55m shapes.
     """
 
@@ -89,7 +88,7 @@ class CPULinearKernels(TorchFunctionMode):
             type(t) in (Tensor, nn.Parameter) and t.dtype == torch.float32 for t in tensors
         )
         if plain_float32 and not _needs_grad(tensors) and onednn.AVAILABLE:
-            return onednn_linear(x, weight, bias)  # (..., N)
+            return onednn.onednn_linear(x, weight, bias)  # (..., N)
         return func(*args, **kwargs)
 
 
