@@ -6,9 +6,9 @@ random init, seed 0) and the same shape as a 3:1 Gated DeltaNet hybrid (GDN, GDN
 twice), in --dtype. For C streams, C requests of --prompt-tokens random tokens each run at once
 (submitted together), each generating --new-tokens greedy tokens (no end-of-text stop); tokens/s
 = C · new tokens / wall time, prefill included. With --batch-invariant the attention model runs
-a third time, in `Engine(batch_invariant=True)`: what the mode costs. --compile on (the
-server's default) runs decode passes by the libraries compiled ahead of time (`Engine(compile=
-True)`), off eagerly, both each model both ways. Every (model, C) runs --rounds times, interleaved
+again in `Engine(batch_invariant=True)`: what the mode costs. --compile on (the server's
+default) runs decode passes by the libraries compiled ahead of time (`Engine(compile=True)`), off
+eagerly, both each model both ways. Every (model, C) runs --rounds times, interleaved
 with the others, and the best round is kept (a shared CPU's speed drifts; the best of interleaved
 rounds gives each case the same chance of a quiet moment). The table prints the CPU, the threads
 and the load average before and after.
@@ -92,18 +92,21 @@ def main() -> None:
           f"{args.dtype}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")  # fmt: skip
     memory = args.kv_cache_memory
     ways = {"on": [True], "off": [False], "both": [False, True]}[args.compile]
+    kinds = [("attention", False), ("hybrid", False)]
+    kinds += [("attention", True)] if args.batch_invariant else []
     engines = {
-        kind + (", compiled" if compile and args.compile == "both" else ""): Engine(
-            model(kind, dtype), Vocabulary(32000), kv_cache_memory=memory, compile=compile
+        kind
+        + (", batch-invariant" if invariant else "")
+        + (", compiled" if compile and args.compile == "both" else ""): Engine(
+            model(kind, dtype),
+            Vocabulary(32000),
+            kv_cache_memory=memory,
+            compile=compile,
+            batch_invariant=invariant,
         )
-        for kind in ("attention", "hybrid")
+        for kind, invariant in kinds
         for compile in ways
     }
-    if args.batch_invariant:
-        invariant = model("attention", dtype)
-        engines["attention, batch-invariant"] = Engine(
-            invariant, Vocabulary(32000), kv_cache_memory=memory, batch_invariant=True
-        )
     for engine in engines.values():  # warm-up: the first steps build kernels and caches
         tokens_per_s(engine, 2, args.prompt_tokens, 4)
     best: dict[tuple[str, int], float] = {}

@@ -99,6 +99,25 @@ def test_rms_norm_rows_are_the_same_bits_in_any_batch():
         assert torch.equal(fused.rms_norm(x[rows], weight, 1e-5), whole[rows])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_ops_a_compiled_pass_calls_give_the_eager_kernels_bits(dtype):
+    if not fused.ops_available():
+        pytest.skip("no C++ compiler for the ops")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 2, 100, generator=g).to(dtype)[:, 1, :96]  # rows at a stride
+    weight = torch.randn(96, generator=g).to(dtype)
+    ops = torch.ops.decoderlm
+    assert torch.equal(
+        ops.fused_rms_norm(x, weight, 1e-5, 1.0), fused.rms_norm(x, weight, 1e-5, 1.0)
+    )
+    q = torch.randn(3, 5, 7, 64, generator=g).to(dtype).transpose(1, 2)  # (B, H, T, D), strided
+    cos, sin = rope_tables(3, 5, 24, dtype)
+    for c, s in ((cos, sin), (cos[0], sin[0])):
+        assert torch.equal(ops.fused_rope(q, c, s).transpose(1, 2), fused.apply_rope(q, c, s))
+    u = torch.randn(6, 96, generator=g).to(dtype)
+    assert torch.equal(ops.fused_silu_mul(x, u), fused.silu_mul(x, u))
+
+
 def tiny(dtype: torch.dtype) -> DecoderLM:
     torch.manual_seed(0)
     config = ModelConfig.from_preset("llama-tiny", vocab_size=50, context_length=64, d_model=64,

@@ -120,8 +120,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-invariant",
         action="store_true",
         help="a request's tokens bit-identical alone or among any others, in bfloat16 too: "
-        "linears summed in a fixed order, every pass through the in-place attention kernel, no "
-        "compiled pass (float weights, attention layers without a sliding window)",
+        "linears summed in a fixed order, every pass through the in-place attention kernel, the "
+        "compiled decode pass calling the same kernels (float weights, attention layers without "
+        "a sliding window)",
     )
 
 
@@ -194,7 +195,7 @@ def load_served(
         "kv_cache_dtype": args.kv_cache_dtype,
         "draft": args.draft,
         "num_speculative_tokens": args.num_speculative_tokens,
-        "compile": args.compile and not args.batch_invariant,
+        "compile": args.compile,
         "batch_invariant": args.batch_invariant,
     }
     spec = EngineSpec(str(args.checkpoint), args.dtype, options)
@@ -268,7 +269,7 @@ def announce_dtype(args: argparse.Namespace) -> None:
 def announce_compile(args: argparse.Namespace) -> None:
     """On stderr, that the engine's decode pass is compiled at the start (the wait before /health
     answers 200), unless --no-compile."""
-    if args.compile and not args.batch_invariant:
+    if args.compile:
         print(
             "decoderlm: compiling the engine's decode pass before serving (minutes the first time "
             "on a machine, then loaded from the disk cache; --no-compile to skip)",

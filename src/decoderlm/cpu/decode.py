@@ -298,13 +298,16 @@ def step_library(
     inputs: list[Tensor],
     extra: list[Tensor],
     dynamic_shapes: tuple[Any, ...] | None = None,
+    inductor_options: dict[str, Any] | None = None,
 ) -> Callable[[list[Tensor]], list[Tensor]]:
     """The library of a step module over state and caches (`_OneTokenStep`, or the engine's
     `decoderlm.cpu.paged_step` pass), made once per process and key: step(*inputs, *extra) → its
     outputs, where `inputs` are the tensors every call passes as they are (weights, caches) and
     `extra` examples of the per-call ones; `dynamic_shapes` (one entry per input, as
-    torch.export takes them) leaves dimensions of the library symbolic. The step has the
-    attributes `model`, `names` (its state's), `logits` (the forward) and `paths`."""
+    torch.export takes them) leaves dimensions of the library symbolic; `inductor_options`
+    Inductor's settings beyond the defaults here. The step has the attributes `model`, `names`
+    (its state's), `logits` (the forward) and `paths`."""
+    options = {**_INDUCTOR_OPTIONS, **(inductor_options or {})}
     key = (
         id(step.model),
         type(step.model),
@@ -315,10 +318,11 @@ def step_library(
         step.paths,
         tuple(_spec(t) for t in inputs + extra),  # the batch size and cache length among them
         repr(dynamic_shapes),
+        json.dumps(options, sort_keys=True),
         torch.get_num_threads(),  # the generated code's OpenMP thread count
     )
     if key not in _LIBRARIES:
-        _LIBRARIES[key] = _build_step_library(step, inputs, extra, dynamic_shapes)
+        _LIBRARIES[key] = _build_step_library(step, inputs, extra, dynamic_shapes, options)
     return _LIBRARIES[key]
 
 
@@ -330,6 +334,7 @@ def _build_step_library(
     inputs: list[Tensor],
     extra: list[Tensor],
     dynamic_shapes: tuple[Any, ...] | None,
+    options: dict[str, Any],
 ) -> Callable[[list[Tensor]], list[Tensor]]:
     """Export the step, then load its library from the disk cache or compile it there first."""
     device = inputs[0].device
@@ -351,7 +356,7 @@ def _build_step_library(
                 torch.__version__,
                 str(torch.get_num_threads()),
                 str(torch.backends.cpu.get_cpu_capability()),
-                json.dumps(_INDUCTOR_OPTIONS, sort_keys=True),
+                json.dumps(options, sort_keys=True),
                 graph,
             ]
         ).encode()
@@ -366,7 +371,7 @@ def _build_step_library(
                 # torch's own packaging code trips one of torch's deprecation warnings (2.13).
                 warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
                 torch._inductor.aoti_compile_and_package(
-                    program, package_path=tmp, inductor_configs=dict(_INDUCTOR_OPTIONS)
+                    program, package_path=tmp, inductor_configs=dict(options)
                 )
             os.replace(tmp, path)  # atomic: another process sees the whole file or none
         finally:

@@ -15,16 +15,20 @@ last ulp crosses a rounding boundary; every one is batch-invariant (`fused.c`).
 is the one called; an MLP that `packed_linear.PackedSwiGLU` runs whole is left to it), each
 `CausalSelfAttention` applies RoPE by `apply_rope` here; `with ops:` swaps them in and back.
 Where a kernel does not apply — a gradient to keep, a dtype other than float32 and bfloat16,
-weights of another dtype than the input, a device other than the CPU, inside torch.compile, no C
-compiler — each calls the model's own formula.
+weights of another dtype than the input, a device other than the CPU, no C compiler — each calls
+the model's own formula. Inside torch.compile / torch.export they step aside for it too (Inductor
+fuses it with its neighbours), unless traced `as_ops()`: then each goes into the graph as the op
+decoderlm::fused_rms_norm, fused_rope or fused_silu_mul (`fused_ops.cpp`: the same C code behind
+PyTorch's stable ABI, which an AOTInductor library calls without Python), so that a compiled pass
+computes each element as the eager passes do (the engine's batch-invariant decode pass).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Collection
-from contextlib import ExitStack
+from collections.abc import Collection, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +42,15 @@ from decoderlm.model.layers import MLP, RMSNorm
 from decoderlm.model.positional import apply_rope as plain_rope
 
 SOURCE = Path(__file__).with_name("fused.c")
+OPS_SOURCES = [SOURCE, Path(__file__).with_name("fused_ops.cpp")]
 DTYPES = (torch.float32, torch.bfloat16)
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+_OPS = torch.library.Library("decoderlm", "FRAGMENT")
+_OPS.define("fused_rms_norm(Tensor x, Tensor weight, float eps, float offset) -> Tensor")
+_OPS.define("fused_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor")
+_OPS.define("fused_silu_mul(Tensor g, Tensor u) -> Tensor")
+_TRACED_AS_OPS = [False]  # inside `as_ops()`
 
 
 @functools.cache
@@ -59,23 +70,45 @@ def available() -> bool:
     return _library() is not None
 
 
+@functools.cache
+def ops_available() -> bool:
+    """Whether the ops decoderlm::fused_* run here (built first if need be)."""
+    return native.load_ops(OPS_SOURCES, "a compiled pass computes them by Inductor's code")
+
+
+@contextmanager
+def as_ops() -> Iterator[None]:
+    """While tracing inside this block, the kernels go into the graph as the ops decoderlm::fused_*
+    instead of stepping aside for the model's formula; RuntimeError where `ops_available()` does
+    not hold."""
+    if not ops_available():
+        raise RuntimeError("the ops decoderlm::fused_* are not built here")
+    _TRACED_AS_OPS[0] = True
+    try:
+        yield
+    finally:
+        _TRACED_AS_OPS[0] = False
+
+
 def runs(*tensors: Tensor) -> bool:
     """Whether the kernels take these operands: CPU tensors of one dtype, float32 or bfloat16,
-    none needing a gradient, outside torch.compile, the library built."""
+    none needing a gradient, the library built; while tracing, only `as_ops()`."""
     first = tensors[0]
+    compiling = torch.compiler.is_compiling()
     return (
         first.dtype in DTYPES
         and first.device.type == "cpu"
         and all(t.dtype == first.dtype and t.device == first.device for t in tensors)
         and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-        and not torch.compiler.is_compiling()
-        and _library() is not None
+        and (_TRACED_AS_OPS[0] if compiling else _library() is not None)
     )
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
     """`RMSNorm`'s formula over the last dim of x (..., dim) with gain `weight` (dim); `runs`
     must hold. The rows may lie at any stride whose last dim is contiguous."""
+    if torch.compiler.is_compiling():
+        return torch.ops.decoderlm.fused_rms_norm(x, weight, eps, offset)
     dim = x.shape[-1]
     rows = x.reshape(-1, dim)  # (M, dim): a view where the strides allow
     if rows.stride(-1) != 1:
@@ -95,6 +128,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return plain_rope(x, cos, sin)
     if cos.dim() == 3 and cos.shape[0] != b:  # (1, T, R): one table
         cos, sin = cos[0], sin[0]
+    if torch.compiler.is_compiling():
+        return torch.ops.decoderlm.fused_rope(x, cos, sin).transpose(1, 2)
     cos, sin = cos.contiguous(), sin.contiguous()
     y = x.new_empty(b, t, h, d)
     cs_b = cos.shape[-2] * cos.shape[-1] if cos.dim() == 3 else 0
@@ -106,12 +141,30 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def silu_mul(g: Tensor, u: Tensor) -> Tensor:
     """silu(g) ⊙ u, rounded after silu as `F.silu(g) * u` is; g and u of one shape; `runs` must
     hold."""
+    if torch.compiler.is_compiling():
+        return torch.ops.decoderlm.fused_silu_mul(g, u)
     n = g.shape[-1]
     g, u = g.contiguous(), u.contiguous()
     y = torch.empty_like(g)
     bf16 = int(g.dtype == torch.bfloat16)
     _library().fused_silu_mul(g.data_ptr(), u.data_ptr(), y.data_ptr(), g.numel() // max(n, 1), n, bf16)  # fmt: skip
     return y
+
+
+@torch.library.register_fake("decoderlm::fused_rms_norm", lib=_OPS)
+def _(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("decoderlm::fused_rope", lib=_OPS)
+def _(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    b, h, t, d = x.shape
+    return x.new_empty(b, t, h, d)  # (B, T, H, D)
+
+
+@torch.library.register_fake("decoderlm::fused_silu_mul", lib=_OPS)
+def _(g: Tensor, u: Tensor) -> Tensor:
+    return torch.empty_like(g, memory_format=torch.contiguous_format)
 
 
 class FusedRMSNorm(nn.Module):

@@ -21,6 +21,11 @@ give every element of a row the same instructions whatever the rows (PyTorch's o
 invariant too: its per-row mean and float32 rsqrt; `tests/serving/test_batch_invariant.py` checks
 the whole model), nor do LayerNorm (one row per unit of work) and ReLU² (exact arithmetic). GELU
 MLPs are refused (`invariant_modules`).
+
+Traced (torch.export, with `fused.as_ops()`), the fixed-order product goes into the graph as the
+op decoderlm::invariant_linear (`invariant_ops.cpp`: the same C code behind PyTorch's stable ABI),
+bfloat16 kernel products as decoderlm::bf16_linear: the engine's compiled batch-invariant decode
+pass (`traceable`) computes every output as the eager passes do.
 """
 
 from __future__ import annotations
@@ -37,7 +42,11 @@ from decoderlm.cpu.swap import Swap
 from decoderlm.model.layers import MLP
 
 SOURCE = Path(__file__).with_name("invariant.c")
+OPS_SOURCES = [SOURCE, Path(__file__).with_name("invariant_ops.cpp")]
 DTYPES = (torch.float32, torch.bfloat16)
+
+_OPS = torch.library.Library("decoderlm", "FRAGMENT")
+_OPS.define("invariant_linear(Tensor x, Tensor weight) -> Tensor")
 
 
 @functools.cache
@@ -56,6 +65,28 @@ def available() -> bool:
     return _library() is not None and fused.available()
 
 
+@functools.cache
+def ops_available() -> bool:
+    """Whether the op decoderlm::invariant_linear runs here (built first if need be)."""
+    return native.load_ops(OPS_SOURCES, "batch-invariant passes run eagerly")
+
+
+def traceable(swap: Swap) -> bool:
+    """Whether a pass with `swap` in place compiles into a library that computes as the eager
+    passes do: every kernel it and `fused` call has its op here."""
+    linears = [m for *_, m in swap if isinstance(m, InvariantLinear)]
+    for *_, m in swap:
+        if isinstance(m, InvariantSwiGLU):
+            linears += [m.gate, m.up, m.down]
+    fixed_order = any(not m.bf16_kernel for m in linears)
+    bf16_kernel = any(m.bf16_kernel for m in linears)
+    return (
+        fused.ops_available()
+        and (not fixed_order or ops_available())
+        and (not bf16_kernel or bf16_linear.op_available())
+    )
+
+
 def _check(x: Tensor, other: Tensor, what: str) -> None:
     if x.dtype != other.dtype or x.dtype not in DTYPES or x.device.type != "cpu":
         raise ValueError(
@@ -65,6 +96,8 @@ def _check(x: Tensor, other: Tensor, what: str) -> None:
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:
     """x Wᵀ: x (..., K), weight (N, K), both float32 or both bfloat16 → (..., N)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.decoderlm.invariant_linear(x, weight)
     _check(x, weight, "linear")
     n, k = weight.shape
     rows = x.reshape(-1, k).contiguous()  # (M, K)
@@ -74,6 +107,11 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
         bf16 = int(x.dtype == torch.bfloat16)
         _library().invariant_linear(rows.data_ptr(), weight.data_ptr(), y.data_ptr(), rows.shape[0], n, k, bf16)  # fmt: skip
     return y.view(*x.shape[:-1], n)
+
+
+@torch.library.register_fake("decoderlm::invariant_linear", lib=_OPS)
+def _(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 class InvariantLinear(nn.Module):

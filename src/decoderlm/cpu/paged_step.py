@@ -95,10 +95,11 @@ class _PagedDecodeStep(nn.Module):
         forward: Forward,
         linear_kernels: bool,
         parts: list[StatePart],
+        batch_invariant: bool,
     ) -> None:
         super().__init__()
         self.model, self.names, self.logits, self.parts = model, names, forward, parts
-        self.paths = (linear_kernels,)  # the speed paths traced into the pass
+        self.paths = (linear_kernels, batch_invariant)  # what is traced into the pass
 
     def forward(self, *tensors: Tensor) -> Tensor:
         config, n = self.model.config, len(self.names)
@@ -147,8 +148,12 @@ class CompiledPagedStep:
     token after it; table (B, W) holds each row's blocks (W = `width`, unused entries any block in
     the pool). B is 1 to `max_batch`; the libraries take pools of any number of blocks. `forward`
     is the forward pass compiled (`decoderlm.inference.generate.next_logits`), under
-    `CPULinearKernels` with `linear_kernels`. `compile_s`: the seconds making both libraries took
-    (compiling, or loading them from disk).
+    `CPULinearKernels` with `linear_kernels`. batch_invariant: the caller has swapped in the
+    modules of `decoderlm.cpu.invariant` (`traceable`), traced as ops (`fused.as_ops`), and
+    Inductor rounds each intermediate where eager code does (`emulate_precision_casts`), so that
+    a row's logits are bit for bit those of an eager pass of the same modules, whatever the rows
+    beside it. `compile_s`: the seconds making both libraries took (compiling, or loading them
+    from disk).
     """
 
     def __init__(
@@ -162,6 +167,7 @@ class CompiledPagedStep:
         max_batch: int = MAX_BATCH,
         linear_kernels: bool = True,
         parts: list[StatePart] | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         start = time.perf_counter()
         floats = next(model.parameters())
@@ -173,17 +179,20 @@ class CompiledPagedStep:
         state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         self.inputs = [*state.values(), *keys, *values]
         self.width, self.max_batch, self.parts = width, max_batch, parts or []
-        step = _PagedDecodeStep(model, list(state), forward, linear_kernels, self.parts)
+        step = _PagedDecodeStep(
+            model, list(state), forward, linear_kernels, self.parts, batch_invariant
+        )
+        options = {"emulate_precision_casts": True} if batch_invariant else None
         blocks = Dim("blocks", min=2)  # one library for every pool size
         pools: tuple[Any, ...] = tuple({0: blocks} for _ in [*keys, *values])
         weights = tuple(None for _ in state)
         one = (*weights, *pools, *(None for _ in self._examples(1)))
-        self.runs = {1: step_library(step, self.inputs, self._examples(1), (one,))}
+        self.runs = {1: step_library(step, self.inputs, self._examples(1), (one,), options)}
         if max_batch >= 2:
             rows = Dim("batch", min=2, max=max_batch)
             examples = self._examples(2)
             batch = (*weights, *pools, *({0: rows} for _ in examples))
-            self.runs[2] = step_library(step, self.inputs, examples, (batch,))
+            self.runs[2] = step_library(step, self.inputs, examples, (batch,), options)
         self.compile_s = time.perf_counter() - start
 
     def __call__(

@@ -33,6 +33,10 @@ One forward over a pass's rows (`passes.Row`: each row's tokens, where they star
   (`ragged=True` keeps it). `PagedKVCache.seek` reads such rows' keys left-padded, where
   attention's bottom-right causal mask expects them. Recurrent states never run ragged: the
   engine does not speculate over them (`state_pool.check_engine_options`).
+
+Batch-invariant (`batch_invariant`): every pass runs packed, through the modules of
+`decoderlm.cpu.invariant`, the head over each row's last token only; with `compile`, a pass of
+one token a row runs the library traced with those modules as ops, the same kernels.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor
 
-from decoderlm.cpu import bf16_linear, invariant, paged_attention, paged_step
+from decoderlm.cpu import bf16_linear, fused, invariant, paged_attention, paged_step
 from decoderlm.cpu.attention import cpu_attend
 from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.cpu.swap import Swap, swapped
@@ -108,7 +112,10 @@ class ModelRunner:
         `pool_blocks` as the padding's scratch block. batch_invariant: every pass packed (each
         token a query of the in-place attention kernel, whatever the pass) and the linears of
         `decoderlm.cpu.invariant`, so that a row's logits do not depend on the rows beside
-        it (`batch_invariant_modules` says which models and pools can); no compiled step."""
+        it (`batch_invariant_modules` says which models and pools can); with compile, its
+        decode passes of up to `paged_step.MAX_BATCH` rows by a library traced with those
+        modules as ops, which computes each row as the eager passes do
+        (`invariant.traceable`; else they run eagerly)."""
         self.model, self.modules = model, list(model.modules())
         floats = float_probe(model)
         self.device = floats.device
@@ -147,7 +154,9 @@ class ModelRunner:
         self.invariant = None
         if batch_invariant:
             self.invariant = batch_invariant_modules(model, self.cache, kv_cache_dtype)
-        compiles = compile and kv_cache_dtype is None and not batch_invariant
+        compiles = compile and kv_cache_dtype is None
+        if batch_invariant:
+            compiles = compiles and invariant.traceable(self.invariant)
         self.step = self._compiled_step() if compiles else None
         self.compile_s = 0.0 if self.step is None else self.step.compile_s
 
@@ -157,7 +166,11 @@ class ModelRunner:
         if not (self.num_blocks >= 2 and paged_step.compiles(model, floats.dtype, self.device)):
             return None
         many_rows = self.paths.bf16_products and bf16_linear.op_available()
-        with self.paths:  # traced as the eager passes run: packed linears, their packs inputs
+        invariant_ops = nullcontext()
+        if self.invariant is not None:  # the invariant modules as ops, at every row count
+            invariant_ops, many_rows = fused.as_ops(), True
+        # traced as the eager passes run: packed (or invariant) linears, their packs inputs
+        with self.paths, swapped(self.invariant or []), invariant_ops:
             step = paged_step.CompiledPagedStep(
                 model,
                 [layer.k for layer in self.cache.layers],
@@ -167,6 +180,7 @@ class ModelRunner:
                 max_batch=paged_step.MAX_BATCH if many_rows else COMPILED_ROWS,
                 linear_kernels=self.paths.paths.packed_linears,
                 parts=None if self.states is None else self.states.parts,
+                batch_invariant=self.invariant is not None,
             )
         log.info("decoderlm engine: the compiled decode pass took %.1f s", step.compile_s)
         return step
@@ -193,9 +207,8 @@ class ModelRunner:
 
     def _run(self, rows: list[Row], last_only: bool) -> Tensor | list[Tensor]:
         n = len(rows[0].tokens)
-        if self.invariant is not None:  # every pass the same way: each token a query
-            per_row = self._packed(rows)
-            return torch.stack([logits[-1] for logits in per_row]) if last_only else per_row
+        if self.invariant is not None and not self._compiled(rows, last_only):
+            return self._packed(rows, last_only)  # as the compiled pass: each token a query
         if all(len(row.tokens) == n for row in rows):
             logits = self._uniform(rows, n, last_only)  # (B, V) or (B, n, V)
             return logits if last_only else list(logits)
@@ -203,18 +216,15 @@ class ModelRunner:
             raise RuntimeError("rows of different lengths cannot run over recurrent states")
         short = max(len(row.tokens) for row in rows) <= IN_PLACE_MAX_TOKENS  # not prefill chunks
         if short and self.cache.packable:
-            per_row = self._packed(rows)  # (n_b, V)
-        elif short and self.scratch is not None:
-            per_row = self._padded(rows)
-        else:
+            return self._packed(rows, last_only)
+        if not short or self.scratch is None:
             return self._segments(rows, last_only)
+        per_row = self._padded(rows)  # (n_b, V) each
         return torch.stack([logits[-1] for logits in per_row]) if last_only else per_row
 
     def _uniform(self, rows: list[Row], n: int, last_only: bool) -> Tensor:
         """Logits (B, V) of each row's last token, or (B, n, V) of every one."""
-        compiled = (
-            self.step is not None and n == 1 and last_only and len(rows) <= self.step.max_batch
-        )
+        compiled = self._compiled(rows, last_only)
         # (B, n), (B,), (B, W): the compiled pass's tables as wide as it was traced with
         idx, start, table = pass_inputs(rows, self.width if compiled else None, self.device)
         if self.states is not None:
@@ -231,6 +241,15 @@ class ModelRunner:
         if self.states is not None:
             self.states.store()
         return logits[:, -1].float() if last_only else logits.float()
+
+    def _compiled(self, rows: list[Row], last_only: bool) -> bool:
+        """Whether the compiled decode pass runs these rows: a token each, up to its rows."""
+        return (
+            self.step is not None
+            and last_only
+            and len(rows) <= self.step.max_batch
+            and all(len(row.tokens) == 1 for row in rows)
+        )
 
     def _one_row(self, rows: list[Row]) -> tuple[Tensor, Tensor, list[int]]:
         """All rows' tokens in one row: ids (1, N), positions (N,), and each row's length n_b."""
@@ -252,16 +271,20 @@ class ModelRunner:
         logits = self.model(idx, positions[None], None, self.cache, keep=keep)[0].float()
         return logits if last_only else list(logits.split(lengths))  # (B, V) or (n_b, V) each
 
-    def _packed(self, rows: list[Row]) -> list[Tensor]:
-        """Logits (n_b, V) of each row's tokens, all rows' tokens in one row of Σ n_b."""
+    def _packed(self, rows: list[Row], last_only: bool) -> Tensor | list[Tensor]:
+        """All rows' tokens in one row of N = Σ n_b, each a query of the in-place attention
+        kernel: logits (B, V) of each row's last token (the head over those alone), or (n_b, V)
+        of each of its tokens."""
         idx, positions, lengths = self._one_row(rows)
+        n = torch.tensor(lengths, device=self.device)  # (B,)
         width = max(len(row.blocks) for row in rows)
         tables = torch.tensor(  # (N, width): each token's sequence's blocks
             [row.blocks + [0] * (width - len(row.blocks)) for row in rows], device=self.device
-        ).repeat_interleave(torch.tensor(lengths, device=self.device), dim=0)
+        ).repeat_interleave(n, dim=0)
         self.cache.seek_packed(tables, positions)
-        logits = self.model(idx, positions[None], None, self.cache)[0].float()  # (N, V)
-        return list(logits.split(lengths))
+        keep = n.cumsum(0) - 1 if last_only else None
+        logits = self.model(idx, positions[None], None, self.cache, keep=keep)[0].float()
+        return logits if last_only else list(logits.split(lengths))  # (B, V) or (n_b, V) each
 
     def _padded(self, rows: list[Row]) -> list[Tensor]:
         """Logits (n_b, V) of each row's tokens: the one-token rows in one pass, the others in
