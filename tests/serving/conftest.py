@@ -130,24 +130,23 @@ def make_served(run_dir: Path, loaded, **engine_kwargs):
     )
 
 
-def process_served(run_dir: Path, **engine_kwargs):
-    """A `Served` over an engine in a process of its own, as `decoderlm serve` starts it."""
+def serve_args(checkpoint: Path, **overrides):
+    """`decoderlm serve --checkpoint checkpoint --no-compile`'s arguments as its parser makes
+    them, the weights in the checkpoint's own dtype (dtype None), 512 tokens a step, then
+    `overrides`."""
     from argparse import Namespace
 
+    from decoderlm.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--checkpoint", str(checkpoint), "--no-compile"])
+    return Namespace(**(vars(args) | {"dtype": None, "max_batched_tokens": 512} | overrides))
+
+
+def process_served(run_dir: Path, **engine_kwargs):
+    """A `Served` over an engine in a process of its own, as `decoderlm serve` starts it."""
     from decoderlm.commands.serve import load_served
 
-    args = Namespace(
-        checkpoint=run_dir,
-        dtype=None,
-        kv_cache_dtype=None,
-        draft=None,
-        num_speculative_tokens=None,
-        compile=False,
-        batch_invariant=False,
-        generation_config="auto",
-        **({"max_batched_tokens": 512} | engine_kwargs),
-    )
-    return load_served(args, engine_process=True)
+    return load_served(serve_args(run_dir, **engine_kwargs), engine_process=True)
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ from conftest import (
     TEXT,
     free_port,
     make_served,
+    serve_args,
     wait_healthy,
     wait_healthy_process,
 )
@@ -240,17 +241,11 @@ def _save(path: Path, tokenizer: Tokenizer, vocab_size: int, pad_bias: float = 1
 def test_a_model_vocabulary_padded_past_the_tokenizer_serves_text(tmp_path, start_server):
     # The padded ids are the likeliest tokens; they used to be sampled, failed to decode and ended
     # every request with 200, empty text and finish_reason "error".
-    from argparse import Namespace
-
     from decoderlm.commands.serve import load_served
 
     tokenizer = Tokenizer.train_char([TEXT])
     run = _save(tmp_path / "padded", tokenizer, tokenizer.vocab_size + 40, pad_bias=5.0)
-    args = Namespace(checkpoint=run, dtype=None, kv_cache_dtype=None, kv_cache_memory="1MiB",
-                     max_queue=8, max_batched_tokens=512, draft=None, num_speculative_tokens=None,
-                     compile=False, batch_invariant=False,
-                     generation_config="auto")  # fmt: skip
-    served = load_served(args)
+    served = load_served(serve_args(run, kv_cache_memory="1MiB", max_queue=8))
     assert served.vocab_size == tokenizer.vocab_size
     base = start_server(create_app(lambda: served, grace_s=0))
     wait_healthy(base)

@@ -12,7 +12,7 @@ import sys
 import httpx
 import pytest
 
-from conftest import LONG_STREAM, free_port, wait_healthy_process
+from conftest import LONG_STREAM, free_port, serve_args, wait_healthy_process
 from decoderlm.chat_template import ChatTemplate, load_chat_template
 from decoderlm.cli import main
 from decoderlm.errors import DecoderLMError
@@ -135,3 +135,19 @@ def test_serve_picks_bfloat16_where_the_cpu_has_native_bf16_as_train_does(
 def test_a_size_below_one_is_a_one_line_error_before_anything_loads(run_dir, capsys, flag):
     assert main(["serve", "--checkpoint", str(run_dir), flag, "0"]) == 2
     assert capsys.readouterr().err == f"decoderlm: error: {flag}=0 must be ≥ 1\n"
+
+
+def test_serve_runs_its_engine_under_the_float32_matmul_precision_it_is_given(run_dir):
+    import torch
+
+    from decoderlm.cli import build_parser
+    from decoderlm.commands.serve import load_served
+
+    argv = ["serve", "--checkpoint", str(run_dir), "--matmul-precision", "medium"]
+    assert serve_args(run_dir).matmul_precision == "highest"
+    args = serve_args(run_dir, matmul_precision=build_parser().parse_args(argv).matmul_precision)
+    served = load_served(args)  # the engine built on a thread of this process, as in its own
+    try:
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        served.engine.shutdown(0)

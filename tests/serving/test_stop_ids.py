@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import decoderlm
-from conftest import live_server, make_served, wait_healthy
+from conftest import live_server, make_served, serve_args, wait_healthy
 from decoderlm import DecoderLM, ModelConfig, generate
 from decoderlm.checkpoint import save_model
 from decoderlm.cli import main
@@ -325,8 +325,6 @@ def test_a_stop_token_id_outside_the_vocabulary_is_a_400_naming_it(server):
 
 
 def test_requests_that_leave_sampling_out_take_the_models_defaults_unless_vllm(made, tmp_path):
-    from argparse import Namespace
-
     from decoderlm.commands.serve import load_served
     from decoderlm.server import protocol
 
@@ -334,11 +332,9 @@ def test_requests_that_leave_sampling_out_take_the_models_defaults_unless_vllm(m
     config = json.loads((path / "generation_config.json").read_text())
     config |= {"temperature": 0.0, "top_k": 0, "top_p": 0.5}
     (path / "generation_config.json").write_text(json.dumps(config))
-    args = dict(checkpoint=path, dtype=None, kv_cache_dtype=None, kv_cache_memory="1MiB",
-                max_queue=8, max_batched_tokens=512, draft=None, num_speculative_tokens=None,
-                compile=False, batch_invariant=False)  # fmt: skip
     for choice, defaults in (("auto", {"temperature": 0.0, "top_p": 0.5}), ("vllm", {})):
-        served = load_served(Namespace(**args, generation_config=choice))
+        args = serve_args(path, kv_cache_memory="1MiB", max_queue=8, generation_config=choice)
+        served = load_served(args)
         try:
             assert served.sampling_defaults == defaults  # top_k 0 is no top-k, as HF reads it
         finally:

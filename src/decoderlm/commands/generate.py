@@ -124,14 +124,19 @@ def add_weights_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", default=None, help="weights dtype: float32 (default), bfloat16, float16"
     )
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    add_matmul_precision_argument(parser)
+
+
+def add_matmul_precision_argument(parser: argparse.ArgumentParser) -> None:
+    """--matmul-precision: torch's float32 matmul precision (generate, eval, serve and chat)."""
     parser.add_argument(
         "--matmul-precision",
         choices=("highest", "high", "medium"),
         default="highest",
         help="torch.set_float32_matmul_precision: highest (default) multiplies float32 exactly; "
         "medium lets a product round its inputs to bfloat16 where that is faster (a prompt's "
-        "products on a GGUF file's weights, on a CPU with AVX512-BF16, as llama.cpp does for "
-        "BF16 weights)",
+        "products on a GGUF file's weights in float32, on a CPU with AVX512-BF16, as llama.cpp "
+        "does for BF16 weights)",
     )
 
 

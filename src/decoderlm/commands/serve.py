@@ -29,7 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from decoderlm.commands import CHECKPOINT_HELP
-from decoderlm.commands.generate import add_generation_config_argument, add_kv_cache_dtype_argument
+from decoderlm.commands.generate import (
+    add_generation_config_argument,
+    add_kv_cache_dtype_argument,
+    add_matmul_precision_argument,
+)
 from decoderlm.errors import DecoderLMError
 
 HELP = (
@@ -93,6 +97,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "of waiting prompts (vLLM's --max-num-batched-tokens; default 2048, as vLLM's on the CPU)",
     )
     add_kv_cache_dtype_argument(parser)
+    add_matmul_precision_argument(parser)
     parser.add_argument(
         "--draft",
         default=None,
@@ -198,7 +203,7 @@ def load_served(
         "compile": args.compile,
         "batch_invariant": args.batch_invariant,
     }
-    spec = EngineSpec(str(args.checkpoint), args.dtype, options)
+    spec = EngineSpec(str(args.checkpoint), args.dtype, options, args.matmul_precision)
     if engine_process:
         engine: Any = EngineProcess(spec, on_death)
         engine.start()  # loads the checkpoint in the child

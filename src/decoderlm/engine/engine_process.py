@@ -61,6 +61,7 @@ class EngineSpec:
     checkpoint: str
     dtype: str | None = None
     engine: dict[str, Any] = field(default_factory=dict)  # Engine(**engine) keywords
+    matmul_precision: str = "highest"  # torch.set_float32_matmul_precision in the child
     threads: int | None = None  # torch intra-op threads in the child (None: torch's default)
 
 
@@ -301,6 +302,7 @@ def build_engine(spec: EngineSpec) -> Engine:
 
     if spec.threads:
         torch.set_num_threads(spec.threads)
+    torch.set_float32_matmul_precision(spec.matmul_precision)
     model, tokenizer = load(spec.checkpoint, dtype=spec.dtype)
     if tokenizer is None:
         raise DecoderLMError(f"{spec.checkpoint} has no tokenizer.json, so text cannot be encoded")
