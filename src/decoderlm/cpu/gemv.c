@@ -1,7 +1,6 @@
 /* One-row products y = x Wᵀ for decoding one sequence, which is bound by reading the weights: see
- * gemv.py. W is (N, K) row-major; every function computes y_n = Σ_k x_k W_nk in float32, four
- * output rows at a time (each x vector loaded once for the four), the blocks of rows split over
- * OpenMP threads. Tails of K are read with masked loads, so any N and K work. AVX-512 only:
+ * gemv.py. W is (N, K) row-major; every function computes y_n = Σ_k x_k W_nk in float32, one
+ * output row after another, the rows split over OpenMP threads. Tails of K are read with masked loads, so any N and K work. AVX-512 only:
  * gemv.py builds this file on CPUs that have it. */
 #include <immintrin.h>
 #include <stdint.h>
@@ -32,57 +31,55 @@ INLINE __mmask32 tail32(int64_t left) {
     return left >= 32 ? 0xffffffffu : (__mmask32)((1u << left) - 1);
 }
 
-/* Blocks of four rows, then the last N mod 4 one at a time; ROWS is a constant in each call of
- * BLOCK, so the accumulators stay in registers. */
-#define FOR_ROW_BLOCKS(BLOCK)                                  \
-    _Pragma("omp parallel for schedule(static)")               \
-    for (int64_t n0 = 0; n0 < N; n0 += 4) {                    \
-        if (N - n0 >= 4) BLOCK(n0, 4);                         \
-        else for (int64_t n = n0; n < N; n++) BLOCK(n, 1);     \
-    }
+/* Each thread takes a contiguous run of output rows and reads them one after the other: one
+ * sequential stream of weights per thread. (Four rows at a time, each x vector loaded once for the
+ * four, read four interleaved streams, and on a Zen 4 streamed SmolLM2-135M's products at ~19
+ * GB/s against ~29 one row at a time: benchmarks/README.md, gguf_decode.py.) */
+#define FOR_ROWS(ROW)                              \
+    _Pragma("omp parallel for schedule(static)")   \
+    for (int64_t n = 0; n < N; n++) ROW(n);
 
-/* y_n = Σ_k x_k W_nk for rows n0..n0+rows−1; x, W float32. */
-INLINE void f32_block(const float *x, const float *W, float *y, int64_t n0, int64_t K, const int rows) {
-    __m512 acc[4];
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-        __mmask16 m = tail16(K - k);
-        __m512 xv = _mm512_maskz_loadu_ps(m, x + k);
-        for (int r = 0; r < rows; r++) {
-            PREFETCH(W + (n0 + r) * K + k);
-            acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, W + (n0 + r) * K + k), xv, acc[r]);
-        }
+/* Two accumulators per row, over alternate vectors of k, hide the latency of the sums. */
+
+/* y_n = Σ_k x_k W_nk; x, W float32. */
+INLINE float f32_row(const float *x, const float *w, int64_t K) {
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t k = 0; k < K; k += 32) {
+        __mmask16 m0 = tail16(K - k), m1 = tail16(K - k - 16);
+        PREFETCH(w + k);  /* the two cache lines this step reads, PREFETCH_BYTES on */
+        PREFETCH(w + k + 16);
+        acc[0] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m0, w + k), _mm512_maskz_loadu_ps(m0, x + k), acc[0]);
+        acc[1] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m1, w + k + 16), _mm512_maskz_loadu_ps(m1, x + k + 16), acc[1]);
     }
-    for (int r = 0; r < rows; r++) y[n0 + r] = _mm512_reduce_add_ps(acc[r]);
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
 }
 
 /* x (K,) float32, W (N, K) float32 → y (N,) float32. */
 void gemv_f32(const float *x, const float *W, float *y, int64_t N, int64_t K) {
-#define F32_BLOCK(n, rows) f32_block(x, W, y, n, K, rows)
-    FOR_ROW_BLOCKS(F32_BLOCK)
+#define F32_ROW(n) y[n] = f32_row(x, W + (n) * K, K)
+    FOR_ROWS(F32_ROW)
 }
 
 #ifdef __AVX512BF16__
-/* y_n = Σ_k x_k W_nk, rounded to bfloat16; x, W bfloat16, pairs of products summed in float32
- * by vdpbf16ps. */
-INLINE void bf16_block(const uint16_t *x, const uint16_t *W, uint16_t *y, int64_t n0, int64_t K, const int rows) {
-    __m512 acc[4];
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        __mmask32 m = tail32(K - k);
-        __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + k);
-        for (int r = 0; r < rows; r++) {
-            PREFETCH(W + (n0 + r) * K + k);
-            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_maskz_loadu_epi16(m, W + (n0 + r) * K + k), xv);
-        }
+/* y_n = Σ_k x_k W_nk; x, W bfloat16, pairs of products summed in float32 by vdpbf16ps. */
+INLINE float bf16_row(const uint16_t *x, const uint16_t *w, int64_t K) {
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t k = 0; k < K; k += 64) {
+        __mmask32 m0 = tail32(K - k), m1 = K - k > 32 ? tail32(K - k - 32) : 0;
+        PREFETCH(w + k);  /* the two cache lines this step reads, PREFETCH_BYTES on */
+        PREFETCH(w + k + 32);
+        acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_maskz_loadu_epi16(m0, w + k),
+                                  (__m512bh)_mm512_maskz_loadu_epi16(m0, x + k));
+        acc[1] = _mm512_dpbf16_ps(acc[1], (__m512bh)_mm512_maskz_loadu_epi16(m1, w + k + 32),
+                                  (__m512bh)_mm512_maskz_loadu_epi16(m1, x + k + 32));
     }
-    for (int r = 0; r < rows; r++) y[n0 + r] = to_bf16(_mm512_reduce_add_ps(acc[r]));
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
 }
 
-/* x (K,) bfloat16, W (N, K) bfloat16 → y (N,) bfloat16. */
+/* x (K,) bfloat16, W (N, K) bfloat16 → y (N,) bfloat16, each sum rounded once. */
 void gemv_bf16(const uint16_t *x, const uint16_t *W, uint16_t *y, int64_t N, int64_t K) {
-#define BF16_BLOCK(n, rows) bf16_block(x, W, y, n, K, rows)
-    FOR_ROW_BLOCKS(BF16_BLOCK)
+#define BF16_ROW(n) y[n] = to_bf16(bf16_row(x, W + (n) * K, K))
+    FOR_ROWS(BF16_ROW)
 }
 #endif
 
@@ -96,44 +93,31 @@ INLINE __m512 widen_bf16(__mmask16 m, const void *w, int64_t k) {  /* the bits s
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-/* y_n = s_n Σ_k x_k W_nk; x float32, W of `bytes`-wide weights that `widen` turns into float32
- * (int8, or bfloat16), s NULL for 1, y float32 or (bf16_out) bfloat16. Two accumulators per row,
- * over alternate 16s of k, hide the conversions' latency. Each call site passes constants, so
- * every variant compiles to its own loop. */
-INLINE void widened_block(const float *x, const void *W, const int bytes,
-                          __m512 (*widen)(__mmask16, const void *, int64_t), const float *s, void *y,
-                          int64_t n0, int64_t K, const int rows, const int bf16_out) {
-    __m512 acc[8];
-    for (int r = 0; r < 2 * rows; r++) acc[r] = _mm512_setzero_ps();
+/* Σ_k x_k w_k; x float32, w a row of `bytes`-wide weights that `widen` turns into float32 (int8,
+ * or bfloat16). Each call site passes constants, so every variant compiles to its own loop. */
+INLINE float widened_row(const float *x, const void *w, const int bytes,
+                         __m512 (*widen)(__mmask16, const void *, int64_t), int64_t K) {
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t k = 0; k < K; k += 32) {
         __mmask16 m0 = tail16(K - k), m1 = tail16(K - k - 16);
-        __m512 x0 = _mm512_maskz_loadu_ps(m0, x + k), x1 = _mm512_maskz_loadu_ps(m1, x + k + 16);
-        for (int r = 0; r < rows; r++) {
-            const char *w = (const char *)W + (n0 + r) * K * bytes;
-            PREFETCH(w + k * bytes);
-            acc[2 * r] = _mm512_fmadd_ps(widen(m0, w, k), x0, acc[2 * r]);
-            acc[2 * r + 1] = _mm512_fmadd_ps(widen(m1, w, k + 16), x1, acc[2 * r + 1]);
-        }
+        PREFETCH((const char *)w + k * bytes);
+        acc[0] = _mm512_fmadd_ps(widen(m0, w, k), _mm512_maskz_loadu_ps(m0, x + k), acc[0]);
+        acc[1] = _mm512_fmadd_ps(widen(m1, w, k + 16), _mm512_maskz_loadu_ps(m1, x + k + 16), acc[1]);
     }
-    for (int r = 0; r < rows; r++) {
-        float v = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * r], acc[2 * r + 1]));
-        if (s != NULL) v *= s[n0 + r];
-        if (bf16_out) ((uint16_t *)y)[n0 + r] = to_bf16(v);
-        else ((float *)y)[n0 + r] = v;
-    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
 }
 
 /* x (K,) float32, W (N, K) bfloat16 → y (N,) float32: the products and sums of F.linear on the
  * float32 copy of W. */
 void gemv_f32_bf16(const float *x, const uint16_t *W, float *y, int64_t N, int64_t K) {
-#define F32_BF16_BLOCK(n, rows) widened_block(x, W, 2, widen_bf16, NULL, y, n, K, rows, 0)
-    FOR_ROW_BLOCKS(F32_BF16_BLOCK)
+#define F32_BF16_ROW(n) y[n] = widened_row(x, W + (n) * K, 2, widen_bf16, K)
+    FOR_ROWS(F32_BF16_ROW)
 }
 
 /* x (K,) float32, W (N, K) int8, s (N,) float32 → y (N,) float32. */
 void gemv_int8_f32(const float *x, const int8_t *W, const float *s, float *y, int64_t N, int64_t K) {
-#define INT8_F32_BLOCK(n, rows) widened_block(x, W, 1, widen_int8, s, y, n, K, rows, 0)
-    FOR_ROW_BLOCKS(INT8_F32_BLOCK)
+#define INT8_F32_ROW(n) y[n] = s[n] * widened_row(x, W + (n) * K, 1, widen_int8, K)
+    FOR_ROWS(INT8_F32_ROW)
 }
 
 /* As gemv_int8_f32 for bfloat16 x and y: x widened to float32 first (exact), each y rounded once.
@@ -145,8 +129,8 @@ int gemv_int8_bf16(const uint16_t *x, const int8_t *W, const float *s, uint16_t 
         union { uint32_t u; float f; } v = {(uint32_t)x[k] << 16};
         xf[k] = v.f;
     }
-#define INT8_BF16_BLOCK(n, rows) widened_block(xf, W, 1, widen_int8, s, y, n, K, rows, 1)
-    FOR_ROW_BLOCKS(INT8_BF16_BLOCK)
+#define INT8_BF16_ROW(n) y[n] = to_bf16(s[n] * widened_row(xf, W + (n) * K, 1, widen_int8, K))
+    FOR_ROWS(INT8_BF16_ROW)
     free(xf);
     return 0;
 }

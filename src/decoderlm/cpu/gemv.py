@@ -1,11 +1,12 @@
 """One-row linear layers for decoding one sequence on the CPU: y = x Wᵀ read at memory bandwidth.
 
 Decoding batch 1 reads every weight once per token and does two flops per weight read, so its
-speed is the rate at which the weights stream from memory. The kernels in `gemv.c` compute four
-output rows per pass over x with AVX-512 (vdpbf16ps for bfloat16, bfloat16 weights widened to
-float32 for float32 activations, int8 widened to float32 for per-row-scaled int8), summing in
-float32 as F.linear does (only the order of the sums differs), and prefetch each row's weights
-6 KiB ahead: the hardware prefetcher alone ramps up too slowly on matrices of a few hundred KB,
+speed is the rate at which the weights stream from memory. The kernels in `gemv.c` compute one
+output row after another, each thread a contiguous run of rows (one sequential stream of weights
+each), with AVX-512 (vdpbf16ps for bfloat16, bfloat16 weights widened to float32 for float32
+activations, int8 widened to float32 for per-row-scaled int8), summing in float32 as F.linear
+does (only the order of the sums differs), and prefetch each row's weights 6 KiB ahead: the
+hardware prefetcher alone ramps up too slowly on matrices of a few hundred KB,
 where F.linear's GEMV and the product-and-row-sum that inductor
 fuses (`decode.CPULinearKernels`) stay well below the memory bandwidth. Measured against
 llama.cpp and without the prefetch: benchmarks/README.md, llama_cpp.py.
