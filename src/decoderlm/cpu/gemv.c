@@ -33,8 +33,8 @@ INLINE __mmask32 tail32(int64_t left) {
 
 /* Each thread takes a contiguous run of output rows and reads them one after the other: one
  * sequential stream of weights per thread. (Four rows at a time, each x vector loaded once for the
- * four, read four interleaved streams, and on a Zen 4 streamed SmolLM2-135M's products at ~19
- * GB/s against ~29 one row at a time: benchmarks/README.md, gguf_decode.py.) */
+ * four, read four interleaved streams: on a Zen 4, SmolLM2-135M-shaped products at ~19 GB/s
+ * against 26-30 one row at a time; benchmarks/README.md, "One-row kernels".) */
 #define FOR_ROWS(ROW)                              \
     _Pragma("omp parallel for schedule(static)")   \
     for (int64_t n = 0; n < N; n++) ROW(n);
