@@ -119,7 +119,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the engine's decode passes eagerly, not by the libraries compiled ahead of "
         "time when the engine starts (minutes the first time on a machine, then loaded from the "
         "disk cache; CPU float32/bfloat16 models without a sliding window: one sequence, or "
-        "any number where every linear runs on AMX tiles)",
+        "any number where every linear runs on bfloat16 dot products (AMX or AVX512-BF16) or "
+        "with --batch-invariant)",
     )
     parser.add_argument(
         "--batch-invariant",
