@@ -59,6 +59,8 @@ TILE(full_f32, float, load_f32, ROWS, OUTS)
 TILE(part_f32, float, load_f32, rm, rn)
 TILE(full_bf16, uint16_t, load_bf16, ROWS, OUTS)
 TILE(part_bf16, uint16_t, load_bf16, rm, rn)
+TILE(one_f32, float, load_f32, 1, OUTS) /* a decode pass of one row */
+TILE(one_bf16, uint16_t, load_bf16, 1, OUTS)
 
 /* x (M, K), w (N, K), y (M, N), contiguous; float32 or bfloat16 (`bf16`). */
 void invariant_linear(const void *x, const void *w, void *y, int64_t M, int64_t N, int64_t K,
@@ -72,11 +74,11 @@ void invariant_linear(const void *x, const void *w, void *y, int64_t M, int64_t 
             const int64_t rm = M - m < ROWS ? M - m : ROWS;
             for (int64_t n = b * BLOCK; n < n_end; n += OUTS) {
                 const int64_t rn = n_end - n < OUTS ? n_end - n : OUTS;
-                const int full = rm == ROWS && rn == OUTS;
+                const int full = rn == OUTS && rm == ROWS, one = rn == OUTS && rm == 1;
                 const uint16_t *xh = (const uint16_t *)x + m * K, *wh = (const uint16_t *)w + n * K;
                 const float *xf = (const float *)x + m * K, *wf = (const float *)w + n * K;
-                if (bf16) (full ? full_bf16 : part_bf16)(xh, wh, out, rm, rn, K);
-                else (full ? full_f32 : part_f32)(xf, wf, out, rm, rn, K);
+                if (bf16) (full ? full_bf16 : one ? one_bf16 : part_bf16)(xh, wh, out, rm, rn, K);
+                else (full ? full_f32 : one ? one_f32 : part_f32)(xf, wf, out, rm, rn, K);
                 for (int64_t r = 0; r < rm; r++)
                     for (int64_t c = 0; c < rn; c++) {
                         const float v = out[r * OUTS + c];
