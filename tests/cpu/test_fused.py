@@ -1,8 +1,9 @@
 """The fused RMSNorm, RoPE and SwiGLU-gate kernels (`decoderlm.cpu.fused`): RoPE bit-identical to
 the model's formula in float32 and bfloat16, RMSNorm and silu(g) ⊙ u within float32 rounding of
 float64 (and RMSNorm bit-identical to the module on all but a few bfloat16 elements), every
-element the same bits wherever its row lies (batch invariance), and `FusedOps` swapped into a
-model and out again, its logits those of the plain model."""
+element the same bits wherever its row lies (batch invariance), the ops a compiled pass calls
+giving the ctypes kernels' bits, and `FusedOps` swapped into a model and out again, its logits
+those of the plain model."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Batch-invariant serving (`Engine(batch_invariant=True)`, `decoderlm serve --batch-invariant`): a
 request's tokens and log-probabilities are bit-identical alone or among others, in bfloat16 and
-float32, through chunked prefill, prefix caching, preemption and speculation; the linear kernel's
-every output is the same whatever the rows beside it; models and pools it cannot make invariant
-are refused in one line."""
+float32, through chunked prefill, prefix caching, preemption and speculation, and in the compiled
+decode pass as in the eager ones; the linear kernel's every output is the same whatever the rows
+beside it (and through its op); models and pools it cannot make invariant are refused in one
+line."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 /* One-row products y = x Wᵀ for decoding one sequence, which is bound by reading the weights: see
  * gemv.py. W is (N, K) row-major; every function computes y_n = Σ_k x_k W_nk in float32, one
- * output row after another, the rows split over OpenMP threads. Tails of K are read with masked loads, so any N and K work. AVX-512 only:
- * gemv.py builds this file on CPUs that have it. */
+ * output row after another, the rows split over OpenMP threads. Tails of K are read with masked
+ * loads, so any N and K work. AVX-512 only: gemv.py builds this file on CPUs that have it. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
