@@ -207,9 +207,10 @@ class ModelRunner:
 
     def _run(self, rows: list[Row], last_only: bool) -> Tensor | list[Tensor]:
         n = len(rows[0].tokens)
-        if self.invariant is not None and not self._compiled(rows, last_only):
+        uniform = all(len(row.tokens) == n for row in rows)
+        if self.invariant is not None and not (uniform and self._compiled(rows, n, last_only)):
             return self._packed(rows, last_only)  # as the compiled pass: each token a query
-        if all(len(row.tokens) == n for row in rows):
+        if uniform:
             logits = self._uniform(rows, n, last_only)  # (B, V) or (B, n, V)
             return logits if last_only else list(logits)
         if self.states is not None:
@@ -224,7 +225,7 @@ class ModelRunner:
 
     def _uniform(self, rows: list[Row], n: int, last_only: bool) -> Tensor:
         """Logits (B, V) of each row's last token, or (B, n, V) of every one."""
-        compiled = self._compiled(rows, last_only)
+        compiled = self._compiled(rows, n, last_only)
         # (B, n), (B,), (B, W): the compiled pass's tables as wide as it was traced with
         idx, start, table = pass_inputs(rows, self.width if compiled else None, self.device)
         if self.states is not None:
@@ -242,14 +243,10 @@ class ModelRunner:
             self.states.store()
         return logits[:, -1].float() if last_only else logits.float()
 
-    def _compiled(self, rows: list[Row], last_only: bool) -> bool:
-        """Whether the compiled decode pass runs these rows: a token each, up to its rows."""
-        return (
-            self.step is not None
-            and last_only
-            and len(rows) <= self.step.max_batch
-            and all(len(row.tokens) == 1 for row in rows)
-        )
+    def _compiled(self, rows: list[Row], n: int, last_only: bool) -> bool:
+        """Whether the compiled decode pass runs these uniform rows of n tokens each: one token
+        a row, up to its rows."""
+        return self.step is not None and n == 1 and last_only and len(rows) <= self.step.max_batch
 
     def _one_row(self, rows: list[Row]) -> tuple[Tensor, Tensor, list[int]]:
         """All rows' tokens in one row: ids (1, N), positions (N,), and each row's length n_b."""
