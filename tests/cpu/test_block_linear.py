@@ -1,7 +1,8 @@
 """The products of ggml blocks and of decoderlm's own int8/int4/bf16 layers on the CPU kernels of
 `decoderlm.cpu.block_linear`, each build (the CPU's own, AVX2, portable C): ggml's quantized
-weights within the rounding of the activations to e·(256 a + b) (|x − x̂| ≤ max|x| / (127 · 256)
-per block of 32) of the float64 product of the dequantized weights; float16/bfloat16 weights and
+weights within the rounding of the activations (per block of 32: Q8_0's to int16, |x − x̂| ≤
+max|x| / (2 · 32767); the 4- and 5-bit types' to e·(256 a + b), |x − x̂| ≤ max|x| / (127 · 256))
+of the float64 product of the dequantized weights; float16/bfloat16 weights and
 Int8Linear / Int4Linear as close to float64 as F.linear; odd numbers of blocks, inputs, outputs
 and rows; the dequantizer bit-equal to `dequantize_rows`; layers sending a few rows to the kernels
 and many to a GEMM; bfloat16 on a CPU without bfloat16 instructions computed in float32; the
@@ -66,12 +67,14 @@ def random_blocks(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
 
 
 def activation_bound(kind: str, blocks: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """(M, N) bound on |y − x Ŵᵀ|: each block's inputs rounded by at most max|x| / (127 · 256),
-    plus float32 rounding of the products' terms (|d|·max|q − z| + |m|) |x_j|."""
+    """(M, N) bound on |y − x Ŵᵀ|: each block's inputs rounded by at most max|x| / (2 · 32767)
+    for Q8_0 (half a unit of int16, and 1% for the float rounding of x · 32767 / max|x|), else
+    max|x| / (127 · 256); plus float32 rounding of the products' terms (|d|·max|q − z| + |m|) |x_j|."""
     n, k = blocks.shape[0], x.shape[-1]
     w = dequantize_rows(blocks, kind, k).double().view(n, k // 32, 32)  # (N, B, 32)
     xb = x.double().view(-1, k // 32, 32)  # (M, B, 32)
-    e = xb.abs().amax(-1) / (127 * 256)  # (M, B)
+    unit = 1.01 / (2 * 32767) if kind == "Q8_0" else 1 / (127 * 256)
+    e = xb.abs().amax(-1) * unit  # (M, B)
     rounding = torch.einsum("mb,nb->mn", e, w.abs().sum(-1))
     halves = blocks.view(n, k // 32, -1)[..., :4].contiguous().view(torch.float16).double()
     scale = halves[..., 0].abs() * LEVELS[kind]  # (N, B)
@@ -96,6 +99,28 @@ def test_quantized_products_are_within_the_activations_rounding_of_float64(varia
     assert ((y.double() - exact).abs() <= bound).all(), float(((y - exact).abs() / bound).max())
     # the bound is tight enough to mean something: a wrong weight or scale is off by |y| itself
     assert float(bound.max()) < 1e-2 * float(exact.abs().max())
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_q8_0_products_are_those_of_the_activations_rounded_to_int16(variant):
+    """y = Σ_blocks d e Σ_j q_j c_j with e = max|x| / 32767 and c = round(x · 32767 / max|x|) in
+    float32, as the kernel file states: the integer dot products in float64, the kernel's float32
+    scaling and sums within 1e-5 of the terms' magnitude."""
+    n, k, m = 37, 96, 3
+    blocks = random_blocks("Q8_0", n, k, seed=5)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(5))
+    x[:, ::7] *= 30
+    per_block = blocks.view(n, k // 32, 34)
+    d = per_block[..., :2].contiguous().view(torch.float16).double()[..., 0]  # (N, B)
+    q = per_block[..., 2:].contiguous().view(torch.int8).long()  # (N, B, 32)
+    xb = x.view(m, k // 32, 32)
+    amax = xb.abs().amax(-1)  # (M, B) float32, as the kernel computes e and 32767 / max|x|
+    c = torch.round(xb * (32767 / amax)[..., None]).long()  # (M, B, 32), half to even
+    e = (amax / 32767).double()
+    terms = torch.einsum("nb,mb,mnb->mnb", d, e, torch.einsum("nbj,mbj->mnb", q, c).double())
+    y = block_linear.linear(x, blocks, "Q8_0", variant).double()
+    assert ((y - terms.sum(-1)).abs() <= 1e-5 * terms.abs().sum(-1)).all()
 
 
 @needs_kernels

@@ -6,17 +6,25 @@
  * (block_linear_native, …): ISA says what the build's flags allow: 2 = AVX-512 with VNNI (BW, VL),
  * 1 = AVX2 with FMA and F16C, 0 = portable C. The Python side calls the variant it picks.
  *
- * Quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): each block of 32 activations is quantized to
+ * Q8_0 weights: each block of 32 activations is rounded to int16, x_j ≈ e c_j, e = max|x| / 32767,
+ * c = round(x / e) (|x_j − e c_j| ≤ e / 2); a block's dot product with the weights' int8 q_j,
+ * widened to int16, is summed exactly in int32 (AVX-512 VNNI's vpdpwssd, AVX2's vpmaddwd) and
+ * scaled once by d · e in float32:
+ *     y = Σ_blocks d e Σ_j q_j c_j
+ * 4- and 5-bit weights (Q4_0, Q4_1, Q5_0, Q5_1): each block of 32 activations is quantized to
  * two int8 vectors, x_j ≈ e (256 a_j + b_j), e = max|x| / (127 · 256), a = round(x / 256e),
  * b = round(x / e − 256 a) ∈ [−127, 127] (|x_j − e(256 a_j + b_j)| ≤ e); a block's dot product
  * with the weights' integers q_j is then 256 Σ q_j a_j + Σ q_j b_j, summed exactly in int32 (VNNI's
  * vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd), and scaled once by d · e in float32:
  *     y = Σ_blocks d e (Σ_j (q_j − z) (256 a_j + b_j)) + m Σ_j x_j
  * (z the type's zero point, m the _1 types' minimum, Σ_j x_j the float sum of the block's inputs).
- * The SIMD code feeds the integers as unsigned bytes (AVX-512's Q8_0 as q + 128, z = 128; AVX2's as
- * |q|, the activations taking q's sign) and subtracts z Σ_j (256 a_j + b_j) after. F16 and BF16
- * weights, and decoderlm.quant's Int8Linear and Int4Linear (`int_linear`), are widened to float32
- * and summed by FMA. Threads split the output rows (OpenMP, torch's thread count). */
+ * The SIMD code feeds their integers as unsigned bytes, 64 to a vpdpbusd, and subtracts
+ * z Σ_j (256 a_j + b_j) after. Q8_0's signed bytes would need that correction too: widened to
+ * int16 instead, one vpdpwssd takes a block with none, for half the activations' error (a
+ * 1536 × 576 product in cache, one thread of a Zen 4: 34.9 µs against 42.6 as two int8).
+ * F16 and BF16 weights, and decoderlm.quant's Int8Linear and Int4Linear (`int_linear`), are
+ * widened to float32 and summed by FMA. Threads split the output rows (OpenMP, torch's thread
+ * count). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -44,13 +52,13 @@ enum { F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 };
 
 /* A quantized block's layout: its bytes, where its 16 (32 for Q8_0) bytes of integers start,
  * where the four bytes of fifth bits start (−1: none), whether it has a minimum m (at byte 2),
- * and the zero point z as a shift (z = 1 << shift; 0: none) of the unsigned values the SIMD code
- * feeds to the dot products. Every block starts with its scale d (float16). */
+ * and the zero point z as a shift (z = 1 << shift; 0: none, Q8_0's signed integers) of the
+ * unsigned values the 4- and 5-bit types store. Every block starts with its scale d (float16). */
 typedef struct {
     int bytes, qs, qh, min, zero_shift;
 } Layout;
 static const Layout LAYOUTS[] = {
-    [Q8_0] = {34, 2, -1, 0, 7}, [Q4_0] = {18, 2, -1, 0, 3}, [Q4_1] = {20, 4, -1, 1, 0},
+    [Q8_0] = {34, 2, -1, 0, 0}, [Q4_0] = {18, 2, -1, 0, 3}, [Q4_1] = {20, 4, -1, 1, 0},
     [Q5_0] = {22, 6, 2, 0, 4},  [Q5_1] = {24, 8, 4, 1, 0},
 };
 
@@ -158,6 +166,46 @@ static void quantize_acts(const void *x, int x_bf16, int64_t M, int64_t K, void 
     }
 }
 
+/* The int16 activations of M rows for Q8_0's products (x_j ≈ e c_j, file comment): c (M, K), and
+ * e per block (M, K/32). */
+typedef struct {
+    int16_t *c;
+    float *e;
+} Wide;
+
+/* Bytes of the buffer `quantize_wide` fills for M rows of K inputs. */
+#define WIDE_BYTES(M, K) ((size_t)((M) * (K)) * 2 + sizeof(float) * (size_t)((M) * (K) / 32))
+
+/* x (M, K) float32 or bfloat16 → the int16 activations, in `buffer` (WIDE_BYTES). A block whose
+ * max|x| is below 1e-30 (where 32767 / max|x| would overflow), or not finite, is rounded to zeros;
+ * a non-finite one keeps its NaN or ∞ scale, which makes its row's products non-finite. */
+static void quantize_wide(const void *x, int x_bf16, int64_t M, int64_t K, void *buffer, Wide *acts) {
+    acts->e = buffer;
+    acts->c = (int16_t *)(acts->e + M * K / 32);
+    for (int64_t blk = 0; blk < M * K / 32; blk++) {
+        float v[32], amax = 0.0f;
+        int nan = 0;
+        for (int j = 0; j < 32; j++) {
+            const int64_t i = blk * 32 + j;
+            v[j] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+            amax = fmaxf(amax, fabsf(v[j]));
+            union { float f; uint32_t u; } bits = {v[j]};
+            nan |= (bits.u & 0x7fffffffu) > 0x7f800000u;  /* (-ffast-math drops v != v) */
+        }
+        const union { uint32_t u; float f; } quiet_nan = {0x7fc00000u};
+        /* a NaN input makes its block's scale NaN, so that it reaches y as it would in floats */
+        acts->e[blk] = nan ? quiet_nan.f : amax / 32767.0f;
+        const union { float f; uint32_t u; } top = {amax};
+        int16_t *c = acts->c + blk * 32;
+        if (nan || top.u >= 0x7f800000u || amax < 1e-30f) {
+            memset(c, 0, 32 * sizeof(int16_t));
+            continue;
+        }
+        const float inv = 32767.0f / amax;
+        for (int j = 0; j < 32; j++) c[j] = (int16_t)nearbyintf(v[j] * inv);  /* |v · inv| ≤ 32767 */
+    }
+}
+
 /* Rows of four x rows at most; ROWS is a constant in each call, so the accumulators stay in registers.
  * Each kernel computes y[r][n] for x rows m0 .. m0 + ROWS − 1 and one output row n. */
 #define MAX_ROWS 4
@@ -170,16 +218,11 @@ INLINE __m512 halves_pair(const uint8_t *b0, const uint8_t *b1, const int at) {
     return _mm512_cvtph_ps(h);
 }
 
-/* Blocks b0 and b1 as 64 unsigned bytes, b0's 32 first (a Q8_0 weight w as w + 128). (Gathering
- * both blocks from one load with vpermw was slower on Sapphire Rapids: 42.5 µs against 34.1 for a
- * 1536 × 576 Q4_1 product, one thread.) */
+/* The 4- or 5-bit blocks b0 and b1 as 64 unsigned bytes, b0's 32 first. (Gathering both blocks
+ * from one load with vpermw was slower on Sapphire Rapids: 42.5 µs against 34.1 for a 1536 × 576
+ * Q4_1 product, one thread.) */
 INLINE __m512i unpack_pair(const int type, const uint8_t *b0, const uint8_t *b1) {
     const Layout L = LAYOUTS[type];
-    if (type == Q8_0) {
-        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + L.qs))),
-                                             _mm256_loadu_si256((const __m256i *)(b1 + L.qs)), 1);
-        return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
-    }
     /* 16 bytes per block: value j in the low nibble of byte j, value j + 16 in its high nibble */
     const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + L.qs))),
                                               _mm_loadu_si128((const __m128i *)(b1 + L.qs)), 1);
@@ -231,7 +274,43 @@ INLINE void quant_rows(const int type, const Acts *acts, int64_t m0, const int r
     for (int r = 0; r < rows; r++) y[(m0 + r) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], accm[r]));
 }
 
+/* Adds Q8_0 block blk (at b) to the accumulators of x rows m0 .. m0 + rows − 1: its 32 weights
+ * widened to int16, one vpdpwssd with each row's 32 activations into 16 int32 lanes, scaled by d·e. */
+INLINE void q8_step(const Wide *acts, int64_t m0, const int rows, const uint8_t *b, int64_t K, int64_t blk,
+                    __m512 *acc) {
+    _mm_prefetch((const char *)b + PREFETCH_BYTES, _MM_HINT_T0);
+    const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(b + LAYOUTS[Q8_0].qs)));
+    const float d = half_to_float(load16(b));
+    for (int r = 0; r < rows; r++) {
+        const int64_t at = (m0 + r) * K + blk * 32;
+        const __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(acts->c + at));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d * acts->e[at / 32]), acc[r]);
+    }
+}
+
+/* Q8_0: blocks alternate between two accumulators per row, which hides the FMAs' latency. */
+INLINE void q8_rows(const Wide *acts, int64_t m0, const int rows, const uint8_t *W, int64_t n, int64_t N,
+                    int64_t K, float *y) {
+    const int64_t nb = K / 32, bytes = LAYOUTS[Q8_0].bytes;
+    const uint8_t *row = W + n * nb * bytes;
+    __m512 even[MAX_ROWS], odd[MAX_ROWS];
+    for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm512_setzero_ps();
+    int64_t blk = 0;
+    for (; blk + 2 <= nb; blk += 2) {
+        q8_step(acts, m0, rows, row + blk * bytes, K, blk, even);
+        q8_step(acts, m0, rows, row + (blk + 1) * bytes, K, blk + 1, odd);
+    }
+    if (blk < nb) q8_step(acts, m0, rows, row + blk * bytes, K, blk, even);
+    for (int r = 0; r < rows; r++) y[(m0 + r) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+}
+
 #elif ISA == 1
+INLINE float hsum256(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
 /* A block's 32 bits → 32 bytes, byte j 0xff where bit j is set. */
 INLINE __m256i bytes_of_bits(uint32_t bits) {
     const __m256i byte_of = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
@@ -241,22 +320,19 @@ INLINE __m256i bytes_of_bits(uint32_t bits) {
     return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
 }
 
-/* A block's 32 values as bytes: unsigned for the 4- and 5-bit types, Q8_0's signed as stored. */
+/* A 4- or 5-bit block's 32 values as unsigned bytes. */
 INLINE __m256i unpack_block(const int type, const uint8_t *blk) {
     const Layout L = LAYOUTS[type];
-    if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + L.qs));
     const __m128i q = _mm_loadu_si128((const __m128i *)(blk + L.qs));
     __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(15));
     if (L.qh >= 0) v = _mm256_or_si256(v, _mm256_and_si256(bytes_of_bits(load32(blk + L.qh)), _mm256_set1_epi8(16)));
     return v;
 }
 
-/* Σ over one block of u_j (256 a_j + b_j) in eight int32 lanes (u: `unpack_block`; for Q8_0 |w|,
- * the activations taking the sign of w). Pairs of products in int16 (|·| ≤ 2 · 128 · 127), then
- * pairs of pairs in int32. */
-INLINE __m256i block_dot(const int type, __m256i u, __m256i w, const int8_t *a, const int8_t *b) {
-    __m256i av = _mm256_loadu_si256((const __m256i *)a), bv = _mm256_loadu_si256((const __m256i *)b);
-    if (type == Q8_0) av = _mm256_sign_epi8(av, w), bv = _mm256_sign_epi8(bv, w);
+/* Σ over one block of u_j (256 a_j + b_j) in eight int32 lanes (u: `unpack_block`). Pairs of
+ * products in int16 (|·| ≤ 2 · 31 · 127), then pairs of pairs in int32. */
+INLINE __m256i block_dot(__m256i u, const int8_t *a, const int8_t *b) {
+    const __m256i av = _mm256_loadu_si256((const __m256i *)a), bv = _mm256_loadu_si256((const __m256i *)b);
     return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, av), _mm256_set1_epi16(256)),
                             _mm256_madd_epi16(_mm256_maddubs_epi16(u, bv), _mm256_set1_epi16(1)));
 }
@@ -264,14 +340,14 @@ INLINE __m256i block_dot(const int type, __m256i u, __m256i w, const int8_t *a, 
 /* Two blocks at a time: their scales and minimums converted together ([d0, m0, d1, m1]), the zero
  * point's and the minimum's terms of both summed in one 4-lane FMA with the activations' per-block
  * (e Σ (256 a + b), Σ x): d0 (−z e0 Σ0) + m0 Σx0 + d1 (…) + m1 (…). (Against one block at a time
- * with each term in 8 lanes: 43.8 µs against 53.0 for a 1536 × 576 Q4_1 product, Q4_0 and Q8_0
+ * with each term in 8 lanes: 43.8 µs against 53.0 for a 1536 × 576 Q4_1 product, Q4_0
  * alike; one thread of a loaded Sapphire Rapids running this AVX2 code.) */
 INLINE void quant_rows(const int type, const Acts *acts, int64_t m0, const int rows, const uint8_t *W,
                        int64_t n, int64_t N, int64_t K, float *y) {
     const Layout L = LAYOUTS[type];
     const int64_t nb = K / 32;
     const uint8_t *row = W + n * nb * L.bytes;
-    const float zero = type == Q8_0 || !L.zero_shift ? 0.0f : (float)(1 << L.zero_shift);
+    const float zero = L.zero_shift ? (float)(1 << L.zero_shift) : 0.0f;
     const __m128 terms = _mm_setr_ps(-zero, L.min ? 1.0f : 0.0f, -zero, L.min ? 1.0f : 0.0f);
     __m256 acc[MAX_ROWS];
     __m128 acc4[MAX_ROWS];
@@ -285,8 +361,6 @@ INLINE void quant_rows(const int type, const Acts *acts, int64_t m0, const int r
         if (!L.min) halves = _mm_and_si128(halves, _mm_set1_epi32(0xffff));
         const __m128 dm = _mm_cvtph_ps(halves), dm_terms = _mm_mul_ps(dm, terms);
         const __m256i w0 = unpack_block(type, b0), w1 = pair ? unpack_block(type, b1) : _mm256_setzero_si256();
-        const __m256i u0 = type == Q8_0 ? _mm256_sign_epi8(w0, w0) : w0;
-        const __m256i u1 = type == Q8_0 ? _mm256_sign_epi8(w1, w1) : w1;
         for (int r = 0; r < rows; r++) {
             const int64_t q = (m0 + r) * K + blk * 32, at = q / 32;
             const __m128 e = pair ? _mm_castpd_ps(_mm_load_sd((const double *)(acts->block_e + at)))
@@ -295,10 +369,10 @@ INLINE void quant_rows(const int type, const Acts *acts, int64_t m0, const int r
             const __m128 sums = pair ? _mm_loadu_ps(acts->block_sums + 2 * at)
                                      : _mm_castpd_ps(_mm_load_sd((const double *)(acts->block_sums + 2 * at)));
             acc4[r] = _mm_fmadd_ps(dm_terms, sums, acc4[r]);
-            const __m256i dot0 = block_dot(type, u0, w0, acts->a + q, acts->b + q);
+            const __m256i dot0 = block_dot(w0, acts->a + q, acts->b + q);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot0), _mm256_broadcastss_ps(de), acc[r]);
             if (pair) {
-                const __m256i dot1 = block_dot(type, u1, w1, acts->a + q + 32, acts->b + q + 32);
+                const __m256i dot1 = block_dot(w1, acts->a + q + 32, acts->b + q + 32);
                 const __m128 de1 = _mm_movehl_ps(de, de);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), _mm256_broadcastss_ps(de1), acc[r]);
             }
@@ -312,11 +386,44 @@ INLINE void quant_rows(const int type, const Acts *acts, int64_t m0, const int r
     }
 }
 
+/* Adds Q8_0 block blk (at b) to the accumulators of x rows m0 .. m0 + rows − 1: its weights
+ * widened to int16 in two halves of 16, multiplied with each row's activations in pairs into
+ * int32 by vpmaddwd (|·| ≤ 2 · 128 · 32767), scaled by d·e. */
+INLINE void q8_step(const Wide *acts, int64_t m0, const int rows, const uint8_t *b, int64_t K, int64_t blk,
+                    __m256 *acc) {
+    _mm_prefetch((const char *)b + PREFETCH_BYTES, _MM_HINT_T0);
+    const uint8_t *q = b + LAYOUTS[Q8_0].qs;
+    const __m256i low = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
+    const __m256i high = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
+    const float d = half_to_float(load16(b));
+    for (int r = 0; r < rows; r++) {
+        const int64_t at = (m0 + r) * K + blk * 32;
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(low, _mm256_loadu_si256((const __m256i *)(acts->c + at))),
+                                             _mm256_madd_epi16(high, _mm256_loadu_si256((const __m256i *)(acts->c + at + 16))));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * acts->e[at / 32]), acc[r]);
+    }
+}
+
+/* Q8_0: blocks alternate between two accumulators per row, which hides the FMAs' latency. */
+INLINE void q8_rows(const Wide *acts, int64_t m0, const int rows, const uint8_t *W, int64_t n, int64_t N,
+                    int64_t K, float *y) {
+    const int64_t nb = K / 32, bytes = LAYOUTS[Q8_0].bytes;
+    const uint8_t *row = W + n * nb * bytes;
+    __m256 even[MAX_ROWS], odd[MAX_ROWS];
+    for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm256_setzero_ps();
+    int64_t blk = 0;
+    for (; blk + 2 <= nb; blk += 2) {
+        q8_step(acts, m0, rows, row + blk * bytes, K, blk, even);
+        q8_step(acts, m0, rows, row + (blk + 1) * bytes, K, blk + 1, odd);
+    }
+    if (blk < nb) q8_step(acts, m0, rows, row + blk * bytes, K, blk, even);
+    for (int r = 0; r < rows; r++) y[(m0 + r) * N + n] = hsum256(_mm256_add_ps(even[r], odd[r]));
+}
+
 #else
-/* Value j of a block, with the zero point subtracted: the signed integer the weight scales. */
+/* Value j of a 4- or 5-bit block, with the zero point subtracted: the signed integer the weight scales. */
 INLINE int block_value(const int type, const uint8_t *blk, int j) {
     const Layout L = LAYOUTS[type];
-    if (type == Q8_0) return (int8_t)blk[L.qs + j];
     int v = j < 16 ? blk[L.qs + j] & 15 : blk[L.qs + j - 16] >> 4;
     if (L.qh >= 0) v |= ((load32(blk + L.qh) >> j) & 1) << 4;
     return v - (L.zero_shift ? 1 << L.zero_shift : 0);
@@ -340,6 +447,25 @@ INLINE void quant_rows(const int type, const Acts *acts, int64_t m0, const int r
             for (int j = 0; j < 32; j++) dot += v[j] * (256 * acts->a[q + j] + acts->b[q + j]);
             for (int l = 0; l < 8; l++) sum += acts->sum[lane + l];
             acc[r] += d * acts->e[lane] * (float)dot + m * sum;
+        }
+    }
+    for (int r = 0; r < rows; r++) y[(m0 + r) * N + n] = acc[r];
+}
+
+INLINE void q8_rows(const Wide *acts, int64_t m0, const int rows, const uint8_t *W, int64_t n, int64_t N,
+                    int64_t K, float *y) {
+    const Layout L = LAYOUTS[Q8_0];
+    const int64_t nb = K / 32;
+    const uint8_t *row = W + n * nb * L.bytes;
+    float acc[MAX_ROWS] = {0};
+    for (int64_t blk = 0; blk < nb; blk++) {
+        const uint8_t *b0 = row + blk * L.bytes;
+        const float d = half_to_float(load16(b0));
+        for (int r = 0; r < rows; r++) {
+            const int64_t at = (m0 + r) * K + blk * 32;
+            int32_t dot = 0;
+            for (int j = 0; j < 32; j++) dot += (int8_t)b0[L.qs + j] * acts->c[at + j];
+            acc[r] += d * acts->e[at / 32] * (float)dot;
         }
     }
     for (int r = 0; r < rows; r++) y[(m0 + r) * N + n] = acc[r];
@@ -373,11 +499,6 @@ INLINE __m256 widen8(const int kind, const void *w, int64_t k) {
     return kind == F16 ? _mm256_cvtph_ps(bits) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
-INLINE float hsum256(__m256 v) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
 #endif
 
 /* out[r] = Σ_k x[r][k] w[k] for k in [0, K), w (K,) of `kind`, ROWS rows of x (float32, rows K
@@ -524,16 +645,19 @@ INLINE void int_rows(const int bits, const float *x, const float *xe, const floa
                               int64_t K, float *y) {                                       \
         FOR_OUTPUT_ROWS(CAT(T, ROWS))                                                      \
     }
-#define Q8_0_ROWS(m0, rows) quant_rows(Q8_0, acts, m0, rows, W, n, N, K, y)
 #define Q4_0_ROWS(m0, rows) quant_rows(Q4_0, acts, m0, rows, W, n, N, K, y)
 #define Q4_1_ROWS(m0, rows) quant_rows(Q4_1, acts, m0, rows, W, n, N, K, y)
 #define Q5_0_ROWS(m0, rows) quant_rows(Q5_0, acts, m0, rows, W, n, N, K, y)
 #define Q5_1_ROWS(m0, rows) quant_rows(Q5_1, acts, m0, rows, W, n, N, K, y)
-QUANT_KERNEL(Q8_0)
 QUANT_KERNEL(Q4_0)
 QUANT_KERNEL(Q4_1)
 QUANT_KERNEL(Q5_0)
 QUANT_KERNEL(Q5_1)
+
+static void q8_kernel(const Wide *acts, int64_t M, const uint8_t *W, int64_t N, int64_t K, float *y) {
+#define Q8_0_ROWS(m0, rows) q8_rows(acts, m0, rows, W, n, N, K, y)
+    FOR_OUTPUT_ROWS(Q8_0_ROWS)
+}
 
 static void float_kernel(const int type, const float *x, int64_t M, const uint16_t *W, int64_t N, int64_t K, float *y) {
 #define FLOAT_ROWS(m0, rows) float_rows(type, x, m0, rows, W, n, N, K, y)
@@ -562,18 +686,22 @@ static void store(const float *out, int y_bf16, int64_t count, void *y) {
 int FN(block_linear)(int type, const void *x, int x_bf16, int64_t M, const uint8_t *W, int64_t N,
                      int64_t K, void *y) {
     const int floats = type == F16 || type == BF16;
-    const size_t acts_bytes = floats ? (x_bf16 ? sizeof(float) * M * K : 0) : ACTS_BYTES(M, K);
+    const size_t acts_bytes = floats ? (x_bf16 ? sizeof(float) * M * K : 0)
+                              : type == Q8_0 ? WIDE_BYTES(M, K) : ACTS_BYTES(M, K);
     const size_t out_bytes = x_bf16 ? sizeof(float) * M * N : 0;
     char *buffer = malloc(acts_bytes + out_bytes + 1);
     if (buffer == NULL) return -1;
     float *out = x_bf16 ? (float *)(buffer + acts_bytes) : y;
     if (floats) {
         float_kernel(type, widened(x, x_bf16, M, K, (float *)buffer), M, (const uint16_t *)W, N, K, out);
+    } else if (type == Q8_0) {
+        Wide acts;
+        quantize_wide(x, x_bf16, M, K, buffer, &acts);
+        q8_kernel(&acts, M, W, N, K, out);
     } else {
         Acts acts;
         quantize_acts(x, x_bf16, M, K, buffer, &acts);
         switch (type) {
-            case Q8_0: quant_Q8_0(&acts, M, W, N, K, out); break;
             case Q4_0: quant_Q4_0(&acts, M, W, N, K, out); break;
             case Q4_1: quant_Q4_1(&acts, M, W, N, K, out); break;
             case Q5_0: quant_Q5_0(&acts, M, W, N, K, out); break;
@@ -621,7 +749,7 @@ INLINE void dequantize_row(const int type, const uint8_t *row, int64_t K, float 
         return;
     }
     const Layout L = LAYOUTS[type];
-    const int zero = type == Q8_0 || !L.zero_shift ? 0 : 1 << L.zero_shift;
+    const int zero = L.zero_shift ? 1 << L.zero_shift : 0;
     for (int64_t blk = 0; blk < K / 32; blk++) {
         const uint8_t *b = row + blk * L.bytes, *qs = b + L.qs;
         const float d = half_to_float(load16(b)), m = L.min ? half_to_float(load16(b + 2)) : 0.0f;

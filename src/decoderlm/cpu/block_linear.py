@@ -7,14 +7,17 @@ to floats (and writes and reads those again) runs at a fraction of the rate the 
 rows of x straight from the blocks, as llama.cpp's ggml does (its `ggml_vec_dot_q4_1_q8_1` …):
 each block of 32 activations is quantized to integers and a block's dot product with the weights'
 integers is summed exactly in int32 by the CPU's integer dot-product instructions (AVX-512 VNNI's
-vpdpbusd, AVX2's vpmaddubsw), then scaled once in float32. Where ggml rounds each activation to
-one int8 (x ≈ d·a), the kernel keeps two, x ≈ e·(256 a + b): an error of at most
-max|x| / (127 · 256) per activation, 256 times below one int8's, for one more vpdpbusd per 64
-weights. Measured to choose (2026-12-05, one thread of a loaded 2-core Sapphire Rapids, a Q4_1
-1536 × 576 product in cache): two int8 45.9 µs, one int8 45.2 µs, weights dequantized to floats in
-registers and summed by FMA (exact but for the order of the sums) 65.3 µs; on SmolLM2-135M's Q4_1
-file the logits then move by 0.03 from the float reference, llama.cpp's by 1.4
-(benchmarks/gguf_decode.py). F16 and BF16 weights, and decoderlm.quant's Int8Linear and
+vpdpbusd and vpdpwssd, AVX2's vpmaddubsw and vpmaddwd), then scaled once in float32. Where ggml
+rounds each activation to one int8 (x ≈ d·a), the kernels keep 16 bits: for the 4- and 5-bit
+types two int8, x ≈ e·(256 a + b), an error of at most max|x| / (127 · 256) per activation, 256
+times below one int8's, for one more vpdpbusd per 64 weights; for Q8_0 one int16, x ≈ e·c, an
+error of at most max|x| / (2 · 32767), its int8 weights widened to int16. Measured to choose
+(2026-12-05, one thread of a loaded 2-core Sapphire Rapids, a Q4_1 1536 × 576 product in cache):
+two int8 45.9 µs, one int8 45.2 µs, weights dequantized to floats in registers and summed by FMA
+(exact but for the order of the sums) 65.3 µs; on SmolLM2-135M's Q4_1 file the logits then move
+by 0.03 from the float reference, llama.cpp's by 1.4 (benchmarks/gguf_decode.py). Q8_0 as int16
+against two int8 (2026-12-06, a Zen 4, a 1536 × 576 product in cache, one thread): 37 against 42
+µs with AVX-512, 46 against 68 µs with AVX2. F16 and BF16 weights, and decoderlm.quant's Int8Linear and
 Int4Linear (`int8_linear`, `int4_linear`), are widened to float32 and summed by FMA.
 
 Many rows (a prompt's prefill) go to a GEMM instead, as many rows amortize the dequantization:
