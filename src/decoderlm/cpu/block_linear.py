@@ -123,13 +123,14 @@ def _loaded(variant_index: int) -> int:
 
 def kernel_name(ggml_type: str) -> str:
     """The code a product of `ggml_type` runs for a few rows here, e.g. "int8 dot products,
-    AVX-512 VNNI"."""
+    AVX-512 VNNI" (Q8_0: "int16 dot products, …")."""
     if not available():
         return "dequantized by PyTorch, F.linear"
     code = isa(variant())
     if ggml_type in FLOAT_TYPES:
         return f"widened to float32, {code}"
-    return f"int8 dot products, {code}{' VNNI' if code == 'AVX-512' else ''}"
+    width = "int16" if ggml_type == "Q8_0" else "int8"
+    return f"{width} dot products, {code}{' VNNI' if code == 'AVX-512' else ''}"
 
 
 def few_rows(x: Tensor) -> bool:
