@@ -121,6 +121,48 @@ def test_appending_the_new_keys_in_the_kernel_equals_storing_them_first(dtype, r
     assert torch.equal(k, stored_k) and torch.equal(v, stored_v)  # nothing else written
 
 
+CHUNK = 256  # paged_attention.c's keys per item: longer rows are split and merged
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h_kv", [2, 1], ids=["GQA", "MQA"])
+def test_rows_split_into_chunks_are_as_close_to_float64_as_gather_and_sdpa(dtype, h_kv):
+    # A chunk less one key, one chunk, one and a key, several and a part; one row alone (items per
+    # query head) and six (items per K/V head): each chunk's o, m, l merged.
+    lengths = [CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 77, 5, 2 * CHUNK]
+    g = torch.Generator().manual_seed(h_kv)
+    k, v = (torch.randn(400, 16, h_kv, 16, generator=g).to(dtype) for _ in range(2))
+    table, n = torch.randperm(400, generator=g)[: 6 * 53].view(6, 53), torch.tensor(lengths)
+    q = torch.randn(len(lengths), 8, 1, 16, generator=g).to(dtype)
+    mask = (torch.arange(max(lengths))[None, :] < n[:, None])[:, None, None]  # (B, 1, 1, Tk)
+    for rows in (slice(3, 4), slice(0, 6)):
+        group = (rows.stop - rows.start, h_kv, 8 // h_kv, 16)
+
+        def sdpa(q, k, v, rows=rows, group=group):
+            keys, values = gathered(k, table[rows], max(lengths)), gathered(v, table[rows], max(lengths))  # fmt: skip
+            return F.scaled_dot_product_attention(q.reshape(group), keys, values, attn_mask=mask[rows])  # fmt: skip
+
+        got = paged_decode_attention(q[rows], k, v, table[rows], n[rows], 16**-0.5)
+        assert_as_close_to_float64_as(sdpa, got, q[rows], k, v)
+
+
+@needs_kernel
+def test_a_split_rows_attention_is_the_same_bits_alone_or_among_other_rows():
+    # The chunks follow the row's own length, never the batch: alone, its few items go to one
+    # query head each; among 16 rows, to a K/V head each.
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(640, 16, 3, 64, generator=g) for _ in range(2))
+    lengths = torch.randint(1, 640, (16,), generator=g)
+    lengths[5] = 2 * CHUNK + 1
+    table = torch.randperm(640, generator=g)[: 16 * 40].view(16, 40)
+    q = torch.randn(16, 9, 1, 64, generator=g)
+    together = paged_decode_attention(q, k, v, table, lengths, 0.125)
+    for b in (0, 5, 15):
+        alone = paged_decode_attention(q[b : b + 1], k, v, table[b : b + 1], lengths[b : b + 1], 0.125)  # fmt: skip
+        assert torch.equal(alone[0], together[b])
+
+
 def assert_as_close_to_float64_as(sdpa, got, q, k, v) -> None:
     """got: the kernel's output; the same sums in another order as sdpa(q, k, v) (B, Hkv, G, hd),
     so within 2× that one's own error against float64 (+ 1 ulp of 1)."""
