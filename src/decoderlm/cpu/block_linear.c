@@ -99,6 +99,25 @@ INLINE uint16_t float_to_bf16(float f) {
 INLINE uint16_t load16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 INLINE uint32_t load32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 
+/* Block blk of x (float32 or bfloat16: its 32 values from blk · 32) into v as float32; returns
+ * max|v| over the values that are not NaN, and in *nan whether one is. A NaN input makes its
+ * block's scale QUIET_NAN, so that it reaches y as it would in floats. */
+INLINE float load_block(const void *x, int x_bf16, int64_t blk, float v[32], int *nan) {
+    float amax = 0.0f;
+    *nan = 0;
+    for (int j = 0; j < 32; j++) {
+        const int64_t i = blk * 32 + j;
+        v[j] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+        amax = fmaxf(amax, fabsf(v[j]));
+        union { float f; uint32_t u; } bits = {v[j]};
+        *nan |= (bits.u & 0x7fffffffu) > 0x7f800000u;  /* (-ffast-math drops v != v) */
+    }
+    return amax;
+}
+
+static const union { uint32_t u; float f; } QUIET_NAN_BITS = {0x7fc00000u};
+#define QUIET_NAN (QUIET_NAN_BITS.f)
+
 /* The quantized activations of M rows (x_j ≈ e (256 a_j + b_j), file comment), K a multiple of 32.
  * Per row: a, b (K,) int8; per "lane" of four consecutive inputs (K/4 of them, eight per block,
  * the int32 lanes of AVX-512's dot products): e of the lane's block; per block (K/32): e, and
@@ -121,18 +140,10 @@ static void quantize_acts(const void *x, int x_bf16, int64_t M, int64_t K, void 
     acts->a = (int8_t *)(acts->block_sums + 2 * blocks);
     acts->b = acts->a + M * K;
     for (int64_t blk = 0; blk < M * K / 32; blk++) {
-        float v[32], amax = 0.0f;
-        int nan = 0;
-        for (int j = 0; j < 32; j++) {
-            const int64_t i = blk * 32 + j;
-            v[j] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-            amax = fmaxf(amax, fabsf(v[j]));
-            union { float f; uint32_t u; } bits = {v[j]};
-            nan |= (bits.u & 0x7fffffffu) > 0x7f800000u;  /* (-ffast-math drops v != v) */
-        }
-        const union { uint32_t u; float f; } quiet_nan = {0x7fc00000u};
-        /* a NaN input makes its block's scale NaN, so that it reaches y as it would in floats */
-        const float e = nan ? quiet_nan.f : amax / (127.0f * 256.0f), inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        float v[32];
+        int nan;
+        const float amax = load_block(x, x_bf16, blk, v, &nan);
+        const float e = nan ? QUIET_NAN : amax / (127.0f * 256.0f), inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         int8_t *a = acts->a + blk * 32, *b = acts->b + blk * 32;
         for (int j = 0; j < 32; j++) {
             const float scaled = v[j] * inv;  /* x / 256e ∈ [−127, 127] */
@@ -171,18 +182,10 @@ static void quantize_wide(const void *x, int x_bf16, int64_t M, int64_t K, void 
     acts->e = buffer;
     acts->c = (int16_t *)(acts->e + M * K / 32);
     for (int64_t blk = 0; blk < M * K / 32; blk++) {
-        float v[32], amax = 0.0f;
-        int nan = 0;
-        for (int j = 0; j < 32; j++) {
-            const int64_t i = blk * 32 + j;
-            v[j] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-            amax = fmaxf(amax, fabsf(v[j]));
-            union { float f; uint32_t u; } bits = {v[j]};
-            nan |= (bits.u & 0x7fffffffu) > 0x7f800000u;  /* (-ffast-math drops v != v) */
-        }
-        const union { uint32_t u; float f; } quiet_nan = {0x7fc00000u};
-        /* a NaN input makes its block's scale NaN, so that it reaches y as it would in floats */
-        acts->e[blk] = nan ? quiet_nan.f : amax / 32767.0f;
+        float v[32];
+        int nan;
+        const float amax = load_block(x, x_bf16, blk, v, &nan);
+        acts->e[blk] = nan ? QUIET_NAN : amax / 32767.0f;
         const union { float f; uint32_t u; } top = {amax};
         int16_t *c = acts->c + blk * 32;
         if (nan || top.u >= 0x7f800000u || amax < 1e-30f) {
@@ -288,21 +291,10 @@ INLINE void q8_step(const Wide *acts, int64_t m0, const int rows, const uint8_t 
     }
 }
 
-/* Q8_0: blocks alternate between two accumulators per row, which hides the FMAs' latency. */
-INLINE void q8_rows(const Wide *acts, int64_t m0, const int rows, const uint8_t *W, int64_t n, int64_t N,
-                    int64_t K, float *y) {
-    const int64_t nb = K / 32, bytes = LAYOUTS[Q8_0].bytes;
-    const uint8_t *row = W + n * nb * bytes;
-    __m512 even[MAX_ROWS], odd[MAX_ROWS];
-    for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm512_setzero_ps();
-    int64_t blk = 0;
-    for (; blk + 2 <= nb; blk += 2) {
-        q8_step(acts, m0, rows, row + blk * bytes, K, blk, even);
-        q8_step(acts, m0, rows, row + (blk + 1) * bytes, K, blk + 1, odd);
-    }
-    if (blk < nb) q8_step(acts, m0, rows, row + blk * bytes, K, blk, even);
-    for (int r = 0; r < rows; r++) y[(m0 + r) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
-}
+/* A row's float32 partial sums, in one vector of this build's lanes. */
+typedef __m512 Acc;
+INLINE Acc acc_zero(void) { return _mm512_setzero_ps(); }
+INLINE float acc_sum(Acc a, Acc b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
 
 #elif ISA == 1
 INLINE float hsum256(__m256 v) {
@@ -404,21 +396,9 @@ INLINE void q8_step(const Wide *acts, int64_t m0, const int rows, const uint8_t 
     }
 }
 
-/* Q8_0: blocks alternate between two accumulators per row, which hides the FMAs' latency. */
-INLINE void q8_rows(const Wide *acts, int64_t m0, const int rows, const uint8_t *W, int64_t n, int64_t N,
-                    int64_t K, float *y) {
-    const int64_t nb = K / 32, bytes = LAYOUTS[Q8_0].bytes;
-    const uint8_t *row = W + n * nb * bytes;
-    __m256 even[MAX_ROWS], odd[MAX_ROWS];
-    for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm256_setzero_ps();
-    int64_t blk = 0;
-    for (; blk + 2 <= nb; blk += 2) {
-        q8_step(acts, m0, rows, row + blk * bytes, K, blk, even);
-        q8_step(acts, m0, rows, row + (blk + 1) * bytes, K, blk + 1, odd);
-    }
-    if (blk < nb) q8_step(acts, m0, rows, row + blk * bytes, K, blk, even);
-    for (int r = 0; r < rows; r++) y[(m0 + r) * N + n] = hsum256(_mm256_add_ps(even[r], odd[r]));
-}
+typedef __m256 Acc;
+INLINE Acc acc_zero(void) { return _mm256_setzero_ps(); }
+INLINE float acc_sum(Acc a, Acc b) { return hsum256(_mm256_add_ps(a, b)); }
 
 #else
 /* Value j of a 4- or 5-bit block, with the zero point subtracted: the signed integer the weight scales. */
@@ -467,6 +447,25 @@ INLINE void q8_rows(const Wide *acts, int64_t m0, const int rows, const uint8_t 
         }
     }
     for (int r = 0; r < rows; r++) y[(m0 + r) * N + n] = acc[r];
+}
+#endif
+
+#if ISA > 0
+/* Q8_0 (`q8_step`): blocks alternate between two accumulators per row, which hides the FMAs'
+ * latency. */
+INLINE void q8_rows(const Wide *acts, int64_t m0, const int rows, const uint8_t *W, int64_t n, int64_t N,
+                    int64_t K, float *y) {
+    const int64_t nb = K / 32, bytes = LAYOUTS[Q8_0].bytes;
+    const uint8_t *row = W + n * nb * bytes;
+    Acc even[MAX_ROWS], odd[MAX_ROWS];
+    for (int r = 0; r < rows; r++) even[r] = odd[r] = acc_zero();
+    int64_t blk = 0;
+    for (; blk + 2 <= nb; blk += 2) {
+        q8_step(acts, m0, rows, row + blk * bytes, K, blk, even);
+        q8_step(acts, m0, rows, row + (blk + 1) * bytes, K, blk + 1, odd);
+    }
+    if (blk < nb) q8_step(acts, m0, rows, row + blk * bytes, K, blk, even);
+    for (int r = 0; r < rows; r++) y[(m0 + r) * N + n] = acc_sum(even[r], odd[r]);
 }
 #endif
 
