@@ -3,6 +3,8 @@
 // PyTorch's stable C ABI as gemv_ops.cpp is, so that the engine's compiled decode pass of several
 // rows (decoderlm.cpu.paged_step) calls it without Python, its packed weights among the library's
 // inputs.
+#include "aoti_shim.h"
+
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -47,3 +49,8 @@ Tensor bf16_linear(Tensor x, Tensor packed, int64_t out_features, bool swiglu) {
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(decoderlm, CPU, m) { m.impl("bf16_linear", TORCH_BOX(&bf16_linear)); }
+
+// Called directly by the compiled decode passes (aoti_shim.h).
+DECODERLM_SHIM(bf16_linear, bf16_linear,
+               (AtenTensorHandle x, AtenTensorHandle packed, int64_t out_features, int32_t swiglu),
+               (x, packed, out_features, swiglu))

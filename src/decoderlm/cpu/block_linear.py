@@ -84,14 +84,11 @@ def _sources() -> list[native.Source]:
     return [*builds, Path(__file__).with_name("block_linear_ops.cpp")]
 
 
-def _open(path: str) -> ctypes.CDLL:
-    torch.ops.load_library(path)  # the ops register themselves with the dispatcher
-    return ctypes.CDLL(path)  # the same library: its block_linear_isa_* say what each build runs
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    return native.load(_sources(), "ggml block products dequantize the weights first", _open)
+    """The ops' library (its block_linear_isa_* say what each build runs), loaded."""
+    fallback = "ggml block products dequantize the weights first"
+    return native.load(_sources(), fallback, native.load_ops_library)
 
 
 @functools.cache

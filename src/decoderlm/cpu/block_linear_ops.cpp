@@ -3,6 +3,8 @@
 // that the compiled decode step calls them without Python. `variant` picks the build of
 // block_linear.c: 0 portable, 1 AVX2, 2 native (the CPU's best; block_linear.py asks each
 // build's block_linear_isa_* what it runs on).
+#include "aoti_shim.h"
+
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -150,3 +152,16 @@ STABLE_TORCH_LIBRARY_IMPL(decoderlm, CPU, m) {
   m.impl("block_dequantize", TORCH_BOX(&block_dequantize));
   m.impl("int_linear", TORCH_BOX(&int_linear));
 }
+
+// Called directly by the compiled decode passes (aoti_shim.h).
+DECODERLM_SHIM(block_linear, block_linear,
+               (AtenTensorHandle x, AtenTensorHandle blocks, int64_t ggml_type, int64_t variant),
+               (x, blocks, ggml_type, variant))
+DECODERLM_SHIM(block_dequantize, block_dequantize,
+               (AtenTensorHandle blocks, int64_t ggml_type, int64_t k, int64_t start, int64_t rows, int32_t bf16,
+                int64_t variant),
+               (blocks, ggml_type, k, start, rows, bf16, variant))
+DECODERLM_SHIM(int_linear, int_linear,
+               (AtenTensorHandle x, AtenTensorHandle weight_q, AtenTensorHandle scale, AtenTensorHandle *offset,
+                int64_t bits, int64_t group, int64_t variant),
+               (x, weight_q, scale, offset, bits, group, variant))

@@ -9,7 +9,9 @@ step compiled ahead of time. Both are applied by their call sites (`decoderlm.in
   directly: no torch.compile wrapper and no guard checks to run for every token. The model's
   weights and the cache buffers are inputs of the library, not constants baked into it, so one
   library serves every model of the same architecture and shapes; it is cached on disk under a
-  hash of the exported graph (and of everything else the generated code depends on).
+  hash of the exported graph (and of everything else the generated code depends on). It calls
+  decoderlm's own ops as C functions, not through AOTInductor's proxy executor
+  (`decoderlm.cpu.shims`).
   `torch._inductor.aoti_compile_and_package` and `torch._inductor.aoti_load_package` are the entry
   points PyTorch documents for AOTInductor (docs.pytorch.org, torch.compiler_aot_inductor; a
   prototype feature) despite the underscore in their module.
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from decoderlm.cpu import block_linear, features, gemv, onednn, paged_attention
+from decoderlm.cpu import block_linear, features, gemv, onednn, paged_attention, shims
 from decoderlm.model.cache import (
     CacheStep,
     LayerCache,
@@ -350,6 +352,7 @@ def _build_step_library(
     graph = program.graph_module.print_readable(
         print_output=False, include_stride=True, include_device=True
     )
+    direct_calls = shims.c_shims(program.graph)
     digest = hashlib.sha256(
         "\n".join(
             [
@@ -357,6 +360,7 @@ def _build_step_library(
                 str(torch.get_num_threads()),
                 str(torch.backends.cpu.get_cpu_capability()),
                 json.dumps(options, sort_keys=True),
+                *(declared for (declared,) in direct_calls.values()),
                 graph,
             ]
         ).encode()
@@ -370,8 +374,9 @@ def _build_step_library(
             with warnings.catch_warnings():
                 # torch's own packaging code trips one of torch's deprecation warnings (2.13).
                 warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+                configs = {**options, "aot_inductor.custom_ops_to_c_shims": direct_calls}
                 torch._inductor.aoti_compile_and_package(
-                    program, package_path=tmp, inductor_configs=dict(options)
+                    program, package_path=tmp, inductor_configs=configs
                 )
             os.replace(tmp, path)  # atomic: another process sees the whole file or none
         finally:

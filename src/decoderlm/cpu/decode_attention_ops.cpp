@@ -4,6 +4,8 @@
 // (num_blocks, block_size, Hkv, D) of the engine's compiled decode pass, by the kernel of
 // paged_attention.c. Registered through PyTorch's stable C ABI, as gemv_ops.cpp, so that an
 // AOTInductor library calls them without Python.
+#include "aoti_shim.h"
+
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -119,3 +121,13 @@ STABLE_TORCH_LIBRARY_IMPL(decoderlm, CPU, m) {
   m.impl("static_decode_attention", TORCH_BOX(&static_decode_attention));
   m.impl("paged_decode_attention", TORCH_BOX(&paged_decode_attention));
 }
+
+// Called directly by the compiled decode passes (aoti_shim.h).
+DECODERLM_SHIM(static_decode_attention, static_decode_attention,
+               (AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle first, AtenTensorHandle
+                last, double scale),
+               (q, k, v, first, last, scale))
+DECODERLM_SHIM(paged_decode_attention, paged_decode_attention,
+               (AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle table, AtenTensorHandle
+                lengths, double scale),
+               (q, k, v, table, lengths, scale))

@@ -2,6 +2,8 @@
 // decoderlm::fused_silu_mul (schemas and fake kernels: fused.py): fused.c's kernels, registered
 // through PyTorch's stable C ABI, as gemv_ops.cpp, so that a library compiled ahead of time (the
 // engine's batch-invariant decode pass) calls the very code the eager passes call through ctypes.
+#include "aoti_shim.h"
+
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -85,3 +87,14 @@ STABLE_TORCH_LIBRARY_IMPL(decoderlm, CPU, m) {
   m.impl("fused_rope", TORCH_BOX(&fused_rope_op));
   m.impl("fused_silu_mul", TORCH_BOX(&fused_silu_mul_op));
 }
+
+// Called directly by the compiled decode passes (aoti_shim.h).
+DECODERLM_SHIM(fused_rms_norm, fused_rms_norm_op,
+               (AtenTensorHandle x, AtenTensorHandle weight, double eps, double offset),
+               (x, weight, eps, offset))
+DECODERLM_SHIM(fused_rope, fused_rope_op,
+               (AtenTensorHandle x, AtenTensorHandle cos, AtenTensorHandle sin),
+               (x, cos, sin))
+DECODERLM_SHIM(fused_silu_mul, fused_silu_mul_op,
+               (AtenTensorHandle g, AtenTensorHandle u),
+               (g, u))

@@ -2,6 +2,8 @@
 // gemv.py), registered through PyTorch's stable C ABI, so that a library compiled ahead of time
 // (the AOTInductor decode step) calls them without Python and the build needs only torch's
 // header-only API: a few seconds to compile.
+#include "aoti_shim.h"
+
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -83,3 +85,11 @@ STABLE_TORCH_LIBRARY_IMPL(decoderlm, CPU, m) {
   m.impl("gemv", TORCH_BOX(&gemv));
   m.impl("gemv_int8", TORCH_BOX(&gemv_int8));
 }
+
+// Called directly by the compiled decode passes (aoti_shim.h).
+DECODERLM_SHIM(gemv, gemv,
+               (AtenTensorHandle x, AtenTensorHandle weight),
+               (x, weight))
+DECODERLM_SHIM(gemv_int8, gemv_int8,
+               (AtenTensorHandle x, AtenTensorHandle weight_q, AtenTensorHandle scale),
+               (x, weight_q, scale))

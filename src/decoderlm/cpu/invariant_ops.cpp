@@ -2,6 +2,8 @@
 // invariant.c's fixed-order product, registered through PyTorch's stable C ABI, as gemv_ops.cpp,
 // so that a library compiled ahead of time (the engine's batch-invariant decode pass) calls the
 // very code the eager passes call through ctypes.
+#include "aoti_shim.h"
+
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -38,3 +40,8 @@ Tensor invariant_linear_op(Tensor x, Tensor weight) {
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(decoderlm, CPU, m) { m.impl("invariant_linear", TORCH_BOX(&invariant_linear_op)); }
+
+// Called directly by the compiled decode passes (aoti_shim.h).
+DECODERLM_SHIM(invariant_linear, invariant_linear_op,
+               (AtenTensorHandle x, AtenTensorHandle weight),
+               (x, weight))

@@ -14,6 +14,7 @@ them to the libgomp that torch has loaded).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -144,6 +145,15 @@ def load_ops(sources: Sequence[Source], fallback: str) -> bool:
     return load(sources, fallback, _load_ops_library) is not None
 
 
+def load_ops_library(path: str) -> ctypes.CDLL:
+    """The library of torch ops at `path`, loaded: its kernels registered with the dispatcher
+    (`torch.ops.load_library`) and its symbols global, where the libraries AOTInductor compiles
+    find its direct-call functions (`aoti_shim.h`, `decoderlm.cpu.shims`)."""
+    library = ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_GLOBAL)
+    torch.ops.load_library(path)  # the same library: only recorded as loaded
+    return library
+
+
 def _load_ops_library(path: str) -> str:
-    torch.ops.load_library(path)
+    load_ops_library(path)
     return path
