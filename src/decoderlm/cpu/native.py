@@ -142,7 +142,7 @@ def load(sources: Sequence[Source], fallback: str, opener: Callable[[str], T]) -
 def load_ops(sources: Sequence[Source], fallback: str) -> bool:
     """Build (if need be) and load `sources` as a library of torch ops, whose kernels register
     themselves with the dispatcher (`torch.ops.load_library`); False (warned) where it cannot be."""
-    return load(sources, fallback, _load_ops_library) is not None
+    return load(sources, fallback, load_ops_library) is not None
 
 
 def load_ops_library(path: str) -> ctypes.CDLL:
@@ -152,8 +152,3 @@ def load_ops_library(path: str) -> ctypes.CDLL:
     library = ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_GLOBAL)
     torch.ops.load_library(path)  # the same library: only recorded as loaded
     return library
-
-
-def _load_ops_library(path: str) -> str:
-    load_ops_library(path)
-    return path

@@ -36,7 +36,7 @@ def declaration(op: torch._ops.OpOverload) -> str | None:
     types = [str(a.type) for a in schema.arguments]
     if any(t not in _C_TYPES for t in types) or [str(r.type) for r in schema.returns] != ["Tensor"]:
         return None
-    params = [f"{_C_TYPES[str(a.type)]} {a.name}" for a in schema.arguments]
+    params = [f"{_C_TYPES[t]} {a.name}" for t, a in zip(types, schema.arguments, strict=True)]
     name = schema.name.split("::")[1]
     return f"AOTITorchError aoti_torch_cpu_{name}({', '.join([*params, 'AtenTensorHandle* ret0'])})"
 
