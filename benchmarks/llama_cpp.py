@@ -136,8 +136,8 @@ def llama_bench(binary: Path, model: Path, threads: int, args: list[str]) -> flo
 
 def interleaved_runs(fns: dict[str, Callable[[], object]], runs: int) -> dict[str, list[float]]:
     """Every fn once (a warm-up: compiles ours, maps llama.cpp's files), then `runs` rounds of
-    every fn in turn: for a "llama.cpp ..." fn what it returns (llama-bench's own tokens/s),
-    for ours the seconds it took."""
+    every fn in turn: what it returns where that is a number (llama-bench's own tokens/s, a rate
+    ours measures itself), else the seconds it took."""
     results: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():
         fn()
@@ -146,7 +146,7 @@ def interleaved_runs(fns: dict[str, Callable[[], object]], runs: int) -> dict[st
             start = time.perf_counter()
             value = fn()
             elapsed = time.perf_counter() - start
-            results[name].append(value if name.startswith("llama.cpp") else elapsed)
+            results[name].append(value if isinstance(value, float) else elapsed)
     return results
 
 
