@@ -5,6 +5,7 @@ the call still seen by torch.profiler, and a kernel's error reported with its me
 
 from __future__ import annotations
 
+import warnings
 import zipfile
 
 import pytest
@@ -60,11 +61,13 @@ def compiled(module: nn.Module, args: list[Tensor], path: str):
     """module's library (AOTInductor) with the direct calls of `shims.c_shims`, and its C++."""
     program = torch.export.export(module, tuple(args))
     direct = shims.c_shims(program.graph)
-    package = torch._inductor.aoti_compile_and_package(
-        program,
-        package_path=path,
-        inductor_configs={"aot_inductor.custom_ops_to_c_shims": direct},
-    )
+    with warnings.catch_warnings():  # as decode.step_library: torch's own deprecation (2.13)
+        warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+        package = torch._inductor.aoti_compile_and_package(
+            program,
+            package_path=path,
+            inductor_configs={"aot_inductor.custom_ops_to_c_shims": direct},
+        )
     with zipfile.ZipFile(package) as archive:
         source = "".join(
             archive.read(name).decode() for name in archive.namelist() if name.endswith(".cpp")
