@@ -181,17 +181,21 @@ static inline __attribute__((always_inline)) void attend_item(const struct pools
 }
 
 /* Query head hq of row b from the partials of its `count` chunks (chunk c's at part + c · H ·
- * (D + 2)), merged in the chunks' order: out = Σ_c exp(m_c − m) o_c / Σ_c exp(m_c − m) l_c. */
-static void merge(const struct pools *a, int64_t b, int64_t hq, const float *part, int64_t count, int bf16) {
+ * (D + 2)), merged in the chunks' order: out = Σ_c exp(m_c − m) o_c / Σ_c exp(m_c − m) l_c. Each
+ * chunk's m_c is replaced by its weight exp(m_c − m), computed once. */
+static void merge(const struct pools *a, int64_t b, int64_t hq, float *part, int64_t count, int bf16) {
     const int64_t D = a->D, step = a->H * (D + 2), at = (b * a->H + hq) * D;
     float m = -3.0e38f, l = 0.f;
     for (int64_t c = 0; c < count; c++) m = part[c * step + D] > m ? part[c * step + D] : m;
-    for (int64_t c = 0; c < count; c++) l += expf(part[c * step + D] - m) * part[c * step + D + 1];
+    for (int64_t c = 0; c < count; c++) {
+        part[c * step + D] = expf(part[c * step + D] - m);
+        l += part[c * step + D] * part[c * step + D + 1];
+    }
     const vec inverse = vset(1.f / l);
     for (int64_t lane = 0; lane < D; lane += LANES) {
         vec acc = vzero();
         for (int64_t c = 0; c < count; c++)
-            acc = vfma(vset(expf(part[c * step + D] - m)), load_f32(part + c * step + lane, D - lane), acc);
+            acc = vfma(vset(part[c * step + D]), load_f32(part + c * step + lane, D - lane), acc);
         if (bf16) store_bf16((uint16_t *)a->out + at + lane, vmul(acc, inverse), D - lane);
         else store_f32((float *)a->out + at + lane, vmul(acc, inverse), D - lane);
     }
