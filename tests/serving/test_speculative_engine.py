@@ -436,3 +436,26 @@ def test_int8_kv_with_a_draft_model_gives_the_plain_int8_engines_tokens(tok, mod
     fast = run(engine, requests, params)
     assert [token_ids(e) for e in fast] == [token_ids(e) for e in plain]
     assert engine.stats().speculative_proposed > 0
+
+
+def test_a_compiled_verification_gives_each_token_the_bits_of_its_plain_decode_pass(tok):
+    """bfloat16, batch-invariant, compiled: greedy requests speculating by prompt lookup give the
+    plain engine's tokens and log probabilities bit for bit, a verification run by the compiled
+    pass in one call, a row per token (each token's logits those its own decode pass gives)."""
+    requests = prompts(tiny_model(tok))  # grounded in the float64 model's greedy continuations
+    model = tiny_model(tok).bfloat16()
+    params = RequestParams(max_tokens=24, sampling=GREEDY, ignore_eos=True, logprobs=1)
+    options = dict(block_size=4, compile=True, batch_invariant=True)
+    plain = Engine(model, tok, **options)
+    if plain.runner.step is None:
+        pytest.skip("no C++ compiler for the ops of the compiled pass")
+    engine = Engine(model, tok, **options, draft="prompt-lookup", num_speculative_tokens=3)
+    rows, step = [], engine.runner.step
+    engine.runner.step = lambda token, *rest: rows.append(len(token)) or step(token, *rest)
+    engine.runner.step.max_batch = step.max_batch
+    fast, slow = run(engine, requests, params), run(plain, requests, params)
+    assert [token_ids(e) for e in fast] == [token_ids(e) for e in slow]
+    assert [[e.logprob for e in f] for f in fast] == [[e.logprob for e in s] for s in slow]
+    assert engine.stats().speculative_accepted > 0
+    # a verification: a row per sequence and per draft, in one call of the library
+    assert max(rows) > len(requests)

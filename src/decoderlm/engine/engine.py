@@ -100,12 +100,12 @@ class Engine:
         step, all verified in one target pass (`decoderlm.inference.speculative`; the same tokens
         for greedy requests, the same distribution for sampled ones). A draft model's KV pool
         comes out of `kv_cache_memory` too: both pools get the same number of blocks
-        (`proposers.split_kv_budget`); compile: the target's decode passes compiled ahead of time
-        (`ModelRunner`'s `compile`), made now (the draft's run eagerly); batch_invariant: a
-        request's tokens the same alone or among any others, bit for bit, in bfloat16 too
-        (`ModelRunner`'s `batch_invariant`: float linears in a fixed summation order, every pass
-        through the in-place attention kernel; with compile, decode passes by a library that
-        calls the same kernels)."""
+        (`proposers.split_kv_budget`); compile: the decode and verification passes of the target
+        (and of a draft model) compiled ahead of time (`ModelRunner`'s `compile`), made now;
+        batch_invariant: a request's tokens the same alone or among any others, bit for bit, in
+        bfloat16 too (`ModelRunner`'s `batch_invariant`: float linears in a fixed summation order,
+        every pass through the in-place attention kernel; with compile, decode passes by a
+        library that calls the same kernels)."""
         check_kv_cache_dtype(kv_cache_dtype)
         check_engine_options(model.config, draft)
         for name, value in (
@@ -404,7 +404,7 @@ def _runner_and_proposer(
             model, draft, kv_cache_memory, pools["block_size"], pools["kv_cache_dtype"]
         )
         proposer = DraftModel(
-            ModelRunner(draft, kv_cache_memory=draft_memory, ragged=True, **pools)
+            ModelRunner(draft, kv_cache_memory=draft_memory, compile=compile, ragged=True, **pools)
         )
     runner = ModelRunner(
         model, kv_cache_memory=kv_cache_memory, compile=compile, ragged=ragged, **pools

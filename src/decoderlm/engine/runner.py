@@ -9,12 +9,16 @@ One forward over a pass's rows (`passes.Row`: each row's tokens, where they star
   a layer with a sliding window gathers only the keys inside it. A model with recurrent layers
   keeps their states in pages of the same budget (`state_pool`): a prefill pass gathers its rows'
   and writes them back after it, a decode pass keeps its rows' in the pool's buffers from one step
-  to the next (copying only the rows that join, leave or move). With `compile`, a decode pass runs
-  the library compiled ahead of time (`decoderlm.cpu.paged_step`, the recurrent layers' kept
-  states among its inputs, updated in place), made when the runner is: any number of rows where
-  every linear runs on `bf16_linear`'s kernel (bfloat16 on a CPU with AMX or AVX512-BF16), else
-  one row (COMPILED_ROWS); wider decode passes, prefill chunks and models it does not take run
-  eagerly;
+  to the next (copying only the rows that join, leave or move);
+- with `compile`, a pass whose rows run at most IN_PLACE_MAX_TOKENS tokens each (a decode pass, a
+  speculative verification, a draft model's catch-up, a short prompt) runs the library compiled ahead of time
+  (`decoderlm.cpu.paged_step`, the recurrent layers' kept states among its inputs, updated in
+  place), made when the runner is, each token a row of its own (its sequence's blocks, its
+  position): any number of tokens up to `paged_step.MAX_BATCH` where every linear runs on
+  `bf16_linear`'s kernel (bfloat16 on a CPU with AMX or AVX512-BF16), else one (COMPILED_ROWS).
+  The pass stores all its tokens' K/V before any attends, so a draft attends the tokens before it
+  as in the packed pass below, and a verified token gets the bits a plain decode pass would give
+  it. Wider passes, prefill chunks and models it does not take run eagerly;
 - rows of different lengths of which one runs more than `IN_PLACE_MAX_TOKENS` (prefill chunks of
   prompts of different lengths, decode rows beside them), or that neither of the next two ways
   takes, run as segments of one row of Σ n_b tokens, so that the linear weights are read once for
@@ -35,8 +39,8 @@ One forward over a pass's rows (`passes.Row`: each row's tokens, where they star
   engine does not speculate over them (`state_pool.check_engine_options`).
 
 Batch-invariant (`batch_invariant`): every pass runs packed, through the modules of
-`decoderlm.cpu.invariant`, the head over each row's last token only; with `compile`, a pass of
-one token a row runs the library traced with those modules as ops, the same kernels.
+`decoderlm.cpu.invariant`, the head over each row's last token only; with `compile`, the passes
+above run the library traced with those modules as ops, the same kernels.
 """
 
 from __future__ import annotations
@@ -206,11 +210,12 @@ class ModelRunner:
         return self._run(rows, last_only=False)
 
     def _run(self, rows: list[Row], last_only: bool) -> Tensor | list[Tensor]:
-        n = len(rows[0].tokens)
-        uniform = all(len(row.tokens) == n for row in rows)
-        if self.invariant is not None and not (uniform and self._compiled(rows, n, last_only)):
+        if self._compiled(rows):
+            return self._compiled_pass(rows, last_only)
+        if self.invariant is not None:
             return self._packed(rows, last_only)  # as the compiled pass: each token a query
-        if uniform:
+        n = len(rows[0].tokens)
+        if all(len(row.tokens) == n for row in rows):
             logits = self._uniform(rows, n, last_only)  # (B, V) or (B, n, V)
             return logits if last_only else list(logits)
         if self.states is not None:
@@ -224,29 +229,51 @@ class ModelRunner:
         return torch.stack([logits[-1] for logits in per_row]) if last_only else per_row
 
     def _uniform(self, rows: list[Row], n: int, last_only: bool) -> Tensor:
-        """Logits (B, V) of each row's last token, or (B, n, V) of every one."""
-        compiled = self._compiled(rows, n, last_only)
-        # (B, n), (B,), (B, W): the compiled pass's tables as wide as it was traced with
-        idx, start, table = pass_inputs(rows, self.width if compiled else None, self.device)
+        """Eagerly, logits (B, V) of each row's last token, or (B, n, V) of every one."""
+        idx, start, table = pass_inputs(rows, None, self.device)  # (B, n), (B,), (B, W)
         if self.states is not None:
             # a decode pass (a token a row) keeps its states: its rows mostly decode again next
             self.states.seek([row.state_pages for row in rows], start, keep=n == 1)
-        if compiled:
-            states = [] if self.states is None else self.states.layer_states()
-            logits = self.step(idx, start[:, None], table, states)[:, None]  # (B, 1, V)
-        else:
-            self.cache.seek(table, start, n)  # each layer cache supplies its own key mask
-            positions = start[:, None] + torch.arange(n, device=self.device)  # (B, n)
-            # (B, n|1, V)
-            logits = self.model(idx, positions, None, self.layer_caches, last_only=last_only)
+        self.cache.seek(table, start, n)  # each layer cache supplies its own key mask
+        positions = start[:, None] + torch.arange(n, device=self.device)  # (B, n)
+        # (B, n|1, V)
+        logits = self.model(idx, positions, None, self.layer_caches, last_only=last_only)
         if self.states is not None:
             self.states.store()
         return logits[:, -1].float() if last_only else logits.float()
 
-    def _compiled(self, rows: list[Row], n: int, last_only: bool) -> bool:
-        """Whether the compiled decode pass runs these uniform rows of n tokens each: one token
-        a row, up to its rows."""
-        return self.step is not None and n == 1 and last_only and len(rows) <= self.step.max_batch
+    def _compiled(self, rows: list[Row]) -> bool:
+        """Whether the compiled decode pass runs these rows, each token a row of it: up to its
+        rows in all, of a token each over recurrent states, else of up to IN_PLACE_MAX_TOKENS
+        (a speculative verification, a draft model's catch-up, a short prompt)."""
+        if self.step is None or sum(len(row.tokens) for row in rows) > self.step.max_batch:
+            return False
+        most = 1 if self.states is not None else IN_PLACE_MAX_TOKENS
+        return all(len(row.tokens) <= most for row in rows)
+
+    def _compiled_pass(self, rows: list[Row], last_only: bool) -> Tensor | list[Tensor]:
+        """The compiled decode pass over every token of the rows, as a row of its own: token t of
+        row b at position start_b + t over row b's blocks. The pass stores all its rows' K/V
+        before any attends (`paged_step`), so a token attends the row's tokens before it as a
+        packed pass does: logits (B, V) of each row's last token, or (n_b, V) of each of its."""
+        tokens = [  # one token each
+            Row(row.blocks, row.start + t, [token], row.state_pages)
+            for row in rows
+            for t, token in enumerate(row.tokens)
+        ]
+        # (N, 1), (N,), (N, W): the tables as wide as the pass was traced with
+        idx, start, table = pass_inputs(tokens, self.width, self.device)
+        states = []
+        if self.states is not None:  # one token a row: the rows' states kept for the next pass
+            self.states.seek([row.state_pages for row in rows], start, keep=True)
+            states = self.states.layer_states()
+        logits = self.step(idx, start[:, None], table, states).float()  # (N, V)
+        if self.states is not None:
+            self.states.store()
+        lengths = [len(row.tokens) for row in rows]
+        if last_only:
+            return logits[torch.tensor(lengths, device=self.device).cumsum(0) - 1]  # (B, V)
+        return list(logits.split(lengths))  # (n_b, V) each
 
     def _one_row(self, rows: list[Row]) -> tuple[Tensor, Tensor, list[int]]:
         """All rows' tokens in one row: ids (1, N), positions (N,), and each row's length n_b."""
