@@ -27,7 +27,11 @@ prompt, as code edits do. Four servers, one at a time: vLLM plain and with its n
 prompt-lookup --num-speculative-tokens K`; `vllm bench serve --dataset-name custom` sends the
 prompts. Acceptance = accepted / proposed tokens over the timed pass, from each server's
 /metrics; "outputs equal to plain": the speculative server's completions that equal its plain
-one's (greedy: all should).
+one's (greedy: all should). With --peer-model (a chat model such as SmolLM2-135M-Instruct), each
+prompt asks for an edit of a function of Python's standard library shown in the prompt
+(`code_edit_requests`: rename an argument, drop the docstring, add a comment), in the model's
+chat template (applied by `vllm bench serve`), so that the answer quotes the prompt as far as the
+model follows the instruction.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -367,28 +372,65 @@ def run_comparison(args: argparse.Namespace, work: Path) -> str:
 
 def run_speculative(args: argparse.Namespace, work: Path) -> str:
     c = SPECULATIVE_STREAMS
-    file = source_file()
-    directory = model_dir(work, file)
+    if args.peer_model is None:  # the 55M model grounded on a file its prompts quote
+        file = source_file()
+        directory = model_dir(work, file)
+        make, template = (lambda n, seed: grounded_prompts(directory, file, n, seed)), False
+        what = f"grounded prompts of {1 + INSTRUCTION_TOKENS + FILE_TOKENS + REPEAT} tokens"
+    else:  # a chat model asked to edit code it is shown
+        directory = args.peer_model.resolve()
+        make, template = code_edit_requests, True
+        what = "code edits (a function of the standard library, in the chat template)"
     datasets = []
     for name, n, seed in (("warm", c, 1), ("timed", 2 * c, 0)):
-        path = work / f"{name}.jsonl"
-        lines = [json.dumps({"prompt": p}) for p in grounded_prompts(directory, file, n, seed)]
-        path.write_text("\n".join(lines) + "\n")
+        path = work / f"{directory.name}-{name}.jsonl"
+        path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in make(n, seed)))
         datasets.append(["--dataset-name", "custom", "--dataset-path", str(path),
-                         "--custom-output-len", "128", "--skip-chat-template", "--disable-shuffle",
-                         "--save-detailed"])  # fmt: skip
-    print(f"grounded prompts of {1 + INSTRUCTION_TOKENS + FILE_TOKENS + REPEAT} tokens, 128 new "
-          f"(ignore_eos), {c} streams: {c} warm-up prompts, then {2 * c} timed", flush=True)  # fmt: skip
+                         "--custom-output-len", "128", "--disable-shuffle", "--save-detailed",
+                         *([] if template else ["--skip-chat-template"])])  # fmt: skip
+    print(f"model: {directory.name}; {what}, 128 new (ignore_eos), {c} streams: {c} warm-up "
+          f"prompts, then {2 * c} timed", flush=True)  # fmt: skip
     rows: dict[str, dict[str, Measured]] = {}
     for side in ("vLLM", "decoderlm"):
         for mode, k in (("plain", None), ("speculative", args.k)):
             port = free_port()
             cmd = command(args, side, directory, port, k)
             passes = [(c, *datasets)]
-            label = f"{side}-{mode}"
+            label = f"{side}-{directory.name}-{mode}"
             rows.setdefault(side, {})[mode] = drive(args, side, label, cmd, port, directory,
                                                     passes, work)[c]  # fmt: skip
     return speculative_table(rows, args.k)
+
+
+EDITS = (
+    "Rename the argument `self` to `this` in this Python function and show the whole function:",
+    "Remove the docstring from this Python function and show the rest unchanged:",
+    "Add a comment above the first line of this Python function and show the whole function:",
+)
+
+
+def code_edit_requests(n: int, seed: int) -> list[str]:
+    """n user messages, each an edit of a function of Python's standard library (of 300-1,200
+    characters, from a few modules: fixed for a Python version): the answer quotes the prompt,
+    as prompt lookup expects."""
+    import ast
+    import heapq
+    import inspect
+    import shlex
+    import statistics
+
+    functions = []
+    for module in (heapq, shlex, statistics, textwrap):
+        source = inspect.getsource(module)
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef):
+                text = textwrap.dedent(ast.get_source_segment(source, node, padded=True))
+                functions += [text] if 300 <= len(text) <= 1200 else []
+    order = torch.randperm(len(functions), generator=torch.Generator().manual_seed(seed))
+    return [
+        f"{EDITS[i % len(EDITS)]}\n\n```python\n{functions[j]}\n```"
+        for i, j in enumerate(order.tolist()[:n])
+    ]
 
 
 def command(
