@@ -29,9 +29,9 @@ prompts. Acceptance = accepted / proposed tokens over the timed pass, from each 
 /metrics; "outputs equal to plain": the speculative server's completions that equal its plain
 one's (greedy: all should). With --peer-model (a chat model such as SmolLM2-135M-Instruct), each
 prompt asks for an edit of a function of Python's standard library shown in the prompt
-(`code_edit_requests`: rename an argument, drop the docstring, add a comment), in the model's
-chat template (applied by `vllm bench serve`), so that the answer quotes the prompt as far as the
-model follows the instruction.
+(`code_edit_requests`: rename an argument, drop the docstring, add a comment), rendered here in
+the model's chat template (its tokenizer_config.json's) and sent as text, so that the answer
+quotes the prompt as far as the model follows the instruction.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import signal
@@ -46,9 +47,8 @@ import socket
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,9 +56,10 @@ import httpx
 import torch
 from decode import build_models
 from llama_cpp import llama_tokenizer_files
-from speculative import ground
+from speculative import code_edit_requests, ground
 
 import decoderlm
+from decoderlm.chat_template import DEFAULT_CHAT_TEMPLATE, load_chat_template
 from decoderlm.cpu.features import cpu_name
 from decoderlm.hf import export_hf
 
@@ -375,19 +376,18 @@ def run_speculative(args: argparse.Namespace, work: Path) -> str:
     if args.peer_model is None:  # the 55M model grounded on a file its prompts quote
         file = source_file()
         directory = model_dir(work, file)
-        make, template = (lambda n, seed: grounded_prompts(directory, file, n, seed)), False
+        make = functools.partial(grounded_prompts, directory, file)
         what = f"grounded prompts of {1 + INSTRUCTION_TOKENS + FILE_TOKENS + REPEAT} tokens"
     else:  # a chat model asked to edit code it is shown
         directory = args.peer_model.resolve()
-        make, template = code_edit_requests, True
-        what = "code edits (a function of the standard library, in the chat template)"
+        make, what = chat_prompts(directory), "code edits of a standard-library function"
     datasets = []
     for name, n, seed in (("warm", c, 1), ("timed", 2 * c, 0)):
         path = work / f"{directory.name}-{name}.jsonl"
         path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in make(n, seed)))
         datasets.append(["--dataset-name", "custom", "--dataset-path", str(path),
-                         "--custom-output-len", "128", "--disable-shuffle", "--save-detailed",
-                         *([] if template else ["--skip-chat-template"])])  # fmt: skip
+                         "--custom-output-len", "128", "--skip-chat-template", "--disable-shuffle",
+                         "--save-detailed"])  # fmt: skip
     print(f"model: {directory.name}; {what}, 128 new (ignore_eos), {c} streams: {c} warm-up "
           f"prompts, then {2 * c} timed", flush=True)  # fmt: skip
     rows: dict[str, dict[str, Measured]] = {}
@@ -402,35 +402,18 @@ def run_speculative(args: argparse.Namespace, work: Path) -> str:
     return speculative_table(rows, args.k)
 
 
-EDITS = (
-    "Rename the argument `self` to `this` in this Python function and show the whole function:",
-    "Remove the docstring from this Python function and show the rest unchanged:",
-    "Add a comment above the first line of this Python function and show the whole function:",
-)
+def chat_prompts(directory: Path) -> Callable[[int, int], list[str]]:
+    """(n, seed) → n `code_edit_requests` rendered in the chat template of `directory` (its
+    tokenizer_config.json's), which the servers then get as text; exits if it has none."""
+    template = load_chat_template(directory)
+    if template.source == DEFAULT_CHAT_TEMPLATE:
+        sys.exit(f"--peer-model {directory}: no chat_template in its tokenizer_config.json")
 
+    def make(n: int, seed: int) -> list[str]:
+        messages = code_edit_requests(n, seed)
+        return [template.render([{"role": "user", "content": m}]) for m in messages]
 
-def code_edit_requests(n: int, seed: int) -> list[str]:
-    """n user messages, each an edit of a function of Python's standard library (of 300-1,200
-    characters, from a few modules: fixed for a Python version): the answer quotes the prompt,
-    as prompt lookup expects."""
-    import ast
-    import heapq
-    import inspect
-    import shlex
-    import statistics
-
-    functions = []
-    for module in (heapq, shlex, statistics, textwrap):
-        source = inspect.getsource(module)
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.FunctionDef):
-                text = textwrap.dedent(ast.get_source_segment(source, node, padded=True))
-                functions += [text] if 300 <= len(text) <= 1200 else []
-    order = torch.randperm(len(functions), generator=torch.Generator().manual_seed(seed))
-    return [
-        f"{EDITS[i % len(EDITS)]}\n\n```python\n{functions[j]}\n```"
-        for i, j in enumerate(order.tolist()[:n])
-    ]
+    return make
 
 
 def command(

@@ -1,5 +1,6 @@
 """benchmarks/vllm_peer.py's pure parts (no vLLM needed): reading /metrics counters and bench
-results, the table, and grounded prompts that reach both servers as the same token ids."""
+results, the table, grounded prompts that reach both servers as the same token ids, and the code
+edits a chat model is asked for (speculative.py's)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 
 from llama_cpp import llama_tokenizer_files
+from speculative import EDITS, code_edit_requests
 from vllm_peer import (
     FILE_TOKENS,
     FIRST_CHARACTER,
@@ -96,3 +98,19 @@ def test_grounded_prompts_encode_to_instruction_file_and_its_opening(tokenizer_d
         assert ids[1 + INSTRUCTION_TOKENS :] == file + file[:REPEAT]
     assert len(set(file)) == FILE_TOKENS and min(file) >= FIRST_CHARACTER
     assert grounded_prompts(tokenizer_dir, source_file(), 3, seed=0) == prompts  # deterministic
+
+
+def test_code_edit_requests_each_quote_a_whole_function_the_same_for_a_seed():
+    import ast
+
+    requests = code_edit_requests(40, 0)  # 16 warm-up and 32 timed ones in one serve.py run
+    assert requests == code_edit_requests(40, 0) != code_edit_requests(40, 1)
+    assert len(set(requests)) == 40
+    for i, request in enumerate(requests):
+        instruction, code = request.split("\n\n```python\n")
+        assert instruction == EDITS[i % len(EDITS)] and code.endswith("\n```")
+        (function,) = ast.parse(code.removesuffix("\n```")).body
+        assert isinstance(function, ast.FunctionDef)
+        assert 300 <= len(code) - 4 <= 1200
+    with pytest.raises(ValueError, match=r"100 code edits asked for, of \d+ functions"):
+        code_edit_requests(100, 0)
