@@ -438,6 +438,14 @@ def test_int8_kv_with_a_draft_model_gives_the_plain_int8_engines_tokens(tok, mod
     assert engine.stats().speculative_proposed > 0
 
 
+def counted_rows(runner) -> list[int]:
+    """Wraps `runner`'s compiled pass; the list returned gets the rows of each of its calls."""
+    rows, step = [], runner.step
+    runner.step = lambda token, *rest: rows.append(len(token)) or step(token, *rest)
+    runner.step.max_batch = step.max_batch
+    return rows
+
+
 def test_a_compiled_verification_gives_each_token_the_bits_of_its_plain_decode_pass(tok):
     """bfloat16, batch-invariant, compiled: greedy requests speculating by prompt lookup give the
     plain engine's tokens and log probabilities bit for bit, a verification run by the compiled
@@ -450,12 +458,48 @@ def test_a_compiled_verification_gives_each_token_the_bits_of_its_plain_decode_p
     if plain.runner.step is None:
         pytest.skip("no C++ compiler for the ops of the compiled pass")
     engine = Engine(model, tok, **options, draft="prompt-lookup", num_speculative_tokens=3)
-    rows, step = [], engine.runner.step
-    engine.runner.step = lambda token, *rest: rows.append(len(token)) or step(token, *rest)
-    engine.runner.step.max_batch = step.max_batch
+    rows = counted_rows(engine.runner)
     fast, slow = run(engine, requests, params), run(plain, requests, params)
     assert [token_ids(e) for e in fast] == [token_ids(e) for e in slow]
     assert [[e.logprob for e in f] for f in fast] == [[e.logprob for e in s] for s in slow]
     assert engine.stats().speculative_accepted > 0
     # a verification: a row per sequence and per draft, in one call of the library
     assert max(rows) > len(requests)
+
+
+def test_a_compiled_verification_past_a_chunk_of_keys_gives_each_token_its_decode_bits(tok):
+    """Rows of ~300 keys (attended in chunks of 256), batch-invariant and compiled: a verification
+    pass of rows of 4, 2 and 1 tokens gives each token the logits of its own one-token pass."""
+    from decoderlm.engine.kv_pool import BlockPool
+    from decoderlm.engine.passes import Row
+    from decoderlm.engine.runner import ModelRunner
+
+    model = tiny_model(tok, context_length=512).bfloat16()
+    runner = ModelRunner(
+        model,
+        kv_cache_memory=2**22,
+        block_size=16,
+        kv_cache_dtype=None,
+        cpu_kernels=True,
+        compile=True,
+        ragged=True,
+        batch_invariant=True,
+    )
+    if runner.step is None:
+        pytest.skip("no C++ compiler for the ops of the compiled pass")
+    calls = counted_rows(runner)
+    pool = BlockPool(runner.pool_blocks, 16)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    with runner.running():
+        for n, k in ((300, 3), (280, 1), (290, 0)):  # computed tokens, drafts
+            tokens = torch.randint(0, tok.vocab_size, (n + 1 + k,), generator=g).tolist()
+            blocks = pool.allocate([], -(-(n + 1 + k) // 16))[0]
+            runner.forward([Row(blocks, 0, tokens[:n])])  # the prompt, eagerly
+            rows.append(Row(blocks, n, tokens[n:]))
+        together = runner.forward_tokens(rows)  # (n_b, V) each
+        assert calls == [7]  # one pass of the library, a row per token
+        for row, logits in zip(rows, together, strict=True):
+            for t, token in enumerate(row.tokens):
+                alone = runner.forward([Row(row.blocks, row.start + t, [token])])[0]  # (V,)
+                assert torch.equal(logits[t], alone)
