@@ -495,10 +495,11 @@ def test_a_compiled_verification_past_a_chunk_of_keys_gives_each_token_its_decod
         for n, k in ((300, 3), (280, 1), (290, 0)):  # computed tokens, drafts
             tokens = torch.randint(0, tok.vocab_size, (n + 1 + k,), generator=g).tolist()
             blocks = pool.allocate([], -(-(n + 1 + k) // 16))[0]
-            runner.forward([Row(blocks, 0, tokens[:n])])  # the prompt, eagerly
+            runner.forward([Row(blocks, 0, tokens[:5])])  # the prompt, eagerly: a short chunk
+            runner.forward([Row(blocks, 5, tokens[5:n])])  # (last logits only) then a long one
             rows.append(Row(blocks, n, tokens[n:]))
         together = runner.forward_tokens(rows)  # (n_b, V) each
-        assert calls == [7]  # one pass of the library, a row per token
+        assert calls == [7]  # one pass of the library, a row per token; no prompt chunk
         for row, logits in zip(rows, together, strict=True):
             for t, token in enumerate(row.tokens):
                 alone = runner.forward([Row(row.blocks, row.start + t, [token])])[0]  # (V,)

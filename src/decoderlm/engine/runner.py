@@ -11,14 +11,15 @@ One forward over a pass's rows (`passes.Row`: each row's tokens, where they star
   and writes them back after it, a decode pass keeps its rows' in the pool's buffers from one step
   to the next (copying only the rows that join, leave or move);
 - with `compile`, a pass whose rows run at most IN_PLACE_MAX_TOKENS tokens each (a decode pass, a
-  speculative verification, a draft model's catch-up, a short prompt) runs the library compiled ahead of time
-  (`decoderlm.cpu.paged_step`, the recurrent layers' kept states among its inputs, updated in
-  place), made when the runner is, each token a row of its own (its sequence's blocks, its
-  position): any number of tokens up to `paged_step.MAX_BATCH` where every linear runs on
-  `bf16_linear`'s kernel (bfloat16 on a CPU with AMX or AVX512-BF16), else one (COMPILED_ROWS).
-  The pass stores all its tokens' K/V before any attends, so a draft attends the tokens before it
-  as in the packed pass below, and a verified token gets the bits a plain decode pass would give
-  it. Wider passes, prefill chunks and models it does not take run eagerly;
+  speculative verification, a draft model's catch-up; not a short prompt's chunk, which wants its
+  last token's logits only, where the library computes every token's) runs the library compiled
+  ahead of time (`decoderlm.cpu.paged_step`, the recurrent layers' kept states among its inputs,
+  updated in place), made when the runner is, each token a row of its own (its sequence's
+  blocks, its position): any number of tokens up to `paged_step.MAX_BATCH` where every linear
+  runs on `bf16_linear`'s kernel (bfloat16 on a CPU with AMX or AVX512-BF16), else one
+  (COMPILED_ROWS). The pass stores all its tokens' K/V before any attends, so a draft attends the
+  tokens before it as in the packed pass below, and a verified token gets the bits a plain decode
+  pass would give it. Wider passes, prefill chunks and models it does not take run eagerly;
 - rows of different lengths of which one runs more than `IN_PLACE_MAX_TOKENS` (prefill chunks of
   prompts of different lengths, decode rows beside them), or that neither of the next two ways
   takes, run as segments of one row of Σ n_b tokens, so that the linear weights are read once for
@@ -210,7 +211,7 @@ class ModelRunner:
         return self._run(rows, last_only=False)
 
     def _run(self, rows: list[Row], last_only: bool) -> Tensor | list[Tensor]:
-        if self._compiled(rows):
+        if self._compiled(rows, last_only):
             return self._compiled_pass(rows, last_only)
         if self.invariant is not None:
             return self._packed(rows, last_only)  # as the compiled pass: each token a query
@@ -242,11 +243,16 @@ class ModelRunner:
             self.states.store()
         return logits[:, -1].float() if last_only else logits.float()
 
-    def _compiled(self, rows: list[Row]) -> bool:
+    def _compiled(self, rows: list[Row], last_only: bool) -> bool:
         """Whether the compiled decode pass runs these rows, each token a row of it: up to its
-        rows in all, of a token each over recurrent states, else of up to IN_PLACE_MAX_TOKENS
-        (a speculative verification, a draft model's catch-up, a short prompt)."""
-        if self.step is None or sum(len(row.tokens) for row in rows) > self.step.max_batch:
+        rows in all, of a token each over recurrent states, else of up to IN_PLACE_MAX_TOKENS (a
+        speculative verification, a draft model's catch-up). The library computes the head over
+        every token: a pass that wants each row's last logits only takes it with at most two
+        tokens a row on average (a catch-up of one or two; not a short prompt's chunk)."""
+        tokens = sum(len(row.tokens) for row in rows)
+        if self.step is None or tokens > self.step.max_batch:
+            return False
+        if last_only and tokens > 2 * len(rows):
             return False
         most = 1 if self.states is not None else IN_PLACE_MAX_TOKENS
         return all(len(row.tokens) <= most for row in rows)
