@@ -125,14 +125,16 @@ def test_the_kernel_gives_each_row_the_same_bits_in_any_batch_close_to_float64()
         for n, k in ((67, 45), (128, 96)):
             w = torch.randn(n, k, generator=g).to(dtype)
             x = torch.randn(37, k, generator=g).to(dtype)
-            whole = invariant.linear(x, w)  # (37, n)
+            packed = invariant.pack(w)  # (⌈n/P⌉, k, P)
+            whole = invariant.linear(x, packed, n)  # (37, n)
             for rows in (slice(0, 1), slice(5, 6), slice(3, 20), slice(33, 37)):
-                assert torch.equal(invariant.linear(x[rows], w), whole[rows])
+                assert torch.equal(invariant.linear(x[rows], packed, n), whole[rows])
             exact = x.double() @ w.double().T  # bf16: the sum rounded to bfloat16 (|y| < 50)
             torch.testing.assert_close(whole.double(), exact, atol=atol, rtol=0)
             if invariant.ops_available():  # the op a compiled pass calls: the same bits
                 strided = torch.stack([x, x], dim=1)[:, 0]  # (37, k) at a stride of 2k
-                assert torch.equal(torch.ops.decoderlm.invariant_linear(strided, w), whole)
+                op = torch.ops.decoderlm.invariant_linear(strided, packed, n)
+                assert torch.equal(op, whole)
 
 
 @pytest.mark.parametrize(

@@ -4,124 +4,114 @@
  * invariant_linear: y = x Wᵀ where every output y[m, n] is summed in one fixed order, whatever the
  * number of rows M and the row's place m.
  *
- * y[m, n] = Σ_k x[m, k] · W[n, k] is accumulated in float32 vector lanes L wide (16 with AVX-512,
- * 8 with AVX2, 1 without): lane l sums the products of k ≡ l (mod L) in increasing k, the last
- * K mod L inputs masked in (AVX-512) or added lane by lane (AVX2); then the lanes are added by
- * one fixed tree. A BLAS picks its blocking of K and its kernels by the shape, so a row's sums
- * change with the batch around it (Thinking Machines, 2025, "Defeating Nondeterminism in LLM
- * Inference"); here only the tiling of rows and outputs changes with the shape, never an output's
- * arithmetic: a full tile of R rows × C outputs (R · C accumulators, each row of x and of W
- * loaded once per step of k; R × C by the number of rows, below) and the partial tiles at the
- * edges perform, per output, the same operations in the same order (and the file is compiled
- * without -ffast-math's reassociation).
- * bfloat16 operands are widened exactly to float32 (a 16-bit shift); the sums round to bfloat16
- * once, to nearest even. Parallel over blocks of outputs with OpenMP; each output is
- * computed by one thread, whole.
+ * y[m, n] = Σ_k x[m, k] · W[n, k] is accumulated in one float32 lane, in increasing k, by fused
+ * multiply-adds from zero: acc ← fma(x[m, k], W[n, k], acc). A BLAS picks its blocking of K and
+ * its kernels by the shape, so a row's sums change with the batch around it (Thinking Machines,
+ * 2025, "Defeating Nondeterminism in LLM Inference"); here only the tiling of rows and outputs
+ * changes with the shape, never an output's arithmetic. The product is a BLAS micro-kernel's outer
+ * product (Goto and van de Geijn, 2008, "Anatomy of High-Performance Matrix Multiplication"): W
+ * packed once into panels of PANEL outputs, (⌈N/PANEL⌉, K, PANEL) (`invariant_pack`), each step
+ * of k broadcasts x[m, k] of R rows and multiplies it by the panel's two vectors of W[·, k], R × 2
+ * accumulators in registers; a tile of fewer rows (the edge, a decode row) performs, per output,
+ * the same operations in the same order (and the file is compiled without -ffast-math's
+ * reassociation). bfloat16 operands are widened exactly to float32 (a 16-bit shift); the sums
+ * round to bfloat16 once, to nearest even. Parallel over panels with OpenMP; each output is
+ * computed by one thread, whole; the rows run in blocks of ROW_BLOCK, whose x stays in L2 while
+ * the thread's panels stream past it.
  */
 #pragma GCC optimize("no-fast-math", "fp-contract=off")
+#include <omp.h>
 #include <stdint.h>
 
 #include "vec.h"
 
-/* Two tile shapes, rows of x × outputs (rows of W), chosen by the number of rows M; neither
- * changes an output's arithmetic. WIDE for few rows: 4 × 4 accumulators and 4 W vectors in
- * AVX-512's 32 registers, 2 × 4 in AVX2's 16 (4 × 4 spills them there: 64 × 576 × 1536 float32
- * on a Zen 4 capped at AVX2, 1.21 against 1.47 ms). TALL from TALL_MIN rows: 8 × 2 (AVX-512) and
- * 6 × 2 (AVX2) load 2 W vectors per 16 and 12 multiply-adds, where WIDE loads 4 per 16 and 8
- * (576 × 1536 float32 on a Zen 4, 2 threads: 0-16% faster from 32 rows, up to 16% slower at 8-16
- * rows, where its partial tiles take a larger share). */
-#if LANES == 8
-#define WIDE_ROWS 2
-#define TALL_ROWS 6
+/* Rows per tile: R × 2 accumulators, 2 W vectors and a broadcast x in the registers (AVX-512's 32:
+ * 8 × 2; AVX2's 16: 6 × 2). */
+#if LANES == 16
+#define R 8
+#elif LANES == 8
+#define R 6
 #else
-#define WIDE_ROWS 4
-#define TALL_ROWS 8
+#define R 4
 #endif
-#define WIDE_OUTS 4
-#define TALL_OUTS 2
-#define TALL_MIN 32 /* rows from which the tall tile runs */
-#define OUT_MAX (TALL_ROWS * TALL_OUTS > WIDE_ROWS * WIDE_OUTS ? TALL_ROWS * TALL_OUTS : WIDE_ROWS * WIDE_OUTS)
-#define BLOCK 64 /* outputs per unit of parallel work (a multiple of both tiles' outputs) */
+#define PANEL (2 * LANES) /* outputs per panel */
+#define ROW_BLOCK (10 * R) /* rows whose x a thread keeps while its panels pass */
 
-/* One step of k: acc[r][c] += x[r][k .. k + LANES) · w[c][k .. k + LANES), lane by lane, n of the
- * LANES inputs loaded (zeros after them). */
-#define STEP(LOAD, C, RM, RN, n)                                                                   \
-    do {                                                                                           \
-        vec wv[C], xv;                                                                             \
-        for (int c = 0; c < RN; c++) wv[c] = LOAD(w + c * K + k, n);                               \
-        for (int r = 0; r < RM; r++) {                                                             \
-            xv = LOAD(x + r * K + k, n);                                                           \
-            for (int c = 0; c < RN; c++) acc[r][c] = vfma(xv, wv[c], acc[r][c]);                  \
-        }                                                                                          \
-    } while (0)
+/* Outputs per panel: what `invariant.pack` lays W out for. */
+int64_t invariant_panel(void) { return PANEL; }
 
-/* One tile of shape R × C: rows 0 .. rm − 1 of x against outputs 0 .. rn − 1 (rm ≤ R, rn ≤ C), the
- * sums into out (R × C). The full tile is the same code with RM = R and RN = C known to the
- * compiler, so that its accumulators stay in registers; per output every variant runs the same
- * operations. The whole vectors of k first, with loads of LANES known to the compiler (under
- * AVX2 a load of fewer lanes goes through the stack, and with it the accumulators: 84 against
- * ~200 GFLOP/s), then the last K mod LANES inputs, zeros after them. */
-#define TILE(NAME, T, LOAD, R, C, RM, RN)                                                          \
-    static void NAME(const void *xp, const void *wp, float *out, int64_t rm, int64_t rn,          \
-                     int64_t K) {                                                                  \
-        const T *x = xp, *w = wp;                                                                  \
-        vec acc[R][C];                                                                             \
-        (void)rm, (void)rn;                                                                        \
-        for (int r = 0; r < RM; r++)                                                               \
-            for (int c = 0; c < RN; c++) acc[r][c] = vzero();                                      \
-        int64_t k = 0;                                                                             \
-        for (; k + LANES <= K; k += LANES) STEP(LOAD, C, RM, RN, LANES);                           \
-        if (k < K) STEP(LOAD, C, RM, RN, K - k);                                                   \
-        for (int r = 0; r < RM; r++)                                                               \
-            for (int c = 0; c < RN; c++) out[r * C + c] = vsum(acc[r][c]);                         \
-    }
-TILE(wide_f32, float, load_f32, WIDE_ROWS, WIDE_OUTS, WIDE_ROWS, WIDE_OUTS)
-TILE(wide_part_f32, float, load_f32, WIDE_ROWS, WIDE_OUTS, rm, rn)
-TILE(wide_one_f32, float, load_f32, WIDE_ROWS, WIDE_OUTS, 1, WIDE_OUTS) /* a decode row */
-TILE(tall_f32, float, load_f32, TALL_ROWS, TALL_OUTS, TALL_ROWS, TALL_OUTS)
-TILE(tall_part_f32, float, load_f32, TALL_ROWS, TALL_OUTS, rm, rn)
-TILE(wide_bf16, uint16_t, load_bf16, WIDE_ROWS, WIDE_OUTS, WIDE_ROWS, WIDE_OUTS)
-TILE(wide_part_bf16, uint16_t, load_bf16, WIDE_ROWS, WIDE_OUTS, rm, rn)
-TILE(wide_one_bf16, uint16_t, load_bf16, WIDE_ROWS, WIDE_OUTS, 1, WIDE_OUTS)
-TILE(tall_bf16, uint16_t, load_bf16, TALL_ROWS, TALL_OUTS, TALL_ROWS, TALL_OUTS)
-TILE(tall_part_bf16, uint16_t, load_bf16, TALL_ROWS, TALL_OUTS, rm, rn)
-
-typedef void (*tile_fn)(const void *, const void *, float *, int64_t, int64_t, int64_t);
-
-/* A tile shape: rows × outs, its full tile, its partial one, and its tile of one row (or NULL). */
-struct shape {
-    int64_t rows, outs;
-    tile_fn full, part, one;
-};
-static const struct shape WIDE[2] = {{WIDE_ROWS, WIDE_OUTS, wide_f32, wide_part_f32, wide_one_f32},
-                                     {WIDE_ROWS, WIDE_OUTS, wide_bf16, wide_part_bf16, wide_one_bf16}};
-static const struct shape TALL[2] = {{TALL_ROWS, TALL_OUTS, tall_f32, tall_part_f32, NULL},
-                                     {TALL_ROWS, TALL_OUTS, tall_bf16, tall_part_bf16, NULL}};
-
-/* x (M, K), w (N, K), y (M, N), contiguous; float32 or bfloat16 (`bf16`). */
-void invariant_linear(const void *x, const void *w, void *y, int64_t M, int64_t N, int64_t K,
-                      int bf16) {
-    const struct shape *s = M >= TALL_MIN ? &TALL[bf16 != 0] : &WIDE[bf16 != 0];
-    const int64_t blocks = (N + BLOCK - 1) / BLOCK, es = bf16 ? 2 : 4;
+/* w (N, K) → p (⌈N/PANEL⌉, K, PANEL): p[j, k, i] = W[j · PANEL + i, k], zeros past N. */
+void invariant_pack(const void *w, void *p, int64_t N, int64_t K, int bf16) {
+    const int64_t panels = (N + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        float out[OUT_MAX];
-        const int64_t n_end = (b + 1) * BLOCK < N ? (b + 1) * BLOCK : N;
-        for (int64_t m = 0; m < M; m += s->rows) {
-            const int64_t rm = M - m < s->rows ? M - m : s->rows;
-            for (int64_t n = b * BLOCK; n < n_end; n += s->outs) {
-                const int64_t rn = n_end - n < s->outs ? n_end - n : s->outs;
-                const tile_fn tile = rn < s->outs ? s->part
-                                     : rm == s->rows ? s->full
-                                     : rm == 1 && s->one ? s->one
-                                                         : s->part;
-                tile((const char *)x + m * K * es, (const char *)w + n * K * es, out, rm, rn, K);
-                for (int64_t r = 0; r < rm; r++)
-                    for (int64_t c = 0; c < rn; c++) {
-                        const float v = out[r * s->outs + c];
-                        if (bf16) ((uint16_t *)y)[(m + r) * N + n + c] = to_bf16(v);
-                        else ((float *)y)[(m + r) * N + n + c] = v;
-                    }
+    for (int64_t j = 0; j < panels; j++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t i = 0; i < PANEL; i++) {
+                const int64_t n = j * PANEL + i, at = (j * K + k) * PANEL + i;
+                if (bf16) ((uint16_t *)p)[at] = n < N ? ((const uint16_t *)w)[n * K + k] : 0;
+                else ((float *)p)[at] = n < N ? ((const float *)w)[n * K + k] : 0.0f;
+            }
+}
+
+static inline float scalar_f32(const float *p) { return *p; }
+static inline float scalar_bf16(const uint16_t *p) { return from_bf16(*p); }
+
+/* One tile: rows 0 .. RM − 1 of x (at a stride of K) against one panel p (K, PANEL), the sums into
+ * out (R, PANEL). The full tile is the same code with RM = R known to the compiler, so that its
+ * accumulators stay in registers; per output every variant runs the same operations. */
+#define TILE(NAME, T, LOAD, SCALAR, RM)                                                            \
+    static void NAME(const void *xp, const void *pp, float *out, int64_t rm, int64_t K) {         \
+        const T *x = xp, *p = pp;                                                                  \
+        vec acc[R][2];                                                                             \
+        (void)rm;                                                                                  \
+        for (int r = 0; r < RM; r++) acc[r][0] = acc[r][1] = vzero();                              \
+        for (int64_t k = 0; k < K; k++) {                                                          \
+            const vec w0 = LOAD(p + k * PANEL, LANES), w1 = LOAD(p + k * PANEL + LANES, LANES);    \
+            for (int r = 0; r < RM; r++) {                                                         \
+                const vec xb = vset(SCALAR(x + r * K + k));                                        \
+                acc[r][0] = vfma(xb, w0, acc[r][0]);                                               \
+                acc[r][1] = vfma(xb, w1, acc[r][1]);                                               \
+            }                                                                                      \
+        }                                                                                          \
+        for (int r = 0; r < RM; r++) {                                                             \
+            store_f32(out + r * PANEL, acc[r][0], LANES);                                          \
+            store_f32(out + r * PANEL + LANES, acc[r][1], LANES);                                  \
+        }                                                                                          \
+    }
+TILE(full_f32, float, load_f32, scalar_f32, R)
+TILE(part_f32, float, load_f32, scalar_f32, rm)
+TILE(one_f32, float, load_f32, scalar_f32, 1) /* a decode row */
+TILE(full_bf16, uint16_t, load_bf16, scalar_bf16, R)
+TILE(part_bf16, uint16_t, load_bf16, scalar_bf16, rm)
+TILE(one_bf16, uint16_t, load_bf16, scalar_bf16, 1)
+
+/* x (M, K), p = invariant_pack of W (N, K), y (M, N); x and y contiguous, float32 or bfloat16
+ * (`bf16`). */
+void invariant_linear(const void *x, const void *p, void *y, int64_t M, int64_t N, int64_t K,
+                      int bf16) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, es = bf16 ? 2 : 4;
+#pragma omp parallel
+    {
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t lo = panels * t / threads, hi = panels * (t + 1) / threads;
+        float out[R * PANEL];
+        for (int64_t mb = 0; mb < M; mb += ROW_BLOCK) {
+            const int64_t mb_end = mb + ROW_BLOCK < M ? mb + ROW_BLOCK : M;
+            for (int64_t j = lo; j < hi; j++) {
+                const char *panel = (const char *)p + j * K * PANEL * es;
+                const int64_t n0 = j * PANEL, rn = N - n0 < PANEL ? N - n0 : PANEL;
+                for (int64_t m = mb; m < mb_end; m += R) {
+                    const int64_t rm = mb_end - m < R ? mb_end - m : R;
+                    const char *xm = (const char *)x + m * K * es;
+                    if (bf16) (rm == R ? full_bf16 : rm == 1 ? one_bf16 : part_bf16)(xm, panel, out, rm, K);
+                    else (rm == R ? full_f32 : rm == 1 ? one_f32 : part_f32)(xm, panel, out, rm, K);
+                    for (int64_t r = 0; r < rm; r++)
+                        for (int64_t i = 0; i < rn; i++) {
+                            const float v = out[r * PANEL + i];
+                            if (bf16) ((uint16_t *)y)[(m + r) * N + n0 + i] = to_bf16(v);
+                            else ((float *)y)[(m + r) * N + n0 + i] = v;
+                        }
+                }
             }
         }
     }

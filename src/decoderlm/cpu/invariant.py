@@ -10,9 +10,10 @@ among others.
 
 - `InvariantLinear`: y = x Wᵀ, every output summed over its inputs in one fixed order
   (`invariant.c`: AVX-512, AVX2 + FMA or plain C, chosen when the kernel is built for this CPU,
-  never by the shape). On a CPU with bfloat16 dot products (AMX tiles, AVX512-BF16), bfloat16
-  weights the kernel of `decoderlm.cpu.bf16_linear` takes use it, which sums each output in the
-  order of its inputs, whatever the rows.
+  never by the shape), on a copy of W packed into panels of outputs (`pack`: the weights' memory
+  twice over, as the engine's packed linears). On a CPU with bfloat16 dot products (AMX tiles,
+  AVX512-BF16), bfloat16 weights the kernel of `decoderlm.cpu.bf16_linear` takes use it, which
+  sums each output in the order of its inputs, whatever the rows.
 - `InvariantSwiGLU`: the SwiGLU MLP with silu(g) ⊙ u by `decoderlm.cpu.fused.silu_mul`, whose
   every element goes through the same vector instructions, the last of a row masked.
 
@@ -46,7 +47,7 @@ OPS_SOURCES = [SOURCE, Path(__file__).with_name("invariant_ops.cpp")]
 DTYPES = (torch.float32, torch.bfloat16)
 
 _OPS = torch.library.Library("decoderlm", "FRAGMENT")
-_OPS.define("invariant_linear(Tensor x, Tensor weight) -> Tensor")
+_OPS.define("invariant_linear(Tensor x, Tensor packed, int out_features) -> Tensor")
 
 
 @functools.cache
@@ -57,6 +58,12 @@ def _library() -> ctypes.CDLL | None:
         library.invariant_linear.argtypes = (
             [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         )
+        library.invariant_pack.restype = None
+        library.invariant_pack.argtypes = (
+            [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        )
+        library.invariant_panel.restype = ctypes.c_int64
+        library.invariant_panel.argtypes = []
     return library
 
 
@@ -94,24 +101,36 @@ def _check(x: Tensor, other: Tensor, what: str) -> None:
         )
 
 
-def linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x Wᵀ: x (..., K), weight (N, K), both float32 or both bfloat16 → (..., N)."""
-    if torch.compiler.is_compiling():
-        return torch.ops.decoderlm.invariant_linear(x, weight)
-    _check(x, weight, "linear")
+def pack(weight: Tensor) -> Tensor:
+    """weight (N, K) float32 or bfloat16 → (⌈N/P⌉, K, P), the panels of P outputs `linear` reads
+    (`invariant.c`: P = 32 with AVX-512, 16 with AVX2), zeros past N."""
+    _check(weight, weight, "pack")
     n, k = weight.shape
+    panel = _library().invariant_panel()
+    packed = weight.new_empty(-(-n // panel), k, panel)
+    bf16 = int(weight.dtype == torch.bfloat16)
+    _library().invariant_pack(weight.contiguous().data_ptr(), packed.data_ptr(), n, k, bf16)
+    return packed
+
+
+def linear(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
+    """x Wᵀ: x (..., K), packed = pack(W) of W (out_features, K), both float32 or both bfloat16 →
+    (..., out_features)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.decoderlm.invariant_linear(x, packed, out_features)
+    _check(x, packed, "linear")
+    k = packed.shape[1]
     rows = x.reshape(-1, k).contiguous()  # (M, K)
-    y = x.new_empty(rows.shape[0], n)  # (M, N)
+    y = x.new_empty(rows.shape[0], out_features)  # (M, N)
     if rows.shape[0]:
-        weight = weight.contiguous()
         bf16 = int(x.dtype == torch.bfloat16)
-        _library().invariant_linear(rows.data_ptr(), weight.data_ptr(), y.data_ptr(), rows.shape[0], n, k, bf16)  # fmt: skip
-    return y.view(*x.shape[:-1], n)
+        _library().invariant_linear(rows.data_ptr(), packed.data_ptr(), y.data_ptr(), rows.shape[0], out_features, k, bf16)  # fmt: skip
+    return y.view(*x.shape[:-1], out_features)
 
 
 @torch.library.register_fake("decoderlm::invariant_linear", lib=_OPS)
-def _(x: Tensor, weight: Tensor) -> Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+def _(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 class InvariantLinear(nn.Module):
@@ -122,14 +141,13 @@ class InvariantLinear(nn.Module):
         self.linear = linear
         weight = linear.weight.detach()
         self.bf16_kernel = bf16_linear.supports(weight)
-        self.packed = bf16_linear.pack(weight) if self.bf16_kernel else None
+        self.packed = bf16_linear.pack(weight) if self.bf16_kernel else pack(weight)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: Tensor) -> Tensor:  # (..., in_features) → (..., out_features)
-        if self.bf16_kernel:
-            y = bf16_linear.linear(x, self.packed, self.linear.out_features)
-        else:
-            y = linear(x, self.linear.weight.detach())
+        n = self.linear.out_features
+        kernel = bf16_linear.linear if self.bf16_kernel else linear
+        y = kernel(x, self.packed, n)
         return y if self.bias is None else y + self.bias
 
 
