@@ -135,6 +135,11 @@ def test_the_kernel_gives_each_row_the_same_bits_in_any_batch_close_to_float64()
                 strided = torch.stack([x, x], dim=1)[:, 0]  # (37, k) at a stride of 2k
                 op = torch.ops.decoderlm.invariant_linear(strided, packed, n)
                 assert torch.equal(op, whole)
+            panels = packed.shape[0] * packed.shape[2]  # more outputs than the pack holds: refused
+            with pytest.raises(ValueError, match=f"{panels + 1} outputs for"):
+                invariant.linear(x, packed, panels + 1)
+            with pytest.raises(ValueError, match=r"x \(37, \d+\) for a pack"):
+                invariant.linear(torch.cat([x, x], dim=1), packed, n)
 
 
 @pytest.mark.parametrize(

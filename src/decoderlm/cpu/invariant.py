@@ -119,7 +119,11 @@ def linear(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
     if torch.compiler.is_compiling():
         return torch.ops.decoderlm.invariant_linear(x, packed, out_features)
     _check(x, packed, "linear")
-    k = packed.shape[1]
+    panels, k, panel = packed.shape
+    if x.shape[-1] != k or panel != _library().invariant_panel():
+        raise ValueError(f"invariant linear: x {tuple(x.shape)} for a pack {tuple(packed.shape)}")
+    if not (panels - 1) * panel < out_features <= panels * panel:
+        raise ValueError(f"invariant linear: {out_features} outputs for {panels} panels of {panel}")
     rows = x.reshape(-1, k).contiguous()  # (M, K)
     y = x.new_empty(rows.shape[0], out_features)  # (M, N)
     if rows.shape[0]:
