@@ -215,7 +215,8 @@ def compare_engine(
     outputs = {side: engine.generate(prompts, params) for side, engine in engines.items()}
     plain, fast = ([c.token_ids for c in outputs[side]] for side in ("plain", "spec"))
     equal = sum(map(list.__eq__, plain, fast))
-    assert options.get("compile") or fast == plain, f"{name}: speculative output differs"
+    if not options.get("compile"):  # the same kernels for every pass: the same tokens
+        assert fast == plain, f"{name}: speculative output differs from plain greedy"
     before = engines["spec"].stats()
     times: dict[str, list[float]] = {"plain 1": [], "plain N": [], "spec 1": [], "spec N": []}
     for _ in range(args.runs):  # interleaved: both sides see the same load

@@ -108,8 +108,9 @@ def pack(weight: Tensor) -> Tensor:
     n, k = weight.shape
     panel = _library().invariant_panel()
     packed = weight.new_empty(-(-n // panel), k, panel)
+    weight = weight.contiguous()  # held while the kernel reads it
     bf16 = int(weight.dtype == torch.bfloat16)
-    _library().invariant_pack(weight.contiguous().data_ptr(), packed.data_ptr(), n, k, bf16)
+    _library().invariant_pack(weight.data_ptr(), packed.data_ptr(), n, k, bf16)
     return packed
 
 
