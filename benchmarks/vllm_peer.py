@@ -15,7 +15,10 @@ vLLM compiles new batch shapes on first sight, and its first pass reads ~2× slo
 tokens/s, the median inter-token latency and the 99th-percentile time to the first token, as the
 client measures them (server-sent events that arrive in one network read count as ~0 ms apart: a
 server whose stream falls behind and delivers tokens in bursts reads an ITL p50 of ~0, as vLLM's did
-at 1 stream in one sitting here).
+at 1 stream in one sitting here). `--peer-dtype float32` serves both in float32 (`decoderlm serve`'s
+default on a CPU without bfloat16 dot products); `--peer-avx2` caps ATen, oneDNN, MKL and
+decoderlm's kernels at AVX2 in both servers (`gguf_decode.AVX2_ENV`: as on an AVX2-only CPU, but for
+vLLM's own kernels, which run as built).
 
 --speculative: prompt lookup against vLLM's n-gram speculation at 16 streams. The model is the same 55M model
 made input-grounded with `speculative.py`'s `ground` (nothing trained: its greedy continuation
@@ -55,6 +58,7 @@ from pathlib import Path
 import httpx
 import torch
 from decode import build_models
+from gguf_decode import AVX2_ENV
 from llama_cpp import llama_tokenizer_files
 from speculative import code_edit_requests, ground
 
@@ -129,6 +133,19 @@ def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--peer-prompt-tokens", type=int, default=128, help="--peer: random prompts' tokens"
+    )
+    parser.add_argument(
+        "--peer-dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="--peer: both servers' --dtype (float32: what `decoderlm serve` runs by default on a "
+        "CPU without bfloat16 dot products)",
+    )
+    parser.add_argument(
+        "--peer-avx2",
+        action="store_true",
+        help="--peer: both servers with ATen, oneDNN and MKL capped at AVX2, and decoderlm's own "
+        "kernels (gguf_decode.AVX2_ENV); vLLM's own kernels run as built",
     )
     parser.add_argument(
         "--peer-model",
@@ -276,9 +293,11 @@ def _healthy(port: int) -> bool:
         return False
 
 
-def vllm_command(python: str, directory: Path, port: int, k: int | None) -> list[str]:
+def vllm_command(
+    python: str, directory: Path, port: int, k: int | None, dtype: str = "bfloat16"
+) -> list[str]:
     cmd = [python, str(WRAPPER), "serve", str(directory), "--served-model-name", directory.name,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16"]  # fmt: skip
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]  # fmt: skip
     if k is not None:
         config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
                   "prompt_lookup_max": 3}  # fmt: skip
@@ -286,9 +305,11 @@ def vllm_command(python: str, directory: Path, port: int, k: int | None) -> list
     return cmd
 
 
-def decoderlm_command(directory: Path, port: int, k: int | None) -> list[str]:
+def decoderlm_command(
+    directory: Path, port: int, k: int | None, dtype: str = "bfloat16"
+) -> list[str]:
     cmd = [sys.executable, "-m", "decoderlm", "serve", "--checkpoint", str(directory), "--dtype",
-           "bfloat16", "--kv-cache-memory", KV_MEMORY, "--max-queue", "256", "--port", str(port)]  # fmt: skip
+           dtype, "--kv-cache-memory", KV_MEMORY, "--max-queue", "256", "--port", str(port)]  # fmt: skip
     if k is not None:
         cmd += ["--draft", "prompt-lookup", "--num-speculative-tokens", str(k)]
     return cmd
@@ -317,6 +338,7 @@ def drive(args: argparse.Namespace, side: str, label: str, cmd: list[str], port:
                   "out": str(work / f"{label}-{c}.json")}]  # fmt: skip
     (work / "runs.json").write_text(json.dumps(runs))
     env = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": args.vllm_omp_bind} if side == "vLLM" else {}
+    env |= AVX2_ENV if args.peer_avx2 else {}
     with server(cmd, port, work / f"{label}.log", env) as startup:
         print(f"{label}: up in {startup:.0f} s", flush=True)
         bench = [args.vllm_python, str(WRAPPER), "bench-runs", str(work / "runs.json")]
@@ -355,7 +377,8 @@ def run_peer(args: argparse.Namespace) -> None:
 
 def run_comparison(args: argparse.Namespace, work: Path) -> str:
     directory = model_dir(work) if args.peer_model is None else args.peer_model.resolve()
-    print(f"model: {directory.name}", flush=True)
+    caps = f", capped at AVX2 ({AVX2_ENV})" if args.peer_avx2 else ""
+    print(f"model: {directory.name}, {args.peer_dtype}{caps}", flush=True)
     n = args.peer_prompt_tokens
     dataset = ["--dataset-name", "random", "--random-input-len", str(n), "--random-output-len", "128"]  # fmt: skip
     passes = [(c, dataset, dataset) for c in args.peer_concurrency]  # warm-up: seed 1
@@ -420,5 +443,5 @@ def command(
     args: argparse.Namespace, side: str, directory: Path, port: int, k: int | None
 ) -> list[str]:
     if side == "vLLM":
-        return vllm_command(args.vllm_python, directory, port, k)
-    return decoderlm_command(directory, port, k)
+        return vllm_command(args.vllm_python, directory, port, k, args.peer_dtype)
+    return decoderlm_command(directory, port, k, args.peer_dtype)

@@ -1,7 +1,7 @@
 """bfloat16 linears on the CPU's dot products, each kernel that runs here (AMX tiles,
 AVX512-BF16): as close to float64 as F.linear for any row count and output tails, a row's bits
-the same alone or among others; weights the kernel cannot take stay on oneDNN; the engine's packed
-linears use it; SwiGLU's gate and up in one product, the bits of the two linears and silu_mul at
+the same alone or among others; weights the kernel cannot take go to the fixed-order kernel; the
+engine's packed linears use it; SwiGLU's gate and up in one product, the bits of the two linears and silu_mul at
 any row count; float32 products rounded to bfloat16 only at float32 matmul precision "medium",
 compiled graphs following the precision as it is when they run."""
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoderlm import DecoderLM, ModelConfig
-from decoderlm.cpu import bf16_linear, fused, onednn
+from decoderlm.cpu import bf16_linear, fused, invariant, onednn
 from decoderlm.cpu.fused import FusedSwiGLU
 from decoderlm.cpu.packed_linear import KERNEL_ROWS_MAX, PackedLinear, PackedSwiGLU
 from decoderlm.cpu.paths import SpeedPaths
@@ -82,7 +82,7 @@ def test_leading_dimensions_are_kept_and_a_wrong_width_is_refused(kernel):
 
 
 @needs_kernel
-def test_packed_bf16_linears_use_the_kernel_and_others_stay_on_onednn(kernel):
+def test_packed_bf16_linears_use_the_kernel_and_others_the_fixed_order_kernel(kernel):
     torch.manual_seed(0)
     on_kernel = PackedLinear(nn.Linear(64, 40).bfloat16())  # with a bias
     odd_width = PackedLinear(nn.Linear(47, 40).bfloat16())  # 47 inputs: no kernel takes them
@@ -98,6 +98,10 @@ def test_packed_bf16_linears_use_the_kernel_and_others_stay_on_onednn(kernel):
         reference_error = (layer.linear(x).double() - exact).abs().max()
         ulp = torch.finfo(torch.bfloat16).eps * exact.abs().max()  # the bias: one more rounding
         assert (layer(x).double() - exact).abs().max() <= 2 * reference_error + ulp
+    for layer in (odd_width, in_float32):
+        x = torch.randn(6, layer.linear.in_features).to(layer.linear.weight.dtype)
+        fixed_order = invariant.linear(x, invariant.pack(layer.linear.weight.detach()), 40)
+        assert torch.equal(layer(x), fixed_order + layer.bias)
     # a long prefill chunk: whole buckets of 32 rows by oneDNN's GEMM, the last 5 on the kernel
     many = torch.randn(KERNEL_ROWS_MAX + 5, 64).bfloat16()
     got, head = on_kernel(many), KERNEL_ROWS_MAX
@@ -169,17 +173,18 @@ def test_an_mlp_with_a_quantized_or_subclassed_linear_is_not_fused():
 
 
 @needs_kernel
-def test_only_a_model_whose_every_linear_is_on_the_kernel_compiles_passes_of_many_rows():
+def test_only_a_model_whose_every_linear_is_packed_compiles_passes_of_many_rows():
     model = DecoderLM(ModelConfig.from_preset("llama-tiny", d_model=64, n_layers=1, n_heads=4))
+    assert SpeedPaths.for_engine().applied(model).kernel_products  # float32: the fixed order
     model = model.bfloat16()
-    assert SpeedPaths.for_engine().applied(model).bf16_products
+    assert SpeedPaths.for_engine().applied(model).kernel_products
 
     class Quantized(nn.Linear):  # what no pack takes: a quantized model's linears
         pass
 
     model.blocks[0].attn.proj.__class__ = Quantized
-    assert not SpeedPaths.for_engine().applied(model).bf16_products
-    assert not SpeedPaths.for_engine().applied(model.float()).bf16_products  # float32: oneDNN
+    assert not SpeedPaths.for_engine().applied(model).kernel_products
+    assert not SpeedPaths.for_engine().applied(model.float()).kernel_products
 
 
 @needs_kernel

@@ -1,4 +1,5 @@
-"""PackedLinear: the same products as F.linear (to rounding), swapped in and out from outside."""
+"""PackedLinear: the same products as F.linear (to rounding), a row's bits the same alone or among
+others on the fixed-order kernel, swapped in and out from outside."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from decoderlm.cpu.swap import swapped
 DTYPES = [d for d in (torch.float32, torch.bfloat16) if can_pack(d)]
 
 
-@pytest.mark.skipif(not DTYPES, reason="this torch build has no oneDNN packed linear")
+@pytest.mark.skipif(not DTYPES, reason="no C compiler for the packed kernels")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 48), (7, 48), (2, 5, 48), (130, 48)])
 def test_packed_linear_is_as_close_to_float64_as_f_linear(dtype, shape):
@@ -31,7 +32,18 @@ def test_packed_linear_is_as_close_to_float64_as_f_linear(dtype, shape):
     assert (got.double() - exact).abs().max() <= 2 * plain_error + ulp
 
 
-@pytest.mark.skipif(not DTYPES, reason="this torch build has no oneDNN packed linear")
+@pytest.mark.skipif(not DTYPES, reason="no C compiler for the packed kernels")
+def test_a_float32_packed_linears_row_has_the_same_bits_alone_and_among_others():
+    torch.manual_seed(0)
+    packed = PackedLinear(nn.Linear(48, 70))
+    x = torch.randn(37, 48)
+    with torch.inference_mode():
+        together = packed(x)
+        for rows in (slice(0, 1), slice(3, 20), slice(36, 37)):
+            assert torch.equal(packed(x[rows]), together[rows])
+
+
+@pytest.mark.skipif(not DTYPES, reason="no C compiler for the packed kernels")
 def test_packing_swaps_every_plain_linear_for_a_block_and_puts_them_back():
     model = DecoderLM(ModelConfig.from_preset("llama-tiny", d_model=32, n_layers=2, n_heads=4))
     names = {n for n, m in model.named_modules() if type(m) is nn.Linear}

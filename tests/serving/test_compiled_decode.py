@@ -1,8 +1,8 @@
 """The engine's decode pass compiled ahead of time (`decoderlm.cpu.paged_step`, `Engine(compile=
 True)`): the same logits as the eager pass for one row (the one-row library, the engine's) and for
-several rows of different lengths (the library of any batch size, which the engine takes in
-bfloat16 on AMX tiles or AVX512-BF16, its linears by the op decoderlm::bf16_linear), writes to no
-slot but the rows' own, and greedy requests equal to their solo `generate`. The libraries are
+several rows of different lengths (the library of any batch size, which the engine takes
+wherever every linear is packed: its linears by the op decoderlm::invariant_linear in float32,
+decoderlm::bf16_linear in bfloat16 on AMX tiles or AVX512-BF16), writes to no slot but the rows' own, and greedy requests equal to their solo `generate`. The libraries are
 compiled once per machine (about a minute each on 2 shared cores) and loaded from the disk cache
 after."""
 
@@ -44,8 +44,8 @@ def tok() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def runner(tok) -> ModelRunner:
-    """A runner whose compiled pass takes up to 8 rows (the engine's compiles one row,
-    `runner.COMPILED_ROWS`): both libraries under test."""
+    """A float32 runner whose compiled pass takes one row and any number up to MAX_BATCH (every
+    linear packed for the fixed-order kernel): both libraries under test."""
     model = tiny_model(tok, torch.float32)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tests' (`one_thread`, which starts after this fixture)
@@ -54,11 +54,7 @@ def runner(tok) -> ModelRunner:
             model, kv_cache_memory="64KiB", block_size=BLOCK, kv_cache_dtype=None,
             cpu_kernels=True, compile=True,
         )  # fmt: skip
-        assert runner.step is not None and runner.step.max_batch == 1
-        keys, values = ([getattr(layer, p) for layer in runner.cache.layers] for p in "kv")
-        runner.step = paged_step.CompiledPagedStep(
-            model, keys, values, next_logits, width=runner.width, max_batch=8
-        )
+        assert runner.step is not None and runner.step.max_batch == paged_step.MAX_BATCH
         return runner
     finally:
         torch.set_num_threads(threads)
@@ -86,13 +82,16 @@ def test_the_compiled_pass_gives_the_eager_logits_for_one_row_and_rows_of_differ
     assert runner.compile_s > 0
     seqs = prefilled(runner, lengths)
     with runner.running():
-        compiled = runner.forward([Row.of(s, 1) for s in seqs])  # (B, V)
+        with torch.profiler.profile() as prof:
+            compiled = runner.forward([Row.of(s, 1) for s in seqs])  # (B, V)
         step, runner.step = runner.step, None
         try:
             eager = runner.forward([Row.of(s, 1) for s in seqs])
         finally:
             runner.step = step
     assert compiled.shape == (len(lengths), runner.model.config.vocab_size)
+    ops = {event.key for event in prof.key_averages()}
+    assert "decoderlm::invariant_linear" in ops  # (one row too)
     assert torch.allclose(compiled, eager, atol=ATOL, rtol=0), (compiled - eager).abs().max()
 
 

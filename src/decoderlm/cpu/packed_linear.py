@@ -1,32 +1,37 @@
-"""Linear layers whose weights are packed once for oneDNN, for batched inference on the CPU.
+"""Linear layers whose weights are packed once, for batched inference on the CPU.
 
 F.linear reorders nothing ahead: for a batch of a few rows (a serving engine's decode step, one row
 per running sequence) MKL's float32 GEMM and oneDNN's bfloat16 one read the weight at a fraction
-of the memory bandwidth. oneDNN can instead reorder a weight once into the blocked layout its
-kernels read (`torch.ops.mkldnn._reorder_linear_weight`, the prepacking that inductor's freezing
-pass applies) and run every later product on it (`torch.ops.mkldnn._linear_pointwise`). The
-products are the same; only the order of the sums may differ. Measured in the serving engine: see
-benchmarks/README.md.
+of the memory bandwidth, and in bfloat16 without bfloat16 dot products ATen's product is several
+times slower than float32's. Each linear's weight is packed once into the layout of one of our
+kernels instead:
 
-Where the CPU has bfloat16 dot products (AMX tiles, or AVX512-BF16), bfloat16 weights are packed
-for the kernel of `decoderlm.cpu.bf16_linear` instead (`bf16_linear.kernel()`), which reads them
-at memory bandwidth where oneDNN's packed product does not (weights whose inputs the kernel does
-not take stay on oneDNN). A SwiGLU MLP's gate and up projections then become one product whose
-epilogue applies silu(g) ⊙ u (`PackedSwiGLU`): their outputs are never written out and read back,
-the same bits as the two linears and `decoderlm.cpu.fused.silu_mul`, whatever the rows (on AMX,
-two oneDNN GEMMs with silu and the product in their epilogues measured 1.01-1.45× the tile
-product's time from 256 to 8,192 rows: benchmarks/README.md, engine_passes.py).
+- bfloat16 weights, where the CPU has bfloat16 dot products (AMX tiles, or AVX512-BF16): the
+  kernel of `decoderlm.cpu.bf16_linear` (`bf16_linear.kernel()`). A SwiGLU MLP's gate and up
+  projections then become one product whose epilogue applies silu(g) ⊙ u (`PackedSwiGLU`):
+  their outputs are never written out and read back, the same bits as the two linears and
+  `decoderlm.cpu.fused.silu_mul`, whatever the rows (on AMX, two oneDNN GEMMs with silu and the
+  product in their epilogues measured 1.01-1.45× the tile product's time from 256 to 8,192
+  rows: benchmarks/README.md, engine_passes.py);
+- every other float32 or bfloat16 weight: the outer-product kernel of `decoderlm.cpu.invariant`
+  (panels of outputs, each summed in one fixed order, AVX-512 or AVX2 lanes). Against oneDNN's
+  weights packed for it (`mkldnn._reorder_linear_weight`) on a Zen 4, per SmolLM2 layer's four
+  products: float32 1.03-1.42× as fast from 1 to 128 rows, 0.96× at 512 and 2,048; with AVX2
+  1.04-1.34× at every row count; bfloat16 without its dot products 2.4-2.7× oneDNN's
+  (AVX-512), 2.6-3.8× F.linear's (AVX2, where oneDNN packs no bfloat16) from 4 rows on
+  (benchmarks/README.md, packed linears).
 
-From KERNEL_ROWS_MAX rows (a long prefill pass) a plain linear's GEMM runs on oneDNN (level with
-the kernels there). oneDNN compiles a kernel (a "primitive") for every row count it meets, a few
-milliseconds each, and keeps the last 1,024: a serving engine's prefill passes, whose rows are
-the decoding sequences plus the prompts' chunks, would meet a new count almost every step
+Both kernels' ops go into a compiled pass (`_traced`), so the engine compiles its decode passes of
+many rows wherever every linear is packed (`AppliedPaths.kernel_products`).
+
+From KERNEL_ROWS_MAX rows (a long prefill pass) a bfloat16 linear's GEMM runs on oneDNN (level with
+the bfloat16 kernel there). oneDNN compiles a kernel (a "primitive") for every row count it meets,
+a few milliseconds each, and keeps the last 1,024: a serving engine's prefill passes, whose rows
+are the decoding sequences plus the prompts' chunks, would meet a new count almost every step
 (SmolLM2 in bfloat16: a 16-prompt pass of a new row count 1.2× the time of the same pass again;
 the 55M model of benchmarks/serve.py 1.9×). So oneDNN takes the rows of whole multiples of
 BUCKET_ROWS and the kernel the last few, both written into one output: oneDNN meets 81 row counts
-from 1,536 to 4,096. Without either kernel (every product on the packed oneDNN kernels, float32
-on AVX2 lanes) a product takes its rows as they are (row counts rounded up measured no faster
-there).
+from 1,536 to 4,096.
 
 `pack_linears(model)` returns the swap without applying it; `swapped(swap)` applies it for the
 duration of a `with` block (the engine does so around each step), so the model itself stays plain
@@ -41,11 +46,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from decoderlm.cpu import bf16_linear, gemv
+from decoderlm.cpu import bf16_linear, gemv, invariant
 from decoderlm.cpu.swap import Swap
 from decoderlm.model.layers import MLP
 
-BATCH_HINT = 16  # rows the layout is tuned for (any row count runs on it)
 # From this many rows oneDNN's GEMM behind F.linear was level with the AMX tiles or faster in the
 # engine's prefill chunks, and 0.97-1.01× the AVX512-BF16 kernel's time at 2,048 rows on a Zen 4
 # (benchmarks/README.md, engine_passes.py): they take the plain weight.
@@ -54,32 +58,34 @@ BUCKET_ROWS = 32  # oneDNN's row counts are multiples of this (`PackedLinear._ge
 
 
 class PackedLinear(nn.Module):
-    """y = x Wᵀ + b with W prepacked for oneDNN, or for `bf16_linear`'s kernel (bfloat16 where it
-    supports it); inference only (no gradient reaches W)."""
+    """y = x Wᵀ + b with W packed once for `bf16_linear`'s kernel (bfloat16 where it supports
+    it), else for the fixed-order kernel of `decoderlm.cpu.invariant`; inference only (no
+    gradient reaches W)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.linear = linear  # the original, for one row in float32 (MKL's GEMV is faster there)
+        self.linear = linear  # the original: a compiled pass's one row reads it (`_traced`)
         weight = linear.weight.detach()
         self.bf16_kernel = bf16_linear.supports(weight)
-        if self.bf16_kernel:  # a buffer: an input of the compiled pass (`_traced`)
-            self.register_buffer("packed", bf16_linear.pack(weight), persistent=False)
-        else:  # oneDNN's opaque layout, for eager passes only
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+        packed = bf16_linear.pack(weight) if self.bf16_kernel else invariant.pack(weight)
+        self.register_buffer("packed", packed, persistent=False)  # an input of a compiled pass
         self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def op_available(self) -> bool:
+        """Whether the op of this pack's kernel is built, for a compiled pass to call."""
+        return bf16_linear.op_available() if self.bf16_kernel else invariant.ops_available()
 
     def forward(self, x: Tensor) -> Tensor:  # (..., in_features) → (..., out_features)
         if torch.compiler.is_compiling():
             return self._traced(x)
-        rows = x.shape[:-1].numel()
-        if x.dtype == torch.float32 and rows == 1:
-            return F.linear(x, self.linear.weight, self.linear.bias)
-        if self.bf16_kernel and rows >= KERNEL_ROWS_MAX:
+        if self.bf16_kernel and x.shape[:-1].numel() >= KERNEL_ROWS_MAX:
             return self._gemm_and_kernel(x)
-        if self.bf16_kernel:
-            y = bf16_linear.linear(x, self.packed, self.linear.out_features)
-            return y if self.bias is None else y + self.bias
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        y = self._kernel(x)
+        return y if self.bias is None else y + self.bias
+
+    def _kernel(self, x: Tensor) -> Tensor:  # (..., in_features) → (..., out_features)
+        kernel = bf16_linear.linear if self.bf16_kernel else invariant.linear
+        return kernel(x, self.packed, self.linear.out_features)
 
     def _gemm_and_kernel(self, x: Tensor) -> Tensor:  # (..., in_features) → (..., out_features)
         """x Wᵀ + b: the rows of whole buckets of BUCKET_ROWS by oneDNN's GEMM (its row counts
@@ -100,14 +106,16 @@ class PackedLinear(nn.Module):
         return y.view(*x.shape[:-1], n)
 
     def _traced(self, x: Tensor) -> Tensor:
-        """In a compiled pass (`decoderlm.cpu.paged_step`): rows by the op over the pack, one row
-        (and every row without the kernel) by F.linear, which the pass's `CPULinearKernels`
-        routes."""
-        if self.bf16_kernel and not gemv.one_row_of(x):
-            y = bf16_linear.linear(x, self.packed, self.linear.out_features)  # the op, traced
-            # (the parameter, an input of the pass, not the detached `bias`, which would be a constant)
-            return y if self.linear.bias is None else y + self.linear.bias
-        return F.linear(x, self.linear.weight, self.linear.bias)
+        """In a compiled pass (`decoderlm.cpu.paged_step`): the kernel's op over the pack, but
+        one row of bfloat16 weights by F.linear, which the pass's `CPULinearKernels` routes to
+        `gemv` (faster there). The fixed-order kernel takes one row too: a one-row decode step
+        of the 55M model of benchmarks/engine_throughput.py in float32 6.2 ms against 7.6 on
+        `gemv`, SmolLM2's 19.6 against 21.3-23.1 (Zen 4; `gemv` has no AVX2 build)."""
+        if self.bf16_kernel and gemv.one_row_of(x):
+            return F.linear(x, self.linear.weight, self.linear.bias)
+        y = self._kernel(x)  # the op, traced
+        # (the parameter, an input of the pass, not the detached `bias`, which would be a constant)
+        return y if self.linear.bias is None else y + self.linear.bias
 
 
 class PackedSwiGLU(nn.Module):
@@ -138,6 +146,10 @@ class PackedSwiGLU(nn.Module):
             and bf16_linear.supports(mlp.up.weight)
         )
 
+    def op_available(self) -> bool:
+        """Whether the op of the kernel is built, for a compiled pass to call."""
+        return bf16_linear.op_available()
+
     def forward(self, x: Tensor) -> Tensor:  # (..., d_model) → (..., d_model)
         mlp = self.mlp
         if torch.compiler.is_compiling() and gemv.one_row_of(x):
@@ -147,14 +159,9 @@ class PackedSwiGLU(nn.Module):
 
 
 def can_pack(dtype: torch.dtype) -> bool:
-    """Whether this build and CPU run oneDNN's packed linear in `dtype` (float32 or bfloat16)."""
-    if not (
-        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    ):
-        return False
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return dtype == torch.float32
+    """Whether linears of `dtype` weights are packed here: float32 and bfloat16, where a C
+    compiler builds the fixed-order kernel (bfloat16 on `bf16_linear`'s kernel needs it too)."""
+    return dtype in invariant.DTYPES and invariant.available()
 
 
 def packable(linear: nn.Linear) -> bool:

@@ -8,7 +8,7 @@ Each path is one mechanism of `decoderlm.cpu`, applied from outside the model:
 | `attention` | `CausalSelfAttention.attend` → `cpu_attend` (the blockwise formula; bfloat16 prompts on AMX tiles or AVX512-BF16, `bf16_attention`; others padded to the fused kernel's lengths) | ✓ | ✓ | ✓ |
 | `linear_kernels` | F.linear by shape: gemv kernels, oneDNN (`CPULinearKernels`) | ✓ | | |
 | `in_place_attention` | decode attention read where the keys lie (`paged_attention`) | ✓ | ✓ | |
-| `packed_linears` | linear weights packed for oneDNN / `bf16_linear`'s kernels (`PackedLinear`; SwiGLU's gate and up as one product: `PackedSwiGLU`) | | ✓ | |
+| `packed_linears` | linear weights packed for `bf16_linear`'s or the fixed-order kernel (`PackedLinear`; SwiGLU's gate and up as one product: `PackedSwiGLU`) | | ✓ | |
 | `fused_ops` | RMSNorm, RoPE and SwiGLU's gate in one pass each (`fused.FusedOps`) | | ✓ | |
 | `keep_freed_memory` | glibc keeps freed pages for reuse (`heap`) | | ✓ | ✓ |
 
@@ -46,7 +46,7 @@ from decoderlm.cpu.attention import cpu_attend
 from decoderlm.cpu.decode import CPULinearKernels
 from decoderlm.cpu.embedding import CPUEmbedding
 from decoderlm.cpu.fused import FusedOps
-from decoderlm.cpu.packed_linear import PackedSwiGLU, pack_linears
+from decoderlm.cpu.packed_linear import pack_linears
 from decoderlm.cpu.swap import Swap, swapped
 from decoderlm.errors import DecoderLMError
 from decoderlm.model.attention import CausalSelfAttention
@@ -171,22 +171,20 @@ class AppliedPaths:
         ] = []  # the `with` blocks entered, innermost last
 
     @property
-    def bf16_products(self) -> bool:
-        """Whether every linear layer (a module with in_ and out_features) is packed for
-        `bf16_linear`'s kernel: then a compiled pass of several rows takes them as the op
-        decoderlm::bf16_linear. A quantized linear, which no pack takes, keeps such passes eager."""
-        packs: set[int] = set()
-        for _, _, plain, packed in self._packed:
-            if isinstance(packed, PackedSwiGLU):
-                packs.update(id(m) for m in plain.modules())
-            elif packed.bf16_kernel:
-                packs.add(id(plain))
+    def kernel_products(self) -> bool:
+        """Whether every linear layer (a module with in_ and out_features) is packed
+        (`decoderlm.cpu.packed_linear`) and its kernel's op built: then a compiled pass of
+        several rows takes them as the ops decoderlm::bf16_linear and ::invariant_linear. A
+        quantized linear, which no pack takes, keeps such passes eager."""
+        packs: dict[int, bool] = {}  # id of each plain linear packed → its op is built
+        for _, _, plain, packed in self._packed:  # (a PackedSwiGLU's plain: the MLP)
+            packs.update(dict.fromkeys(map(id, plain.modules()), packed.op_available()))
         linears = [
             m
             for m in self.model.modules()
             if hasattr(m, "in_features") and hasattr(m, "out_features")
         ]
-        return bool(packs) and all(id(m) in packs for m in linears)
+        return bool(packs) and all(packs.get(id(m), False) for m in linears)
 
     def __enter__(self) -> AppliedPaths:
         swap = self._swapped()

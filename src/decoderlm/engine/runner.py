@@ -16,8 +16,8 @@ One forward over a pass's rows (`passes.Row`: each row's tokens, where they star
   ahead of time (`decoderlm.cpu.paged_step`, the recurrent layers' kept states among its inputs,
   updated in place), made when the runner is, each token a row of its own (its sequence's
   blocks, its position): any number of tokens up to `paged_step.MAX_BATCH` where every linear
-  runs on `bf16_linear`'s kernel (bfloat16 on a CPU with AMX or AVX512-BF16), else one
-  (COMPILED_ROWS). The pass stores all its tokens' K/V before any attends, so a draft attends the
+  is packed (`decoderlm.cpu.packed_linear`: each kernel an op of the pass), else one
+  (COMPILED_ROWS: a quantized model's). The pass stores all its tokens' K/V before any attends, so a draft attends the
   tokens before it as in the packed pass below, and a verified token gets the bits a plain decode
   pass would give it. Wider passes, prefill chunks and models it does not take run eagerly;
 - rows of different lengths of which one runs more than `IN_PLACE_MAX_TOKENS` (prefill chunks of
@@ -55,7 +55,7 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor
 
-from decoderlm.cpu import bf16_linear, fused, invariant, paged_attention, paged_step
+from decoderlm.cpu import fused, invariant, paged_attention, paged_step
 from decoderlm.cpu.attention import cpu_attend
 from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.cpu.swap import Swap, swapped
@@ -71,11 +71,12 @@ from decoderlm.model.cache import kv_cache_bytes_per_token
 from decoderlm.model.lm import DecoderLM
 
 log = logging.getLogger(__name__)
-# The compiled pass's rows where its linears are not all on `bf16_linear`'s kernel: a traced
-# F.linear reads the plain weights through oneDNN's GEMM, slower for a few rows than the eager
-# pass's packed linears (the linears of a 64-row SmolLM2 step: ~30 ms against ~17 on AMX tiles),
-# so wider passes stay eager and the start compiles one library, not two. On the kernel (the op
-# decoderlm::bf16_linear over the packs) it takes up to paged_step.MAX_BATCH rows.
+# The compiled pass's rows where not every linear is packed (a quantized model's block linears):
+# a traced F.linear reads the plain weights through oneDNN's GEMM, slower for a few rows than the
+# eager pass's packed linears (the linears of a 64-row SmolLM2 step: ~30 ms against ~17 on AMX
+# tiles), so wider passes stay eager and the start compiles one library, not two. With every
+# linear packed (the ops decoderlm::bf16_linear and ::invariant_linear over the packs) it takes
+# up to paged_step.MAX_BATCH rows.
 COMPILED_ROWS = 1
 
 
@@ -100,15 +101,16 @@ class ModelRunner:
         state pages of `state_pool.split_budget`); kv_cache_dtype: None (K/V in the model's
         dtype) or "int8" (`decoderlm.model.cache.storage`, whose scales the bytes per token count);
         cpu_kernels: the CPU speed paths, True for `SpeedPaths.for_engine()` (False none, or a
-        `SpeedPaths`): the linear weights packed for oneDNN, or for `bf16_linear`'s kernel in
-        bfloat16 where the CPU has AMX or AVX512-BF16 (`decoderlm.cpu.packed_linear`: faster for a batch of rows, at twice the
-        linear weights' memory; packed now, so a model changed later needs a new engine); freed
+        `SpeedPaths`): the linear weights packed for `bf16_linear`'s kernel in bfloat16 where
+        the CPU has AMX or AVX512-BF16, else for the fixed-order kernel
+        (`decoderlm.cpu.packed_linear`: faster for a batch of rows, at twice the linear
+        weights' memory; packed now, so a model changed later needs a new engine); freed
         memory kept in the process (`decoderlm.cpu.heap`), so that each step's gathered K/V
         reuse the last step's pages instead of faulting in new ones; and, for float32 and
         bfloat16 pools, the decode rows of layers without a window attended in place, without
         gathering their blocks (`decoderlm.cpu.paged_attention`, where a C compiler builds it).
         compile: decode passes (of up to COMPILED_ROWS rows, or `paged_step.MAX_BATCH` where
-        the linears run on `bf16_linear`'s kernel: `AppliedPaths.bf16_products`) by
+        every linear is packed: `AppliedPaths.kernel_products`) by
         `decoderlm.cpu.paged_step.CompiledPagedStep` where it runs (the CPU, float32 or bfloat16
         pools, no sliding window), its library made now (compiled the
         first time on a machine, then loaded from the disk cache; `compile_s` says how long),
@@ -170,7 +172,7 @@ class ModelRunner:
         model, floats = self.model, float_probe(self.model)
         if not (self.num_blocks >= 2 and paged_step.compiles(model, floats.dtype, self.device)):
             return None
-        many_rows = self.paths.bf16_products and bf16_linear.op_available()
+        many_rows = self.paths.kernel_products
         invariant_ops = nullcontext()
         if self.invariant is not None:  # the invariant modules as ops, at every row count
             invariant_ops, many_rows = fused.as_ops(), True
