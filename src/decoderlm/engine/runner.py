@@ -72,11 +72,11 @@ from decoderlm.model.lm import DecoderLM
 
 log = logging.getLogger(__name__)
 # The compiled pass's rows where not every linear is packed (a quantized model's block linears):
-# a traced F.linear reads the plain weights through oneDNN's GEMM, slower for a few rows than the
-# eager pass's packed linears (the linears of a 64-row SmolLM2 step: ~30 ms against ~17 on AMX
-# tiles), so wider passes stay eager and the start compiles one library, not two. With every
-# linear packed (the ops decoderlm::bf16_linear and ::invariant_linear over the packs) it takes
-# up to paged_step.MAX_BATCH rows.
+# the start compiles the one-row library only. (Plain linears traced into a
+# pass of many rows read their weights through oneDNN's GEMM, slower for a few rows than packed
+# ones: the linears of a 64-row SmolLM2 step ~30 ms against ~17 on AMX tiles.) With every linear
+# packed (the ops decoderlm::bf16_linear and ::invariant_linear over the packs) it takes up to
+# paged_step.MAX_BATCH rows.
 COMPILED_ROWS = 1
 
 
