@@ -2,14 +2,18 @@
 True)`): the same logits as the eager pass for one row (the one-row library, the engine's) and for
 several rows of different lengths (the library of any batch size, which the engine takes
 wherever every linear is packed: its linears by the op decoderlm::invariant_linear in float32,
-decoderlm::bf16_linear in bfloat16 on AMX tiles or AVX512-BF16), writes to no slot but the rows' own, and greedy requests equal to their solo `generate`. The libraries are
+decoderlm::bf16_linear in bfloat16 on AMX tiles or AVX512-BF16, decoderlm::block_linear for a
+GGUF file's block linears), writes to no slot but the rows' own, and greedy requests equal to their solo `generate`. The libraries are
 compiled once per machine (about a minute each on 2 shared cores) and loaded from the disk cache
 after."""
 
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 from test_engine import (
     GREEDY,
     engine_bytes,
@@ -20,20 +24,24 @@ from test_engine import (
     tiny_model,
     token_ids,
 )
+from torch import nn
 
 from conftest import COMPILED_PASS
 from decoderlm import DecoderLMError, generate
-from decoderlm.cpu import bf16_linear, paged_step
+from decoderlm.cpu import bf16_linear, block_linear, paged_step
 from decoderlm.engine.engine import Engine
 from decoderlm.engine.passes import Row
 from decoderlm.engine.runner import ModelRunner
 from decoderlm.engine.scheduler import Sequence
 from decoderlm.engine.types import RequestParams
 from decoderlm.inference.generate import next_logits
+from decoderlm.model.lm import DecoderLM
+from decoderlm.quant.blocks import BlockLinear
 from decoderlm.tokenizer import Tokenizer
 
 pytestmark = COMPILED_PASS
 BLOCK = 4
+Q8_0 = GGMLQuantizationType.Q8_0
 ATOL = 1e-5  # float32: the compiled pass sums in another order (measured ≤ 1e-7 here)
 
 
@@ -123,6 +131,40 @@ def test_on_bf16_kernels_the_engine_compiles_every_batch_and_gives_the_eager_log
     # the eager C kernels: a few bfloat16 steps of the largest logit (measured 1 step).
     step_size = torch.finfo(torch.bfloat16).eps * eager.abs().max()
     assert (compiled - eager).abs().max() <= 4 * step_size
+
+
+def q8_0_model(tok: Tokenizer) -> DecoderLM:
+    """tiny_model in float32, every linear a Q8_0 BlockLinear (gguf-py's blocks), as a GGUF file
+    of Q8_0 loads."""
+    model = tiny_model(tok, torch.float32, d_ff=64)  # every linear's inputs whole blocks of 32
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                data = gguf.quants.quantize(child.weight.detach().numpy(), Q8_0)
+                blocks = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8))
+                n, k = child.out_features, child.in_features
+                setattr(parent, name, BlockLinear(k, n, "Q8_0", blocks=blocks.view(n, -1)))
+    return model
+
+
+@pytest.mark.skipif(not block_linear.available(), reason="no C compiler for the block kernels")
+def test_a_block_models_passes_of_many_rows_compile_and_give_the_eager_logits(tok):
+    runner = ModelRunner(
+        q8_0_model(tok), kv_cache_memory="64KiB", block_size=BLOCK, kv_cache_dtype=None,
+        cpu_kernels=True, compile=True,
+    )  # fmt: skip
+    assert runner.step is not None and runner.step.max_batch == paged_step.MAX_BATCH
+    rows = [Row.of(s, 1) for s in prefilled(runner, [3, 9, 13, 6])]
+    with runner.running():
+        with torch.profiler.profile() as prof:
+            compiled = runner.forward(rows)  # (B, V)
+        step, runner.step = runner.step, None
+        try:
+            eager = runner.forward(rows)
+        finally:
+            runner.step = step
+    assert "decoderlm::block_linear" in {event.key for event in prof.key_averages()}
+    assert torch.allclose(compiled, eager, atol=ATOL, rtol=0), (compiled - eager).abs().max()
 
 
 def test_the_compiled_pass_writes_each_rows_slot_and_no_other(runner):

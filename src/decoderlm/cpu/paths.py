@@ -173,18 +173,24 @@ class AppliedPaths:
     @property
     def kernel_products(self) -> bool:
         """Whether every linear layer (a module with in_ and out_features) is packed
-        (`decoderlm.cpu.packed_linear`) and its kernel's op built: then a compiled pass of
-        several rows takes them as the ops decoderlm::bf16_linear and ::invariant_linear. A
-        quantized linear, which no pack takes, keeps such passes eager."""
-        packs: dict[int, bool] = {}  # id of each plain linear packed → its op is built
-        for _, _, plain, packed in self._packed:  # (a PackedSwiGLU's plain: the MLP)
-            packs.update(dict.fromkeys(map(id, plain.modules()), packed.op_available()))
+        (`decoderlm.cpu.packed_linear`) with its kernel's op built, or multiplies by an op of its
+        own at any number of rows (`op_available()`: a GGUF file's block linears): then a
+        compiled pass of several rows takes them as ops (decoderlm::bf16_linear,
+        ::invariant_linear, ::block_linear)."""
+        ops = {  # each plain linear packed → whether its kernel's op is built
+            id(m): packed.op_available()
+            for _, _, plain, packed in self._packed
+            for m in plain.modules()  # (a PackedSwiGLU's plain: the MLP)
+        }
         linears = [
             m
             for m in self.model.modules()
             if hasattr(m, "in_features") and hasattr(m, "out_features")
         ]
-        return bool(packs) and all(packs.get(id(m), False) for m in linears)
+        return bool(linears) and all(
+            ops[id(m)] if id(m) in ops else hasattr(m, "op_available") and m.op_available()
+            for m in linears
+        )
 
     def __enter__(self) -> AppliedPaths:
         swap = self._swapped()

@@ -16,8 +16,9 @@ One forward over a pass's rows (`passes.Row`: each row's tokens, where they star
   ahead of time (`decoderlm.cpu.paged_step`, the recurrent layers' kept states among its inputs,
   updated in place), made when the runner is, each token a row of its own (its sequence's
   blocks, its position): any number of tokens up to `paged_step.MAX_BATCH` where every linear
-  is packed (`decoderlm.cpu.packed_linear`: each kernel an op of the pass), else one
-  (COMPILED_ROWS: a quantized model's). The pass stores all its tokens' K/V before any attends, so a draft attends the
+  is packed (`decoderlm.cpu.packed_linear`) or a GGUF file's block linear (each kernel an op of
+  the pass: `AppliedPaths.kernel_products`), else one (COMPILED_ROWS: `decoderlm.quant`'s int8
+  and int4 linears). The pass stores all its tokens' K/V before any attends, so a draft attends the
   tokens before it as in the packed pass below, and a verified token gets the bits a plain decode
   pass would give it. Wider passes, prefill chunks and models it does not take run eagerly;
 - rows of different lengths of which one runs more than `IN_PLACE_MAX_TOKENS` (prefill chunks of
@@ -71,12 +72,12 @@ from decoderlm.model.cache import kv_cache_bytes_per_token
 from decoderlm.model.lm import DecoderLM
 
 log = logging.getLogger(__name__)
-# The compiled pass's rows where not every linear is packed (a quantized model's block linears):
-# the start compiles the one-row library only. (Plain linears traced into a
+# The compiled pass's rows where some linear is neither packed nor a block linear
+# (`decoderlm.quant`'s int8 and int4 ones): the start compiles the one-row library only. (Plain linears traced into a
 # pass of many rows read their weights through oneDNN's GEMM, slower for a few rows than packed
 # ones: the linears of a 64-row SmolLM2 step ~30 ms against ~17 on AMX tiles.) With every linear
-# packed (the ops decoderlm::bf16_linear and ::invariant_linear over the packs) it takes up to
-# paged_step.MAX_BATCH rows.
+# an op (decoderlm::bf16_linear and ::invariant_linear over the packs, ::block_linear over a
+# GGUF file's blocks) it takes up to paged_step.MAX_BATCH rows.
 COMPILED_ROWS = 1
 
 

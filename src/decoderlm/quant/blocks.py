@@ -145,6 +145,11 @@ class BlockLinear(QuantizedLinear):
     def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return dequantize(self.blocks, self.ggml_type, self.in_features, dtype)
 
+    def op_available(self) -> bool:
+        """Whether `matmul` traces into a compiled pass as the op decoderlm::block_linear, which
+        takes any number of rows (`decoderlm.cpu.paths.AppliedPaths.kernel_products`)."""
+        return block_linear.available()
+
     def matmul(self, x: Tensor) -> Tensor:
         """x·Ŵᵀ (..., in_features) → (..., out_features): a few rows by the block kernels of
         `decoderlm.cpu.block_linear`; more CHUNK_WEIGHTS of Ŵ at a time (a vocabulary-sized head
