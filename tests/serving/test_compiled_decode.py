@@ -24,7 +24,7 @@ from test_engine import (
     tiny_model,
     token_ids,
 )
-from torch import nn
+from torch import Tensor, nn
 
 from conftest import COMPILED_PASS
 from decoderlm import DecoderLMError, generate
@@ -58,12 +58,7 @@ def runner(tok) -> ModelRunner:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tests' (`one_thread`, which starts after this fixture)
     try:
-        runner = ModelRunner(
-            model, kv_cache_memory="64KiB", block_size=BLOCK, kv_cache_dtype=None,
-            cpu_kernels=True, compile=True,
-        )  # fmt: skip
-        assert runner.step is not None and runner.step.max_batch == paged_step.MAX_BATCH
-        return runner
+        return many_rows_runner(model)
     finally:
         torch.set_num_threads(threads)
 
@@ -83,22 +78,38 @@ def prefilled(runner: ModelRunner, lengths: list[int]) -> list[Sequence]:
     return seqs
 
 
+def compiled_and_eager(runner: ModelRunner, rows: list[Row]) -> tuple[Tensor, Tensor, set[str]]:
+    """Logits (B, V) of a decode pass over `rows` by the runner's compiled library and eagerly,
+    and the ops the compiled pass called."""
+    with runner.running():
+        with torch.profiler.profile() as prof:
+            compiled = runner.forward(rows)
+        step, runner.step = runner.step, None
+        try:
+            eager = runner.forward(rows)
+        finally:
+            runner.step = step
+    return compiled, eager, {event.key for event in prof.key_averages()}
+
+
+def many_rows_runner(model: DecoderLM) -> ModelRunner:
+    """The engine's runner of `model`, compiled, asserted to take passes of any number of rows."""
+    runner = ModelRunner(
+        model, kv_cache_memory="64KiB", block_size=BLOCK, kv_cache_dtype=None,
+        cpu_kernels=True, compile=True,
+    )  # fmt: skip
+    assert runner.step is not None and runner.step.max_batch == paged_step.MAX_BATCH
+    return runner
+
+
 @pytest.mark.parametrize("lengths", [[6], [3, 9, 13], [1, 4, 8, 12, 15]])
 def test_the_compiled_pass_gives_the_eager_logits_for_one_row_and_rows_of_different_lengths(
     runner, lengths
 ):
     assert runner.compile_s > 0
-    seqs = prefilled(runner, lengths)
-    with runner.running():
-        with torch.profiler.profile() as prof:
-            compiled = runner.forward([Row.of(s, 1) for s in seqs])  # (B, V)
-        step, runner.step = runner.step, None
-        try:
-            eager = runner.forward([Row.of(s, 1) for s in seqs])
-        finally:
-            runner.step = step
+    rows = [Row.of(s, 1) for s in prefilled(runner, lengths)]
+    compiled, eager, ops = compiled_and_eager(runner, rows)  # (B, V) each
     assert compiled.shape == (len(lengths), runner.model.config.vocab_size)
-    ops = {event.key for event in prof.key_averages()}
     assert "decoderlm::invariant_linear" in ops  # (one row too)
     assert torch.allclose(compiled, eager, atol=ATOL, rtol=0), (compiled - eager).abs().max()
 
@@ -111,22 +122,11 @@ def test_the_compiled_pass_gives_the_eager_logits_for_one_row_and_rows_of_differ
     reason="no AMX-BF16 or AVX512-BF16 here, or no C/C++ compiler for the op",
 )
 def test_on_bf16_kernels_the_engine_compiles_every_batch_and_gives_the_eager_logits(tok):
-    model = tiny_model(tok, torch.bfloat16, d_ff=64)  # every linear's inputs a multiple of 32
-    runner = ModelRunner(
-        model, kv_cache_memory="64KiB", block_size=BLOCK, kv_cache_dtype=None,
-        cpu_kernels=True, compile=True,
-    )  # fmt: skip
-    assert runner.step is not None and runner.step.max_batch == paged_step.MAX_BATCH
+    # every linear's inputs a multiple of 32, as the kernel takes them
+    runner = many_rows_runner(tiny_model(tok, torch.bfloat16, d_ff=64))
     rows = [Row.of(s, 1) for s in prefilled(runner, [3, 9, 13, 6])]
-    with runner.running():
-        with torch.profiler.profile() as prof:
-            compiled = runner.forward(rows)  # (B, V)
-        step, runner.step = runner.step, None
-        try:
-            eager = runner.forward(rows)
-        finally:
-            runner.step = step
-    assert "decoderlm::bf16_linear" in {event.key for event in prof.key_averages()}
+    compiled, eager, ops = compiled_and_eager(runner, rows)  # (B, V) each
+    assert "decoderlm::bf16_linear" in ops
     # The same tile products; the norms, RoPE and SiLU fused by inductor round differently from
     # the eager C kernels: a few bfloat16 steps of the largest logit (measured 1 step).
     step_size = torch.finfo(torch.bfloat16).eps * eager.abs().max()
@@ -149,21 +149,10 @@ def q8_0_model(tok: Tokenizer) -> DecoderLM:
 
 @pytest.mark.skipif(not block_linear.available(), reason="no C compiler for the block kernels")
 def test_a_block_models_passes_of_many_rows_compile_and_give_the_eager_logits(tok):
-    runner = ModelRunner(
-        q8_0_model(tok), kv_cache_memory="64KiB", block_size=BLOCK, kv_cache_dtype=None,
-        cpu_kernels=True, compile=True,
-    )  # fmt: skip
-    assert runner.step is not None and runner.step.max_batch == paged_step.MAX_BATCH
+    runner = many_rows_runner(q8_0_model(tok))
     rows = [Row.of(s, 1) for s in prefilled(runner, [3, 9, 13, 6])]
-    with runner.running():
-        with torch.profiler.profile() as prof:
-            compiled = runner.forward(rows)  # (B, V)
-        step, runner.step = runner.step, None
-        try:
-            eager = runner.forward(rows)
-        finally:
-            runner.step = step
-    assert "decoderlm::block_linear" in {event.key for event in prof.key_averages()}
+    compiled, eager, ops = compiled_and_eager(runner, rows)  # (B, V) each
+    assert "decoderlm::block_linear" in ops
     assert torch.allclose(compiled, eager, atol=ATOL, rtol=0), (compiled - eager).abs().max()
 
 
