@@ -18,9 +18,9 @@ One forward over a pass's rows (`passes.Row`: each row's tokens, where they star
   blocks, its position): any number of tokens up to `paged_step.MAX_BATCH` where every linear
   is packed (`decoderlm.cpu.packed_linear`) or a GGUF file's block linear (each kernel an op of
   the pass: `AppliedPaths.kernel_products`), else one (COMPILED_ROWS: `decoderlm.quant`'s int8
-  and int4 linears). The pass stores all its tokens' K/V before any attends, so a draft attends the
-  tokens before it as in the packed pass below, and a verified token gets the bits a plain decode
-  pass would give it. Wider passes, prefill chunks and models it does not take run eagerly;
+  and int4 linears). The pass stores all its tokens' K/V before any attends, so a draft attends
+  the tokens before it as in the packed pass below, and a verified token gets the bits a plain
+  decode pass would give it. Wider passes, prefill chunks and models it does not take run eagerly;
 - rows of different lengths of which one runs more than `IN_PLACE_MAX_TOKENS` (prefill chunks of
   prompts of different lengths, decode rows beside them), or that neither of the next two ways
   takes, run as segments of one row of Σ n_b tokens, so that the linear weights are read once for
@@ -73,11 +73,11 @@ from decoderlm.model.lm import DecoderLM
 
 log = logging.getLogger(__name__)
 # The compiled pass's rows where some linear is neither packed nor a block linear
-# (`decoderlm.quant`'s int8 and int4 ones): the start compiles the one-row library only. (Plain linears traced into a
-# pass of many rows read their weights through oneDNN's GEMM, slower for a few rows than packed
-# ones: the linears of a 64-row SmolLM2 step ~30 ms against ~17 on AMX tiles.) With every linear
-# an op (decoderlm::bf16_linear and ::invariant_linear over the packs, ::block_linear over a
-# GGUF file's blocks) it takes up to paged_step.MAX_BATCH rows.
+# (`decoderlm.quant`'s int8 and int4 ones): the start compiles the one-row library only. (Plain
+# linears traced into a pass of many rows read their weights through oneDNN's GEMM, slower for a
+# few rows than packed ones: the linears of a 64-row SmolLM2 step ~30 ms against ~17 on AMX
+# tiles.) With every linear an op (decoderlm::bf16_linear and ::invariant_linear over the packs,
+# ::block_linear over a GGUF file's blocks) it takes up to paged_step.MAX_BATCH rows.
 COMPILED_ROWS = 1
 
 
@@ -111,7 +111,7 @@ class ModelRunner:
         bfloat16 pools, the decode rows of layers without a window attended in place, without
         gathering their blocks (`decoderlm.cpu.paged_attention`, where a C compiler builds it).
         compile: decode passes (of up to COMPILED_ROWS rows, or `paged_step.MAX_BATCH` where
-        every linear is packed: `AppliedPaths.kernel_products`) by
+        every linear is packed or a block linear: `AppliedPaths.kernel_products`) by
         `decoderlm.cpu.paged_step.CompiledPagedStep` where it runs (the CPU, float32 or bfloat16
         pools, no sliding window), its library made now (compiled the
         first time on a machine, then loaded from the disk cache; `compile_s` says how long),
