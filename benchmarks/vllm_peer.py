@@ -337,9 +337,7 @@ def drive(args: argparse.Namespace, side: str, label: str, cmd: list[str], port:
                  {"argv": bench_argv(port, directory, c, max(8, 2 * c), 0, timed),
                   "out": str(work / f"{label}-{c}.json")}]  # fmt: skip
     (work / "runs.json").write_text(json.dumps(runs))
-    env = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": args.vllm_omp_bind} if side == "vLLM" else {}
-    env |= AVX2_ENV if args.peer_avx2 else {}
-    with server(cmd, port, work / f"{label}.log", env) as startup:
+    with server(cmd, port, work / f"{label}.log", server_env(args, side)) as startup:
         print(f"{label}: up in {startup:.0f} s", flush=True)
         bench = [args.vllm_python, str(WRAPPER), "bench-runs", str(work / "runs.json")]
         with (work / f"{label}-bench.log").open("w") as log:
@@ -350,6 +348,13 @@ def drive(args: argparse.Namespace, side: str, label: str, cmd: list[str], port:
     if any(m.failed for m in results.values()):
         sys.exit(f"{label}: requests failed: {results}; see {work / label}*.log")
     return results
+
+
+def server_env(args: argparse.Namespace, side: str) -> dict[str, str]:
+    """The environment variables `side`'s server runs with, beside the caller's: vLLM's CPU
+    settings, and with --peer-avx2 both servers' instruction sets capped at AVX2."""
+    env = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": args.vllm_omp_bind} if side == "vLLM" else {}
+    return env | (AVX2_ENV if args.peer_avx2 else {})
 
 
 def versions(vllm_python: str) -> str:

@@ -1,9 +1,11 @@
 """benchmarks/vllm_peer.py's pure parts (no vLLM needed): reading /metrics counters and bench
-results, the table, grounded prompts that reach both servers as the same token ids, and the code
-edits a chat model is asked for (speculative.py's)."""
+results, the table, grounded prompts that reach both servers as the same token ids, the code
+edits a chat model is asked for (speculative.py's), and both servers' dtype and instruction-set
+caps."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 
+from gguf_decode import AVX2_ENV
 from llama_cpp import llama_tokenizer_files
 from speculative import EDITS, code_edit_requests
 from vllm_peer import (
@@ -19,10 +22,13 @@ from vllm_peer import (
     INSTRUCTION_TOKENS,
     REPEAT,
     Measured,
+    add_peer_arguments,
+    command,
     comparison_table,
     counter,
     grounded_prompts,
     measured,
+    server_env,
     source_file,
     speculative_table,
 )
@@ -114,3 +120,17 @@ def test_code_edit_requests_each_quote_a_whole_function_the_same_for_a_seed():
         assert 300 <= len(code) - 4 <= 1200
     with pytest.raises(ValueError, match=r"100 code edits asked for, of \d+ functions"):
         code_edit_requests(100, 0)
+
+
+@pytest.mark.parametrize("flags", [[], ["--peer-dtype", "float32", "--peer-avx2"]])
+def test_both_servers_get_the_same_dtype_and_instruction_set_caps(flags):
+    parser = argparse.ArgumentParser()
+    add_peer_arguments(parser)
+    args = parser.parse_args(["--peer", "vllm", *flags])
+    dtype = "float32" if flags else "bfloat16"
+    for side in ("vLLM", "decoderlm"):
+        cmd = command(args, side, Path("/models/smollm2"), 8000, None)
+        assert cmd[cmd.index("--dtype") + 1] == dtype
+        env = server_env(args, side)
+        assert all(env.get(name) == value for name, value in AVX2_ENV.items()) == bool(flags)
+    assert server_env(args, "vLLM")["VLLM_CPU_OMP_THREADS_BIND"] == args.vllm_omp_bind
