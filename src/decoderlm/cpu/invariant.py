@@ -81,17 +81,8 @@ def ops_available() -> bool:
 def traceable(swap: Swap) -> bool:
     """Whether a pass with `swap` in place compiles into a library that computes as the eager
     passes do: every kernel it and `fused` call has its op here."""
-    linears = [m for *_, m in swap if isinstance(m, InvariantLinear)]
-    for *_, m in swap:
-        if isinstance(m, InvariantSwiGLU):
-            linears += [m.gate, m.up, m.down]
-    fixed_order = any(not m.bf16_kernel for m in linears)
-    bf16_kernel = any(m.bf16_kernel for m in linears)
-    return (
-        fused.ops_available()
-        and (not fixed_order or ops_available())
-        and (not bf16_kernel or bf16_linear.op_available())
-    )
+    linears = [m for *_, new in swap for m in new.modules() if isinstance(m, InvariantLinear)]
+    return fused.ops_available() and all(m.op_available() for m in linears)
 
 
 def _check(x: Tensor, other: Tensor, what: str) -> None:
@@ -139,21 +130,29 @@ def _(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
 
 
 class InvariantLinear(nn.Module):
-    """`linear` in place of an nn.Linear (inference only: no gradient reaches W)."""
+    """`linear` in place of an nn.Linear (inference only: no gradient reaches W): W packed once
+    for `bf16_linear`'s kernel where it takes W, else for this module's fixed-order kernel."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.linear = linear
         weight = linear.weight.detach()
         self.bf16_kernel = bf16_linear.supports(weight)
-        self.packed = bf16_linear.pack(weight) if self.bf16_kernel else pack(weight)
+        packed = bf16_linear.pack(weight) if self.bf16_kernel else pack(weight)
+        self.register_buffer("packed", packed, persistent=False)  # an input of a compiled pass
         self.bias = None if linear.bias is None else linear.bias.detach()
 
+    def op_available(self) -> bool:
+        """Whether the op of this pack's kernel is built, for a compiled pass to call."""
+        return bf16_linear.op_available() if self.bf16_kernel else ops_available()
+
     def forward(self, x: Tensor) -> Tensor:  # (..., in_features) → (..., out_features)
-        n = self.linear.out_features
-        kernel = bf16_linear.linear if self.bf16_kernel else linear
-        y = kernel(x, self.packed, n)
+        y = self.product(x)
         return y if self.bias is None else y + self.bias
+
+    def product(self, x: Tensor) -> Tensor:  # (..., in_features) → (..., out_features), no bias
+        kernel = bf16_linear.linear if self.bf16_kernel else linear
+        return kernel(x, self.packed, self.linear.out_features)
 
 
 class InvariantSwiGLU(nn.Module):

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from decoderlm.cpu import bf16_linear, gemv, invariant
+from decoderlm.cpu.invariant import InvariantLinear
 from decoderlm.cpu.swap import Swap
 from decoderlm.model.layers import MLP
 
@@ -57,35 +58,19 @@ KERNEL_ROWS_MAX = 1536
 BUCKET_ROWS = 32  # oneDNN's row counts are multiples of this (`PackedLinear._gemm_and_kernel`)
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(InvariantLinear):
     """y = x Wᵀ + b with W packed once for `bf16_linear`'s kernel (bfloat16 where it supports
-    it), else for the fixed-order kernel of `decoderlm.cpu.invariant`; inference only (no
-    gradient reaches W)."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.linear = linear  # the original: a compiled pass's one row reads it (`_traced`)
-        weight = linear.weight.detach()
-        self.bf16_kernel = bf16_linear.supports(weight)
-        packed = bf16_linear.pack(weight) if self.bf16_kernel else invariant.pack(weight)
-        self.register_buffer("packed", packed, persistent=False)  # an input of a compiled pass
-        self.bias = None if linear.bias is None else linear.bias.detach()
-
-    def op_available(self) -> bool:
-        """Whether the op of this pack's kernel is built, for a compiled pass to call."""
-        return bf16_linear.op_available() if self.bf16_kernel else invariant.ops_available()
+    it), else for the fixed-order kernel of `decoderlm.cpu.invariant` (`InvariantLinear`'s
+    packs), but a long prefill's bfloat16 rows partly on oneDNN (`_gemm_and_kernel`) and a
+    compiled pass's one bfloat16 row on `gemv` (`_traced`); inference only (no gradient reaches
+    W)."""
 
     def forward(self, x: Tensor) -> Tensor:  # (..., in_features) → (..., out_features)
         if torch.compiler.is_compiling():
             return self._traced(x)
         if self.bf16_kernel and x.shape[:-1].numel() >= KERNEL_ROWS_MAX:
             return self._gemm_and_kernel(x)
-        y = self._kernel(x)
-        return y if self.bias is None else y + self.bias
-
-    def _kernel(self, x: Tensor) -> Tensor:  # (..., in_features) → (..., out_features)
-        kernel = bf16_linear.linear if self.bf16_kernel else invariant.linear
-        return kernel(x, self.packed, self.linear.out_features)
+        return super().forward(x)
 
     def _gemm_and_kernel(self, x: Tensor) -> Tensor:  # (..., in_features) → (..., out_features)
         """x Wᵀ + b: the rows of whole buckets of BUCKET_ROWS by oneDNN's GEMM (its row counts
@@ -113,7 +98,7 @@ class PackedLinear(nn.Module):
         `gemv`, SmolLM2's 19.6 against 21.3-23.1 (Zen 4; `gemv` has no AVX2 build)."""
         if self.bf16_kernel and gemv.one_row_of(x):
             return F.linear(x, self.linear.weight, self.linear.bias)
-        y = self._kernel(x)  # the op, traced
+        y = self.product(x)  # the op, traced
         # (the parameter, an input of the pass, not the detached `bias`, which would be a constant)
         return y if self.linear.bias is None else y + self.linear.bias
 
