@@ -38,6 +38,11 @@ With --peer vllm, instead: vLLM's CPU server against `decoderlm serve` on the sa
 by vLLM's own client (vllm_peer.py; vLLM in a venv of its own, never in CI):
 
     python benchmarks/serve.py --peer vllm [--vllm-python VENV/bin/python] [--speculative]
+
+With --peer llama.cpp: llama.cpp's server against `decoderlm serve` on one GGUF file, the same
+client (llama_server_peer.py):
+
+    python benchmarks/serve.py --peer llama.cpp --llama-cpp LLAMA [--peer-gguf FILE]
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from llama_server_peer import add_llama_server_arguments, run_llama_server_peer
 from vllm_peer import add_peer_arguments, run_peer
 
 from decoderlm import DecoderLM, ModelConfig
@@ -132,10 +138,13 @@ def main() -> None:
     parser.add_argument("--capacity", nargs="?", const="1GiB", default=None, metavar="BUDGET",
                         help="print the sequences one KV budget holds per variant, and exit")  # fmt: skip
     add_peer_arguments(parser)
+    add_llama_server_arguments(parser)
     args = parser.parse_args()
     if args.capacity is not None:
         capacity(args.capacity)
         return
+    if args.peer == "llama.cpp":
+        return run_llama_server_peer(args)
     if args.peer:
         return run_peer(args)
     if args.quick:

@@ -107,7 +107,9 @@ class Measured:
 
 def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--peer", choices=["vllm"], help="compare with a peer server (see vllm_peer.py)"
+        "--peer",
+        choices=["vllm", "llama.cpp"],
+        help="compare with a peer server (vllm: see vllm_peer.py; llama.cpp: llama_server_peer.py)",
     )
     parser.add_argument(
         "--vllm-python", default="/work/venv-vllm/bin/python", help="the Python of vLLM's venv"
@@ -137,9 +139,9 @@ def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--peer-dtype",
         choices=["bfloat16", "float32"],
-        default="bfloat16",
-        help="--peer: both servers' --dtype (float32: what `decoderlm serve` runs by default on a "
-        "CPU without bfloat16 dot products)",
+        help="--peer: the servers' --dtype (float32: what `decoderlm serve` runs by default on a "
+        "CPU without bfloat16 dot products; default: bfloat16 against vLLM, float32 activations "
+        "on the file's blocks against llama.cpp)",
     )
     parser.add_argument(
         "--peer-avx2",
@@ -159,10 +161,11 @@ def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
 def measured(record: dict, side: str) -> Measured:
     """A `Measured` from what vllm_cpu.py's bench-runs wrote: the bench result and /metrics."""
     result = record["result"]
+    names = SPECULATION_COUNTERS.get(side, ())  # none: a peer run without speculation
     proposed, accepted = (
         counter(record["metrics_after"], name) - counter(record["metrics_before"], name)
-        for name in SPECULATION_COUNTERS[side]
-    )
+        for name in names
+    ) if names else (0.0, 0.0)  # fmt: skip
     return Measured(
         tok_s=result["output_throughput"],
         itl_p50_ms=result["median_itl_ms"],
@@ -186,15 +189,15 @@ def counter(metrics: str, name: str) -> float:
     return total
 
 
-def comparison_table(rows: dict[int, dict[str, Measured]]) -> str:
+def comparison_table(rows: dict[int, dict[str, Measured]], peer: str = "vLLM") -> str:
     """The comparison's table: per concurrency, both sides' tokens/s, their ratio, ITL p50, TTFT p99."""
     lines = [
-        "| concurrency | vLLM CPU tok/s | decoderlm tok/s | ratio | ITL p50 vLLM / decoderlm (ms) "
-        "| TTFT p99 vLLM / decoderlm (ms) |",
+        f"| concurrency | {peer} tok/s | decoderlm tok/s | ratio | ITL p50 {peer} / decoderlm (ms) "
+        f"| TTFT p99 {peer} / decoderlm (ms) |",
         "|---|---|---|---|---|---|",
     ]
     for c, r in rows.items():
-        v, d = r["vLLM"], r["decoderlm"]
+        v, d = r[peer], r["decoderlm"]
         lines.append(
             f"| {c} | {v.tok_s:,.0f} | {d.tok_s:,.0f} | {d.tok_s / v.tok_s:.2f}× | "
             f"{v.itl_p50_ms:.1f} / {d.itl_p50_ms:.1f} | "
@@ -315,26 +318,28 @@ def decoderlm_command(
     return cmd
 
 
-def bench_argv(port: int, directory: Path, concurrency: int, prompts: int, seed: int,
+def bench_argv(port: int, model: str, tokenizer: Path, concurrency: int, prompts: int, seed: int,
                dataset: list[str]) -> list[str]:  # fmt: skip
-    """`vllm bench serve`'s arguments for one pass."""
-    return ["--backend", "vllm", "--host", "127.0.0.1", "--port", str(port), "--model", directory.name,
-            "--tokenizer", str(directory), *dataset, "--ignore-eos", "--temperature", "0", "--max-concurrency",
+    """`vllm bench serve`'s arguments for one pass: the served `model`'s name, the directory of
+    the Hugging Face tokenizer the client counts and makes prompts with."""
+    return ["--backend", "vllm", "--host", "127.0.0.1", "--port", str(port), "--model", model,
+            "--tokenizer", str(tokenizer), *dataset, "--ignore-eos", "--temperature", "0", "--max-concurrency",
             str(concurrency), "--num-prompts", str(prompts), "--seed", str(seed),
             "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99", "--disable-tqdm"]  # fmt: skip
 
 
 def drive(args: argparse.Namespace, side: str, label: str, cmd: list[str], port: int,
-          directory: Path, passes: list[tuple[int, list[str], list[str]]],
+          served: tuple[str, Path], passes: list[tuple[int, list[str], list[str]]],
           work: Path) -> dict[int, Measured]:  # fmt: skip
     """Starts side's server (`cmd`), and per (concurrency C, warm-up dataset, timed dataset) a
     warm-up pass of C prompts then the timed pass of max(8, 2·C), all in one `vllm_cpu.py
-    bench-runs` process; the timed passes' `Measured`. Files in `work` are named by `label`."""
+    bench-runs` process; the timed passes' `Measured`. `served`: the model's name and the
+    client's tokenizer directory. Files in `work` are named by `label`."""
     runs = []
     for c, warm, timed in passes:
-        runs += [{"argv": bench_argv(port, directory, c, c, 1, warm),
+        runs += [{"argv": bench_argv(port, *served, c, c, 1, warm),
                   "out": str(work / f"{label}-{c}-warm.json")},
-                 {"argv": bench_argv(port, directory, c, max(8, 2 * c), 0, timed),
+                 {"argv": bench_argv(port, *served, c, max(8, 2 * c), 0, timed),
                   "out": str(work / f"{label}-{c}.json")}]  # fmt: skip
     (work / "runs.json").write_text(json.dumps(runs))
     with server(cmd, port, work / f"{label}.log", server_env(args, side)) as startup:
@@ -343,8 +348,13 @@ def drive(args: argparse.Namespace, side: str, label: str, cmd: list[str], port:
         with (work / f"{label}-bench.log").open("w") as log:
             subprocess.run(bench, check=True, stdout=log, stderr=subprocess.STDOUT,
                            env={**os.environ, **VLLM_ENV})  # fmt: skip
-    results = {c: measured(json.loads((work / f"{label}-{c}.json").read_text()), side)
-               for c, _, _ in passes}  # fmt: skip
+    return {c: measured(json.loads((work / f"{label}-{c}.json").read_text()), side)
+            for c, _, _ in passes}  # fmt: skip
+
+
+def completed(label: str, results: dict[int, Measured], work: Path) -> dict[int, Measured]:
+    """`results`, after exiting if any request of them failed (the client's errors are in
+    `work`/`label`-bench.log)."""
     if any(m.failed for m in results.values()):
         sys.exit(f"{label}: requests failed: {results}; see {work / label}*.log")
     return results
@@ -383,7 +393,7 @@ def run_peer(args: argparse.Namespace) -> None:
 def run_comparison(args: argparse.Namespace, work: Path) -> str:
     directory = model_dir(work) if args.peer_model is None else args.peer_model.resolve()
     caps = f", capped at AVX2 ({AVX2_ENV})" if args.peer_avx2 else ""
-    print(f"model: {directory.name}, {args.peer_dtype}{caps}", flush=True)
+    print(f"model: {directory.name}, {peer_dtype(args)}{caps}", flush=True)
     n = args.peer_prompt_tokens
     dataset = ["--dataset-name", "random", "--random-input-len", str(n), "--random-output-len", "128"]  # fmt: skip
     passes = [(c, dataset, dataset) for c in args.peer_concurrency]  # warm-up: seed 1
@@ -394,7 +404,9 @@ def run_comparison(args: argparse.Namespace, work: Path) -> str:
         port = free_port()
         cmd = command(args, side, directory, port, None)
         label = f"{side}-{directory.name}"  # each model's logs and results beside the others'
-        for c, m in drive(args, side, label, cmd, port, directory, passes, work).items():
+        served = (directory.name, directory)
+        results = drive(args, side, label, cmd, port, served, passes, work)
+        for c, m in completed(label, results, work).items():
             rows[c][side] = m
     return comparison_table(rows)
 
@@ -425,8 +437,9 @@ def run_speculative(args: argparse.Namespace, work: Path) -> str:
             cmd = command(args, side, directory, port, k)
             passes = [(c, *datasets)]
             label = f"{side}-{directory.name}-{mode}"
-            rows.setdefault(side, {})[mode] = drive(args, side, label, cmd, port, directory,
-                                                    passes, work)[c]  # fmt: skip
+            served = (directory.name, directory)
+            results = drive(args, side, label, cmd, port, served, passes, work)
+            rows.setdefault(side, {})[mode] = completed(label, results, work)[c]
     return speculative_table(rows, args.k)
 
 
@@ -448,5 +461,11 @@ def command(
     args: argparse.Namespace, side: str, directory: Path, port: int, k: int | None
 ) -> list[str]:
     if side == "vLLM":
-        return vllm_command(args.vllm_python, directory, port, k, args.peer_dtype)
-    return decoderlm_command(directory, port, k, args.peer_dtype)
+        return vllm_command(args.vllm_python, directory, port, k, peer_dtype(args))
+    return decoderlm_command(directory, port, k, peer_dtype(args))
+
+
+def peer_dtype(args: argparse.Namespace) -> str:
+    """--peer-dtype, or its default for the peer: float32 against llama.cpp (activations in
+    float32 on a GGUF file's blocks, as gguf_decode.py runs it), bfloat16 against vLLM."""
+    return args.peer_dtype or ("float32" if args.peer == "llama.cpp" else "bfloat16")

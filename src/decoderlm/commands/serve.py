@@ -118,9 +118,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="run the engine's decode passes eagerly, not by the libraries compiled ahead of "
         "time when the engine starts (minutes the first time on a machine, then loaded from the "
-        "disk cache; CPU float32/bfloat16 models without a sliding window: one sequence, or "
-        "any number where every linear runs on bfloat16 dot products (AMX or AVX512-BF16) or "
-        "with --batch-invariant)",
+        "disk cache; CPU float32/bfloat16 models without a sliding window: any number of "
+        "sequences where every linear is packed for the CPU's kernels or is a GGUF file's "
+        "block linear, and with --batch-invariant; one sequence with decoderlm.quant's int8 "
+        "and int4 linears)",
     )
     parser.add_argument(
         "--batch-invariant",
