@@ -4,8 +4,9 @@ weights within the rounding of the activations (per block of 32: Q8_0's to int16
 max|x| / (2 · 32767); the 4- and 5-bit types' to e·(256 a + b), |x − x̂| ≤ max|x| / (127 · 256))
 of the float64 product of the dequantized weights; float16/bfloat16 weights and
 Int8Linear / Int4Linear as close to float64 as F.linear; odd numbers of blocks, inputs, outputs
-and rows; the dequantizer bit-equal to `dequantize_rows`; layers sending a few rows to the kernels
-and many to a GEMM; bfloat16 on a CPU without bfloat16 instructions computed in float32; the
+and rows; the dequantizer bit-equal to `dequantize_rows`; layers sending a few rows to the kernels,
+a decode step's many to dequantized panels summed as the fixed-order kernel sums, a prompt's to a
+GEMM; bfloat16 on a CPU without bfloat16 instructions computed in float32; the
 compiled decode step calling the kernels and decoding the eager tokens; DECODERLM_CPU_ISA capping
 the build a process uses."""
 
@@ -217,15 +218,45 @@ def block_model(kind: str = "Q4_1") -> DecoderLM:
 
 
 @needs_kernels
-def test_a_block_linear_runs_a_few_rows_on_the_kernel_and_many_on_a_gemm():
+def test_a_block_linear_runs_few_rows_on_the_kernel_a_steps_on_panels_a_prompts_on_a_gemm():
     layer = block_model().blocks[0].mlp.gate
-    few, many = torch.randn(block_linear.MAX_ROWS, 64), torch.randn(block_linear.MAX_ROWS + 1, 64)
+    weight = dequantize_rows(layer.blocks, "Q4_1", 64)
     with torch.no_grad():
-        assert "decoderlm::block_linear" in ops_called(lambda: layer(few))
-        called = ops_called(lambda: layer(many))
+        for rows in (block_linear.MAX_ROWS, block_linear.MAX_ROWS + 1, block_linear.MAX_PANEL_ROWS):
+            x = torch.randn(rows, 64)
+            assert "decoderlm::block_linear" in ops_called(lambda x=x: layer(x))
+        prompt = torch.randn(block_linear.MAX_PANEL_ROWS + 1, 64)
+        called = ops_called(lambda: layer(prompt))
         assert "decoderlm::block_dequantize" in called and "decoderlm::block_linear" not in called
-        weight = dequantize_rows(layer.blocks, "Q4_1", 64)
-        assert torch.equal(layer(many), F.linear(many, weight))
+        assert torch.equal(layer(prompt), F.linear(prompt, weight))
+        torch.set_float32_matmul_precision("medium")  # (reset by the autouse fixture)
+        called = ops_called(lambda: layer(torch.randn(block_linear.MAX_ROWS + 1, 64)))
+        assert "decoderlm::block_linear" not in called  # bfloat16 products' GEMM
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("kind", [*QUANTIZED, "F16", "BF16"])
+def test_a_decode_steps_rows_on_panels_sum_as_the_fixed_order_kernel(variant, kind):
+    """17 to 256 float32 rows: each output the FMA sum of its dequantized weights in the order of
+    k, as `invariant.linear` sums it (bit for bit on the same build), within float32 rounding of
+    float64; panels cut short (N no multiple of 32), tiles of fewer rows, K no multiple of 8."""
+    from decoderlm.cpu import invariant
+
+    k = 37 if kind in ("F16", "BF16") else 160
+    blocks = random_blocks(kind, 45, k, seed=5)
+    weight = dequantize_rows(blocks, kind, k)
+    for rows in (block_linear.MAX_ROWS + 1, 31, block_linear.MAX_PANEL_ROWS):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        y = block_linear.linear(x, blocks, kind, variant)
+        exact = x.double() @ weight.double().T
+        bound = (
+            4 * k * torch.finfo(torch.float32).eps * (x.abs().double() @ weight.abs().double().T)
+        )
+        assert ((y.double() - exact).abs() <= bound).all()
+        native = block_linear.isa(variant) == block_linear.isa(len(VARIANTS) - 1)
+        if native and invariant.available():
+            assert torch.equal(y, invariant.linear(x, invariant.pack(weight), 45))
 
 
 @needs_kernels
@@ -237,7 +268,7 @@ def test_many_float32_rows_follow_the_float32_matmul_precision(kind):
     blocks = random_blocks(kind, n, k, seed=4)
     layer = BlockLinear(k, n, kind, blocks=blocks)
     w = blocks.view(torch.bfloat16) if kind == "BF16" else dequantize_rows(blocks, kind, k)
-    x = torch.randn(block_linear.MAX_ROWS + 1, k)
+    x = torch.randn(block_linear.MAX_PANEL_ROWS + 1, k)  # a prompt's rows
     chunks = torch.split(w, CHUNK_WEIGHTS // k)
     with torch.no_grad():
         for precision in ("highest", "medium"):
@@ -256,7 +287,7 @@ def test_many_float32_rows_follow_the_float32_matmul_precision(kind):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_op_given_many_rows_runs_a_gemm_on_the_dequantized_weight(dtype):
     blocks = random_blocks("Q5_1", 70_000, 64, seed=3)  # more rows than one chunk dequantizes
-    x = torch.randn(block_linear.MAX_ROWS + 3, 64).to(dtype)
+    x = torch.randn(block_linear.MAX_PANEL_ROWS + 3, 64).to(dtype)
     weight = dequantize_rows(blocks, "Q5_1", 64).to(dtype)
     y = block_linear.linear(x, blocks, "Q5_1")
     assert y.dtype == dtype

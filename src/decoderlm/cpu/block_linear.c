@@ -26,12 +26,16 @@
  * widened to float32 and summed by FMA. Threads split the output rows (OpenMP, torch's thread
  * count). */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
+
+#include "vec.h"
+#include "outer.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
     defined(__F16C__) && defined(__FMA__)
@@ -737,8 +741,26 @@ int FN(int_linear)(int bits, const void *x, int x_bf16, int64_t M, const uint8_t
     return 0;
 }
 
+#if ISA > 0
+/* A 4- or 5-bit block's 32 unsigned values u (as `unpack_pair` or `unpack_block` give them) → o
+ * (32,) float32: w = d·u + m where the type has a minimum, else d·(u − z), each product and sum
+ * rounded apart, as quant/blocks.py's dequantize_rows computes them. */
+INLINE void block_floats(const Layout L, __m256i u, float d, float m, float *o) {
+    const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+    const __m256i zero = _mm256_set1_epi32(L.zero_shift ? 1 << L.zero_shift : 0);
+    const __m128i halves[2] = {_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)};
+    for (int i = 0; i < 4; i++) {
+        const __m128i bytes = i % 2 ? _mm_unpackhi_epi64(halves[i / 2], halves[i / 2]) : halves[i / 2];
+        const __m256i q = _mm256_cvtepu8_epi32(bytes);  /* values 8i .. 8i + 7 */
+        const __m256 w = L.min ? _mm256_add_ps(_mm256_mul_ps(dv, _mm256_cvtepi32_ps(q)), mv)
+                               : _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, zero)));
+        _mm256_storeu_ps(o + 8 * i, w);
+    }
+}
+#endif
+
 /* Row `row` of Ŵ (K weights in blocks of `type`) → out (K,) float32: the values of quant/blocks.py's
- * dequantize_rows (w = d·q + m may be fused into one rounding). */
+ * dequantize_rows, to the bit. */
 INLINE void dequantize_row(const int type, const uint8_t *row, int64_t K, float *out) {
     if (type == F16 || type == BF16) {
         const uint16_t *w = (const uint16_t *)row;
@@ -747,6 +769,19 @@ INLINE void dequantize_row(const int type, const uint8_t *row, int64_t K, float 
     }
     const Layout L = LAYOUTS[type];
     const int zero = L.zero_shift ? 1 << L.zero_shift : 0;
+#if ISA > 0
+    for (int64_t blk = 0; type != Q8_0 && blk < K / 32; blk++) {
+        const uint8_t *b = row + blk * L.bytes;
+        const float d = half_to_float(load16(b)), m = L.min ? half_to_float(load16(b + 2)) : 0.0f;
+#if ISA == 2
+        const __m256i u = _mm512_castsi512_si256(unpack_pair(type, b, b));
+#else
+        const __m256i u = unpack_block(type, b);
+#endif
+        block_floats(L, u, d, m, out + blk * 32);
+    }
+    if (type != Q8_0) return;
+#endif
     for (int64_t blk = 0; blk < K / 32; blk++) {
         const uint8_t *b = row + blk * L.bytes, *qs = b + L.qs;
         const float d = half_to_float(load16(b)), m = L.min ? half_to_float(load16(b + 2)) : 0.0f;
@@ -778,6 +813,45 @@ INLINE void dequantize_rows(const int type, const uint8_t *W, int64_t n0, int64_
         dequantize_row(type, W + (n0 + n) * row_bytes, K, wide);
         for (int64_t k = 0; k < K; k++) ((uint16_t *)out)[n * K + k] = float_to_bf16(wide[k]);
     }
+}
+
+/* y (M, N) = x (M, K) Ŵᵀ, x and y float32, for more rows than the block kernels take: each thread
+ * dequantizes a panel of PANEL outputs at a time into its buffer, laid out (K, PANEL) as outer.h's
+ * tiles read it (4 · K · PANEL bytes: 192 KiB at K = 1,536 with AVX-512, in L2), and multiplies all
+ * M rows by it there, so that every weight is dequantized once per call and never written to memory
+ * (against dequantizing the weight then a GEMM: ...). Threads split the panels. Returns −1 where a
+ * buffer could not be allocated. */
+#define TRANSPOSE_STEP 16 /* inputs a step of the transposition: 16 lines of the panel in L1 */
+int FN(block_panels)(int type, const float *x, int64_t M, const uint8_t *W, int64_t N, int64_t K, float *y) {
+    const int64_t row_bytes = type == F16 || type == BF16 ? 2 * K : K / 32 * LAYOUTS[type].bytes;
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        float *panel = malloc(sizeof(float) * (size_t)(K * PANEL)), *rows = malloc(sizeof(float) * (size_t)(K * PANEL));
+        failed = !panel || !rows;
+        for (int64_t j = panels * t / threads; !failed && j < panels * (t + 1) / threads; j++) {
+            const int64_t n0 = j * PANEL, rn = N - n0 < PANEL ? N - n0 : PANEL;
+            for (int64_t i = 0; i < PANEL; i++) {
+                if (i < rn) dequantize_row(type, W + (n0 + i) * row_bytes, K, rows + i * K);
+                else memset(rows + i * K, 0, sizeof(float) * (size_t)K);
+            }
+            for (int64_t k0 = 0; k0 < K; k0 += TRANSPOSE_STEP)  /* rows (PANEL, K) → panel (K, PANEL) */
+                for (int64_t i = 0; i < PANEL; i++)
+                    for (int64_t k = k0; k < k0 + TRANSPOSE_STEP && k < K; k++) panel[k * PANEL + i] = rows[i * K + k];
+            float out[R * PANEL];
+            for (int64_t m = 0; m < M; m += R) {
+                const int64_t rm = M - m < R ? M - m : R;
+                (rm == R ? full_f32 : rm == 1 ? one_f32 : part_f32)(x + m * K, panel, out, rm, K);
+                for (int64_t r = 0; r < rm; r++)
+                    memcpy(y + (m + r) * N + n0, out + r * PANEL, sizeof(float) * (size_t)rn);
+            }
+        }
+        free(panel);
+        free(rows);
+    }
+    return failed ? -1 : 0;
 }
 
 /* Rows n0 .. n0 + rows − 1 of Ŵ (N, K) in blocks of `type` → out (rows, K), float32 or (out_bf16)

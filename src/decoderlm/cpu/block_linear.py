@@ -20,11 +20,16 @@ against two int8 (2026-12-06, a Zen 4, a 1536 × 576 product in cache, one threa
 µs with AVX-512, 46 against 68 µs with AVX2. F16 and BF16 weights, and decoderlm.quant's Int8Linear and
 Int4Linear (`int8_linear`, `int4_linear`), are widened to float32 and summed by FMA.
 
-Many rows (a prompt's prefill) go to a GEMM instead, as many rows amortize the dequantization:
-`dequantize` (decoderlm::block_dequantize) writes the weights' floats with the same C code for the
-caller to multiply (`decoderlm.quant.BlockLinear` does, with F.linear, where the number of rows
-is known); `linear` itself, given more than MAX_ROWS rows (a batch size left symbolic in a
-compiled library), dequantizes a chunk of rows at a time and multiplies it by aten::matmul.
+More rows than MAX_ROWS, in float32 and up to MAX_PANEL_ROWS (a decode step of many sequences),
+run on dequantized panels (`block_panels`): each thread dequantizes the weights of PANEL outputs
+at a time into a buffer in its cache, laid out for the outer-product tile of `outer.h` (the one
+`invariant.c` runs), and multiplies every row by it there, so that each weight is dequantized once
+a call and never written to memory. More rows still (a prompt's prefill), or bfloat16 ones, go to
+a GEMM, as many rows amortize the dequantization: `dequantize` (decoderlm::block_dequantize)
+writes the weights' floats with the same C code for the caller to multiply
+(`decoderlm.quant.BlockLinear` does, with F.linear, where the number of rows is known); `linear`
+itself, given more rows (a batch size left symbolic in a compiled library), dequantizes a chunk
+of rows at a time and multiplies it by aten::matmul.
 
 `block_linear.c` is built three times (`decoderlm.cpu.native`): for this CPU (`-march=native`:
 AVX-512 VNNI code where the CPU has it), for AVX2 (`-mno-avx512f`) and as portable C
@@ -55,6 +60,9 @@ ISAS = ("portable C", "AVX2", "AVX-512")  # what a build's code uses (block_line
 # Rows of x up to which a product runs on the block kernel; more go to dequantize + GEMM (the
 # kernel unpacks each weight block once per four rows, where a GEMM reuses it across many).
 MAX_ROWS = 16
+# Float32 rows up to which a product runs on dequantized panels; more go to dequantize + GEMM
+# (whose packing of x pays off over a prompt's rows).
+MAX_PANEL_ROWS = 256
 
 _SOURCE = Path(__file__).with_name("block_linear.c")
 _VARIANT_FLAGS = {
@@ -140,6 +148,19 @@ def many_rows(x: Tensor) -> bool:
     """Whether x (..., K) holds more than MAX_ROWS rows; False, and no guard, where a symbolic
     batch size leaves it open."""
     return statically_known_true(math.prod(x.shape[:-1]) > MAX_ROWS)
+
+
+def on_panels(x: Tensor) -> bool:
+    """Whether the op runs x (..., K) on dequantized panels: float32, more than MAX_ROWS and at
+    most MAX_PANEL_ROWS rows (statically known), at a float32 matmul precision other than "medium"
+    (there a GEMM's products in bfloat16 are the faster: `bf16_linear.float32_linear`)."""
+    rows = math.prod(x.shape[:-1])
+    return (
+        x.dtype == torch.float32
+        and torch.get_float32_matmul_precision() != "medium"
+        and statically_known_true(rows > MAX_ROWS)
+        and statically_known_true(rows <= MAX_PANEL_ROWS)
+    )
 
 
 def runs(x: Tensor, weight: Tensor) -> bool:

@@ -23,7 +23,8 @@ using torch::stable::Tensor;
   void block_dequantize_##V(int type, const uint8_t *W, int64_t n0, int64_t rows, int64_t K, void *out, \
                             int out_bf16);                                                             \
   int int_linear_##V(int bits, const void *x, int x_bf16, int64_t M, const uint8_t *W, const float *scale,  \
-                     const float *offset, int64_t G, int64_t N, int64_t K, void *y);
+                     const float *offset, int64_t G, int64_t N, int64_t K, void *y);                 \
+  int block_panels_##V(int type, const float *x, int64_t M, const uint8_t *W, int64_t N, int64_t K, float *y);
 
 extern "C" {
 VARIANT_DECLARATIONS(portable)
@@ -40,6 +41,8 @@ const DequantizeFn DEQUANTIZE[] = {block_dequantize_portable, block_dequantize_a
 using IntLinearFn = int (*)(int, const void *, int, int64_t, const uint8_t *, const float *, const float *, int64_t,
                             int64_t, int64_t, void *);
 const IntLinearFn INT_LINEAR[] = {int_linear_portable, int_linear_avx2, int_linear_native};
+using PanelsFn = int (*)(int, const float *, int64_t, const uint8_t *, int64_t, int64_t, float *);
+const PanelsFn PANELS[] = {block_panels_portable, block_panels_avx2, block_panels_native};
 
 // (weights per block, bytes per block) of each type, in the order of quant/blocks.py's BLOCK_TYPES.
 const int64_t BLOCK_WEIGHTS[] = {1, 1, 32, 32, 32, 32, 32};
@@ -65,9 +68,10 @@ Tensor checked_blocks(Tensor blocks, int64_t type, int64_t k, int64_t variant) {
   return blocks.is_contiguous() ? blocks : torch::stable::contiguous(blocks);
 }
 
-// Rows of x up to which the product runs on the block kernel (block_linear.py's MAX_ROWS); more
-// go to `gemm`.
-constexpr int64_t MAX_KERNEL_ROWS = 16;
+// Rows of x up to which the product runs on the block kernel (block_linear.py's MAX_ROWS); more,
+// in float32 and up to MAX_PANEL_ROWS (block_linear.py's), on dequantized panels (block_panels);
+// more than that, or in bfloat16, go to `gemm`.
+constexpr int64_t MAX_KERNEL_ROWS = 16, MAX_PANEL_ROWS = 256;
 constexpr int64_t CHUNK_WEIGHTS = int64_t{1} << 22;  // weights dequantized at a time (quant/blocks.py)
 
 // y (M, N) = x (M, K) Ŵᵀ by aten::matmul on Ŵ dequantized CHUNK_WEIGHTS at a time, in x's dtype.
@@ -91,6 +95,13 @@ Tensor block_linear(Tensor x, Tensor blocks, int64_t type, int64_t variant) {
   blocks = checked_blocks(blocks, type, K, variant);
   Tensor y = output_for(x, blocks.size(0));
   if (M == 0 || blocks.size(0) == 0) return y;
+  if (M > MAX_KERNEL_ROWS && M <= MAX_PANEL_ROWS && x.scalar_type() == ScalarType::Float) {
+    const int status = PANELS[variant](static_cast<int>(type), static_cast<const float *>(x.data_ptr()), M,
+                                       static_cast<const uint8_t *>(blocks.data_ptr()), blocks.size(0), K,
+                                       static_cast<float *>(y.data_ptr()));
+    STD_TORCH_CHECK(status == 0, "block_linear: no memory for the dequantized panels");
+    return y;
+  }
   if (M > MAX_KERNEL_ROWS) {
     std::vector<int64_t> rows_x = {M, K}, rows_y = {M, blocks.size(0)};
     gemm(torch::stable::view(x, rows_x), blocks, type, variant, torch::stable::view(y, rows_y));

@@ -8,14 +8,11 @@
  * multiply-adds from zero: acc ← fma(x[m, k], W[n, k], acc). A BLAS picks its blocking of K and
  * its kernels by the shape, so a row's sums change with the batch around it (Thinking Machines,
  * 2025, "Defeating Nondeterminism in LLM Inference"); here only the tiling of rows and outputs
- * changes with the shape, never an output's arithmetic. The product is a BLAS micro-kernel's outer
- * product (Goto and van de Geijn, 2008, "Anatomy of High-Performance Matrix Multiplication"): W
- * packed once into panels of PANEL outputs, (⌈N/PANEL⌉, K, PANEL) (`invariant_pack`), each step
- * of k broadcasts x[m, k] of R rows and multiplies it by the panel's two vectors of W[·, k], R × 2
- * accumulators in registers; a tile of fewer rows (the edge, a decode row) performs, per output,
- * the same operations in the same order (and the file is compiled without -ffast-math's
- * reassociation). bfloat16 operands are widened exactly to float32 (a 16-bit shift); the sums
- * round to bfloat16 once, to nearest even. Parallel over panels with OpenMP; each output is
+ * changes with the shape, never an output's arithmetic. The product is outer.h's outer-product
+ * tile on W packed once into panels of PANEL outputs, (⌈N/PANEL⌉, K, PANEL) (`invariant_pack`),
+ * whose tile of fewer rows (the edge, a decode row) performs, per output, the same operations in
+ * the same order (and the file is compiled without -ffast-math's reassociation). A bfloat16
+ * output rounds its float32 sum once, to nearest even. Parallel over panels with OpenMP; each output is
  * computed by one thread, whole; the rows run in blocks of ROW_BLOCK, whose x stays in L2 while
  * the thread's panels stream past it.
  */
@@ -24,17 +21,8 @@
 #include <stdint.h>
 
 #include "vec.h"
+#include "outer.h"
 
-/* Rows per tile: R × 2 accumulators, 2 W vectors and a broadcast x in the registers (AVX-512's 32:
- * 8 × 2; AVX2's 16: 6 × 2). */
-#if LANES == 16
-#define R 8
-#elif LANES == 8
-#define R 6
-#else
-#define R 4
-#endif
-#define PANEL (2 * LANES) /* outputs per panel */
 #define ROW_BLOCK (10 * R) /* rows whose x a thread keeps while its panels pass */
 
 /* Outputs per panel: what `invariant.pack` lays W out for. */
@@ -53,34 +41,6 @@ void invariant_pack(const void *w, void *p, int64_t N, int64_t K, int bf16) {
             }
 }
 
-static inline float scalar_f32(const float *p) { return *p; }
-static inline float scalar_bf16(const uint16_t *p) { return from_bf16(*p); }
-
-/* One tile: rows 0 .. RM − 1 of x (at a stride of K) against one panel p (K, PANEL), the sums into
- * out (R, PANEL). The full tile is the same code with RM = R known to the compiler, so that its
- * accumulators stay in registers; per output every variant runs the same operations. */
-#define TILE(NAME, T, LOAD, SCALAR, RM)                                                            \
-    static void NAME(const void *xp, const void *pp, float *out, int64_t rm, int64_t K) {         \
-        const T *x = xp, *p = pp;                                                                  \
-        vec acc[R][2];                                                                             \
-        (void)rm;                                                                                  \
-        for (int r = 0; r < RM; r++) acc[r][0] = acc[r][1] = vzero();                              \
-        for (int64_t k = 0; k < K; k++) {                                                          \
-            const vec w0 = LOAD(p + k * PANEL, LANES), w1 = LOAD(p + k * PANEL + LANES, LANES);    \
-            for (int r = 0; r < RM; r++) {                                                         \
-                const vec xb = vset(SCALAR(x + r * K + k));                                        \
-                acc[r][0] = vfma(xb, w0, acc[r][0]);                                               \
-                acc[r][1] = vfma(xb, w1, acc[r][1]);                                               \
-            }                                                                                      \
-        }                                                                                          \
-        for (int r = 0; r < RM; r++) {                                                             \
-            store_f32(out + r * PANEL, acc[r][0], LANES);                                          \
-            store_f32(out + r * PANEL + LANES, acc[r][1], LANES);                                  \
-        }                                                                                          \
-    }
-TILE(full_f32, float, load_f32, scalar_f32, R)
-TILE(part_f32, float, load_f32, scalar_f32, rm)
-TILE(one_f32, float, load_f32, scalar_f32, 1) /* a decode row */
 TILE(full_bf16, uint16_t, load_bf16, scalar_bf16, R)
 TILE(part_bf16, uint16_t, load_bf16, scalar_bf16, rm)
 TILE(one_bf16, uint16_t, load_bf16, scalar_bf16, 1)

@@ -152,13 +152,14 @@ class BlockLinear(QuantizedLinear):
 
     def matmul(self, x: Tensor) -> Tensor:
         """x·Ŵᵀ (..., in_features) → (..., out_features): a few rows by the block kernels of
-        `decoderlm.cpu.block_linear`; more CHUNK_WEIGHTS of Ŵ at a time (a vocabulary-sized head
+        `decoderlm.cpu.block_linear`, a decode step's many float32 ones on its dequantized panels
+        (`block_linear.on_panels`); more CHUNK_WEIGHTS of Ŵ at a time (a vocabulary-sized head
         would otherwise be made whole, in floats, at every step): float32 x by
         `bf16_linear.float32_linear` (exact, or bfloat16 products at torch's float32 matmul
         precision "medium"), others by F.linear on Ŵ dequantized to x's dtype."""
         runs = block_linear.runs(x, self.blocks)
-        if runs and not block_linear.many_rows(x):
-            # a few rows, or a number left symbolic (the op picks the kernel or a GEMM then)
+        if runs and (not block_linear.many_rows(x) or block_linear.on_panels(x)):
+            # a few rows, a decode step's, or a number left symbolic (the op picks then)
             return block_linear.linear(x, self.blocks, self.ggml_type)
         rows = max(1, CHUNK_WEIGHTS // self.in_features)
         starts = range(0, self.out_features, rows)
