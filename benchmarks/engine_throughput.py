@@ -8,13 +8,15 @@ twice), in --dtype. For C streams, C requests of --prompt-tokens random tokens e
 = C · new tokens / wall time, prefill included. With --batch-invariant the attention model runs
 again in `Engine(batch_invariant=True)`: what the mode costs. --compile on (the server's
 default) runs decode passes by the libraries compiled ahead of time (`Engine(compile=True)`), off
-eagerly, both each model both ways. Every (model, C) runs --rounds times, interleaved
+eagerly, both each model both ways. --checkpoint runs a model of one's own instead (a run, a
+Hugging Face directory, a GGUF file or a model's name, e.g. smollm2-135m-instruct: its Q4_1 file,
+in --dtype activations on its blocks). Every (model, C) runs --rounds times, interleaved
 with the others, and the best round is kept (a shared CPU's speed drifts; the best of interleaved
 rounds gives each case the same chance of a quiet moment). The table prints the CPU, the threads
 and the load average before and after.
 
     HF_HUB_OFFLINE=1 python benchmarks/engine_throughput.py [--dtype bfloat16] [--streams 1 16 64]
-        [--rounds 3] [--compile on|off|both] [--batch-invariant] [--quick]
+        [--rounds 3] [--compile on|off|both] [--batch-invariant] [--checkpoint MODEL] [--quick]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from decoderlm.cpu.features import cpu_name
 from decoderlm.engine.engine import Engine
 from decoderlm.engine.types import RequestParams
 from decoderlm.inference.sampling import SamplingParams
+from decoderlm.loading import load
 
 HYBRID = ("gdn", "gdn", "gdn", "attention") * 2
 
@@ -52,6 +55,13 @@ def model(kind: str, dtype: torch.dtype) -> DecoderLM:
     layers = {"attention": None, "hybrid": HYBRID}[kind]
     config = ModelConfig.from_preset("llama-55m", n_kv_heads=2, layer_types=layers)
     return DecoderLM(config).to(dtype).eval()
+
+
+def loaded(kind: str, dtype: torch.dtype, checkpoint: str | None) -> tuple:
+    """(model, tokenizer) of the case `kind`: the --checkpoint's own, or a random one."""
+    if checkpoint is None:
+        return model(kind, dtype), Vocabulary(32000)
+    return load(checkpoint, dtype=dtype)
 
 
 def tokens_per_s(engine: Engine, streams: int, prompt: int, new: int) -> float:
@@ -81,6 +91,9 @@ def main() -> None:
         help="also the attention model in Engine(batch_invariant=True)",
     )
     parser.add_argument(
+        "--checkpoint", metavar="MODEL", help="this model instead of the random attention/hybrid"
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="a smoke run: 1 and 4 streams, 8 tokens"
     )
     args = parser.parse_args()
@@ -92,19 +105,19 @@ def main() -> None:
           f"{args.dtype}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")  # fmt: skip
     memory = args.kv_cache_memory
     ways = {"on": [True], "off": [False], "both": [False, True]}[args.compile]
-    kinds = [("attention", False), ("hybrid", False)]
-    kinds += [("attention", True)] if args.batch_invariant else []
+    kinds = [args.checkpoint] if args.checkpoint else ["attention", "hybrid"]
+    cases = [(kind, False) for kind in kinds]
+    cases += [(kinds[0], True)] if args.batch_invariant else []
     engines = {
         kind
         + (", batch-invariant" if invariant else "")
         + (", compiled" if compile and args.compile == "both" else ""): Engine(
-            model(kind, dtype),
-            Vocabulary(32000),
+            *loaded(kind, dtype, args.checkpoint),
             kv_cache_memory=memory,
             compile=compile,
             batch_invariant=invariant,
         )
-        for kind, invariant in kinds
+        for kind, invariant in cases
         for compile in ways
     }
     for engine in engines.values():  # warm-up: the first steps build kernels and caches

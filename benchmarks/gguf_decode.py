@@ -15,8 +15,9 @@ For each file:
 - llama.cpp: `llama-bench -t T -p 0 -n N -d 128` (and `-d 2048`), `-p 512 -n 0`;
 - logits error: max |logit − reference| over the 64 tokens of a text, the reference being the
   file's weights dequantized to float32 and run in float64; decoderlm's through its prefill path
-  (the tokens as one batch: a GEMM on dequantized weights) and its decode path (one token at a
-  time through the cache: the block kernels), llama.cpp's through `llama_logits.c` (one batch).
+  (the tokens as one batch: the integer panels on AVX-512 VNNI, else a GEMM on dequantized
+  weights) and its decode path (one token at a time through the cache: the block kernels),
+  llama.cpp's through `llama_logits.c` (one batch).
 
 Both sides run --threads threads, one after the other, run by run interleaved; the ratios are
 medians of per-run ratios. The CPU, its flags, the load average and the kernel each layer runs
@@ -141,8 +142,12 @@ def logits_errors(
 
 
 def many_rows_kernel(ggml_type: str, dtype: torch.dtype) -> str:
-    """What a product of many rows of `dtype` runs on `ggml_type` weights here."""
+    """What a prefill's product (more than MAX_PANEL_ROWS rows) of `dtype` runs on `ggml_type`
+    weights here."""
     rounding = torch.get_float32_matmul_precision() == "medium"
+    if dtype == torch.float32 and not rounding and block_linear.integer_panels(ggml_type):
+        width = "int16" if ggml_type == "Q8_0" else "int8"
+        return f"integer panels, {width} dot products, AVX-512 VNNI"
     if dtype == torch.float32 and rounding and "avx512_bf16" in bf16_linear.kernels():
         weights = "as stored" if ggml_type == "BF16" else "dequantized, rounded to bfloat16"
         return f"{weights}, x rounded to bfloat16, VDPBF16PS (bf16_linear.float32_linear)"

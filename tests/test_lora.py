@@ -28,6 +28,9 @@ from decoderlm.quant.apply import set_module
 # Merged weights W + (α/r)·B·A computed once in float32 against the two matmuls of the adapted
 # forward: different roundings of the same sums, ~1e-7 relative on logits of O(1).
 MERGE_ATOL = 1e-5
+# A GGUF block linear's products round its activations to 16 bits where no gradient flows through
+# them (decoderlm.cpu.block_linear; its first layers here): logits move by ~1e-5 (measured 1.3e-5).
+BLOCK_MERGE_ATOL = 1e-4
 
 
 def _model(seed: int = 0, **fields: object) -> DecoderLM:
@@ -70,9 +73,10 @@ IDS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
 @pytest.mark.parametrize("quantized", QUANTIZED)
 def test_zero_b_gives_the_base_logits_exactly(quantized: str | None) -> None:
     model = _quantized(_model(), quantized)
-    base = model(IDS)
-    apply_lora(model, rank=4, alpha=8, dropout=0.0)
-    assert torch.equal(model(IDS), base)
+    with torch.no_grad():  # the same products with and without LoRA (kernels take no gradients)
+        base = model(IDS)
+        apply_lora(model, rank=4, alpha=8, dropout=0.0)
+        assert torch.equal(model(IDS), base)
 
 
 @pytest.mark.parametrize("quantized", QUANTIZED)
@@ -83,11 +87,12 @@ def test_merged_and_unmerged_forwards_agree(quantized: str | None) -> None:
     adapted = model(IDS)
     plain = _model(seed=5)  # other weights: everything must come from the state dict
     plain.load_state_dict(merged_state_dict(model))
-    assert (plain(IDS) - adapted).abs().max() <= MERGE_ATOL
+    atol = BLOCK_MERGE_ATOL if quantized in ("Q8_0", "Q4_1") else MERGE_ATOL
+    assert (plain(IDS) - adapted).abs().max() <= atol
     assert (adapted - model(IDS)).abs().max() == 0  # merged_state_dict leaves the model as it was
     merge_lora(model)
     assert not any(isinstance(m, LoRALinear) for m in model.modules())
-    assert (model(IDS) - adapted).abs().max() <= MERGE_ATOL
+    assert (model(IDS) - adapted).abs().max() <= atol
 
 
 def test_only_the_adapters_require_gradients_and_get_them() -> None:

@@ -42,7 +42,7 @@ QUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 LEVELS = {"Q8_0": 128, "Q4_0": 16, "Q4_1": 16, "Q5_0": 32, "Q5_1": 32}  # max |q − z|
 # (N, K, M): an odd number of blocks (the last stands alone), one block, outputs that are no
 # multiple of the threads' or rows' steps, one to more than MAX_ROWS rows of x.
-QUANTIZED_SHAPES = [(37, 96, 1), (64, 576, 3), (5, 32, 6), (33, 160, 17), (1, 64, 1)]
+QUANTIZED_SHAPES = [(37, 96, 1), (64, 576, 3), (5, 32, 6), (33, 160, 17), (1, 64, 1), (70, 96, 300)]
 FLOAT_SHAPES = [(37, 96, 1), (7, 37, 2), (3, 1, 1), (33, 100, 5)]  # K no multiple of 8 or 16
 VARIANTS = range(len(block_linear.VARIANTS))
 
@@ -65,6 +65,12 @@ def random_blocks(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
         value = torch.randn(n, k // 32, generator=g) * magnitude
         per_block[..., at : at + 2] = value.half().view(torch.uint8).view(n, k // 32, 2)
     return blocks
+
+
+def on_integer_panels(kind: str, variant: int, rows: int) -> bool:
+    """Whether the op runs `rows` rows of `kind` on the integer panels of the build `variant`."""
+    tiles = kind in QUANTIZED and block_linear.isa(variant) == "AVX-512"
+    return tiles and rows > block_linear.MAX_TILE_KERNEL_ROWS
 
 
 def activation_bound(kind: str, blocks: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -104,11 +110,13 @@ def test_quantized_products_are_within_the_activations_rounding_of_float64(varia
 
 @needs_kernels
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_q8_0_products_are_those_of_the_activations_rounded_to_int16(variant):
+@pytest.mark.parametrize("m", [3, 9])
+def test_q8_0_products_are_those_of_the_activations_rounded_to_int16(variant, m):
     """y = Σ_blocks d e Σ_j q_j c_j with e = max|x| / 32767 and c = round(x · 32767 / max|x|) in
-    float32, as the kernel file states: the integer dot products in float64, the kernel's float32
-    scaling and sums within 1e-5 of the terms' magnitude."""
-    n, k, m = 37, 96, 3
+    float32, as the kernel file states, on the kernels (3 rows) and the integer panels (9): the
+    integer dot products in float64, the float32 scaling and sums within 1e-5 of the terms'
+    magnitude."""
+    n, k = 37, 96
     blocks = random_blocks("Q8_0", n, k, seed=5)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(5))
     x[:, ::7] *= 30
@@ -165,13 +173,16 @@ def test_the_dequantizer_is_bit_equal_to_dequantize_rows(variant, kind):
 @needs_kernels
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_a_non_finite_activation_makes_its_rows_products_non_finite(variant, bad):
-    blocks = random_blocks("Q4_0", 8, 64, seed=4)
-    x = torch.randn(2, 64)
-    x[0, 40] = bad
-    y = block_linear.linear(x, blocks, "Q4_0", variant)
-    assert not y[0].isfinite().any() and y[1].isfinite().all()
-    assert bad == bad or y[0].isnan().all()  # a NaN stays NaN (an inf gives ±inf or NaN)
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0"])
+def test_a_non_finite_activation_makes_its_rows_products_non_finite(variant, bad, kind):
+    """On the kernels (2 rows) and on the panels (6 and 40 rows)."""
+    blocks = random_blocks(kind, 8, 64, seed=4)
+    for rows in (2, block_linear.MAX_TILE_KERNEL_ROWS + 2, 40):
+        x = torch.randn(rows, 64)
+        x[0, 40] = bad
+        y = block_linear.linear(x, blocks, kind, variant)
+        assert not y[0].isfinite().any() and y[1:].isfinite().all()
+        assert bad == bad or y[0].isnan().all()  # a NaN stays NaN (an inf gives ±inf or NaN)
 
 
 @needs_kernels
@@ -219,19 +230,24 @@ def block_model(kind: str = "Q4_1") -> DecoderLM:
 
 @needs_kernels
 def test_a_block_linear_runs_few_rows_on_the_kernel_a_steps_on_panels_a_prompts_on_a_gemm():
+    """A prompt's rows go to the op where it has integer panels (AVX-512 VNNI), else to a GEMM;
+    so do a decode step's at torch's float32 matmul precision "medium"."""
     layer = block_model().blocks[0].mlp.gate
     weight = dequantize_rows(layer.blocks, "Q4_1", 64)
+    tiles = block_linear.integer_panels("Q4_1")
     with torch.no_grad():
         for rows in (block_linear.MAX_ROWS, block_linear.MAX_ROWS + 1, block_linear.MAX_PANEL_ROWS):
             x = torch.randn(rows, 64)
             assert "decoderlm::block_linear" in ops_called(lambda x=x: layer(x))
         prompt = torch.randn(block_linear.MAX_PANEL_ROWS + 1, 64)
         called = ops_called(lambda: layer(prompt))
-        assert "decoderlm::block_dequantize" in called and "decoderlm::block_linear" not in called
-        assert torch.equal(layer(prompt), F.linear(prompt, weight))
+        assert ("decoderlm::block_linear" in called) == tiles
+        assert ("decoderlm::block_dequantize" in called) != tiles
+        if not tiles:
+            assert torch.equal(layer(prompt), F.linear(prompt, weight))
         torch.set_float32_matmul_precision("medium")  # (reset by the autouse fixture)
         called = ops_called(lambda: layer(torch.randn(block_linear.MAX_ROWS + 1, 64)))
-        assert "decoderlm::block_linear" not in called  # bfloat16 products' GEMM
+        assert ("decoderlm::block_linear" in called) == tiles  # else bfloat16 products' GEMM
 
 
 @needs_kernels
@@ -243,6 +259,8 @@ def test_a_decode_steps_rows_on_panels_sum_as_the_fixed_order_kernel(variant, ki
     float64; panels cut short (N no multiple of 32), tiles of fewer rows, K no multiple of 8."""
     from decoderlm.cpu import invariant
 
+    if on_integer_panels(kind, variant, block_linear.MAX_ROWS + 1):
+        pytest.skip("integer panels: test_quantized_products_are_within_the_activations_rounding")
     k = 37 if kind in ("F16", "BF16") else 160
     blocks = random_blocks(kind, 45, k, seed=5)
     weight = dequantize_rows(blocks, kind, k)
@@ -260,38 +278,64 @@ def test_a_decode_steps_rows_on_panels_sum_as_the_fixed_order_kernel(variant, ki
 
 
 @needs_kernels
-@pytest.mark.parametrize("kind", ["BF16", "Q8_0"])
+@pytest.mark.parametrize("kind", ["BF16", "F16", "Q8_0"])
 def test_many_float32_rows_follow_the_float32_matmul_precision(kind):
     """Many float32 rows go to bf16_linear.float32_linear a chunk of Ŵ at a time (BF16's rows as
-    stored, others dequantized to float32): exact at "highest", in bfloat16 at "medium"."""
+    stored, others dequantized to float32): exact at "highest", in bfloat16 at "medium"; at
+    "highest", a quantized type's go to the op where it has integer panels."""
     n, k = 2 * CHUNK_WEIGHTS // 64 + 5, 64  # three chunks, the last of 5 rows
     blocks = random_blocks(kind, n, k, seed=4)
     layer = BlockLinear(k, n, kind, blocks=blocks)
     w = blocks.view(torch.bfloat16) if kind == "BF16" else dequantize_rows(blocks, kind, k)
     x = torch.randn(block_linear.MAX_PANEL_ROWS + 1, k)  # a prompt's rows
     chunks = torch.split(w, CHUNK_WEIGHTS // k)
+    tiles = block_linear.integer_panels(kind)
     with torch.no_grad():
         for precision in ("highest", "medium"):
             torch.set_float32_matmul_precision(precision)
-            assert "decoderlm::float32_linear" in ops_called(lambda: layer(x))
+            called = ops_called(lambda: layer(x))
+            if tiles and precision == "highest":
+                assert "decoderlm::block_linear" in called
+                continue
+            assert "decoderlm::float32_linear" in called
             expected = torch.cat([bf16_linear.float32_linear(x, c) for c in chunks], dim=-1)
             assert torch.equal(layer(x), expected)
         assert torch.equal(layer(x), bf16_linear.float32_linear(x, w))  # per output: unchunked
         torch.set_float32_matmul_precision("highest")
+        if tiles:
+            return
         exact = x.double() @ w.double().T
         f_linear_error = (F.linear(x, w.float()).double() - exact).abs().max()
         assert (layer(x).double() - exact).abs().max() <= 2 * f_linear_error  # float32 sums
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_op_given_many_rows_runs_a_gemm_on_the_dequantized_weight(dtype):
-    blocks = random_blocks("Q5_1", 70_000, 64, seed=3)  # more rows than one chunk dequantizes
+@pytest.mark.parametrize("dtype,kind", [(torch.float32, "F16"), (torch.bfloat16, "Q5_1")])
+def test_the_op_given_many_rows_runs_a_gemm_on_the_dequantized_weight(dtype, kind):
+    blocks = random_blocks(kind, 70_000, 64, seed=3)  # more rows than one chunk dequantizes
     x = torch.randn(block_linear.MAX_PANEL_ROWS + 3, 64).to(dtype)
-    weight = dequantize_rows(blocks, "Q5_1", 64).to(dtype)
-    y = block_linear.linear(x, blocks, "Q5_1")
+    weight = dequantize_rows(blocks, kind, 64).to(dtype)
+    y = block_linear.linear(x, blocks, kind)
     assert y.dtype == dtype
     torch.testing.assert_close(y, F.linear(x, weight))
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", QUANTIZED)
+def test_bfloat16_rows_on_integer_panels_are_their_float32_products_rounded_once(kind):
+    """bfloat16 x of a decode step's rows: quantized from its exact float32 values, the products
+    summed in float32 and rounded once, on the integer panels (where the build has them) as on
+    the dequantized weight's GEMM."""
+    blocks = random_blocks(kind, 45, 160, seed=7)
+    for rows in (block_linear.MAX_TILE_KERNEL_ROWS + 1, 40, block_linear.MAX_PANEL_ROWS):
+        x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        y = block_linear.linear(x, blocks, kind)
+        assert y.dtype == torch.bfloat16
+        expected = block_linear.linear(x.float(), blocks, kind)
+        if block_linear.integer_panels(kind):
+            assert torch.equal(y, expected.bfloat16())
+        else:  # the GEMM's products in bfloat16
+            torch.testing.assert_close(y.float(), expected, rtol=2e-2, atol=2e-2)
 
 
 @needs_kernels

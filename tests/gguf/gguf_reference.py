@@ -4,9 +4,14 @@ no other test directory uses."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
+from torch import nn
+
+from decoderlm.quant import BlockLinear
+from decoderlm.quant.apply import set_module
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
@@ -52,3 +57,17 @@ def reference(path: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name
     ).eval()
+
+
+def float32_linears(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose block linears are nn.Linear on their dequantized weights: float32
+    products, as transformers' GGUF loader computes (the block products round activations)."""
+    exact = copy.deepcopy(model)
+    for name, layer in list(exact.named_modules()):
+        if isinstance(layer, BlockLinear):
+            linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+            linear.weight.data = layer.dequantized()
+            if layer.bias is not None:
+                linear.bias.data = layer.bias.data
+            set_module(exact, name, linear)
+    return exact

@@ -122,7 +122,9 @@ def test_the_dequantized_model_computes_what_the_quantized_one_does(tiny_gguf: P
         expected = quantized(ids)
         floats = test_time_real.dequantized(quantized, "float32")
         assert not any(isinstance(m, BlockLinear) for m in floats.modules())
-        torch.testing.assert_close(floats(ids), expected, rtol=1e-5, atol=1e-5)
+        # the block products round each activation to 16 bits (decoderlm.cpu.block_linear):
+        # ~2e-5 on these logits (measured)
+        torch.testing.assert_close(floats(ids), expected, rtol=0, atol=1e-4)
     assert floats.head.weight is floats.tok_emb.weight  # still tied
 
 

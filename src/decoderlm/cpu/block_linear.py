@@ -20,18 +20,22 @@ against two int8 (2026-12-06, a Zen 4, a 1536 × 576 product in cache, one threa
 µs with AVX-512, 46 against 68 µs with AVX2. F16 and BF16 weights, and decoderlm.quant's Int8Linear and
 Int4Linear (`int8_linear`, `int4_linear`), are widened to float32 and summed by FMA.
 
-More rows than MAX_ROWS, in float32 and up to MAX_PANEL_ROWS (a decode step of many sequences),
-run on dequantized panels (`block_panels`): each thread dequantizes the weights of PANEL outputs
-at a time into a buffer in its cache, laid out for the outer-product tile of `outer.h` (the one
-`invariant.c` runs), and multiplies every row by it there, so that each weight is dequantized once
-a call and never written to memory. More rows still (a prompt's prefill), or bfloat16 ones, go to
-a GEMM, as many rows amortize the dequantization: `dequantize` (decoderlm::block_dequantize)
-writes the weights' floats with the same C code for the caller to multiply
-(`decoderlm.quant.BlockLinear` does, with F.linear, where the number of rows is known); `linear`
-itself, given more rows (a batch size left symbolic in a compiled library), dequantizes a chunk
-of rows at a time and multiplies it by aten::matmul.
+More rows run on panels (`block_panels.c`): each thread unpacks the weights of PANEL outputs at a
+time into a buffer in its cache and multiplies every row by it there, so that each weight is
+unpacked once a call and never written to memory. On AVX-512 VNNI a quantized type's panels hold
+its integers (`integer_panels`: from MAX_TILE_KERNEL_ROWS + 1 rows, float32 of any number and
+bfloat16 up to MAX_PANEL_ROWS), multiplied by vpdpbusd with the activations quantized as for the
+4- and 5-bit kernels (Q8_0's too, where its kernels keep one int16), so that a row's activations
+are rounded alike at every number of rows; elsewhere
+float32 rows up to MAX_PANEL_ROWS run on panels of the dequantized weights, for the
+outer-product tile of `outer.h` (the one `invariant.c` runs). More rows still (a prompt's
+prefill), or bfloat16 ones, go to a GEMM, as many rows amortize the dequantization: `dequantize`
+(decoderlm::block_dequantize) writes the weights' floats with the same C code for the caller to
+multiply (`decoderlm.quant.BlockLinear` does, with F.linear, where the number of rows is known);
+`linear` itself, given more rows (a batch size left symbolic in a compiled library), dequantizes
+a chunk of rows at a time and multiplies it by aten::matmul.
 
-`block_linear.c` is built three times (`decoderlm.cpu.native`): for this CPU (`-march=native`:
+`block_linear.c` and `block_panels.c` are built three times (`decoderlm.cpu.native`): for this CPU (`-march=native`:
 AVX-512 VNNI code where the CPU has it), for AVX2 (`-mno-avx512f`) and as portable C
 (`-mno-avx`); `variant()` is the build the ops call: the native one, unless `DECODERLM_CPU_ISA`
 (`decoderlm.cpu.features.isa_cap`) caps it, which is how the AVX2 and portable code run, and are
@@ -57,14 +61,17 @@ TYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 FLOAT_TYPES = ("F16", "BF16")
 VARIANTS = ("portable", "avx2", "native")  # the ops' `variant` argument indexes this
 ISAS = ("portable C", "AVX2", "AVX-512")  # what a build's code uses (block_linear_isa_*)
-# Rows of x up to which a product runs on the block kernel; more go to dequantize + GEMM (the
-# kernel unpacks each weight block once per four rows, where a GEMM reuses it across many).
+# Rows of x up to which a product runs on the block kernel (which unpacks each weight block once
+# per four rows), where the build has no integer panels for the type; MAX_TILE_KERNEL_ROWS where
+# it has (block_linear_ops.cpp's `path`).
 MAX_ROWS = 16
-# Float32 rows up to which a product runs on dequantized panels; more go to dequantize + GEMM
-# (whose packing of x pays off over a prompt's rows).
+MAX_TILE_KERNEL_ROWS = 4
+# Rows up to which a product runs on panels where they are float32 ones (dequantized weights) or
+# the activations are bfloat16 (integer panels); more go to dequantize + GEMM, whose packing of x
+# pays off over a prompt's rows.
 MAX_PANEL_ROWS = 256
 
-_SOURCE = Path(__file__).with_name("block_linear.c")
+_SOURCES = (Path(__file__).with_name("block_linear.c"), Path(__file__).with_name("block_panels.c"))
 _VARIANT_FLAGS = {
     "portable": ("-mno-avx",),
     "avx2": ("-mno-avx512f", "-mno-avxvnni"),
@@ -86,8 +93,9 @@ _OPS.define(
 def _sources() -> list[native.Source]:
     x86 = platform.machine() in ("x86_64", "AMD64")
     builds: list[native.Source] = [
-        native.Build(_SOURCE, (f"-DVARIANT={name}", *(flags if x86 else ())))
+        native.Build(source, (f"-DVARIANT={name}", *(flags if x86 else ())))
         for name, flags in _VARIANT_FLAGS.items()
+        for source in _SOURCES
     ]
     return [*builds, Path(__file__).with_name("block_linear_ops.cpp")]
 
@@ -150,17 +158,27 @@ def many_rows(x: Tensor) -> bool:
     return statically_known_true(math.prod(x.shape[:-1]) > MAX_ROWS)
 
 
-def on_panels(x: Tensor) -> bool:
-    """Whether the op runs x (..., K) on dequantized panels: float32, more than MAX_ROWS and at
-    most MAX_PANEL_ROWS rows (statically known), at a float32 matmul precision other than "medium"
-    (there a GEMM's products in bfloat16 are the faster: `bf16_linear.float32_linear`)."""
+def integer_panels(ggml_type: str) -> bool:
+    """Whether many rows of `ggml_type` run on integer panels here (`block_panels.c`'s
+    block_tiles: a quantized type, AVX-512 VNNI)."""
+    return available() and ggml_type not in FLOAT_TYPES and isa(variant()) == "AVX-512"
+
+
+def on_panels(x: Tensor, ggml_type: str) -> bool:
+    """Whether the op runs x (..., K), more than MAX_ROWS rows, on panels, faster than a GEMM on
+    the weights dequantized: on integer panels (`integer_panels`) float32 of any number of rows
+    and bfloat16 up to MAX_PANEL_ROWS; else on dequantized panels float32 up to MAX_PANEL_ROWS;
+    either only where the number is statically known. Float32 past MAX_PANEL_ROWS at torch's float32
+    matmul precision "medium" goes to a GEMM's products in bfloat16 (`bf16_linear.float32_linear`),
+    and on dequantized panels float32 at "medium" too."""
     rows = math.prod(x.shape[:-1])
-    return (
-        x.dtype == torch.float32
-        and torch.get_float32_matmul_precision() != "medium"
-        and statically_known_true(rows > MAX_ROWS)
-        and statically_known_true(rows <= MAX_PANEL_ROWS)
-    )
+    if not statically_known_true(rows > MAX_ROWS):
+        return False
+    within = statically_known_true(rows <= MAX_PANEL_ROWS)
+    exact = x.dtype == torch.float32 and torch.get_float32_matmul_precision() != "medium"
+    if integer_panels(ggml_type):
+        return within or exact
+    return within and exact
 
 
 def runs(x: Tensor, weight: Tensor) -> bool:

@@ -24,7 +24,10 @@ using torch::stable::Tensor;
                             int out_bf16);                                                             \
   int int_linear_##V(int bits, const void *x, int x_bf16, int64_t M, const uint8_t *W, const float *scale,  \
                      const float *offset, int64_t G, int64_t N, int64_t K, void *y);                 \
-  int block_panels_##V(int type, const float *x, int64_t M, const uint8_t *W, int64_t N, int64_t K, float *y);
+  int block_panels_##V(int type, const float *x, int64_t M, const uint8_t *W, int64_t N, int64_t K, float *y); \
+  int block_tiles_##V(int type, const void *x, int x_bf16, int64_t M, const uint8_t *W, int64_t N, int64_t K, \
+                      void *y);                                                                          \
+  int block_linear_isa_##V(void);
 
 extern "C" {
 VARIANT_DECLARATIONS(portable)
@@ -43,6 +46,9 @@ using IntLinearFn = int (*)(int, const void *, int, int64_t, const uint8_t *, co
 const IntLinearFn INT_LINEAR[] = {int_linear_portable, int_linear_avx2, int_linear_native};
 using PanelsFn = int (*)(int, const float *, int64_t, const uint8_t *, int64_t, int64_t, float *);
 const PanelsFn PANELS[] = {block_panels_portable, block_panels_avx2, block_panels_native};
+const LinearFn TILES[] = {block_tiles_portable, block_tiles_avx2, block_tiles_native};
+using IsaFn = int (*)();
+const IsaFn ISA[] = {block_linear_isa_portable, block_linear_isa_avx2, block_linear_isa_native};
 
 // (weights per block, bytes per block) of each type, in the order of quant/blocks.py's BLOCK_TYPES.
 const int64_t BLOCK_WEIGHTS[] = {1, 1, 32, 32, 32, 32, 32};
@@ -68,11 +74,21 @@ Tensor checked_blocks(Tensor blocks, int64_t type, int64_t k, int64_t variant) {
   return blocks.is_contiguous() ? blocks : torch::stable::contiguous(blocks);
 }
 
-// Rows of x up to which the product runs on the block kernel (block_linear.py's MAX_ROWS); more,
-// in float32 and up to MAX_PANEL_ROWS (block_linear.py's), on dequantized panels (block_panels);
-// more than that, or in bfloat16, go to `gemm`.
-constexpr int64_t MAX_KERNEL_ROWS = 16, MAX_PANEL_ROWS = 256;
 constexpr int64_t CHUNK_WEIGHTS = int64_t{1} << 22;  // weights dequantized at a time (quant/blocks.py)
+constexpr int64_t MAX_ROWS = 16, MAX_TILE_KERNEL_ROWS = 4, MAX_PANEL_ROWS = 256;  // block_linear.py's
+enum class Path { kernel, tiles, panels, gemm };
+
+// Where a product of M rows runs (block_linear.py's docstring says why; its `on_panels` tells its
+// callers): the block kernel up to MAX_ROWS rows (MAX_TILE_KERNEL_ROWS where the build has integer
+// panels); then a quantized type's integer panels on AVX-512 VNNI (block_tiles), float32 of any
+// number of rows, bfloat16 up to MAX_PANEL_ROWS; else float32 up to MAX_PANEL_ROWS on dequantized
+// panels (block_panels); else `gemm`.
+Path path(int64_t type, int64_t variant, int64_t M, bool bf16) {
+  const bool tiles = ISA[variant]() == 2 && type >= 2;  // a quantized type, AVX-512 VNNI
+  if (M <= (tiles ? MAX_TILE_KERNEL_ROWS : MAX_ROWS)) return Path::kernel;
+  if (tiles && (!bf16 || M <= MAX_PANEL_ROWS)) return Path::tiles;
+  return !bf16 && M <= MAX_PANEL_ROWS ? Path::panels : Path::gemm;
+}
 
 // y (M, N) = x (M, K) Ŵᵀ by aten::matmul on Ŵ dequantized CHUNK_WEIGHTS at a time, in x's dtype.
 void gemm(Tensor x, Tensor blocks, int64_t type, int64_t variant, Tensor y) {
@@ -95,22 +111,29 @@ Tensor block_linear(Tensor x, Tensor blocks, int64_t type, int64_t variant) {
   blocks = checked_blocks(blocks, type, K, variant);
   Tensor y = output_for(x, blocks.size(0));
   if (M == 0 || blocks.size(0) == 0) return y;
-  if (M > MAX_KERNEL_ROWS && M <= MAX_PANEL_ROWS && x.scalar_type() == ScalarType::Float) {
-    const int status = PANELS[variant](static_cast<int>(type), static_cast<const float *>(x.data_ptr()), M,
-                                       static_cast<const uint8_t *>(blocks.data_ptr()), blocks.size(0), K,
-                                       static_cast<float *>(y.data_ptr()));
-    STD_TORCH_CHECK(status == 0, "block_linear: no memory for the dequantized panels");
-    return y;
-  }
-  if (M > MAX_KERNEL_ROWS) {
-    std::vector<int64_t> rows_x = {M, K}, rows_y = {M, blocks.size(0)};
-    gemm(torch::stable::view(x, rows_x), blocks, type, variant, torch::stable::view(y, rows_y));
-    return y;
-  }
   const int bf16 = x.scalar_type() == ScalarType::BFloat16;
-  const int status = LINEAR[variant](static_cast<int>(type), x.data_ptr(), bf16, M,
-                                     static_cast<const uint8_t *>(blocks.data_ptr()), blocks.size(0), K, y.data_ptr());
-  STD_TORCH_CHECK(status == 0, "block_linear: no memory for the quantized activations");
+  const auto *W = static_cast<const uint8_t *>(blocks.data_ptr());
+  switch (path(type, variant, M, bf16)) {
+    case Path::kernel:
+      STD_TORCH_CHECK(LINEAR[variant](static_cast<int>(type), x.data_ptr(), bf16, M, W, blocks.size(0), K,
+                                      y.data_ptr()) == 0,
+                      "block_linear: no memory for the quantized activations");
+      break;
+    case Path::tiles:
+      STD_TORCH_CHECK(TILES[variant](static_cast<int>(type), x.data_ptr(), bf16, M, W, blocks.size(0), K,
+                                     y.data_ptr()) == 0,
+                      "block_linear: no memory for the integer panels");
+      break;
+    case Path::panels:
+      STD_TORCH_CHECK(PANELS[variant](static_cast<int>(type), static_cast<const float *>(x.data_ptr()), M, W,
+                                      blocks.size(0), K, static_cast<float *>(y.data_ptr())) == 0,
+                      "block_linear: no memory for the dequantized panels");
+      break;
+    case Path::gemm: {
+      std::vector<int64_t> rows_x = {M, K}, rows_y = {M, blocks.size(0)};
+      gemm(torch::stable::view(x, rows_x), blocks, type, variant, torch::stable::view(y, rows_y));
+    }
+  }
   return y;
 }
 

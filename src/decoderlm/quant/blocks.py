@@ -158,7 +158,7 @@ class BlockLinear(QuantizedLinear):
         `bf16_linear.float32_linear` (exact, or bfloat16 products at torch's float32 matmul
         precision "medium"), others by F.linear on Ŵ dequantized to x's dtype."""
         runs = block_linear.runs(x, self.blocks)
-        if runs and (not block_linear.many_rows(x) or block_linear.on_panels(x)):
+        if runs and (not block_linear.many_rows(x) or block_linear.on_panels(x, self.ggml_type)):
             # a few rows, a decode step's, or a number left symbolic (the op picks then)
             return block_linear.linear(x, self.blocks, self.ggml_type)
         rows = max(1, CHUNK_WEIGHTS // self.in_features)

@@ -1,0 +1,275 @@
+/* Products y = x Ŵᵀ of many rows with Ŵ in ggml's block formats (a decode step of many
+ * sequences, a prompt's prefill): each thread unpacks the weights of PANEL outputs at a time into
+ * a panel in its cache, never written to memory, and multiplies every row by it there, in tiles
+ * of rows as a BLAS micro-kernel does (Goto and van de Geijn, 2008). Two kinds of panel:
+ *   - integer panels (`block_tiles`, AVX-512 VNNI, the quantized types): the blocks' integers,
+ *     summed with the activations quantized as for block_linear.c's kernels by vpdpbusd, 64
+ *     products an instruction;
+ *   - dequantized panels (`block_panels`, every build and type): the weights' float32 values,
+ *     summed by outer.h's FMA tile, 16 products an instruction (8 with AVX2).
+ * Per SmolLM2-135M layer (Q4_1, its seven products, 2 threads of a Zen 4): 17 / 64 / 512 rows
+ * 0.57 / 1.69 / 11.7 ms on integer panels, 1.39 / 2.99 / 17.8 on dequantized ones, 6.7 / 4.7 /
+ * 19.5 for oneDNN's float32 GEMM on weights already dequantized (benchmarks/README.md). */
+#include "vec.h"
+#include "outer.h"
+#include "blocks.h"
+
+#define TRANSPOSE_STEP 16 /* inputs a step of the transposition: 16 lines of the panel in L1 */
+
+#if ISA == 2
+/* Many rows with AVX-512 VNNI: panels of the blocks' integers. Each thread unpacks the weights of
+ * PANEL outputs at a time into its cache, laid out for the integer dot products of 16 outputs at
+ * once (one int32 lane an output), with each block's scale d and minimum m per output (K/32,
+ * PANEL), and multiplies tiles of IR rows of the activations by it, the activations quantized as
+ * for block_linear.c's kernels (the same rounding at every number of rows):
+ *   - 4- and 5-bit types: unsigned bytes u, (K/4, PANEL, 4), the four inputs that one lane of
+ *     vpdpbusd sums; x_j ≈ e (256 a_j + b_j), four of a row's a (then b) broadcast at a time;
+ *     per block, exactly in int32 and then once in float32 (z the zero point):
+ *         y += d e (Σ_j u_j (256 a_j + b_j) − z Σ_j (256 a_j + b_j)) + m Σ_j x_j
+ *   - Q8_0: its int8 q widened to int16, (K/2, PANEL, 2), the two inputs of a lane of vpdpwssd;
+ *     x_j ≈ e c_j with c int16, two of a row's c broadcast at a time:
+ *         y += d e Σ_j q_j c_j
+ * Per block and row the 32 outputs take 32 vpdpbusd or vpdpwssd and 4 to 8 float operations,
+ * where the dequantized panels take 64 FMAs. 16 outputs' blocks are transposed into the panel in
+ * registers (`transpose16`). */
+#define IR 6 /* rows per tile: 2 IR int32 and 2 IR float32 accumulators in AVX-512's 32 registers */
+
+typedef struct {
+    uint8_t *u;   /* (K/4, PANEL, 4) bytes, Q8_0: (K/2, PANEL, 2) int16 */
+    float *d, *m; /* (K/32, PANEL) */
+} IntPanel;
+
+/* The 16 × 16 int32 matrix of rows r[0..15] → its transpose, r[j] lane i = r[i] lane j before:
+ * 4 × 4 transposes within each 128-bit chunk (unpack 32, then 64 bits), then the chunks moved. */
+INLINE void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 4) {
+        for (int j = 0; j < 4; j += 2) {
+            t[i + j] = _mm512_unpacklo_epi32(r[i + j], r[i + j + 1]);
+            t[i + j + 1] = _mm512_unpackhi_epi32(r[i + j], r[i + j + 1]);
+        }
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);     /* chunk L: column 4L of rows i .. i + 3 */
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]); /* 4L + 1 */
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i p0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), q0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xee);
+        const __m512i p1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+        const __m512i q1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xee);
+        t[c] = _mm512_shuffle_i32x4(p0, p1, 0x88), t[4 + c] = _mm512_shuffle_i32x4(p0, p1, 0xdd);
+        t[8 + c] = _mm512_shuffle_i32x4(q0, q1, 0x88), t[12 + c] = _mm512_shuffle_i32x4(q0, q1, 0xdd);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* 64 bytes of a row from block blk on, as the panel holds them: Q8_0's block widened to int16;
+ * a 4- or 5-bit type's blocks blk and blk + 1 (blk alone where `last`) as unsigned bytes. */
+INLINE __m512i panel_line(const int type, const uint8_t *b, const int last) {
+    if (type == Q8_0) return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(b + LAYOUTS[Q8_0].qs)));
+    return unpack_pair(type, b, last ? b : b + LAYOUTS[type].bytes);
+}
+
+/* Outputs n0 .. n0 + rn − 1 of Ŵ into the panel p (zeros past rn): 16 outputs' 64 bytes (16
+ * words) at a time, transposed in registers into the panel's lines. */
+static void int_panel(const int type, const uint8_t *W, int64_t n0, int64_t rn, int64_t K, IntPanel *p) {
+    const Layout L = LAYOUTS[type];
+    const int64_t nb = K / 32, step = type == Q8_0 ? 1 : 2, per_word = type == Q8_0 ? 2 : 4; /* blocks a line, inputs a word */
+    for (int64_t i0 = 0; i0 < PANEL; i0 += 16)
+        for (int64_t blk = 0; blk < nb; blk += step) {
+            const int last = blk + step > nb; /* a 4-bit row's odd last block */
+            __m512i r[16];
+            for (int64_t i = 0; i < 16; i++) {
+                const int64_t n = i0 + i;
+                r[i] = _mm512_setzero_si512();
+                for (int64_t j = 0; j < step - last; j++) p->d[(blk + j) * PANEL + n] = p->m[(blk + j) * PANEL + n] = 0.0f;
+                if (n >= rn) continue;
+                const uint8_t *b = W + ((n0 + n) * nb + blk) * L.bytes;
+                r[i] = panel_line(type, b, last);
+                for (int64_t j = 0; j < step - last; j++) {
+                    p->d[(blk + j) * PANEL + n] = half_to_float(load16(b + j * L.bytes));
+                    if (L.min) p->m[(blk + j) * PANEL + n] = half_to_float(load16(b + j * L.bytes + 2));
+                }
+            }
+            transpose16(r);
+            for (int w = 0; w < (last ? 8 : 16); w++) /* word w of the line: per_word inputs */
+                _mm512_store_si512(p->u + ((blk * 32 / per_word + w) * PANEL + i0) * 4, r[w]);
+        }
+}
+
+/* y += d e Σ for both vectors of outputs: the block's int32 sums `dot` of one row. */
+INLINE void scale_add(const __m512i dot[2], const float *d, const float e, __m512 acc[2]) {
+    const __m512 ev = _mm512_set1_ps(e);
+    acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[0]), _mm512_mul_ps(_mm512_load_ps(d), ev), acc[0]);
+    acc[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[1]), _mm512_mul_ps(_mm512_load_ps(d + 16), ev), acc[1]);
+}
+
+/* Rows m0 .. m0 + rows − 1 of the activations (`acts`: Acts, or Wide for Q8_0) against panel p →
+ * out (IR, PANEL). */
+INLINE void int_tile(const int type, const IntPanel *p, const void *acts, int64_t m0, const int rows, int64_t K,
+                     float *out) {
+    const Acts *ab = acts;
+    const Wide *wide = acts;
+    const int has_min = LAYOUTS[type].min;
+    const int32_t zero = LAYOUTS[type].zero_shift ? 1 << LAYOUTS[type].zero_shift : 0;
+    __m512 acc[IR][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < K / 32; blk++) {
+        const uint8_t *u = p->u + blk * 32 * PANEL * (type == Q8_0 ? 2 : 1);
+        const float *d = p->d + blk * PANEL;
+        __m512i dot[IR][2];
+        for (int r = 0; r < rows; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+        if (type == Q8_0) {
+            const uint8_t *c = (const uint8_t *)(wide->c + m0 * K + blk * 32);
+            for (int g = 0; g < 16; g++) { /* inputs 2g, 2g + 1 */
+                const __m512i w0 = _mm512_load_si512(u + g * 4 * PANEL), w1 = _mm512_load_si512(u + g * 4 * PANEL + 64);
+                for (int r = 0; r < rows; r++) {
+                    const __m512i a = _mm512_set1_epi32((int)load32(c + 2 * (r * K + 2 * g)));
+                    dot[r][0] = _mm512_dpwssd_epi32(dot[r][0], w0, a);
+                    dot[r][1] = _mm512_dpwssd_epi32(dot[r][1], w1, a);
+                }
+            }
+            for (int r = 0; r < rows; r++) scale_add(dot[r], d, wide->e[(m0 + r) * (K / 32) + blk], acc[r]);
+            continue;
+        }
+        for (int part = 0; part < 2; part++) { /* Σ u a, shifted by 8 bits, then + Σ u b */
+            const uint8_t *act = (const uint8_t *)(part ? ab->b : ab->a) + m0 * K + blk * 32;
+            for (int g = 0; g < 8; g++) { /* inputs 4g .. 4g + 3 */
+                const __m512i w0 = _mm512_load_si512(u + g * 4 * PANEL), w1 = _mm512_load_si512(u + g * 4 * PANEL + 64);
+                for (int r = 0; r < rows; r++) {
+                    const __m512i a = _mm512_set1_epi32((int)load32(act + r * K + 4 * g));
+                    dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], w0, a);
+                    dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], w1, a);
+                }
+            }
+            for (int r = 0; part == 0 && r < rows; r++)
+                dot[r][0] = _mm512_slli_epi32(dot[r][0], 8), dot[r][1] = _mm512_slli_epi32(dot[r][1], 8);
+        }
+        for (int r = 0; r < rows; r++) {
+            const int64_t at = (m0 + r) * (K / 32) + blk;
+            const __m512i zs = _mm512_set1_epi32(zero * ab->block_ab[at]);
+            dot[r][0] = _mm512_sub_epi32(dot[r][0], zs), dot[r][1] = _mm512_sub_epi32(dot[r][1], zs);
+            scale_add(dot[r], d, ab->block_e[at], acc[r]);
+            if (has_min) {
+                const __m512 sum = _mm512_set1_ps(ab->block_sums[2 * at + 1]);
+                acc[r][0] = _mm512_fmadd_ps(_mm512_load_ps(p->m + blk * PANEL), sum, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(_mm512_load_ps(p->m + blk * PANEL + 16), sum, acc[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        _mm512_storeu_ps(out + r * PANEL, acc[r][0]);
+        _mm512_storeu_ps(out + r * PANEL + 16, acc[r][1]);
+    }
+}
+
+/* All M rows against panel p (outputs n0 .. n0 + rn − 1) into y (M, N), IR rows a tile; the
+ * tile's number of rows a constant in each call, so that its accumulators stay in registers. */
+#define INT_TILES(T)                                                                                  \
+    static void CAT(int_tiles, T)(const IntPanel *p, const void *acts, int64_t M, int64_t K, float *out, \
+                                  int64_t n0, int64_t rn, int64_t N, float *y) {                      \
+        for (int64_t m = 0; m < M; m += IR) {                                                         \
+            switch (M - m < IR ? M - m : IR) {                                                        \
+                case 1: int_tile(T, p, acts, m, 1, K, out); break;                                    \
+                case 2: int_tile(T, p, acts, m, 2, K, out); break;                                    \
+                case 3: int_tile(T, p, acts, m, 3, K, out); break;                                    \
+                case 4: int_tile(T, p, acts, m, 4, K, out); break;                                    \
+                case 5: int_tile(T, p, acts, m, 5, K, out); break;                                    \
+                default: int_tile(T, p, acts, m, IR, K, out); break;                                  \
+            }                                                                                         \
+            for (int64_t r = 0; r < IR && m + r < M; r++)                                             \
+                memcpy(y + (m + r) * N + n0, out + r * PANEL, sizeof(float) * (size_t)rn);            \
+        }                                                                                             \
+    }
+INT_TILES(Q8_0)
+INT_TILES(Q4_0)
+INT_TILES(Q4_1)
+INT_TILES(Q5_0)
+INT_TILES(Q5_1)
+
+/* y (M, N) = x (M, K) Ŵᵀ, Ŵ (N, K) in blocks of a quantized `type`, on the integer panels; x and y
+ * float32, or bfloat16 where x_bf16 (y rounded once). Threads split the panels. Returns −1 where
+ * a buffer could not be allocated, else 0. */
+int FN(block_tiles)(int type, const void *x, int x_bf16, int64_t M, const uint8_t *W, int64_t N, int64_t K,
+                    void *y) {
+    const size_t acts_bytes = type == Q8_0 ? WIDE_BYTES(M, K) : ACTS_BYTES(M, K);
+    char *buffer = malloc(acts_bytes + (x_bf16 ? sizeof(float) * (size_t)(M * N) : 0));
+    if (buffer == NULL) return -1;
+    Acts ab;
+    Wide wide;
+    if (type == Q8_0) quantize_wide(x, x_bf16, M, K, buffer, &wide);
+    else quantize_acts(x, x_bf16, M, K, buffer, &ab);
+    const void *acts = type == Q8_0 ? (const void *)&wide : (const void *)&ab;
+    float *out_y = x_bf16 ? (float *)(buffer + acts_bytes) : y;
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const size_t scales = sizeof(float) * (size_t)(K / 32 * PANEL);
+        IntPanel p = {aligned_alloc(64, (size_t)(2 * K * PANEL)), aligned_alloc(64, scales), aligned_alloc(64, scales)};
+        float *out = aligned_alloc(64, sizeof(float) * IR * PANEL);
+        failed = !p.u || !p.d || !p.m || !out;
+        for (int64_t j = panels * t / threads; !failed && j < panels * (t + 1) / threads; j++) {
+            const int64_t n0 = j * PANEL, rn = N - n0 < PANEL ? N - n0 : PANEL;
+            int_panel(type, W, n0, rn, K, &p);
+            switch (type) {
+                case Q8_0: int_tiles_Q8_0(&p, acts, M, K, out, n0, rn, N, out_y); break;
+                case Q4_0: int_tiles_Q4_0(&p, acts, M, K, out, n0, rn, N, out_y); break;
+                case Q4_1: int_tiles_Q4_1(&p, acts, M, K, out, n0, rn, N, out_y); break;
+                case Q5_0: int_tiles_Q5_0(&p, acts, M, K, out, n0, rn, N, out_y); break;
+                case Q5_1: int_tiles_Q5_1(&p, acts, M, K, out, n0, rn, N, out_y); break;
+            }
+        }
+        free(p.u), free(p.d), free(p.m), free(out);
+    }
+    if (!failed) store(out_y, x_bf16, M * N, y);
+    free(buffer);
+    return failed ? -1 : 0;
+}
+#else
+int FN(block_tiles)(int type, const void *x, int x_bf16, int64_t M, const uint8_t *W, int64_t N, int64_t K,
+                    void *y) {
+    (void)type, (void)x, (void)x_bf16, (void)M, (void)W, (void)N, (void)K, (void)y;
+    return -1; /* the integer panels are AVX-512 VNNI code: block_linear.py asks block_linear_isa first */
+}
+#endif
+
+/* y (M, N) = x (M, K) Ŵᵀ, x and y float32, for more rows than the block kernels take: each thread
+ * dequantizes a panel of PANEL outputs at a time into its buffer, laid out (K, PANEL) as outer.h's
+ * tiles read it (4 · K · PANEL bytes: 192 KiB at K = 1,536 with AVX-512, in L2), and multiplies all
+ * M rows by it there, so that every weight is dequantized once per call and never written to memory
+ * (on SmolLM2's layers 1.15-1.32× the speed of the weights dequantized whole and a GEMM from 17
+ * to 256 rows of Q4_1, benchmarks/README.md). Threads split the panels. Returns −1 where a
+ * buffer could not be allocated. */
+int FN(block_panels)(int type, const float *x, int64_t M, const uint8_t *W, int64_t N, int64_t K, float *y) {
+    const int64_t row_bytes = type == F16 || type == BF16 ? 2 * K : K / 32 * LAYOUTS[type].bytes;
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        float *panel = malloc(sizeof(float) * (size_t)(K * PANEL)), *rows = malloc(sizeof(float) * (size_t)(K * PANEL));
+        failed = !panel || !rows;
+        for (int64_t j = panels * t / threads; !failed && j < panels * (t + 1) / threads; j++) {
+            const int64_t n0 = j * PANEL, rn = N - n0 < PANEL ? N - n0 : PANEL;
+            for (int64_t i = 0; i < PANEL; i++) {
+                if (i < rn) dequantize_row(type, W + (n0 + i) * row_bytes, K, rows + i * K);
+                else memset(rows + i * K, 0, sizeof(float) * (size_t)K);
+            }
+            for (int64_t k0 = 0; k0 < K; k0 += TRANSPOSE_STEP)  /* rows (PANEL, K) → panel (K, PANEL) */
+                for (int64_t i = 0; i < PANEL; i++)
+                    for (int64_t k = k0; k < k0 + TRANSPOSE_STEP && k < K; k++) panel[k * PANEL + i] = rows[i * K + k];
+            float out[R * PANEL];
+            for (int64_t m = 0; m < M; m += R) {
+                const int64_t rm = M - m < R ? M - m : R;
+                (rm == R ? full_f32 : rm == 1 ? one_f32 : part_f32)(x + m * K, panel, out, rm, K);
+                for (int64_t r = 0; r < rm; r++)
+                    memcpy(y + (m + r) * N + n0, out + r * PANEL, sizeof(float) * (size_t)rn);
+            }
+        }
+        free(panel);
+        free(rows);
+    }
+    return failed ? -1 : 0;
+}
