@@ -75,7 +75,7 @@ Tensor checked_blocks(Tensor blocks, int64_t type, int64_t k, int64_t variant) {
 }
 
 constexpr int64_t CHUNK_WEIGHTS = int64_t{1} << 22;  // weights dequantized at a time (quant/blocks.py)
-constexpr int64_t MAX_ROWS = 16, MAX_TILE_KERNEL_ROWS = 4, MAX_PANEL_ROWS = 256;  // block_linear.py's
+constexpr int64_t MAX_ROWS = 16, MAX_TILE_KERNEL_ROWS = 8, MAX_PANEL_ROWS = 256;  // block_linear.py's
 enum class Path { kernel, tiles, panels, gemm };
 
 // Where a product of M rows runs (block_linear.py's docstring says why; its `on_panels` tells its
