@@ -133,10 +133,11 @@ def add_matmul_precision_argument(parser: argparse.ArgumentParser) -> None:
         "--matmul-precision",
         choices=("highest", "high", "medium"),
         default="highest",
-        help="torch.set_float32_matmul_precision: highest (default) multiplies float32 exactly; "
-        "medium lets a product round its inputs to bfloat16 where that is faster (a prompt's "
-        "products on a GGUF file's weights in float32, on a CPU with AVX512-BF16, as llama.cpp "
-        "does for BF16 weights)",
+        help="torch.set_float32_matmul_precision: highest (default) multiplies float32 exactly "
+        "(but for a GGUF file's quantized weights, whose products round each activation to 16 "
+        "bits); medium lets a product round its inputs to bfloat16 where that is faster (a "
+        "prompt's products on a GGUF file's weights in float32, on a CPU with AVX512-BF16, as "
+        "llama.cpp does for BF16 weights)",
     )
 
 

@@ -3,8 +3,9 @@
  * a panel in its cache, never written to memory, and multiplies every row by it there, in tiles
  * of rows as a BLAS micro-kernel does (Goto and van de Geijn, 2008). Two kinds of panel:
  *   - integer panels (`block_tiles`, AVX-512 VNNI, the quantized types): the blocks' integers,
- *     summed with the activations quantized as for block_linear.c's kernels by vpdpbusd, 64
- *     products an instruction;
+ *     summed with the activations quantized as for block_linear.c's kernels by vpdpbusd (64
+ *     products an instruction, two per product: the activations' two int8) or vpdpwssd (Q8_0:
+ *     32, one per product);
  *   - dequantized panels (`block_panels`, every build and type): the weights' float32 values,
  *     summed by outer.h's FMA tile, 16 products an instruction (8 with AVX2).
  * SmolLM2-135M's 30 Q4_1 layers, their weights read from memory, 2 threads of a Zen 4: at 24 /

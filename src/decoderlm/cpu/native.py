@@ -8,7 +8,7 @@ sources, the flags, torch's version and the CPU's model and flags, so a differen
 its own. Where no compiler is found, the compile fails or the cache is not writable,
 `load` returns None (logged once per source) and the caller keeps its PyTorch path; a damaged
 file in the cache is rebuilt once. A `Build` compiles a source with flags of its own (one C file
-built once per instruction set: `block_linear.c`). The kernels run on torch's OpenMP runtime (`-fopenmp` binds
+built once per instruction set: `block_linear.c`, `block_panels.c`). The kernels run on torch's OpenMP runtime (`-fopenmp` binds
 them to the libgomp that torch has loaded).
 """
 
