@@ -1,5 +1,5 @@
-/* Products y = x Ŵᵀ with Ŵ in ggml's block formats, computed from the blocks as a GGUF file stores
- * them (see block_linear.py for the arithmetic and the formats' layouts, quant/blocks.py for the
+/* Products y = x Ŵᵀ of a few rows (block_panels.c takes many) with Ŵ in ggml's block formats,
+ * computed from the blocks as a GGUF file stores them (see block_linear.py for the arithmetic and the formats' layouts, quant/blocks.py for the
  * formats). x is (M, K) float32 or bfloat16, Ŵ (N, K) rows of blocks, y (M, N) in x's dtype.
  *
  * This file is compiled once per instruction set, each build naming its functions after VARIANT

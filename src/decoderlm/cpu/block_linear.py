@@ -24,10 +24,10 @@ More rows run on panels (`block_panels.c`): each thread unpacks the weights of P
 time into a buffer in its cache and multiplies every row by it there, so that each weight is
 unpacked once a call and never written to memory. On AVX-512 VNNI a quantized type's panels hold
 its integers (`integer_panels`: from MAX_TILE_KERNEL_ROWS + 1 rows, float32 of any number and
-bfloat16 up to MAX_PANEL_ROWS), multiplied by vpdpbusd with the activations quantized as for the
-4- and 5-bit kernels (Q8_0's too, where its kernels keep one int16), so that a row's activations
-are rounded alike at every number of rows; elsewhere
-float32 rows up to MAX_PANEL_ROWS run on panels of the dequantized weights, for the
+bfloat16 up to MAX_PANEL_ROWS), multiplied by vpdpbusd (the 4- and 5-bit types, against two int8
+per activation) or vpdpwssd (Q8_0, against one int16), the activations quantized as the kernels
+quantize them, so that a row's are rounded alike at every number of rows; elsewhere float32 rows
+up to MAX_PANEL_ROWS run on panels of the dequantized weights, for the
 outer-product tile of `outer.h` (the one `invariant.c` runs). More rows still (a prompt's
 prefill), or bfloat16 ones, go to a GEMM, as many rows amortize the dequantization: `dequantize`
 (decoderlm::block_dequantize) writes the weights' floats with the same C code for the caller to
@@ -168,12 +168,12 @@ def integer_panels(ggml_type: str) -> bool:
 
 
 def on_panels(x: Tensor, ggml_type: str) -> bool:
-    """Whether the op runs x (..., K), more than MAX_ROWS rows, on panels, faster than a GEMM on
-    the weights dequantized: on integer panels (`integer_panels`) float32 of any number of rows
-    and bfloat16 up to MAX_PANEL_ROWS; else on dequantized panels float32 up to MAX_PANEL_ROWS;
-    either only where the number is statically known. Float32 past MAX_PANEL_ROWS at torch's float32
-    matmul precision "medium" goes to a GEMM's products in bfloat16 (`bf16_linear.float32_linear`),
-    and on dequantized panels float32 at "medium" too."""
+    """Whether x (..., K), a statically known number of rows past MAX_ROWS, is faster on the op's
+    panels than on a GEMM of the dequantized weights: with integer panels (`integer_panels`) up
+    to MAX_PANEL_ROWS rows, and float32 past that; with dequantized panels float32 up to
+    MAX_PANEL_ROWS. Float32 at torch's float32 matmul precision "medium" goes to the GEMM's
+    bfloat16 products (`bf16_linear.float32_linear`) wherever the panels are not integer ones or
+    the rows are more than MAX_PANEL_ROWS."""
     rows = math.prod(x.shape[:-1])
     if not statically_known_true(rows > MAX_ROWS):
         return False

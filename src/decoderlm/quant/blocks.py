@@ -152,8 +152,8 @@ class BlockLinear(QuantizedLinear):
 
     def matmul(self, x: Tensor) -> Tensor:
         """x·Ŵᵀ (..., in_features) → (..., out_features): a few rows by the block kernels of
-        `decoderlm.cpu.block_linear`, a decode step's many float32 ones on its dequantized panels
-        (`block_linear.on_panels`); more CHUNK_WEIGHTS of Ŵ at a time (a vocabulary-sized head
+        `decoderlm.cpu.block_linear`, more on its integer or dequantized panels where those are
+        the faster (`block_linear.on_panels`); else CHUNK_WEIGHTS of Ŵ at a time (a vocabulary-sized head
         would otherwise be made whole, in floats, at every step): float32 x by
         `bf16_linear.float32_linear` (exact, or bfloat16 products at torch's float32 matmul
         precision "medium"), others by F.linear on Ŵ dequantized to x's dtype."""
