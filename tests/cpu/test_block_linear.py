@@ -16,11 +16,10 @@ import os
 import subprocess
 import sys
 
-import gguf
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from block_models import in_blocks
 from torch import nn
 from torch.profiler import profile
 
@@ -186,6 +185,29 @@ def test_a_non_finite_activation_makes_its_rows_products_non_finite(variant, bad
 
 
 @needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("kind", BLOCK_TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_products_give_a_row_its_bits_alone_among_any_rows(variant, kind, dtype):
+    """`linear(..., invariant=True)`, from one row to more than MAX_PANEL_ROWS (where bfloat16
+    rows otherwise go to a GEMM): a quantized type's strips and integer tiles on AVX-512 VNNI,
+    the block kernel elsewhere; within the activations' rounding of float64 as the kernels are."""
+    n, k = 37, 96  # outputs no multiple of a strip; an odd number of blocks
+    blocks = random_blocks(kind, n, k, seed=11)
+    x = torch.randn(block_linear.MAX_PANEL_ROWS + 4, k, generator=torch.Generator().manual_seed(11))
+    x = x.to(dtype)
+    alone = torch.cat(
+        [block_linear.linear(row[None], blocks, kind, variant, invariant=True) for row in x]
+    )
+    for rows in (2, 5, block_linear.MAX_TILE_KERNEL_ROWS + 1, 17, 64, len(x)):
+        together = block_linear.linear(x[:rows], blocks, kind, variant, invariant=True)
+        assert torch.equal(together, alone[:rows]), rows
+    if kind in QUANTIZED and dtype == torch.float32:
+        exact = x.double() @ dequantize_rows(blocks, kind, k).double().T
+        assert ((alone.double() - exact).abs() <= activation_bound(kind, blocks, x)).all()
+
+
+@needs_kernels
 def test_blocks_of_the_wrong_width_or_type_are_refused():
     blocks = random_blocks("Q4_1", 4, 64, seed=0)
     with pytest.raises(RuntimeError, match="blocks must be uint8"):
@@ -211,21 +233,7 @@ def tiny_model() -> DecoderLM:
 
 def block_model(kind: str = "Q4_1") -> DecoderLM:
     """A tiny random model whose linear layers hold blocks of `kind` (quantized by gguf-py)."""
-    model = tiny_model()
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                data = gguf.quants.quantize(
-                    child.weight.detach().numpy(), gguf.GGMLQuantizationType[kind]
-                )
-                blocks = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8))
-                blocks = blocks.view(child.out_features, -1)
-                setattr(
-                    parent,
-                    name,
-                    BlockLinear(child.in_features, child.out_features, kind, blocks=blocks),
-                )
-    return model
+    return in_blocks(tiny_model(), kind)
 
 
 @needs_kernels

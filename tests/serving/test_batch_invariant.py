@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from block_models import in_blocks
 
 from decoderlm import DecoderLM, DecoderLMError, ModelConfig
-from decoderlm.cpu import invariant
+from decoderlm.cpu import block_linear, invariant
 from decoderlm.engine.engine import Engine
 from decoderlm.engine.types import RequestParams
 from decoderlm.inference.sampling import SamplingParams
@@ -76,6 +77,29 @@ def test_every_request_is_bit_identical_alone_and_among_sixteen(tok, dtype, d_mo
     assert stats.preemptions > 0 and stats.prefix_cache_hit_tokens > 0
 
 
+@pytest.mark.skipif(not block_linear.available(), reason="no C compiler for the block kernels")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_a_gguf_models_requests_are_bit_identical_alone_and_among_sixteen(tok, dtype, kind):
+    """Every linear in ggml's blocks, as a GGUF file loads them: passes of 1 to 24 rows on the
+    strips and tiles of one arithmetic (AVX-512 VNNI), else on the block kernel; without
+    batch_invariant the same requests' log-probabilities differ (the kernel sums in other orders
+    than the tiles and the prompt's GEMM)."""
+    lm = in_blocks(model(tok, torch.float32, d_model=64, d_ff=160), kind).to(dtype)  # 5 blocks
+    memory = 40 * 4 * kv_cache_bytes_per_token(lm.config, dtype)
+    requests = prompts(16, tok.vocab_size)
+    differ = 0
+    for batch_invariant in (True, False):
+        engine = Engine(lm, tok, block_size=4, prefill_chunk=8, max_batched_tokens=24,
+                        kv_cache_memory=memory, batch_invariant=batch_invariant)  # fmt: skip
+        together, alone = alone_and_together(engine, requests)
+        pairs = zip(together, alone, strict=True)
+        same = [c.token_ids == s.token_ids and c.logprobs == s.logprobs for c, s in pairs]
+        differ = same.count(False)
+        assert all(same) or not batch_invariant
+    assert differ > 0 or not block_linear.integer_panels(kind)  # measured 9 to 16 of 16 differ
+
+
 def test_seeded_sampling_and_speculation_stay_bit_identical(tok):
     engine = Engine(model(tok, torch.bfloat16), tok, block_size=4, batch_invariant=True,
                     draft="prompt-lookup", num_speculative_tokens=3)  # fmt: skip
@@ -102,10 +126,17 @@ class Counted:
 
 # float32 at d_model 40: Inductor's own RMSNorm and RoPE in the compiled pass change the logits of
 # every request here (bfloat16 rounding hides most such changes); bfloat16 at 32: the linears on
-# `bf16_linear`'s kernel where the CPU has one.
-@pytest.mark.parametrize(("dtype", "d_model"), [(torch.float32, 40), (torch.bfloat16, 32)])
-def test_the_compiled_decode_pass_gives_each_request_the_eager_passes_bits(tok, dtype, d_model):
-    lm = model(tok, dtype, d_model)
+# `bf16_linear`'s kernel where the CPU has one; Q4_1: a GGUF file's blocks on the op
+# decoderlm::block_linear.
+@pytest.mark.parametrize(
+    ("dtype", "d_model", "kind"),
+    [(torch.float32, 40, None), (torch.bfloat16, 32, None), (torch.bfloat16, 64, "Q4_1")],
+)
+def test_the_compiled_decode_pass_gives_each_request_the_eager_passes_bits(
+    tok, dtype, d_model, kind
+):
+    lm = model(tok, dtype, d_model, **({"d_ff": 160} if kind else {}))
+    lm = in_blocks(lm, kind).to(dtype) if kind else lm
     compiled = Engine(lm, tok, block_size=4, batch_invariant=True, compile=True)
     if compiled.runner.step is None:
         pytest.skip("no C++ compiler for the ops of the compiled pass")

@@ -9,11 +9,9 @@ after."""
 
 from __future__ import annotations
 
-import gguf
-import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
+from block_models import in_blocks
 from test_engine import (
     GREEDY,
     engine_bytes,
@@ -24,7 +22,7 @@ from test_engine import (
     tiny_model,
     token_ids,
 )
-from torch import Tensor, nn
+from torch import Tensor
 
 from conftest import COMPILED_PASS
 from decoderlm import DecoderLMError, generate
@@ -36,12 +34,10 @@ from decoderlm.engine.scheduler import Sequence
 from decoderlm.engine.types import RequestParams
 from decoderlm.inference.generate import next_logits
 from decoderlm.model.lm import DecoderLM
-from decoderlm.quant.blocks import BlockLinear
 from decoderlm.tokenizer import Tokenizer
 
 pytestmark = COMPILED_PASS
 BLOCK = 4
-Q8_0 = GGMLQuantizationType.Q8_0
 ATOL = 1e-5  # float32: the compiled pass sums in another order (measured ≤ 1e-7 here)
 
 
@@ -137,14 +133,7 @@ def q8_0_model(tok: Tokenizer) -> DecoderLM:
     """tiny_model in float32, every linear a Q8_0 BlockLinear (gguf-py's blocks), as a GGUF file
     of Q8_0 loads."""
     model = tiny_model(tok, torch.float32, d_ff=64)  # every linear's inputs whole blocks of 32
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                data = gguf.quants.quantize(child.weight.detach().numpy(), Q8_0)
-                blocks = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8))
-                n, k = child.out_features, child.in_features
-                setattr(parent, name, BlockLinear(k, n, "Q8_0", blocks=blocks.view(n, -1)))
-    return model
+    return in_blocks(model, "Q8_0")
 
 
 @pytest.mark.skipif(not block_linear.available(), reason="no C compiler for the block kernels")

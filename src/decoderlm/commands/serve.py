@@ -128,8 +128,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a request's tokens bit-identical alone or among any others, in bfloat16 too: "
         "linears summed in a fixed order, every pass through the in-place attention kernel, the "
-        "compiled decode pass calling the same kernels (float weights, attention layers without "
-        "a sliding window)",
+        "compiled decode pass calling the same kernels (float weights or a GGUF file's blocks, "
+        "attention layers without a sliding window)",
     )
 
 

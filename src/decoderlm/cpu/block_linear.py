@@ -35,6 +35,18 @@ multiply (`decoderlm.quant.BlockLinear` does, with F.linear, where the number of
 `linear` itself, given more rows (a batch size left symbolic in a compiled library), dequantizes
 a chunk of rows at a time and multiplies it by aten::matmul.
 
+A batch-invariant engine asks for products whose every row has the bits it has alone
+(`linear(..., invariant=True)`, `decoderlm.quant.blocks.InvariantBlockLinear`). The kernels sum
+each output in vector lanes of its inputs, the integer tiles one block after another in one lane
+an output, and a prompt's GEMM in oneDNN's order, so by default a row's bits change with the
+number of rows in its pass. Invariant products never take the panels of dequantized weights or a
+GEMM: on AVX-512 VNNI a quantized type's few rows run on `block_panels.c`'s strips, which read 16
+output rows' blocks as they lie and do the tiles' operations in the tiles' order (each output's
+int32 block sums gathered into its own lane), and more rows on the tiles, bfloat16 past
+MAX_PANEL_ROWS too; elsewhere the block kernel takes every number of rows. The C code is
+compiled without -fassociative-math, so that the compiler keeps the sums in the order written
+(it vectorises the portable kernel over rows otherwise, each row count in its own order).
+
 `block_linear.c` and `block_panels.c` are built three times (`decoderlm.cpu.native`): for this CPU (`-march=native`:
 AVX-512 VNNI code where the CPU has it), for AVX2 (`-mno-avx512f`) and as portable C
 (`-mno-avx`); `variant()` is the build the ops call: the native one, unless `DECODERLM_CPU_ISA`
@@ -74,6 +86,10 @@ MAX_TILE_KERNEL_ROWS = 8
 MAX_PANEL_ROWS = 256
 
 _SOURCES = (Path(__file__).with_name("block_linear.c"), Path(__file__).with_name("block_panels.c"))
+# The C code's float sums in the order it writes them (-ffast-math would let the compiler reorder
+# them, differently where it vectorises the plain C kernel over rows: a row's bits would then depend
+# on the rows beside it, which `linear(..., invariant=True)` rules out).
+_FLOAT_ORDER = ("-fno-associative-math",)
 _VARIANT_FLAGS = {
     "portable": ("-mno-avx",),
     "avx2": ("-mno-avx512f", "-mno-avxvnni"),
@@ -81,7 +97,9 @@ _VARIANT_FLAGS = {
 }
 
 _OPS = torch.library.Library("decoderlm", "FRAGMENT")
-_OPS.define("block_linear(Tensor x, Tensor blocks, int ggml_type, int variant) -> Tensor")
+_OPS.define(
+    "block_linear(Tensor x, Tensor blocks, int ggml_type, int variant, bool invariant) -> Tensor"
+)
 _OPS.define(
     "block_dequantize(Tensor blocks, int ggml_type, int k, int start, int rows, bool bf16, "
     "int variant) -> Tensor"
@@ -95,7 +113,7 @@ _OPS.define(
 def _sources() -> list[native.Source]:
     x86 = platform.machine() in ("x86_64", "AMD64")
     builds: list[native.Source] = [
-        native.Build(source, (f"-DVARIANT={name}", *(flags if x86 else ())))
+        native.Build(source, (f"-DVARIANT={name}", *_FLOAT_ORDER, *(flags if x86 else ())))
         for name, flags in _VARIANT_FLAGS.items()
         for source in _SOURCES
     ]
@@ -198,11 +216,20 @@ def handles(x: Tensor, weight: Tensor) -> bool:
     return few_rows(x) and runs(x, weight)
 
 
-def linear(x: Tensor, blocks: Tensor, ggml_type: str, variant_index: int | None = None) -> Tensor:
+def linear(
+    x: Tensor,
+    blocks: Tensor,
+    ggml_type: str,
+    variant_index: int | None = None,
+    invariant: bool = False,
+) -> Tensor:
     """x Ŵᵀ: x (..., K) float32 or bfloat16, blocks (N, row bytes) uint8 of `ggml_type` →
-    (..., N) in x's dtype, on the build `variant_index` (default: `variant()`)."""
+    (..., N) in x's dtype, on the build `variant_index` (default: `variant()`). `invariant`: each
+    row's outputs the same bits whatever the rows beside it (a batch-invariant engine): on
+    AVX-512 VNNI a quantized type's products in the integer tiles' arithmetic at every number of
+    rows (`block_panels.c`'s strips, then its tiles), elsewhere the block kernel at every number."""
     chosen = variant() if variant_index is None else _loaded(variant_index)
-    return torch.ops.decoderlm.block_linear(x, blocks, TYPES.index(ggml_type), chosen)
+    return torch.ops.decoderlm.block_linear(x, blocks, TYPES.index(ggml_type), chosen, invariant)
 
 
 def dequantize(
@@ -252,7 +279,7 @@ def int4_linear(
 
 
 @torch.library.register_fake("decoderlm::block_linear", lib=_OPS)
-def _(x: Tensor, blocks: Tensor, ggml_type: int, variant: int) -> Tensor:
+def _(x: Tensor, blocks: Tensor, ggml_type: int, variant: int, invariant: bool) -> Tensor:
     return x.new_empty((*x.shape[:-1], blocks.shape[0]))
 
 

@@ -27,6 +27,8 @@ using torch::stable::Tensor;
   int block_panels_##V(int type, const float *x, int64_t M, const uint8_t *W, int64_t N, int64_t K, float *y); \
   int block_tiles_##V(int type, const void *x, int x_bf16, int64_t M, const uint8_t *W, int64_t N, int64_t K, \
                       void *y);                                                                          \
+  int block_strips_##V(int type, const void *x, int x_bf16, int64_t M, const uint8_t *W, int64_t N, int64_t K, \
+                       void *y);                                                                         \
   int block_linear_isa_##V(void);
 
 extern "C" {
@@ -47,6 +49,7 @@ const IntLinearFn INT_LINEAR[] = {int_linear_portable, int_linear_avx2, int_line
 using PanelsFn = int (*)(int, const float *, int64_t, const uint8_t *, int64_t, int64_t, float *);
 const PanelsFn PANELS[] = {block_panels_portable, block_panels_avx2, block_panels_native};
 const LinearFn TILES[] = {block_tiles_portable, block_tiles_avx2, block_tiles_native};
+const LinearFn STRIPS[] = {block_strips_portable, block_strips_avx2, block_strips_native};
 using IsaFn = int (*)();
 const IsaFn ISA[] = {block_linear_isa_portable, block_linear_isa_avx2, block_linear_isa_native};
 
@@ -76,15 +79,19 @@ Tensor checked_blocks(Tensor blocks, int64_t type, int64_t k, int64_t variant) {
 
 constexpr int64_t CHUNK_WEIGHTS = int64_t{1} << 22;  // weights dequantized at a time (quant/blocks.py)
 constexpr int64_t MAX_ROWS = 16, MAX_TILE_KERNEL_ROWS = 8, MAX_PANEL_ROWS = 256;  // block_linear.py's
-enum class Path { kernel, tiles, panels, gemm };
+enum class Path { kernel, strips, tiles, panels, gemm };
 
 // Where a product of M rows runs (block_linear.py's docstring says why; its `on_panels` tells its
 // callers): the block kernel up to MAX_ROWS rows (MAX_TILE_KERNEL_ROWS where the build has integer
 // panels); then a quantized type's integer panels on AVX-512 VNNI (block_tiles), float32 of any
 // number of rows, bfloat16 up to MAX_PANEL_ROWS; else float32 up to MAX_PANEL_ROWS on dequantized
-// panels (block_panels); else `gemm`.
-Path path(int64_t type, int64_t variant, int64_t M, bool bf16) {
+// panels (block_panels); else `gemm`. `invariant`: a row's bits the same at every M, so never the
+// panels or a GEMM, whose sums differ from the kernel's: where the build has integer panels, the
+// strips (the tiles' arithmetic on a few rows) up to MAX_TILE_KERNEL_ROWS and the tiles beyond, of
+// either dtype; else the kernel at every M.
+Path path(int64_t type, int64_t variant, int64_t M, bool bf16, bool invariant) {
   const bool tiles = ISA[variant]() == 2 && type >= 2;  // a quantized type, AVX-512 VNNI
+  if (invariant) return !tiles ? Path::kernel : M <= MAX_TILE_KERNEL_ROWS ? Path::strips : Path::tiles;
   if (M <= (tiles ? MAX_TILE_KERNEL_ROWS : MAX_ROWS)) return Path::kernel;
   if (tiles && (!bf16 || M <= MAX_PANEL_ROWS)) return Path::tiles;
   return !bf16 && M <= MAX_PANEL_ROWS ? Path::panels : Path::gemm;
@@ -106,16 +113,21 @@ void gemm(Tensor x, Tensor blocks, int64_t type, int64_t variant, Tensor y) {
   }
 }
 
-Tensor block_linear(Tensor x, Tensor blocks, int64_t type, int64_t variant) {
+Tensor block_linear(Tensor x, Tensor blocks, int64_t type, int64_t variant, bool invariant) {
   const int64_t K = x.dim() ? x.size(x.dim() - 1) : 0, M = K ? x.numel() / K : 0;
   blocks = checked_blocks(blocks, type, K, variant);
   Tensor y = output_for(x, blocks.size(0));
   if (M == 0 || blocks.size(0) == 0) return y;
   const int bf16 = x.scalar_type() == ScalarType::BFloat16;
   const auto *W = static_cast<const uint8_t *>(blocks.data_ptr());
-  switch (path(type, variant, M, bf16)) {
+  switch (path(type, variant, M, bf16, invariant)) {
     case Path::kernel:
       STD_TORCH_CHECK(LINEAR[variant](static_cast<int>(type), x.data_ptr(), bf16, M, W, blocks.size(0), K,
+                                      y.data_ptr()) == 0,
+                      "block_linear: no memory for the quantized activations");
+      break;
+    case Path::strips:
+      STD_TORCH_CHECK(STRIPS[variant](static_cast<int>(type), x.data_ptr(), bf16, M, W, blocks.size(0), K,
                                       y.data_ptr()) == 0,
                       "block_linear: no memory for the quantized activations");
       break;
@@ -189,8 +201,8 @@ STABLE_TORCH_LIBRARY_IMPL(decoderlm, CPU, m) {
 
 // Called directly by the compiled decode passes (aoti_shim.h).
 DECODERLM_SHIM(block_linear, block_linear,
-               (AtenTensorHandle x, AtenTensorHandle blocks, int64_t ggml_type, int64_t variant),
-               (x, blocks, ggml_type, variant))
+               (AtenTensorHandle x, AtenTensorHandle blocks, int64_t ggml_type, int64_t variant, int32_t invariant),
+               (x, blocks, ggml_type, variant, invariant))
 DECODERLM_SHIM(block_dequantize, block_dequantize,
                (AtenTensorHandle blocks, int64_t ggml_type, int64_t k, int64_t start, int64_t rows, int32_t bf16,
                 int64_t variant),

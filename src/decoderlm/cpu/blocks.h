@@ -137,12 +137,13 @@ INLINE void quantize_acts(const void *x, int x_bf16, int64_t M, int64_t K, void 
             a[j] = (int8_t)high;
             b[j] = (int8_t)fminf(fmaxf(low, -127.0f), 127.0f);
         }
-        float block_sum = 0.0f;
+        float lane[8] = {0.0f}; /* Σ_j x_j in eight lanes, then a fixed tree: vectorised in this order */
         int32_t block_ab = 0;
         for (int j = 0; j < 32; j++) {
-            block_sum += v[j];
+            lane[j % 8] += v[j];
             block_ab += 256 * a[j] + b[j];
         }
+        const float block_sum = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
         for (int lane = 0; lane < 8; lane++) acts->e[blk * 8 + lane] = e;
         acts->block_e[blk] = e;
         acts->block_sums[2 * blk] = e * (float)block_ab;

@@ -81,7 +81,7 @@ def ops_available() -> bool:
 def traceable(swap: Swap) -> bool:
     """Whether a pass with `swap` in place compiles into a library that computes as the eager
     passes do: every kernel it and `fused` call has its op here."""
-    linears = [m for *_, new in swap for m in new.modules() if isinstance(m, InvariantLinear)]
+    linears = [m for *_, new in swap for m in new.modules() if hasattr(m, "op_available")]
     return fused.ops_available() and all(m.op_available() for m in linears)
 
 
@@ -155,21 +155,34 @@ class InvariantLinear(nn.Module):
         return kernel(x, self.packed, self.linear.out_features)
 
 
+def invariant_linear(linear: nn.Module) -> nn.Module:
+    """The invariant form of a linear layer: an nn.Linear's `InvariantLinear`, or the one a layer
+    of another kind gives itself by its `batch_invariant()` (a GGUF file's block linear,
+    `decoderlm.quant.BlockLinear`); ValueError where it has none."""
+    if type(linear) is nn.Linear:
+        return InvariantLinear(linear)
+    if hasattr(linear, "batch_invariant"):
+        return linear.batch_invariant()
+    raise ValueError(f"{type(linear).__name__} has no batch-invariant form")
+
+
 class InvariantSwiGLU(nn.Module):
     """A SwiGLU MLP, down(silu(gate(x)) ⊙ up(x)), with `silu_mul` and invariant linears."""
 
     def __init__(self, mlp: nn.Module) -> None:
         super().__init__()
-        self.gate, self.up, self.down = (InvariantLinear(m) for m in (mlp.gate, mlp.up, mlp.down))
+        self.gate, self.up, self.down = (invariant_linear(m) for m in (mlp.gate, mlp.up, mlp.down))
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, d_model) → (B, T, d_model)
         return self.down(fused.silu_mul(self.gate(x), self.up(x)))
 
 
 def invariant_modules(model: nn.Module) -> Swap:
-    """The swap that makes `model` batch-invariant: each SwiGLU MLP, and every other plain
-    nn.Linear (RMSNorm and RoPE as `decoderlm.cpu.fused` computes them are invariant already); ValueError naming a module it has no invariant form of (a GELU MLP, whose erf and
-    tanh round differently on the vector and scalar paths; a quantized linear)."""
+    """The swap that makes `model` batch-invariant: each SwiGLU MLP, and every other linear layer
+    (`invariant_linear`: plain nn.Linear and a GGUF file's block linears; RMSNorm and RoPE as
+    `decoderlm.cpu.fused` computes them are invariant already); ValueError naming a module it has
+    no invariant form of (a GELU MLP, whose erf and tanh round differently on the vector and
+    scalar paths; decoderlm.quant's int8 and int4 linears)."""
     swap: Swap = []
     for parent in model.modules():
         for name, child in parent.named_children():
@@ -177,10 +190,11 @@ def invariant_modules(model: nn.Module) -> Swap:
                 swap.append((parent, name, child, InvariantSwiGLU(child)))
             elif isinstance(child, MLP) and child.kind != "relu2":
                 raise ValueError(f"{name}: a {child.kind} MLP (SwiGLU and ReLU² ones are covered)")
-            elif type(child) is nn.Linear and not (
+            elif hasattr(child, "in_features") and not (
                 isinstance(parent, MLP) and parent.kind == "swiglu"
             ):
-                swap.append((parent, name, child, InvariantLinear(child)))
-            elif hasattr(child, "in_features") and type(child) is not nn.Linear:
-                raise ValueError(f"{name}: {type(child).__name__} has no batch-invariant form")
+                try:
+                    swap.append((parent, name, child, invariant_linear(child)))
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
     return swap

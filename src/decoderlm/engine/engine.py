@@ -104,7 +104,8 @@ class Engine:
         (and of a draft model) compiled ahead of time (`ModelRunner`'s `compile`), made now;
         batch_invariant: a request's tokens the same alone or among any others, bit for bit, in
         bfloat16 too (`ModelRunner`'s `batch_invariant`: float linears in a fixed summation order,
-        every pass through the in-place attention kernel; with compile, decode passes by a
+        a GGUF file's block linears in one arithmetic at every number of rows, every pass through
+        the in-place attention kernel; with compile, decode passes by a
         library that calls the same kernels)."""
         check_kv_cache_dtype(kv_cache_dtype)
         check_engine_options(model.config, draft)

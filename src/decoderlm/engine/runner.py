@@ -364,7 +364,8 @@ def batch_invariant_modules(
     """The batch-invariant modules of `model` (`decoderlm.cpu.invariant`); DecoderLMError, naming
     the reason, where a runner cannot make a row's logits independent of its batch: recurrent layers (a prompt's state depends on how its prefill was chunked),
     sliding windows or an int8 KV cache (their layers cannot attend in place), a pool dtype or a
-    CPU without the in-place kernel, a GELU MLP or quantized linears, no C compiler."""
+    CPU without the in-place kernel, a GELU MLP or decoderlm.quant's int8 and int4 linears (a
+    GGUF file's block linears are taken), no C compiler."""
     config = model.config
     reasons = [
         (config.has_recurrent_layers, f"recurrent layers (layer_types {config.layer_types})"),

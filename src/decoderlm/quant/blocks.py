@@ -180,6 +180,33 @@ class BlockLinear(QuantizedLinear):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, ggml_type={self.ggml_type}"
 
+    def batch_invariant(self) -> InvariantBlockLinear:
+        """This layer with each row's outputs the same bits whatever the rows beside it
+        (`decoderlm.cpu.invariant` swaps it in for a batch-invariant engine); ValueError where the
+        block kernels are not built here."""
+        if not block_linear.available():
+            raise ValueError("BlockLinear: no block kernels built here, no batch-invariant form")
+        return InvariantBlockLinear(self)
+
+
+class InvariantBlockLinear(nn.Module):
+    """A BlockLinear's y = x·Ŵᵀ + b with every product on the op decoderlm::block_linear in one
+    arithmetic at every number of rows (`block_linear.linear(..., invariant=True)`: on AVX-512
+    VNNI a quantized type's integer tiles and the strips that compute as they do, elsewhere the
+    block kernel), never on a GEMM; inference only, as the kernels."""
+
+    def __init__(self, linear: BlockLinear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def op_available(self) -> bool:
+        return self.linear.op_available()
+
+    def forward(self, x: Tensor) -> Tensor:  # (..., in_features) → (..., out_features)
+        m = self.linear
+        y = block_linear.linear(x, m.blocks, m.ggml_type, invariant=True)
+        return y if m.bias is None else y + m.bias
+
 
 class BlockEmbedding(nn.Module):
     """A token embedding whose table (num_embeddings, row_bytes) uint8 stays in `ggml_type`'s
