@@ -16,6 +16,9 @@ among others.
   sums each output in the order of its inputs, whatever the rows.
 - `InvariantSwiGLU`: the SwiGLU MLP with silu(g) ⊙ u by `decoderlm.cpu.fused.silu_mul`, whose
   every element goes through the same vector instructions, the last of a row masked.
+- A GGUF file's block linears (`decoderlm.quant.BlockLinear`) give their own invariant form
+  (`batch_invariant()`: `decoderlm.cpu.block_linear`'s products in one arithmetic at every
+  number of rows, traced as decoderlm::block_linear).
 
 RMSNorm and RoPE need no swap: the engine runs them through `decoderlm.cpu.fused`, whose kernels
 give every element of a row the same instructions whatever the rows (PyTorch's own RMSNorm is
