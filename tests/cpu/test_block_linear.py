@@ -12,6 +12,7 @@ the build a process uses."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -174,12 +175,15 @@ def test_the_dequantizer_is_bit_equal_to_dequantize_rows(variant, kind):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 @pytest.mark.parametrize("kind", ["Q4_0", "Q8_0"])
 def test_a_non_finite_activation_makes_its_rows_products_non_finite(variant, bad, kind):
-    """On the kernels (2 rows) and on the panels (6 and 40 rows)."""
+    """On the kernels (2 rows) and on the panels (6 and 40 rows); invariant products too (the
+    strips at 2 rows on AVX-512 VNNI)."""
     blocks = random_blocks(kind, 8, 64, seed=4)
-    for rows in (2, block_linear.MAX_TILE_KERNEL_ROWS + 2, 40):
+    for rows, invariant in itertools.product(
+        (2, block_linear.MAX_TILE_KERNEL_ROWS + 2, 40), (False, True)
+    ):
         x = torch.randn(rows, 64)
         x[0, 40] = bad
-        y = block_linear.linear(x, blocks, kind, variant)
+        y = block_linear.linear(x, blocks, kind, variant, invariant=invariant)
         assert not y[0].isfinite().any() and y[1:].isfinite().all()
         assert bad == bad or y[0].isnan().all()  # a NaN stays NaN (an inf gives ±inf or NaN)
 
