@@ -206,10 +206,12 @@ INT_TILES(Q5_1)
  * tiles. An output's dot products come out of vpdpbusd or vpdpwssd in 16 int32 lanes of 4 or 2
  * inputs; `block_sums16` adds 16 outputs' lanes into one vector of their blocks' sums, a lane an
  * output (exact: integers). The strip's rows lie one after the other; the next strip's are
- * prefetched into L2 a slice per block. Against block_linear.c's kernels, which sum each output
- * in lanes of its inputs (SmolLM2's 30 Q4_1 layers and Q8_0 head, weights in memory, 2 threads of
- * a Zen 4): one row 0.86-0.90× their speed, four rows 0.98-1.16× (Q4_1) and 0.85-0.92× (Q8_0);
- * in cache, one thread, one row 1.11-1.15×. */
+ * prefetched into L2 a slice per block (without it they ran at 0.42-0.48× the kernels' speed).
+ * Against block_linear.c's kernels, which sum each output in lanes of its inputs (SmolLM2's Q4_1
+ * and Q8_0 files, their 30 layers and Q8_0 heads, weights in memory, 2 threads of a Zen 4): one
+ * row 0.83-1.03× their speed, four rows 0.96-0.99×; a 1536 × 576 product in cache 1.09-1.25×
+ * (one row and four, Q4_1 and Q8_0, one thread or two). From memory the kernels' one stream of
+ * weights a thread is read faster than a strip's 16; the kernels keep the default's few rows. */
 #define STRIP 16      /* outputs a strip: one lane each */
 #define STRIP_ROWS 4  /* rows of x a call: their accumulators in registers */
 
