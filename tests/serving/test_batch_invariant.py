@@ -100,8 +100,13 @@ def test_a_gguf_models_requests_are_bit_identical_alone_and_among_sixteen(tok, d
     assert differ > 0 or not block_linear.integer_panels(kind)  # measured 9 to 16 of 16 differ
 
 
-def test_seeded_sampling_and_speculation_stay_bit_identical(tok):
-    engine = Engine(model(tok, torch.bfloat16), tok, block_size=4, batch_invariant=True,
+@pytest.mark.parametrize("kind", [None, "Q4_1"])
+def test_seeded_sampling_and_speculation_stay_bit_identical(tok, kind):
+    if kind and not block_linear.available():
+        pytest.skip("no C compiler for the block kernels")
+    lm = model(tok, torch.bfloat16, **({"d_model": 64, "d_ff": 160} if kind else {}))
+    lm = in_blocks(lm, kind).to(torch.bfloat16) if kind else lm  # a GGUF file's blocks
+    engine = Engine(lm, tok, block_size=4, batch_invariant=True,
                     draft="prompt-lookup", num_speculative_tokens=3)  # fmt: skip
     grounded = [p * 3 for p in prompts(8, tok.vocab_size)]  # repeats: lookup finds drafts
     sampled = RequestParams(
