@@ -120,22 +120,18 @@ Tensor block_linear(Tensor x, Tensor blocks, int64_t type, int64_t variant, bool
   if (M == 0 || blocks.size(0) == 0) return y;
   const int bf16 = x.scalar_type() == ScalarType::BFloat16;
   const auto *W = static_cast<const uint8_t *>(blocks.data_ptr());
-  switch (path(type, variant, M, bf16, invariant)) {
+  const Path chosen = path(type, variant, M, bf16, invariant);
+  switch (chosen) {
     case Path::kernel:
-      STD_TORCH_CHECK(LINEAR[variant](static_cast<int>(type), x.data_ptr(), bf16, M, W, blocks.size(0), K,
-                                      y.data_ptr()) == 0,
-                      "block_linear: no memory for the quantized activations");
-      break;
     case Path::strips:
-      STD_TORCH_CHECK(STRIPS[variant](static_cast<int>(type), x.data_ptr(), bf16, M, W, blocks.size(0), K,
-                                      y.data_ptr()) == 0,
-                      "block_linear: no memory for the quantized activations");
+    case Path::tiles: {  // the quantized activations (and a tile's panels) in buffers of their own
+      const LinearFn *fn = chosen == Path::kernel ? LINEAR : chosen == Path::strips ? STRIPS : TILES;
+      STD_TORCH_CHECK(fn[variant](static_cast<int>(type), x.data_ptr(), bf16, M, W, blocks.size(0), K,
+                                  y.data_ptr()) == 0,
+                      "block_linear: no memory for the ",
+                      chosen == Path::tiles ? "integer panels" : "quantized activations");
       break;
-    case Path::tiles:
-      STD_TORCH_CHECK(TILES[variant](static_cast<int>(type), x.data_ptr(), bf16, M, W, blocks.size(0), K,
-                                     y.data_ptr()) == 0,
-                      "block_linear: no memory for the integer panels");
-      break;
+    }
     case Path::panels:
       STD_TORCH_CHECK(PANELS[variant](static_cast<int>(type), static_cast<const float *>(x.data_ptr()), M, W,
                                       blocks.size(0), K, static_cast<float *>(y.data_ptr())) == 0,
