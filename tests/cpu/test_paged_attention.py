@@ -265,6 +265,40 @@ def test_in_place_attention_over_the_static_cache_is_as_close_to_float64_as_mask
     )
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h_kv", [8, 2], ids=["MHA", "GQA"])
+def test_a_prompts_queries_in_place_are_close_to_float64_and_each_the_bits_of_itself_alone(
+    dtype, h_kv
+):
+    """static_attention: the T queries of left-padded rows (300 slots: keys in two chunks), each
+    over its row's keys up to itself, as masked causal SDPA to rounding; every real query's
+    output is, bit for bit, that of the same query computed alone by the decode op."""
+    g = torch.Generator().manual_seed(h_kv)
+    pad, slots = torch.tensor([0, 7, 299]), 300  # row 2: one real token, in the last slot
+    k, v = (torch.randn(3, h_kv, slots, 16, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(3, 8, slots, 16, generator=g).to(dtype)
+    positions = torch.arange(slots)
+    causal = positions[:, None] >= positions[None, :]  # (T, S)
+    mask = (causal & (positions >= pad[:, None, None]))[:, None, None]  # (B, 1, 1, T, S)
+    real = positions[None, :] >= pad[:, None]  # (B, T): queries outside the padding
+    group = (3, h_kv, 8 // h_kv, slots, 16)
+
+    def sdpa(q, k, v):
+        fold = F.scaled_dot_product_attention(
+            q.reshape(group), k[:, :, None], v[:, :, None], attn_mask=mask
+        )
+        return fold.reshape(q.shape).nan_to_num() * real[:, None, :, None]
+
+    got = paged_attention.static_attention(q, k, v, pad, positions, 0.25)
+    assert_as_close_to_float64_as(sdpa, got * real[:, None, :, None], q, k, v)
+    if static_available(dtype):
+        for t in (0, 8, 256, 299):  # (256: past one chunk of keys)
+            alone = static_decode_attention(q[:, :, t : t + 1], k, v, pad.clamp(max=t),
+                                            torch.tensor([t]), 0.25)  # fmt: skip
+            assert torch.equal(alone, got[:, :, t : t + 1])
+
+
 @needs_op
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_paged_op_equals_the_kernel_and_refuses_blocks_outside_the_pool(dtype):

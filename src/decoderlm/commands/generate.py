@@ -63,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cpu_kernels_argument(parser)
     add_kv_cache_dtype_argument(parser)
     parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="compute as `decoderlm serve --batch-invariant` does: the same logits, bit for bit, "
+        "as the server's for the same request",
+    )
+    parser.add_argument(
         "--draft",
         metavar="RUN|prompt-lookup",
         help="speculative decoding: a draft model (run or Hugging Face directory, same "
@@ -209,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
             compile=args.compile,
             cpu_kernels=args.cpu_kernels,
             kv_cache_dtype=args.kv_cache_dtype,
+            batch_invariant=args.batch_invariant,
         )  # checks its arguments before anything is printed
         sys.stdout.write(prompt)
         for piece in pieces if max_new else ():  # 0 new tokens: the prompt, unchanged
@@ -253,6 +260,7 @@ def _speculate(
             compile=args.compile,
             cpu_kernels=args.cpu_kernels,
             kv_cache_dtype=args.kv_cache_dtype,
+            batch_invariant=args.batch_invariant,
             draft=draft,
             num_speculative_tokens=args.num_speculative_tokens,
             speculative_stats=stats,

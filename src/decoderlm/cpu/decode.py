@@ -36,14 +36,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from decoderlm.cpu import block_linear, features, gemv, onednn, paged_attention, shims
+from decoderlm.cpu import block_linear, features, fused, gemv, onednn, paged_attention, shims
 from decoderlm.model.cache import (
     CacheStep,
     LayerCache,
     LayerCaches,
     RecurrentLayerCache,
+    StaticKVCache,
     StaticLayerCache,
 )
+from decoderlm.model.config import ModelConfig
 from decoderlm.model.lm import DecoderLM
 
 
@@ -136,21 +138,45 @@ _INDUCTOR_OPTIONS = {"realize_opcount_threshold": 4, "realize_reads_threshold": 
 
 
 class InPlaceLayerCache(StaticLayerCache):
-    """A layer of the one-token step's static cache that attends the step itself: it stores the new
-    K/V at `slots` and reads each row's filled slots pad[b] .. slots[0] where they lie
+    """A layer of a static cache that attends the step itself: it stores the new K/V at `slots`
+    and reads each row's filled slots pad[b] .. slots[0] where they lie
     (`paged_attention.static_decode_attention`), instead of handing SDPA the whole buffer and a
-    mask over its unfilled slots. For layers without a window, one query per row."""
+    mask over its unfilled slots. For layers without a window: one query per row in the compiled
+    step; several (a prefill of `InPlaceKVCache`), each query over slots pad[b] .. its own
+    (`paged_attention.static_attention`, eagerly)."""
 
     def __init__(self, k: Tensor, v: Tensor, step: CacheStep, pad: Tensor) -> None:
         super().__init__(k, v, step)
         self.pad = pad  # (B,) each row's first real slot
 
     def attend_in_place(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-        """q (B, H, 1, hd); k, v (B, Hkv, 1, hd) → softmax(q Kᵀ · scale) V (B, H, 1, hd)."""
+        """q (B, H, T, hd); k, v (B, Hkv, T, hd) → softmax(q Kᵀ · scale) V (B, H, T, hd)."""
         self.store(k, v)
+        if q.shape[2] > 1:
+            return paged_attention.static_attention(q, self.k, self.v, self.pad, self.slots, scale)
         return paged_attention.static_decode_attention(
             q, self.k, self.v, self.pad, self.slots, scale
         )
+
+
+class InPlaceKVCache(StaticKVCache):
+    """A static cache whose every layer attends in place (`InPlaceLayerCache`), a prefill's
+    queries too: each query's attention is computed as it would be alone, over its own row's
+    slots pad[b] .. its own, whatever the rows beside it and their padding
+    (`generate(batch_invariant=True)`). `pad` (B,): each row's left padding, which the caller
+    sets before a prefill. Float32 or bfloat16 K/V, layers without a window
+    (`attends_in_place`)."""
+
+    def __init__(
+        self, config: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:  # fmt: skip
+        super().__init__(config, batch_size, max_len, dtype, device)
+        self.pad = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
+        self.layers = [
+            InPlaceLayerCache(layer.k, layer.v, CacheStep(layer.slots, layer.end), self.pad)
+            for layer in self.layers
+        ]
 
 
 def attends_in_place(model: DecoderLM, dtype: torch.dtype, device: torch.device) -> bool:
@@ -248,6 +274,10 @@ class CompiledStep:
     is made (or found) once per model object, forward, paths and shapes in a process. A recurrent
     layer's cache holds the states its last eager pass (the prefill) returned; the step copies them
     into the buffers the library updates in place, once, on its first call after that pass.
+    batch_invariant: the caller has swapped in the modules of `decoderlm.cpu.invariant`
+    (`traceable`), traced as ops (`fused.as_ops`), and Inductor rounds each intermediate where
+    eager code does (`emulate_precision_casts`): a row's logits are bit for bit those of an eager
+    step of the same modules.
     """
 
     def __init__(
@@ -258,6 +288,7 @@ class CompiledStep:
         *,
         linear_kernels: bool = True,
         in_place_attention: bool = True,
+        batch_invariant: bool = False,
     ) -> None:
         state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         buffers = layer_buffers(cache)
@@ -275,7 +306,9 @@ class CompiledStep:
             torch.zeros(1, dtype=torch.long, device=device),  # slot
             torch.zeros(batch, dtype=torch.long, device=device),  # pad
         ]
-        self.run = step_library(step, self.inputs, extra)
+        options = {"emulate_precision_casts": True} if batch_invariant else None
+        with fused.as_ops() if batch_invariant else nullcontext():
+            self.run = step_library(step, self.inputs, extra, inductor_options=options)
 
     def __call__(self, token: Tensor, slot: Tensor, pad: Tensor) -> Tensor:
         self._adopt_states()

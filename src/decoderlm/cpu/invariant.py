@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -43,6 +44,7 @@ from torch import Tensor, nn
 
 from decoderlm.cpu import bf16_linear, fused, native
 from decoderlm.cpu.swap import Swap
+from decoderlm.errors import DecoderLMError
 from decoderlm.model.layers import MLP
 
 SOURCE = Path(__file__).with_name("invariant.c")
@@ -81,10 +83,11 @@ def ops_available() -> bool:
     return native.load_ops(OPS_SOURCES, "batch-invariant passes run eagerly")
 
 
-def traceable(swap: Swap) -> bool:
-    """Whether a pass with `swap` in place compiles into a library that computes as the eager
-    passes do: every kernel it and `fused` call has its op here."""
-    linears = [m for *_, new in swap for m in new.modules() if hasattr(m, "op_available")]
+def traceable(modules: Iterable[nn.Module]) -> bool:
+    """Whether a pass over `modules` (those a swap puts in, or a model with its swap in place)
+    compiles into a library that computes as the eager passes do: every kernel they and `fused`
+    call has its op here."""
+    linears = [m for module in modules for m in module.modules() if hasattr(m, "op_available")]
     return fused.ops_available() and all(m.op_available() for m in linears)
 
 
@@ -201,3 +204,28 @@ def invariant_modules(model: nn.Module) -> Swap:
                 except ValueError as exc:
                     raise ValueError(f"{name}: {exc}") from None
     return swap
+
+
+def batch_invariant_swap(model: nn.Module, kv_cache_dtype: str | None, in_place: bool) -> Swap:
+    """`invariant_modules(model)` for a caller whose attention reads each query's keys in place
+    (`in_place`: the engine's pools, `decoderlm.cpu.decode.InPlaceKVCache`); DecoderLMError,
+    naming the reason, where a row's logits cannot be made independent of its batch: recurrent
+    layers (a prompt's state depends on how its prefill was chunked), sliding windows or an int8
+    KV cache (their layers cannot attend in place), no in-place kernel for the cache's dtype and
+    device, a GELU MLP or decoderlm.quant's int8 and int4 linears (a GGUF file's block linears
+    are taken), no C compiler."""
+    config = model.config
+    reasons = [
+        (config.has_recurrent_layers, f"recurrent layers (layer_types {config.layer_types})"),
+        (config.sliding_window is not None, f"a sliding window ({config.sliding_window})"),
+        (kv_cache_dtype is not None, f"kv_cache_dtype={kv_cache_dtype!r}"),
+        (not in_place, "no in-place attention kernel for this dtype and device"),
+        (not available(), "no C compiler to build its linears"),
+    ]
+    for refused, reason in reasons:
+        if refused:
+            raise DecoderLMError(f"batch_invariant does not support {reason}")
+    try:
+        return invariant_modules(model)
+    except ValueError as exc:
+        raise DecoderLMError(f"batch_invariant does not support {exc}") from None

@@ -167,6 +167,41 @@ def static_decode_attention(
     return torch.ops.decoderlm.static_decode_attention(q, k, v, first, last, scale)
 
 
+def static_attention(
+    q: Tensor, k: Tensor, v: Tensor, first: Tensor, slots: Tensor, scale: float
+) -> Tensor:
+    """softmax(q Kᵀ · scale) V for T queries per row over the static cache, read in place, each
+    query a row of the kernel's own: its arithmetic is that of the same query alone, whatever the
+    rows, queries and padding beside it (a prefill in `decoderlm.cpu.decode.InPlaceKVCache`).
+
+    q (B, H, T, hd) the queries of cache slots `slots` (T,) int64, ascending; k, v (B, Hkv, S, hd)
+    contiguous, q's dtype, the queries' own keys stored; first (B,) int64: row b's first real
+    slot. The query at slot s of row b attends slots first[b] .. s (causal); one inside the row's
+    left padding (s < first[b]) attends itself only. Returns (B, H, T, hd).
+    """
+    b, h, t, d = q.shape
+    _, h_kv, s, _ = k.shape
+    if k.shape[0] != b or h % h_kv or not (k.is_contiguous() and v.is_contiguous()):
+        raise ValueError(f"static_attention: q {tuple(q.shape)}, cache {tuple(k.shape)}")
+    if int(first.min()) < 0 or int(slots.min()) < 0 or int(slots.max()) >= s:
+        raise ValueError(f"static_attention: slots or first slots outside the cache's {s}")
+    at = slots.repeat(b)  # (B·T,) each query's slot
+    rows = torch.arange(b, device=q.device).repeat_interleave(t)[:, None]  # (B·T, 1): its block
+    start = torch.minimum(first.repeat_interleave(t), at)  # (B·T,)
+    lengths = at + 1
+    queries = q.transpose(1, 2).reshape(b * t, h, d).contiguous()  # (B·T, H, hd)
+    out = torch.empty_like(queries)
+    status = getattr(_library(), FUNCTIONS[q.dtype])(
+        queries.data_ptr(), k.data_ptr(), v.data_ptr(), rows.data_ptr(), start.data_ptr(),
+        lengths.data_ptr(), out.data_ptr(), b * t, h, h_kv, d, s, 1, h_kv * s * d, s * d, d, scale,
+    )  # fmt: skip
+    if status == -2:
+        raise ValueError(f"static_attention: head_dim {d} > 512, the kernel's largest")
+    if status != 0:
+        raise MemoryError("static_attention: no memory for the scores")
+    return out.view(b, t, h, d).transpose(1, 2)
+
+
 def paged_decode_op(
     q: Tensor, k: Tensor, v: Tensor, table: Tensor, lengths: Tensor, scale: float
 ) -> Tensor:

@@ -59,12 +59,11 @@ from torch import Tensor
 from decoderlm.cpu import fused, invariant, paged_attention, paged_step
 from decoderlm.cpu.attention import cpu_attend
 from decoderlm.cpu.paths import SpeedPaths
-from decoderlm.cpu.swap import Swap, swapped
+from decoderlm.cpu.swap import swapped
 from decoderlm.engine.kv_pool import IN_PLACE_MAX_TOKENS, PagedKVCache, blocks_for
 from decoderlm.engine.passes import Row
 from decoderlm.engine.state_pool import StatePool, split_budget
 from decoderlm.engine.step_inputs import pass_inputs
-from decoderlm.errors import DecoderLMError
 from decoderlm.inference.generate import evaluating, next_logits
 from decoderlm.inference.options import float_probe
 from decoderlm.model.attention import attend
@@ -120,7 +119,7 @@ class ModelRunner:
         `pool_blocks` as the padding's scratch block. batch_invariant: every pass packed (each
         token a query of the in-place attention kernel, whatever the pass) and the linears of
         `decoderlm.cpu.invariant`, so that a row's logits do not depend on the rows beside
-        it (`batch_invariant_modules` says which models and pools can); with compile, its
+        it (`invariant.batch_invariant_swap` says which models and pools can); with compile, its
         decode passes of up to `paged_step.MAX_BATCH` rows by a library traced with those
         modules as ops, which computes each row as the eager passes do
         (`invariant.traceable`; else they run eagerly)."""
@@ -161,10 +160,12 @@ class ModelRunner:
         self.width = blocks_for(model.config.context_length, block_size)  # a table's most blocks
         self.invariant = None
         if batch_invariant:
-            self.invariant = batch_invariant_modules(model, self.cache, kv_cache_dtype)
+            self.invariant = invariant.batch_invariant_swap(
+                model, kv_cache_dtype, self.cache.packable
+            )
         compiles = compile and kv_cache_dtype is None
         if batch_invariant:
-            compiles = compiles and invariant.traceable(self.invariant)
+            compiles = compiles and invariant.traceable(new for *_, new in self.invariant)
         self.step = self._compiled_step() if compiles else None
         self.compile_s = 0.0 if self.step is None else self.step.compile_s
 
@@ -356,28 +357,3 @@ class ModelRunner:
         log p(· | tokens ≤ t). One forward pass outside the batch and the KV cache."""
         logits = self.model(torch.tensor([ids], device=self.device))[0, :-1]  # (T − 1, V)
         return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
-
-
-def batch_invariant_modules(
-    model: DecoderLM, cache: PagedKVCache, kv_cache_dtype: str | None
-) -> Swap:
-    """The batch-invariant modules of `model` (`decoderlm.cpu.invariant`); DecoderLMError, naming
-    the reason, where a runner cannot make a row's logits independent of its batch: recurrent layers (a prompt's state depends on how its prefill was chunked),
-    sliding windows or an int8 KV cache (their layers cannot attend in place), a pool dtype or a
-    CPU without the in-place kernel, a GELU MLP or decoderlm.quant's int8 and int4 linears (a
-    GGUF file's block linears are taken), no C compiler."""
-    config = model.config
-    reasons = [
-        (config.has_recurrent_layers, f"recurrent layers (layer_types {config.layer_types})"),
-        (config.sliding_window is not None, f"a sliding window ({config.sliding_window})"),
-        (kv_cache_dtype is not None, f"kv_cache_dtype={kv_cache_dtype!r}"),
-        (not cache.packable, "no in-place attention kernel for this dtype and device"),
-        (not invariant.available(), "no C compiler to build its linears"),
-    ]
-    for refused, reason in reasons:
-        if refused:
-            raise DecoderLMError(f"batch_invariant does not support {reason}")
-    try:
-        return invariant.invariant_modules(model)
-    except ValueError as exc:
-        raise DecoderLMError(f"batch_invariant does not support {exc}") from None

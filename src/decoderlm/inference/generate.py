@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from decoderlm.cpu.decode import CompiledStep
+from decoderlm.cpu import invariant
+from decoderlm.cpu.decode import CompiledStep, InPlaceKVCache
 from decoderlm.cpu.paths import SpeedPaths
 from decoderlm.errors import DecoderLMError
 from decoderlm.inference import speculative
@@ -123,8 +124,8 @@ def decode_steps(
 ) -> Iterator[Tensor]:
     """Yield the new token of every row, (B,) on the model's device, `max_new_tokens` times.
 
-    Call it under `torch.inference_mode()` with the model in eval mode and `options.paths`
-    applied (`generate` does both). Nothing here waits for the device: the caller decides when to
+    Call it under `torch.inference_mode()` with the model in eval mode and `options.applied(model)`
+    (`generate` does both). Nothing here waits for the device: the caller decides when to
     look at the tokens (and to stop). Past `context_length`, either raise (default) or, with
     `refill_past_context`, drop the oldest quarter of the context and refill the cache from the rest
     (one prefill), so every token still sees ≥ 3/4 of a context. The linear-kernels path covers the
@@ -186,15 +187,17 @@ class _Decoder:
     unbounded: bool = field(init=False)  # the ring never fills: no refill, no length limit
 
     def __post_init__(self) -> None:
-        paths = self.options.paths
+        paths, invariant_ = self.options.paths, self.options.batch_invariant
         self.step = None
-        if self.options.compile:
+        # batch-invariant: traced with every kernel an op, or not compiled (eager steps)
+        if self.options.compile and (not invariant_ or invariant.traceable([self.model])):
             self.step = CompiledStep(
                 self.model,
                 self.cache,
                 next_logits,
                 linear_kernels=paths.linear_kernels,
-                in_place_attention=paths.in_place_attention,
+                in_place_attention=paths.in_place_attention or invariant_,
+                batch_invariant=invariant_,
             )
         self.unbounded = self.model.config.decodes_past_context
 
@@ -236,10 +239,15 @@ class _Decoder:
         slots = torch.arange(max_len, device=device)  # (S,)
         filled = slots[None, :] >= pad[:, None]  # (B, S) key mask: real tokens, not padding
         padded = bool(pad.any())
+        if isinstance(self.cache, InPlaceKVCache):  # each query attends from its row's first slot
+            self.cache.pad.copy_(pad)
         idx = torch.tensor([[0] * (n - len(row)) + row for row in rows], device=device)  # (B, n)
         positions = (slots[None, :n] - pad[:, None]).clamp(min=0)  # (B, n): 0 at the 1st token
         self.cache.seek(CacheStep.span(0, n, device, filled[:, :n] if padded else None))
-        prefill = compiled_prefill() if compile else next_logits
+        # batch-invariant prompts attend per query, eagerly (`paged_attention.static_attention`)
+        prefill = (
+            compiled_prefill() if compile and not self.options.batch_invariant else next_logits
+        )
         with paths.linear(compile or n > 1, compiling=compile):
             logits = prefill(
                 self.model, self.cache, idx, positions, filled[:, :n] if padded else None
@@ -288,6 +296,7 @@ def generate(
     draft: Draft | None = None,
     num_speculative_tokens: int | None = None,
     speculative_stats: SpeculativeStats | None = None,
+    batch_invariant: bool = False,
     **sampling: Any,
 ) -> list[list[int]]:
     """Continue each prompt row by up to `max_new_tokens` tokens; returns one id list per row.
@@ -318,13 +327,28 @@ def generate(
     rows are decoded one after another; the same output distribution (greedy: the same tokens).
     A `SpeculativeStats` given as `speculative_stats` receives the acceptance counts. Not with
     `structured` (its grammar would have to mask every proposed position).
+
+    `batch_invariant`: each row's logits, and so its greedy tokens, are bit for bit those of the
+    row alone, whatever the rows beside it and however much padding its prompt gets, in bfloat16
+    too (`DecodeOptions.batch_invariant`: the linears and MLPs of `decoderlm.cpu.invariant`, each
+    query attending its own keys in place; the same kernels as `Engine(batch_invariant=True)`).
+    With `compile` the one-token step is compiled with every kernel an op (the prompt runs
+    eagerly), where the ops are built (else the steps run eagerly). On the CPU, over the models
+    `Engine(batch_invariant=True)` takes; not with a draft.
     """
     params = sampling_params(params, sampling)
     if not (isinstance(num_samples, int) and num_samples >= 1):
         raise DecoderLMError(f"num_samples={num_samples!r} must be an integer ≥ 1")
     rows = [row for row in prompt_rows(prompt, model.config.vocab_size) for _ in range(num_samples)]
-    options = DecodeOptions.of(compile, cpu_kernels, kv_cache_dtype, refill_past_context)
+    options = DecodeOptions.of(
+        compile, cpu_kernels, kv_cache_dtype, refill_past_context, batch_invariant
+    )
     options.check(model, rows, max_new_tokens)
+    if draft is not None and batch_invariant:
+        raise DecoderLMError(
+            "batch_invariant=True with a draft is not supported (rows are speculated one by one "
+            "here): drop one, or use decoderlm.engine.Engine(batch_invariant=True), which speculates"
+        )
     k = _speculative_tokens(model, draft, num_speculative_tokens, rows, max_new_tokens, options)
     if max_new_tokens == 0:
         return rows
@@ -343,7 +367,7 @@ def generate(
             stops,
             speculative_stats,
         )
-    with evaluating(model), options.paths.applied(model):
+    with evaluating(model), options.applied(model):
         steps = decode_steps(model, rows, max_new_tokens, params, generator, options, matchers)
         new = _until_every_row_ends(steps, stops, len(rows))
     generated = torch.stack(new, dim=1).tolist()  # (B, n_new): the only host copy of the tokens

@@ -114,6 +114,7 @@ def stream(
     compile: bool = False,
     cpu_kernels: bool | SpeedPaths = True,
     kv_cache_dtype: str | None = None,
+    batch_invariant: bool = False,
     **sampling: Any,
 ) -> Iterator[str]:
     """An iterator over the continuation of `prompt`, as text pieces while they are generated.
@@ -122,7 +123,8 @@ def stream(
     `ignore_eos`) or before the first of the `stop` strings (which is not yielded); special
     tokens' text is left out. Bad arguments raise
     here, before anything is generated. Sampling (`params` and/or its fields as keywords), `seed`,
-    `refill_past_context`, `compile`, `cpu_kernels` and `kv_cache_dtype` are those of
+    `refill_past_context`, `compile`, `cpu_kernels`, `kv_cache_dtype` and `batch_invariant` (the
+    logits, bit for bit, of `Engine(batch_invariant=True)`'s same request) are those of
     `decoderlm.inference.generate.generate`; the model is in eval mode (with the speed paths of
     `cpu_kernels` applied) while the iterator runs, restored when it ends or is closed.
     """
@@ -131,7 +133,9 @@ def stream(
         raise DecoderLMError("empty prompt: give some text to continue")
     ids = tokenizer.encode_prompt(prompt)  # a BOS first where the model's tokenizer adds one
     rows = prompt_rows([ids], model.config.vocab_size)
-    options = DecodeOptions.of(compile, cpu_kernels, kv_cache_dtype, refill_past_context)
+    options = DecodeOptions.of(
+        compile, cpu_kernels, kv_cache_dtype, refill_past_context, batch_invariant
+    )
     options.check(model, rows, max_new_tokens)
     stops = frozenset(() if ignore_eos else getattr(tokenizer, "stop_ids", ()))
     generator = make_generator(seed, model.tok_emb.weight.device)
@@ -140,7 +144,7 @@ def stream(
         IncrementalDecoder(tokenizer, ids, skip_special_tokens=True),
         StopMatcher(stop),
     )
-    return _text_pieces(model, steps, decoder, matcher, stops, options.paths)
+    return _text_pieces(model, steps, decoder, matcher, stops, options)
 
 
 def _text_pieces(
@@ -149,9 +153,9 @@ def _text_pieces(
     decoder: IncrementalDecoder,
     matcher: StopMatcher,
     stops: frozenset[int],
-    paths: SpeedPaths,
+    options: DecodeOptions,
 ) -> Iterator[str]:
-    with evaluating(model), paths.applied(model):
+    with evaluating(model), options.applied(model):
         for token in steps:
             token_id = int(token[0])  # streaming needs each token on the host
             if token_id in stops:
