@@ -6,7 +6,9 @@ decode --new-tokens greedy tokens each, all N submitted at once to `Engine(compi
 each alone on the same engine; a request matches where its tokens (and, as a second count, its
 log-probabilities) are the same both ways. Then the same prompts as one left-padded batch of
 `generate(compile=True)` against each prompt alone (tokens only: it returns no
-log-probabilities); batch-invariant, a third count says how many equal the engine's. Default mode: a row's sums change with the rows beside
+log-probabilities); batch-invariant, a third count says how many equal the engine's. The last
+column: the batch's new tokens a second in `generate`, timed in a second call (what
+batch invariance costs there). Default mode: a row's sums change with the rows beside
 it (the block kernels of a few rows against the integer tiles of many, a prompt's GEMM, Inductor's
 fused norms; for `generate`, also a prompt's padding in its attention), enough to flip greedy
 near-ties; batch-invariant mode: every reduction in one order at every number of rows
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -60,12 +63,16 @@ def matches(engine: Engine, requests: list[list[int]], new_tokens: int) -> tuple
 
 def generate_matches(
     model, requests: list[list[int]], new_tokens: int, invariant: bool
-) -> tuple[int, list[list[int]]]:
-    """(requests whose tokens in one `generate` batch match their tokens alone, the batch's)."""
+) -> tuple[int, list[list[int]], float]:
+    """(requests whose tokens in one `generate` batch match their tokens alone, the batch's, the
+    batch's new tokens a second in a second call: the compiled step's library made or loaded)."""
     options = dict(temperature=0, compile=True, batch_invariant=invariant)
     together = generate(model, requests, new_tokens, **options)
     alone = [generate(model, [r], new_tokens, **options)[0] for r in requests]
-    return sum(c == s for c, s in zip(together, alone, strict=True)), together
+    start = time.perf_counter()
+    generate(model, requests, new_tokens, **options)
+    speed = len(requests) * new_tokens / (time.perf_counter() - start)
+    return sum(c == s for c, s in zip(together, alone, strict=True)), together, speed
 
 
 def main() -> None:
@@ -81,8 +88,8 @@ def main() -> None:
           f"load average {load_avg[0]:.2f}")  # fmt: skip
     print(f"{args.checkpoint}: {args.requests} concurrent greedy requests of {args.new_tokens} "
           "tokens, each against itself alone")  # fmt: skip
-    print("| dtype | entry | mode | tokens match | log-probabilities match too |")
-    print("|---|---|---|---|---|")
+    print("| dtype | entry | mode | tokens match | log-probabilities match too | batch tok/s |")
+    print("|---|---|---|---|---|---|")
     failed = False
     for dtype in args.dtype:
         model, tokenizer = load(args.checkpoint, dtype=getattr(torch, dtype))
@@ -92,21 +99,19 @@ def main() -> None:
             engine = Engine(model, tokenizer, compile=True, batch_invariant=invariant)
             tokens, logprobs = matches(engine, requests, args.new_tokens)
             mode = "batch-invariant" if invariant else "default"
-            print(f"| {dtype} | Engine | {mode} | {tokens} of {n} | {logprobs} of {n} |")
+            print(f"| {dtype} | Engine | {mode} | {tokens} of {n} | {logprobs} of {n} | |")
             failed |= invariant and logprobs < n
             served = engine.generate(requests, RequestParams(
                 args.new_tokens, SamplingParams(temperature=0), ignore_eos=True))  # fmt: skip
         for invariant in (False, True):
-            tokens, rows = generate_matches(model, requests, args.new_tokens, invariant)
+            tokens, rows, speed = generate_matches(model, requests, args.new_tokens, invariant)
             mode = "batch-invariant" if invariant else "default"
-            cell = "(no log-probabilities)"
+            cell = "(none returned)"
             if invariant:
-                same = sum(
-                    row == r + s.token_ids for row, r, s in zip(rows, requests, served, strict=True)
-                )
+                same = sum(row == r + s.token_ids for row, r, s in zip(rows, requests, served, strict=True))  # fmt: skip
                 cell += f"; {same} of {n} the engine's tokens"
                 failed |= same < n
-            print(f"| {dtype} | generate | {mode} | {tokens} of {n} | {cell} |")
+            print(f"| {dtype} | generate | {mode} | {tokens} of {n} | {cell} | {speed:.1f} |")
             failed |= invariant and tokens < n
     sys.exit(1 if failed else 0)
 
