@@ -5,8 +5,9 @@ size; a BLAS picks its blocking of the inner dimension by the shape, and a vecto
 loop computes its last elements by a scalar path whose exp rounds differently, so a row's logits
 change with its batch, and with them, in bfloat16, its greedy tokens. With these modules swapped
 in (`invariant_modules`) and attention read per query from the paged pool
-(`decoderlm.engine.runner`'s `batch_invariant`), a request's tokens are bit-identical alone or
-among others.
+(`decoderlm.engine.runner`'s `batch_invariant`) or from a static cache
+(`decoderlm.cpu.decode.InPlaceKVCache`: `generate(batch_invariant=True)`), a request's tokens are
+bit-identical alone or among others.
 
 - `InvariantLinear`: y = x Wᵀ, every output summed over its inputs in one fixed order
   (`invariant.c`: AVX-512, AVX2 + FMA or plain C, chosen when the kernel is built for this CPU,

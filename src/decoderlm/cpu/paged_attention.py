@@ -19,6 +19,10 @@ reads all S and masks the unfilled ones. The engine's compiled decode pass
 (`decoderlm.cpu.paged_step`) attends the paged pools with decoderlm::paged_decode_attention,
 registered there too: `paged_decode_attention` as an op that checks its indices in C++.
 
+`static_attention` runs the same kernel over a prompt's queries, each a row of its own over its
+row's keys up to itself: a batch-invariant `generate` (`decoderlm.cpu.decode.InPlaceKVCache`)
+computes every query as it would be computed alone, whatever the padding beside it.
+
 The C source is built on first use and cached (`decoderlm.cpu.native`); where it cannot be,
 `available` / `static_available` are False and the callers keep the gather path / SDPA.
 """
