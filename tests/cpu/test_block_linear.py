@@ -363,6 +363,18 @@ def test_a_symbolic_number_of_rows_is_traced_to_the_op():
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompts_forward_traces_as_one_graph(dtype):
+    """torch.compile of a GGUF model's prefill (`generate(compile=True)`) sees no graph break: a
+    float32 prompt's route (panels or GEMM, by torch's float32 matmul precision) is decided as
+    it traces, where asking for the precision broke the graph and left the forward eager."""
+    model = block_model().to(dtype).eval()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(model)(torch.randint(0, 64, (2, 40)))
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
+@needs_kernels
 def test_the_compiled_decode_step_calls_the_block_kernels_and_decodes_the_eager_tokens():
     model = block_model()
     prompt = [[5, 17, 3, 42]]

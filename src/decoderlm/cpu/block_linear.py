@@ -185,6 +185,14 @@ def integer_panels(ggml_type: str) -> bool:
     return available() and ggml_type not in FLOAT_TYPES and isa(variant()) == "AVX-512"
 
 
+@torch.compiler.assume_constant_result  # a str torch.compile would break its graph on
+def _exact_float32() -> bool:
+    """Whether torch's float32 matmul precision asks for float32 products (not "medium"). A
+    compiled graph keeps the answer it traced; only the route is fixed so, not the precision:
+    `bf16_linear.float32_linear` follows the precision set when it runs."""
+    return torch.get_float32_matmul_precision() != "medium"
+
+
 def on_panels(x: Tensor, ggml_type: str) -> bool:
     """Whether x (..., K), a statically known number of rows past MAX_ROWS, is faster on the op's
     panels than on a GEMM of the dequantized weights: with integer panels (`integer_panels`) up
@@ -196,7 +204,7 @@ def on_panels(x: Tensor, ggml_type: str) -> bool:
     if not statically_known_true(rows > MAX_ROWS):
         return False
     within = statically_known_true(rows <= MAX_PANEL_ROWS)
-    exact = x.dtype == torch.float32 and torch.get_float32_matmul_precision() != "medium"
+    exact = x.dtype == torch.float32 and _exact_float32()
     if integer_panels(ggml_type):
         return within or exact
     return within and exact
