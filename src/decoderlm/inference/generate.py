@@ -187,17 +187,17 @@ class _Decoder:
     unbounded: bool = field(init=False)  # the ring never fills: no refill, no length limit
 
     def __post_init__(self) -> None:
-        paths, invariant_ = self.options.paths, self.options.batch_invariant
+        paths, batch_invariant = self.options.paths, self.options.batch_invariant
         self.step = None
         # batch-invariant: traced with every kernel an op, or not compiled (eager steps)
-        if self.options.compile and (not invariant_ or invariant.traceable([self.model])):
+        if self.options.compile and (not batch_invariant or invariant.traceable([self.model])):
             self.step = CompiledStep(
                 self.model,
                 self.cache,
                 next_logits,
                 linear_kernels=paths.linear_kernels,
-                in_place_attention=paths.in_place_attention or invariant_,
-                batch_invariant=invariant_,
+                in_place_attention=paths.in_place_attention or batch_invariant,
+                batch_invariant=batch_invariant,
             )
         self.unbounded = self.model.config.decodes_past_context
 
