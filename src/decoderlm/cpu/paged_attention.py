@@ -129,11 +129,17 @@ def paged_decode_attention(
             out.data_ptr(), b, h, h_kv, d, block_size, table.shape[1], *strides, scale,
             k_new.data_ptr(), v_new.data_ptr(), *k_new.stride()[:2], *v_new.stride()[:2],
         )  # fmt: skip
-    if status == -2:
-        raise ValueError(f"paged_decode_attention: head_dim {d} > 512, the kernel's largest")
-    if status != 0:
-        raise MemoryError("paged_decode_attention: no memory for the scores")
+    _check(status, "paged_decode_attention", d)
     return out
+
+
+def _check(status: int, name: str, head_dim: int) -> None:
+    """The kernel's status as an error: −2 a head_dim past its largest, another non-zero no
+    memory for its scores."""
+    if status == -2:
+        raise ValueError(f"{name}: head_dim {head_dim} > 512, the kernel's largest")
+    if status != 0:
+        raise MemoryError(f"{name}: no memory for the scores")
 
 
 def _rows(x: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -199,10 +205,7 @@ def static_attention(
         queries.data_ptr(), k.data_ptr(), v.data_ptr(), rows.data_ptr(), start.data_ptr(),
         lengths.data_ptr(), out.data_ptr(), b * t, h, h_kv, d, s, 1, h_kv * s * d, s * d, d, scale,
     )  # fmt: skip
-    if status == -2:
-        raise ValueError(f"static_attention: head_dim {d} > 512, the kernel's largest")
-    if status != 0:
-        raise MemoryError("static_attention: no memory for the scores")
+    _check(status, "static_attention", d)
     return out.view(b, t, h, d).transpose(1, 2)
 
 
