@@ -1,7 +1,8 @@
 """`generate(batch_invariant=True)`: every row's logits, at every step, are bit for bit those of the
 row alone, whatever the rows beside it and its prompt's left padding, in bfloat16 and float32, over
 plain and GGUF-block linears; they are the bits `Engine(batch_invariant=True)` gives the same
-request, and `decoderlm generate --batch-invariant` prints the engine's text; the compiled one-token
+request, and `decoderlm generate --batch-invariant` prints the engine's text; seeded samples are
+each prompt's alone and the engine's; the compiled one-token
 step gives the eager steps' bits; what it cannot make invariant is a one-line error."""
 
 from __future__ import annotations
@@ -100,6 +101,34 @@ def test_its_log_probabilities_are_the_engines_bits(monkeypatch, tok, dtype, kin
     for b, output in enumerate(served):
         ours = [float(logprobs[b, t, token]) for t, token in enumerate(output.token_ids)]
         assert output.logprobs == ours
+
+
+@pytest.mark.parametrize(("dtype", "kind"), [(torch.float32, None), (torch.bfloat16, "Q4_1")])
+def test_seeded_samples_are_the_prompts_alone_and_the_engines(tok, dtype, kind):
+    """Sampled rows (temperature, top-k, top-p, repetition penalty), 2 samples of each of 6
+    prompts with seed 3: sample s of a prompt is the prompt alone with seed 3 + s, and the
+    engine's sample s of a request with seed 3. One generator for the batch (the default) does
+    not give that."""
+    if kind and not block_linear.available():
+        pytest.skip("no C compiler for the block kernels")
+    lm = model(tok, dtype, kind)
+    rows = prompts(6, tok.vocab_size)
+    sampling = SamplingParams(temperature=1.5, top_k=20, top_p=0.95, repetition_penalty=1.2)
+
+    def run(prompts: list[list[int]], seed: int, **options) -> list[list[int]]:
+        new = generation.generate(lm, prompts, NEW_TOKENS, sampling, seed=seed, **options)
+        return [
+            row[len(prompts[i // options.get("num_samples", 1)]) :] for i, row in enumerate(new)
+        ]
+
+    together = run(rows, 3, num_samples=2, batch_invariant=True)
+    alone = [run([row], 3 + s, batch_invariant=True)[0] for row in rows for s in range(2)]
+    assert together == alone
+    assert together[0::2] != together[1::2]  # the samples of a prompt draw apart
+    params = RequestParams(NEW_TOKENS, sampling, ignore_eos=True, seed=3, n=2)
+    served = Engine(lm, tok, block_size=4, batch_invariant=True).generate(rows, params)
+    assert [output.token_ids for output in served] == together
+    assert run(rows, 3, num_samples=2) != together  # one generator: rows draw in batch order
 
 
 @pytest.mark.parametrize(("dtype", "kind"), [(torch.float32, None), (torch.bfloat16, "Q4_1")])

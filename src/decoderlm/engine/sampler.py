@@ -61,12 +61,11 @@ class SamplingState:
         `seed`. Each sample has its own matcher of `grammar`. `stop_ids` (the ids that end the
         sequence) are masked until `params.min_tokens` tokens are generated, as vLLM's
         min_tokens logits processor does."""
-        seed = None if params.seed is None else (params.seed + index) % 2**64
         seen = None
         if params.sampling.repetition_penalty != 1.0:
             seen = torch.zeros(1, vocab_size, dtype=torch.bool, device=device)
             seen[0, prompt_ids] = True
-        generator = make_generator(seed, device)
+        generator = make_generator(params.seed, device, index)
         matcher = None if grammar is None else grammar.matcher()
         held = sorted(stop_ids) if params.min_tokens else []
         logprobs = params.logprobs is not None

@@ -35,11 +35,19 @@ from decoderlm.errors import DecoderLMError
 from decoderlm.inference import speculative
 from decoderlm.inference.options import DecodeOptions, float_probe
 from decoderlm.inference.prompts import Prompt, make_generator, prompt_rows
-from decoderlm.inference.sampling import SamplingParams, sample_next, sampling_params
+from decoderlm.inference.sampling import (
+    SamplingParams,
+    sample_next,
+    sample_rows,
+    sampling_params,
+)
 from decoderlm.inference.speculative import DEFAULT_NUM_SPECULATIVE_TOKENS, Draft, SpeculativeStats
 from decoderlm.inference.structured import Matcher, StructuredGrammar, accept_tokens, mask_logits
 from decoderlm.model.cache import CacheStep, LayerCache, LayerCaches
 from decoderlm.model.lm import DecoderLM
+
+# One generator for the batch, or one per row (`sample_rows`: each row drawn alone from its own).
+Generators = torch.Generator | list[torch.Generator | None] | None
 
 # Rows stop being checked for end-of-text on every step (a host sync); `generate` looks every this many.
 EOS_CHECK_INTERVAL = 16
@@ -118,7 +126,7 @@ def decode_steps(
     rows: list[list[int]],
     max_new_tokens: int,
     params: SamplingParams,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
     options: DecodeOptions | None = None,
     matchers: Sequence[Matcher | None] | None = None,
 ) -> Iterator[Tensor]:
@@ -180,7 +188,7 @@ class _Decoder:
     cache: LayerCaches
     options: DecodeOptions
     params: SamplingParams
-    generator: torch.Generator | None
+    generator: Generators
     matchers: Sequence[Matcher | None] | None
     seen: Tensor | None  # (B, V), for the repetition penalty
     step: CompiledStep | None = field(init=False)  # the compiled one-token step, with `compile`
@@ -273,7 +281,10 @@ class _Decoder:
         (structured output), sampled, and taken by the grammar."""
         if self.matchers is not None:
             mask_logits(logits, self.matchers)
-        token = sample_next(logits, self.params, self.seen, self.generator)  # (B,)
+        if isinstance(self.generator, list):
+            token = sample_rows(logits, self.params, self.seen, self.generator)  # (B,)
+        else:
+            token = sample_next(logits, self.params, self.seen, self.generator)
         if self.matchers is not None:
             accept_tokens(self.matchers, token)
         return token
@@ -332,9 +343,12 @@ def generate(
     row alone, whatever the rows beside it and however much padding its prompt gets, in bfloat16
     too (`DecodeOptions.batch_invariant`: the linears and MLPs of `decoderlm.cpu.invariant`, each
     query attending its own keys in place; the same kernels as `Engine(batch_invariant=True)`).
-    With `compile` the one-token step is compiled with every kernel an op (the prompt runs
-    eagerly), where the ops are built (else the steps run eagerly). On the CPU, over the models
-    `Engine(batch_invariant=True)` takes; not with a draft.
+    With a seed, sample s of each prompt draws from a generator of its own seeded seed + s, so
+    its sampled tokens too are those of the prompt alone (sample 0: with `seed`), and those the
+    engine gives sample s of a request with `seed`. Without a seed every row draws from torch's
+    global generator. With `compile` the one-token step is compiled with every kernel an op (the
+    prompt runs eagerly), where the ops are built (else the steps run eagerly). On the CPU, over
+    the models `Engine(batch_invariant=True)` takes; not with a draft.
     """
     params = sampling_params(params, sampling)
     if not (isinstance(num_samples, int) and num_samples >= 1):
@@ -352,7 +366,10 @@ def generate(
     k = _speculative_tokens(model, draft, num_speculative_tokens, rows, max_new_tokens, options)
     if max_new_tokens == 0:
         return rows
-    generator = make_generator(seed, float_probe(model).device)
+    device = float_probe(model).device
+    generator: Generators = make_generator(seed, device)
+    if batch_invariant and seed is not None:  # sample s of each prompt draws from seed + s
+        generator = [make_generator(seed, device, i % num_samples) for i in range(len(rows))]
     matchers, stops = _structured_matchers(structured, draft, rows, _stop_ids(eos_id))
     if draft is not None:
         return _speculative_rows(

@@ -58,10 +58,14 @@ def check_lengths(
         )
 
 
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
-    """A generator seeded with `seed` on `device`; None (torch's global one) without a seed."""
+def make_generator(
+    seed: int | None, device: torch.device, sample: int = 0
+) -> torch.Generator | None:
+    """A generator on `device` for sample `sample` of a prompt, seeded with seed + sample
+    (mod 2⁶⁴): sample 0 draws what a run with `seed` alone draws. None (torch's global generator)
+    without a seed."""
     if seed is None:
         return None
     if not isinstance(seed, int):
         raise DecoderLMError(f"seed={seed!r} must be an integer (or None)")
-    return torch.Generator(device=device).manual_seed(seed)
+    return torch.Generator(device=device).manual_seed((seed + sample) % 2**64)

@@ -6,7 +6,7 @@ top-k (Fan et al., 2018) and nucleus / top-p (Holtzman et al., 2020).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -110,6 +110,24 @@ def sample_next(
     if params.temperature == 0:
         return greedy_tokens(_penalized(logits, params, seen))
     return draw(token_probs(logits, params, seen), generator)  # (B,)
+
+
+def sample_rows(
+    logits: Tensor,
+    params: SamplingParams,
+    seen: Tensor | None,
+    generators: Sequence[torch.Generator | None],
+) -> Tensor:
+    """Next token ids (B,) from logits (B, V), row b `sample_next` of that row alone with
+    `generators[b]`: a row's token depends on its own logits and generator only, whatever rows
+    are beside it (the engine's sampler draws each sequence so too)."""
+    if params.temperature == 0:  # greedy: row-wise operations, nothing drawn
+        return sample_next(logits, params, seen)
+    tokens = [
+        sample_next(logits[b, None], params, None if seen is None else seen[b, None], g)
+        for b, g in enumerate(generators)
+    ]
+    return torch.cat(tokens)  # (B,)
 
 
 def token_probs(logits: Tensor, params: SamplingParams, seen: Tensor | None = None) -> Tensor:
