@@ -468,7 +468,7 @@ def test_quantized_layers_run_a_few_rows_on_the_kernels_and_many_as_before(to):
 
 @needs_kernels
 def test_bfloat16_without_bfloat16_instructions_computes_in_float32(monkeypatch):
-    monkeypatch.setattr(decode, "_bf16_emulated", lambda: True)
+    monkeypatch.setattr(features, "bf16_emulated", lambda: True)
     w = torch.randn(48, 64).to(torch.bfloat16)
     few, many = torch.randn(2, 64).to(torch.bfloat16), torch.randn(40, 64).to(torch.bfloat16)
     with torch.no_grad(), decode.CPULinearKernels():
@@ -478,6 +478,27 @@ def test_bfloat16_without_bfloat16_instructions_computes_in_float32(monkeypatch)
         float32 = (x.float() @ w.float().T).to(torch.bfloat16)  # one rounding of float32 sums
         assert y.dtype == torch.bfloat16
         torch.testing.assert_close(y, float32, atol=0, rtol=2**-7)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [40, 300])  # on the panels; past them
+def test_many_bfloat16_rows_of_blocks_without_bfloat16_instructions_are_float32_rounded_once(
+    monkeypatch, m
+):
+    """A GGUF layer's product of many bfloat16 rows, where PyTorch's bfloat16 GEMM is emulated:
+    the float32 product of the rows, rounded to bfloat16 once; not a GEMM of the weights rounded
+    to bfloat16 (which differs)."""
+    layer = BlockLinear(64, 48, "Q4_1", blocks=random_blocks("Q4_1", 48, 64, seed=3))
+    x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    with torch.no_grad():
+        float32 = layer.matmul(x.float()).to(torch.bfloat16)
+        monkeypatch.setattr(features, "bf16_emulated", lambda: False)
+        native = layer.matmul(x)
+        monkeypatch.setattr(features, "bf16_emulated", lambda: True)
+        emulated = layer.matmul(x)
+    assert emulated.dtype == torch.bfloat16
+    assert torch.equal(emulated, float32)
+    assert m <= block_linear.MAX_PANEL_ROWS or not torch.equal(native, float32)
 
 
 @needs_kernels

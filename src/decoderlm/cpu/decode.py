@@ -81,7 +81,11 @@ class CPULinearKernels(TorchFunctionMode):
         if gemv.handles(x, weight):
             y = gemv.linear(x, weight)  # (..., N)
             return y if bias is None else y + bias
-        if x.dtype == weight.dtype == torch.bfloat16 and _bf16_emulated() and not _needs_grad(args):
+        if (
+            x.dtype == weight.dtype == torch.bfloat16
+            and features.bf16_emulated()
+            and not _needs_grad(args)
+        ):
             y = bf16_in_float32(x, weight)  # (..., N)
             return y if bias is None else y + bias
         if self.compiling and gemv.one_row_of(x):
@@ -99,12 +103,6 @@ class CPULinearKernels(TorchFunctionMode):
 def _needs_grad(args: Sequence[Any]) -> bool:
     tensors = [t for t in args if isinstance(t, Tensor)]
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
-@torch.compiler.assume_constant_result  # traced code asks too; the answer never changes
-def _bf16_emulated() -> bool:
-    """Whether PyTorch's bfloat16 matmuls run without bfloat16 instructions here."""
-    return not features.has_native_bf16()
 
 
 def bf16_in_float32(x: Tensor, weight: Tensor) -> Tensor:

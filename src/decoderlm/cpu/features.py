@@ -77,3 +77,10 @@ def has_native_bf16() -> bool:
     under an `isa_cap`."""
     probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return bool(probe is not None and probe()) and isa_cap() is None
+
+
+@torch.compiler.assume_constant_result  # traced code asks too; the answer never changes
+def bf16_emulated() -> bool:
+    """Whether PyTorch's bfloat16 matmuls run without bfloat16 instructions here (so slower than
+    float32 ones: products of many bfloat16 rows are better done in float32)."""
+    return not has_native_bf16()

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from decoderlm.cpu import bf16_linear, block_linear
+from decoderlm.cpu import bf16_linear, block_linear, features
 from decoderlm.quant.linear import QuantizedLinear
 
 # type name → (weights per block, bytes per block), as gguf.GGML_QUANT_SIZES.
@@ -156,8 +156,17 @@ class BlockLinear(QuantizedLinear):
         the faster (`block_linear.on_panels`); else CHUNK_WEIGHTS of Ŵ at a time (a vocabulary-sized head
         would otherwise be made whole, in floats, at every step): float32 x by
         `bf16_linear.float32_linear` (exact, or bfloat16 products at torch's float32 matmul
-        precision "medium"), others by F.linear on Ŵ dequantized to x's dtype."""
+        precision "medium"), others by F.linear on Ŵ dequantized to x's dtype. Many bfloat16 rows
+        on a CPU without bfloat16 instructions go the float32 way, rounded once at the end (as
+        llama.cpp computes there; PyTorch's bfloat16 GEMM runs a fraction of float32's speed)."""
         runs = block_linear.runs(x, self.blocks)
+        if (
+            runs
+            and x.dtype == torch.bfloat16
+            and features.bf16_emulated()
+            and block_linear.many_rows(x)
+        ):
+            return self.matmul(x.float()).to(torch.bfloat16)
         if runs and (not block_linear.many_rows(x) or block_linear.on_panels(x, self.ggml_type)):
             # a few rows, a decode step's, or a number left symbolic (the op picks then)
             return block_linear.linear(x, self.blocks, self.ggml_type)
