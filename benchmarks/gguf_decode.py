@@ -144,6 +144,8 @@ def logits_errors(
 def many_rows_kernel(ggml_type: str, dtype: torch.dtype) -> str:
     """What a prefill's product (more than MAX_PANEL_ROWS rows) of `dtype` runs on `ggml_type`
     weights here."""
+    if dtype == torch.bfloat16 and features.bf16_emulated():  # BlockLinear.matmul widens x
+        return f"in float32: {many_rows_kernel(ggml_type, torch.float32)}"
     rounding = torch.get_float32_matmul_precision() == "medium"
     if dtype == torch.float32 and not rounding and block_linear.integer_panels(ggml_type):
         width = "int16" if ggml_type == "Q8_0" else "int8"

@@ -18,6 +18,7 @@ from decoderlm.cpu import block_linear, decode, fused, invariant
 from decoderlm.engine.engine import Engine
 from decoderlm.engine.types import RequestParams
 from decoderlm.inference import generate as generation
+from decoderlm.inference.options import DecodeOptions
 from decoderlm.inference.sampling import SamplingParams
 from decoderlm.tokenizer import Tokenizer
 
@@ -143,9 +144,21 @@ def test_the_compiled_step_gives_the_eager_steps_bits(monkeypatch, tok, dtype, k
     monkeypatch.setattr(decode.CompiledStep, "__call__", lambda *a: calls.append(1) or run(*a))
     compiled = step_logits(monkeypatch, lm, rows, batch_invariant=True, compile=True)
     assert len(calls) == NEW_TOKENS - 1  # every step after the prompt's, by the library
-    # prompts padded to 64 tokens here, to 39 eagerly; without Inductor's eager roundings the Q8_0
-    # embedding's bfloat16 rows went into the residual sum unrounded (0.003 off)
+    # without Inductor's eager roundings the Q8_0 embedding's bfloat16 rows went into the
+    # residual sum unrounded (0.003 off)
     assert torch.equal(compiled, eager)
+
+
+def test_compiled_its_prompts_are_padded_to_the_longest_only(tok):
+    """The prompts run eagerly in batch-invariant mode, so compiling pads them to the longest
+    (36 tokens), not to a multiple of 64 as the compiled prefill's graph sharing does; the cache
+    keeps the compiled step's rounding."""
+    rows = prompts(12, tok.vocab_size)
+    assert max(len(row) for row in rows) == 36
+    invariant = DecodeOptions.of(compile=True, batch_invariant=True)
+    assert generation._fill_lengths(rows, NEW_TOKENS, 256, invariant) == (36, 256)
+    default = DecodeOptions.of(compile=True)
+    assert generation._fill_lengths(rows, NEW_TOKENS, 256, default) == (64, 256)
 
 
 @pytest.mark.parametrize(
