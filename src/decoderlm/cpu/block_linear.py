@@ -17,7 +17,11 @@ two int8 45.9 µs, one int8 45.2 µs, weights dequantized to floats in registers
 (exact but for the order of the sums) 65.3 µs; on SmolLM2-135M's Q4_1 file the logits then move
 by 0.03 from the float reference, llama.cpp's by 1.4 (benchmarks/gguf_decode.py). Q8_0 as int16
 against two int8 (2026-12-06, a Zen 4, a 1536 × 576 product in cache, one thread): 37 against 42
-µs with AVX-512, 46 against 68 µs with AVX2. F16 and BF16 weights, and decoderlm.quant's Int8Linear and
+µs with AVX-512, 46 against 68 µs with AVX2. The 4- and 5-bit types as one int16 against two int8
+with AVX2 (2026-12-07, a Zen 4 running the AVX2 build, one thread, the same product, rows 1 / 4 /
+16): Q4_1 60 / 129 / 491 against 53 / 134 / 511 µs, Q4_0 56 / 115 / 439 against 54 / 135 / 529,
+Q5_1 75 / 149 / 577 against 67 / 149 / 579: slower for the one row of decoding, so two int8
+stay. F16 and BF16 weights, and decoderlm.quant's Int8Linear and
 Int4Linear (`int8_linear`, `int4_linear`), are widened to float32 and summed by FMA.
 
 More rows run on panels (`block_panels.c`): each thread unpacks the weights of PANEL outputs at a
