@@ -110,9 +110,9 @@ def _fill_lengths(
     """(n, max_len): the first fill's length (the prompts, left-padded) and the cache's slots.
 
     Compiled decoding rounds both up (`COMPILE_PREFILL_MULTIPLE`, `COMPILE_CACHE_MULTIPLE`), so
-    that nearby lengths share one compiled graph; the prompts not in batch-invariant mode, whose
-    prompts run eagerly (their padding would be rows computed for nothing: 37-token prompts
-    padded to 64 took 1.7× the time)."""
+    that nearby lengths share one compiled graph; in batch-invariant mode only the cache, as its
+    prompts run eagerly (padding them would compute rows for nothing: 37-token prompts padded to
+    64 took 1.7× the time)."""
     n = max(len(row) for row in rows)
     if options.compile and not options.batch_invariant:
         rounded = math.ceil(n / COMPILE_PREFILL_MULTIPLE) * COMPILE_PREFILL_MULTIPLE

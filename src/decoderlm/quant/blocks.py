@@ -163,8 +163,8 @@ class BlockLinear(QuantizedLinear):
         if (
             runs
             and x.dtype == torch.bfloat16
+            and block_linear.many_rows(x)  # (before the CPU is asked: not at every decode step)
             and features.bf16_emulated()
-            and block_linear.many_rows(x)
         ):
             return self.matmul(x.float()).to(torch.bfloat16)
         if runs and (not block_linear.many_rows(x) or block_linear.on_panels(x, self.ggml_type)):
