@@ -96,8 +96,8 @@ class DecodeOptions:
         swap = []
         if self.batch_invariant:
             weight = float_probe(model)
-            in_place = attends_in_place(model, weight.dtype, weight.device)
-            in_place &= paged_attention.available(weight.dtype, weight.device)
+            in_place = attends_in_place(model, weight.dtype, weight.device)  # the steps' op
+            in_place &= paged_attention.available(weight.dtype, weight.device)  # the prompt's
             swap = batch_invariant_swap(model, self.kv_cache_dtype, in_place)
         with self.paths.applied(model), swapped(swap):
             yield
