@@ -194,8 +194,9 @@ def test_a_non_finite_activation_makes_its_rows_products_non_finite(variant, bad
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_invariant_products_give_a_row_its_bits_alone_among_any_rows(variant, kind, dtype):
     """`linear(..., invariant=True)`, from one row to more than MAX_PANEL_ROWS (where bfloat16
-    rows otherwise go to a GEMM): a quantized type's strips and integer tiles on AVX-512 VNNI,
-    the block kernel elsewhere; within the activations' rounding of float64 as the kernels are."""
+    rows otherwise go to a GEMM): a quantized type's strips and integer tiles on AVX-512 VNNI
+    and AVX2, the block kernel elsewhere; within the activations' rounding of float64 as the
+    kernels are."""
     n, k = 37, 96  # outputs no multiple of a strip; an odd number of blocks
     blocks = random_blocks(kind, n, k, seed=11)
     x = torch.randn(block_linear.MAX_PANEL_ROWS + 4, k, generator=torch.Generator().manual_seed(11))
@@ -209,6 +210,27 @@ def test_invariant_products_give_a_row_its_bits_alone_among_any_rows(variant, ki
     if kind in QUANTIZED and dtype == torch.float32:
         exact = x.double() @ dequantize_rows(blocks, kind, k).double().T
         assert ((alone.double() - exact).abs() <= activation_bound(kind, blocks, x)).all()
+
+
+@needs_kernels
+@pytest.mark.skipif(
+    not block_linear.available() or block_linear.isa(2) != "AVX-512",
+    reason="the native build is not AVX-512 VNNI code",
+)
+@pytest.mark.parametrize("kind", QUANTIZED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_products_have_the_same_bits_on_the_avx2_and_avx512_builds(kind, dtype):
+    """The AVX2 tiles and strips sum the AVX-512 ones' integers (int16 weights and 256 a + b
+    against vpdpbusd's two int8) and scale them in the same float32 operations: a row's invariant
+    products are bit for bit the same on either build, at every number of rows."""
+    for n, k in ((37, 96), (300, 1536), (5, 32)):  # a part strip and panel; one block
+        blocks = random_blocks(kind, n, k, seed=n + k)
+        x = torch.randn(70, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+        x[:, ::7] *= 30
+        for rows in (1, 3, 4, 5, block_linear.MAX_TILE_KERNEL_ROWS + 1, 70):
+            avx2 = block_linear.linear(x[:rows], blocks, kind, 1, invariant=True)
+            avx512 = block_linear.linear(x[:rows], blocks, kind, 2, invariant=True)
+            assert torch.equal(avx2, avx512), (n, k, rows)
 
 
 @needs_kernels

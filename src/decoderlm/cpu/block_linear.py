@@ -44,10 +44,12 @@ A batch-invariant engine asks for products whose every row has the bits it has a
 each output in vector lanes of its inputs, the integer tiles one block after another in one lane
 an output, and a prompt's GEMM in oneDNN's order, so by default a row's bits change with the
 number of rows in its pass. Invariant products never take the panels of dequantized weights or a
-GEMM: on AVX-512 VNNI a quantized type's few rows run on `block_panels.c`'s strips, which read 16
-output rows' blocks as they lie and do the tiles' operations in the tiles' order (each output's
-int32 block sums gathered into its own lane), and more rows on the tiles, bfloat16 past
-MAX_PANEL_ROWS too; elsewhere the block kernel takes every number of rows. The C code is
+GEMM: on AVX-512 VNNI and AVX2 a quantized type's few rows run on `block_panels.c`'s strips, which
+read 16 (AVX2: 8) output rows' blocks as they lie and do the tiles' operations in the tiles' order
+(each output's int32 block sums gathered into its own lane), and more rows on the tiles, bfloat16
+past MAX_PANEL_ROWS too; the AVX2 build's tiles and strips sum the same integers as AVX-512's and
+give a row the same bits. Float types, and the portable build, take the block kernel at every
+number of rows. The C code is
 compiled without -fassociative-math, so that the compiler keeps the sums in the order written
 (it vectorises the portable kernel over rows otherwise, each row count in its own order).
 
@@ -238,8 +240,9 @@ def linear(
     """x Ŵᵀ: x (..., K) float32 or bfloat16, blocks (N, row bytes) uint8 of `ggml_type` →
     (..., N) in x's dtype, on the build `variant_index` (default: `variant()`). `invariant`: each
     row's outputs the same bits whatever the rows beside it (a batch-invariant engine): on
-    AVX-512 VNNI a quantized type's products in the integer tiles' arithmetic at every number of
-    rows (`block_panels.c`'s strips, then its tiles), elsewhere the block kernel at every number."""
+    AVX-512 VNNI and AVX2 a quantized type's products in the integer tiles' arithmetic at every
+    number of rows (`block_panels.c`'s strips, then its tiles), elsewhere the block kernel at
+    every number."""
     chosen = variant() if variant_index is None else _loaded(variant_index)
     return torch.ops.decoderlm.block_linear(x, blocks, TYPES.index(ggml_type), chosen, invariant)
 

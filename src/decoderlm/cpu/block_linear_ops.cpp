@@ -86,12 +86,15 @@ enum class Path { kernel, strips, tiles, panels, gemm };
 // panels); then a quantized type's integer panels on AVX-512 VNNI (block_tiles), float32 of any
 // number of rows, bfloat16 up to MAX_PANEL_ROWS; else float32 up to MAX_PANEL_ROWS on dequantized
 // panels (block_panels); else `gemm`. `invariant`: a row's bits the same at every M, so never the
-// panels or a GEMM, whose sums differ from the kernel's: where the build has integer panels, the
-// strips (the tiles' arithmetic on a few rows) up to MAX_TILE_KERNEL_ROWS and the tiles beyond, of
-// either dtype; else the kernel at every M.
+// dequantized panels or a GEMM, whose sums differ from the kernel's: a quantized type, on AVX-512
+// VNNI or AVX2, on the strips (the integer tiles' arithmetic on a few rows) up to
+// MAX_TILE_KERNEL_ROWS and the tiles beyond, of either dtype; else the kernel at every M.
 Path path(int64_t type, int64_t variant, int64_t M, bool bf16, bool invariant) {
-  const bool tiles = ISA[variant]() == 2 && type >= 2;  // a quantized type, AVX-512 VNNI
-  if (invariant) return !tiles ? Path::kernel : M <= MAX_TILE_KERNEL_ROWS ? Path::strips : Path::tiles;
+  const bool quantized = type >= 2, tiles = ISA[variant]() == 2 && quantized;  // tiles: AVX-512 VNNI
+  if (invariant)
+    return !(quantized && ISA[variant]() >= 1) ? Path::kernel
+           : M <= MAX_TILE_KERNEL_ROWS         ? Path::strips
+                                               : Path::tiles;
   if (M <= (tiles ? MAX_TILE_KERNEL_ROWS : MAX_ROWS)) return Path::kernel;
   if (tiles && (!bf16 || M <= MAX_PANEL_ROWS)) return Path::tiles;
   return !bf16 && M <= MAX_PANEL_ROWS ? Path::panels : Path::gemm;
