@@ -15,10 +15,11 @@
  * same bits.
  * SmolLM2-135M's 30 Q4_1 layers, their weights read from memory, 2 threads of a Zen 4: at 24 /
  * 32 / 64 rows 24.9 / 31.2 / 55.6 ms on integer panels, 61.5 / 69.5 / 107.5 on dequantized ones;
- * the AVX2 build (the same CPU, 2026-12-07, medians of 7 interleaved calls, two runs) at 9 / 16 /
- * 32 / 64 rows 0.98-1.02× / 0.92× / 0.86-0.92× / 1.09-1.12× the time of its default products (the
- * block kernel up to 16 rows, then dequantized panels), its strips at 1 / 4 / 8 rows 1.04× /
- * 1.03× / 1.13×. */
+ * the AVX2 build's (the same CPU, 2026-12-07, medians of 15 interleaved rounds' ratios) at 9 / 16
+ * / 32 / 64 rows 0.99× / 0.89× / 0.89× / 1.12× the time of its default products (the block
+ * kernel up to 16 rows, then dequantized panels), its strips at 1 / 4 / 8 rows 1.05× / 1.03× /
+ * 1.06×; on the Q8_0 head (int16 weights, twice its blocks' bytes in the panels) the strips
+ * 1.18-1.26×, the tiles 1.25× at 9 and 16 rows and 0.80× / 0.95× at 32 / 64. */
 #include "vec.h"
 #include "outer.h"
 #include "blocks.h"
