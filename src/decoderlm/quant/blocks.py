@@ -201,8 +201,8 @@ class BlockLinear(QuantizedLinear):
 class InvariantBlockLinear(nn.Module):
     """A BlockLinear's y = x·Ŵᵀ + b with every product on the op decoderlm::block_linear in one
     arithmetic at every number of rows (`block_linear.linear(..., invariant=True)`: on AVX-512
-    VNNI a quantized type's integer tiles and the strips that compute as they do, elsewhere the
-    block kernel), never on a GEMM; inference only, as the kernels."""
+    VNNI and AVX2 a quantized type's integer tiles and the strips that compute as they do,
+    elsewhere the block kernel), never on a GEMM; inference only, as the kernels."""
 
     def __init__(self, linear: BlockLinear) -> None:
         super().__init__()
