@@ -29,7 +29,7 @@
 #if ISA > 0
 /* Asks for the bytes of the rows n0 .. n0 + PANEL − 1 of Ŵ (N rows of row_bytes, one after the
  * other), into L2, while the tiles multiply the panel before them: the unpacking of a panel reads
- * 16 rows at a time, a pattern the hardware prefetcher does not follow (SmolLM2's products, its
+ * 16 rows (AVX2: 8) at a time, a pattern the hardware prefetcher does not follow (SmolLM2's products, its
  * weights in memory, 2 threads of a Zen 4: its 30 layers at 8 / 16 rows 17.0 / 24.3 ms against
  * 19.9 / 26.2 without, its Q8_0 head 4.5 / 6.5 against 5.8 / 7.4). */
 static void prefetch_panel(const uint8_t *W, int64_t n0, int64_t N, int64_t row_bytes) {
@@ -37,11 +37,13 @@ static void prefetch_panel(const uint8_t *W, int64_t n0, int64_t N, int64_t row_
     for (int64_t at = n0 * row_bytes; at < end; at += 64) _mm_prefetch((const char *)W + at, _MM_HINT_T1);
 }
 
-/* The bytes of blocks blk .. blk + count − 1 of a strip of `outputs` rows (`outputs` of each), of the
- * strip after it. */
-INLINE void prefetch_strip(const uint8_t *next, const uint8_t *end, int64_t blk, int64_t count, int bytes,
+/* Asks for a slice of the strip at `ahead` (`outputs` rows of blocks of `bytes`, one row after the
+ * other; nothing from `end` on) into L2: the share of it that blocks blk .. blk + count − 1 are of
+ * a row, so that the whole strip arrives over one pass of a strip's blocks. */
+INLINE void prefetch_strip(const uint8_t *ahead, const uint8_t *end, int64_t blk, int64_t count, int bytes,
                            int outputs) {
-    for (const uint8_t *p = next + blk * outputs * bytes; p < next + (blk + count) * outputs * bytes && p < end; p += 64)
+    for (const uint8_t *p = ahead + blk * outputs * bytes; p < ahead + (blk + count) * outputs * bytes && p < end;
+         p += 64)
         _mm_prefetch((const char *)p, _MM_HINT_T1);
 }
 
@@ -308,10 +310,10 @@ INLINE const void *quantize(const int type, const void *x, int x_bf16, int64_t M
 }
 #elif ISA == 1
 /* Many rows with AVX2 (`block_tiles`), and a batch-invariant engine's few (`block_strips`): the
- * AVX-512 tiles' arithmetic above, to the bit, on int16 integers. AVX2 has no vpdpbusd, and its
- * vpmaddubsw + vpmaddwd take two instructions and a third to accumulate for 32 products of bytes;
- * vpmaddwd + vpaddd take two for 16 of int16, so every type's integers are widened to int16 in the
- * panel, (K/2, PANEL, 2), the two inputs of a lane of vpmaddwd, and the 4- and 5-bit types'
+ * AVX-512 tiles' arithmetic above, to the bit, on int16 integers. AVX2 has no vpdpbusd: 32
+ * products against the activations' two int8 take vpmaddubsw, vpmaddwd and vpaddd for each part,
+ * six instructions, where vpmaddwd + vpaddd take four for 32 products of int16. So every type's
+ * integers are widened to int16 in the panel, (K/2, PANEL, 2), the two inputs of a lane of vpmaddwd, and the 4- and 5-bit types'
  * activations are joined into one int16, c_j = 256 a_j + b_j (|c_j| ≤ 32,639): a block's
  *     S = Σ_j u_j c_j = 256 Σ_j u_j a_j + Σ_j u_j b_j
  * is the integer the AVX-512 tiles sum (|S| < 2³¹: 32 · 31 · 32,639), and from it, per block and
@@ -319,7 +321,10 @@ INLINE const void *quantize(const int type, const void *x, int x_bf16, int64_t M
  * then y = fma(m, Σ_j x_j, y) for the _1 types (Q8_0: its int8 q against its int16 c). So a row's
  * invariant products have the same bits on either build. 8 outputs' blocks are transposed into
  * the panel in registers (`transpose8`). */
-#define IR 5 /* rows per tile: 2 IR int32 accumulators, two weight vectors, a broadcast and a product in 16 registers */
+/* Rows per tile: 2 IR int32 accumulators, two weight vectors, a broadcast and a product in the 16
+ * registers (with 6 the compiler kept accumulators on the stack: SmolLM2's 30 layers at 64 rows in
+ * 1.07× the default products' time, against 0.88× with 5 in a run of the same script). */
+#define IR 5
 
 typedef struct {
     int32_t *u;   /* (K/2, PANEL) words, each an output's inputs 2g, 2g + 1 as two int16 */
@@ -508,11 +513,11 @@ INLINE void strip(const int type, const void *acts, int64_t m0, const int rows, 
     const Layout L = LAYOUTS[type];
     const Int16Acts *a16 = acts;
     const int64_t nb = K / 32, row_bytes = nb * L.bytes;
-    const uint8_t *rows_at = W + n0 * row_bytes, *next = rows_at + 2 * STRIP * row_bytes, *end = W + N * row_bytes;
+    const uint8_t *rows_at = W + n0 * row_bytes, *ahead = rows_at + 2 * STRIP * row_bytes, *end = W + N * row_bytes;
     __m256 acc[STRIP_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nb; blk++) {
-        prefetch_strip(next, end, blk, 1, L.bytes, STRIP);
+        prefetch_strip(ahead, end, blk, 1, L.bytes, STRIP);
         static const uint8_t zeros[64] = {0}; /* a block of zeros, any type's */
         const uint8_t *blocks[STRIP];
         __m256i u[STRIP];
