@@ -313,14 +313,16 @@ INLINE const void *quantize(const int type, const void *x, int x_bf16, int64_t M
  * AVX-512 tiles' arithmetic above, to the bit, on int16 integers. AVX2 has no vpdpbusd: 32
  * products against the activations' two int8 take vpmaddubsw, vpmaddwd and vpaddd for each part,
  * six instructions, where vpmaddwd + vpaddd take four for 32 products of int16. So every type's
- * integers are widened to int16 in the panel, (K/2, PANEL, 2), the two inputs of a lane of vpmaddwd, and the 4- and 5-bit types'
- * activations are joined into one int16, c_j = 256 a_j + b_j (|c_j| ≤ 32,639): a block's
+ * integers are widened to int16 in the panel, (K/2, PANEL, 2), the two inputs of a lane of
+ * vpmaddwd, and the 4- and 5-bit types' activations are joined into one int16,
+ * c_j = 256 a_j + b_j (|c_j| ≤ 32,639): a block's
  *     S = Σ_j u_j c_j = 256 Σ_j u_j a_j + Σ_j u_j b_j
  * is the integer the AVX-512 tiles sum (|S| < 2³¹: 32 · 31 · 32,639), and from it, per block and
  * row, the same float32 operations in the same order: y = fma(float(S − z Σ_j c_j), d · e, y),
  * then y = fma(m, Σ_j x_j, y) for the _1 types (Q8_0: its int8 q against its int16 c). So a row's
  * invariant products have the same bits on either build. 8 outputs' blocks are transposed into
  * the panel in registers (`transpose8`). */
+
 /* Rows per tile: 2 IR int32 accumulators, two weight vectors, a broadcast and a product in the 16
  * registers (with 6 the compiler kept accumulators on the stack: SmolLM2's 30 layers at 64 rows in
  * 1.07× the default products' time, against 0.88× with 5 in a run of the same script). */
@@ -454,7 +456,8 @@ INLINE void int_tile(const int type, const IntPanel *p, const void *acts, int64_
         for (int r = 0; r < rows; r++) {
             const int64_t at = (m0 + r) * (K / 32) + blk;
             for (int h = 0; h < 2; h++) {
-                const __m256 d = _mm256_load_ps(p->d + blk * PANEL + 8 * h), m = _mm256_load_ps(p->m + blk * PANEL + 8 * h);
+                const __m256 d = _mm256_load_ps(p->d + blk * PANEL + 8 * h);
+                const __m256 m = _mm256_load_ps(p->m + blk * PANEL + 8 * h);
                 float *y = out + r * PANEL + 8 * h;
                 _mm256_store_ps(y, block_step(type, S[r][h], d, m, a16, at, _mm256_load_ps(y)));
             }
@@ -464,11 +467,12 @@ INLINE void int_tile(const int type, const IntPanel *p, const void *acts, int64_
 
 /* A few rows in the tiles' arithmetic (`block_strips`, for a batch-invariant engine): the outputs
  * of STRIP output rows at a time, one float32 lane each, read from the blocks as they lie, with
- * int_tile's operations in its order. An output's block comes out of vpmaddwd in 8 int32 lanes
- * of 4 inputs; `block_sums8` adds 8 outputs' lanes into one vector of their sums S, a lane an
- * output (exact: integers). The bytes of the strip after the next are prefetched into L2 a slice
- * per block (SmolLM2's 30 Q4_1 layers, one row, a Zen 4 running this build: 0.95-0.96× the block
- * kernel's speed, against 0.83-0.89× prefetching the next strip's and 0.92-0.96× three or four ahead). */
+ * int_tile's operations in its order. An output's block comes out of vpmaddubsw + vpmaddwd (Q8_0:
+ * two vpmaddwd) in 8 int32 lanes of 4 inputs; `block_sums8` adds 8 outputs' lanes into one vector
+ * of their sums S, a lane an output (exact: integers). The bytes of the strip after the next are
+ * prefetched into L2 a slice per block (SmolLM2's 30 Q4_1 layers, one row, a Zen 4 running this
+ * build: 0.95-0.96× the block kernel's speed, against 0.83-0.89× prefetching the next strip's and
+ * 0.92-0.96× three or four ahead). */
 #define STRIP 8       /* outputs a strip: one lane each */
 #define STRIP_ROWS 4  /* rows of x a call */
 
