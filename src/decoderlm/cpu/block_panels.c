@@ -333,7 +333,8 @@ typedef union {
 #define QUANTIZED_BYTES(type, M, K) ((type) == Q8_0 ? WIDE_BYTES(M, K) : ACTS_BYTES(M, K))
 
 INLINE const void *quantize(const int type, const void *x, int x_bf16, int64_t M, int64_t K, char *buffer,
-                            QuantizedActs *q) {
+                            const int strips, QuantizedActs *q) {
+    (void)strips; /* both read the same activations */
     if (type == Q8_0) {
         quantize_wide(x, x_bf16, M, K, buffer, &q->wide);
         return &q->wide;
@@ -368,7 +369,7 @@ typedef struct {
 
 /* The activations as the tiles and strips read them, for every quantized type. */
 typedef struct {
-    const int16_t *c;   /* (M, K): Q8_0's c; the other types' 256 a + b */
+    const int16_t *c;   /* (M, K): Q8_0's c; the other types' 256 a + b (tiles only) */
     const int8_t *a, *b; /* (M, K): the 4- and 5-bit types' a and b, as the strips read them (NULL for Q8_0) */
     const float *e;     /* (M, K/32): each block's e */
     const int32_t *ab;  /* (M, K/32): Σ_j c_j, the zero point's term (NULL for Q8_0) */
@@ -554,7 +555,7 @@ INLINE void strip(const int type, const void *acts, int64_t m0, const int rows, 
 }
 
 /* The activations as Int16Acts in `buffer` (QUANTIZED_BYTES): Q8_0's, or the 4- and 5-bit types'
- * a and b joined into c = 256 a + b. */
+ * a and b, joined into c = 256 a + b for the tiles (the strips read a and b: no c). */
 typedef struct {
     Acts ab;
     Wide wide;
@@ -564,15 +565,15 @@ typedef struct {
     ((type) == Q8_0 ? WIDE_BYTES(M, K) : ACTS_BYTES(M, K) + sizeof(int16_t) * (size_t)((M) * (K)))
 
 INLINE const void *quantize(const int type, const void *x, int x_bf16, int64_t M, int64_t K, char *buffer,
-                            QuantizedActs *q) {
+                            const int strips, QuantizedActs *q) {
     if (type == Q8_0) {
         quantize_wide(x, x_bf16, M, K, buffer, &q->wide);
         q->c = (Int16Acts){q->wide.c, NULL, NULL, q->wide.e, NULL, NULL};
         return &q->c;
     }
     quantize_acts(x, x_bf16, M, K, buffer, &q->ab);
-    int16_t *c = (int16_t *)(buffer + ACTS_BYTES(M, K));
-    for (int64_t i = 0; i < M * K; i++) c[i] = (int16_t)(256 * q->ab.a[i] + q->ab.b[i]);
+    int16_t *c = strips ? NULL : (int16_t *)(buffer + ACTS_BYTES(M, K));
+    for (int64_t i = 0; c != NULL && i < M * K; i++) c[i] = (int16_t)(256 * q->ab.a[i] + q->ab.b[i]);
     q->c = (Int16Acts){c, q->ab.a, q->ab.b, q->ab.block_e, q->ab.block_ab, q->ab.block_sums};
     return &q->c;
 }
@@ -664,7 +665,7 @@ static int quantized_products(int strips, int type, const void *x, int x_bf16, i
     char *buffer = malloc(acts_bytes + (x_bf16 ? sizeof(float) * (size_t)(M * N) : 0));
     if (buffer == NULL) return -1;
     QuantizedActs q;
-    const void *acts = quantize(type, x, x_bf16, M, K, buffer, &q);
+    const void *acts = quantize(type, x, x_bf16, M, K, buffer, strips, &q);
     float *out_y = x_bf16 ? (float *)(buffer + acts_bytes) : y;
     int failed = 0;
     if (!strips) failed = tiles(type, acts, M, W, N, K, out_y);
