@@ -9,11 +9,14 @@ is also the worker of the tests that drive `decoderlm.training.distributed` dire
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +29,8 @@ from decoderlm.training import distributed
 
 # One thread per process: 2 workers share the machine's cores, and every run (1 or 2 processes)
 # then does its arithmetic the same way, so differences come from data parallelism alone.
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+# PYTHONFAULTHANDLER: a worker that hangs prints its stacks when `_run` sends it SIGABRT.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONFAULTHANDLER": "1"}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 STEPS = 6
 # A tiny GQA model; 8 sequences per step in 2 micro-steps, so the 2-process runs also skip the
@@ -51,22 +55,42 @@ GRAD_NORM_RTOL = 1e-5
 WEIGHT_RTOL = 1e-5
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (torchrun's workers), from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # pid (comm) state ppid ...: comm may hold spaces, so split after its closing ")".
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
 def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Run cmd; on a timeout, stop it with SIGTERM, on which torchrun also stops its workers (each in
-    a session of its own: a SIGKILL would leave them running), and fail showing its output."""
+    """Run cmd; on a timeout, have every worker still running print its threads' Python stacks
+    (faulthandler, on SIGABRT) so that the failure shows where it waited, then stop it with SIGTERM,
+    on which torchrun also stops its workers (each in a session of its own: a SIGKILL would leave
+    them running), and fail showing its output."""
     with subprocess.Popen(
         cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     ) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            for worker in _children(proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker, signal.SIGABRT)
+            time.sleep(5)  # time to write the stacks before torchrun's SIGTERM
             proc.terminate()
             try:
                 out, err = proc.communicate(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 out, err = proc.communicate()
-            pytest.fail(f"no exit after {timeout:.0f} s: {cmd}\n{out[-2000:]}\n{err[-4000:]}")
+            pytest.fail(f"no exit after {timeout:.0f} s: {cmd}\n{out[-2000:]}\n{err[-20000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
