@@ -75,9 +75,17 @@ def _compile_command(build: Build) -> list[str]:
 
 
 def _local_headers(source: Path) -> list[Path]:
-    """The headers beside `source` that it includes (`#include "vec.h"`)."""
-    names = re.findall(rb'^#include "([^"]+)"', source.read_bytes(), flags=re.MULTILINE)
-    return [source.with_name(name.decode()) for name in names]
+    """The headers beside `source` that it includes (`#include "vec.h"`), and those they include."""
+    found: list[Path] = []
+    pending = [source]
+    while pending:
+        text = pending.pop().read_bytes()
+        for name in re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE):
+            header = source.with_name(name.decode())
+            if header not in found:
+                found.append(header)
+                pending.append(header)
+    return found
 
 
 def library_path(sources: Sequence[Source]) -> Path:
