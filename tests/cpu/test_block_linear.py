@@ -346,30 +346,40 @@ def test_many_float32_rows_follow_the_float32_matmul_precision(kind):
 @needs_kernels
 @pytest.mark.parametrize("dtype,kind", [(torch.float32, "F16"), (torch.bfloat16, "Q5_1")])
 def test_the_op_given_many_rows_runs_a_gemm_on_the_dequantized_weight(dtype, kind):
+    """Past the panels, a GEMM on the weight dequantized in chunks: in x's dtype, but bfloat16
+    without AVX-512 (no bfloat16 arithmetic there) in float32, rounded once."""
     blocks = random_blocks(kind, 70_000, 64, seed=3)  # more rows than one chunk dequantizes
     x = torch.randn(block_linear.MAX_PANEL_ROWS + 3, 64).to(dtype)
-    weight = dequantize_rows(blocks, kind, 64).to(dtype)
+    widened = dtype == torch.bfloat16 and block_linear.isa(block_linear.variant()) != "AVX-512"
+    weight = dequantize_rows(blocks, kind, 64).to(torch.float32 if widened else dtype)
     y = block_linear.linear(x, blocks, kind)
     assert y.dtype == dtype
-    torch.testing.assert_close(y, F.linear(x, weight))
+    expected = F.linear(x.to(weight.dtype), weight).to(dtype)
+    torch.testing.assert_close(y, expected)
 
 
 @needs_kernels
 @pytest.mark.parametrize("kind", QUANTIZED)
-def test_bfloat16_rows_on_integer_panels_are_their_float32_products_rounded_once(kind):
-    """bfloat16 x of a decode step's rows: quantized from its exact float32 values, the products
-    summed in float32 and rounded once, on the integer panels (where the build has them) as on
-    the dequantized weight's GEMM."""
+def test_bfloat16_rows_of_a_decode_step_are_their_float32_products_rounded_once(kind):
+    """bfloat16 x of a decode step's rows (17 to 300): its float32 products rounded once, on the
+    integer panels (AVX-512 VNNI: the activations quantized from x's exact float32 values, summed
+    in int32 and float32) or, on a build without AVX-512, widened to float32 and multiplied on
+    the float32 route (dequantized panels, then a float32 GEMM): never PyTorch's emulated
+    bfloat16 GEMM, whose sums are rounded more."""
     blocks = random_blocks(kind, 45, 160, seed=7)
-    for rows in (block_linear.MAX_TILE_KERNEL_ROWS + 1, 40, block_linear.MAX_PANEL_ROWS):
+    rows_tried = (
+        block_linear.MAX_TILE_KERNEL_ROWS + 1,
+        block_linear.MAX_ROWS + 1,
+        40,
+        block_linear.MAX_PANEL_ROWS,
+    )
+    if not block_linear.integer_panels(kind):
+        rows_tried += (block_linear.MAX_PANEL_ROWS + 44,)  # past the panels: the float32 GEMM
+    for rows in rows_tried:
         x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows)).bfloat16()
         y = block_linear.linear(x, blocks, kind)
         assert y.dtype == torch.bfloat16
-        expected = block_linear.linear(x.float(), blocks, kind)
-        if block_linear.integer_panels(kind):
-            assert torch.equal(y, expected.bfloat16())
-        else:  # the GEMM's products in bfloat16
-            torch.testing.assert_close(y.float(), expected, rtol=2e-2, atol=2e-2)
+        assert torch.equal(y, block_linear.linear(x.float(), blocks, kind).bfloat16())
 
 
 @needs_kernels

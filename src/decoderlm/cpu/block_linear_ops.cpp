@@ -79,15 +79,18 @@ Tensor checked_blocks(Tensor blocks, int64_t type, int64_t k, int64_t variant) {
 
 constexpr int64_t CHUNK_WEIGHTS = int64_t{1} << 22;  // weights dequantized at a time (quant/blocks.py)
 constexpr int64_t MAX_ROWS = 16, MAX_TILE_KERNEL_ROWS = 8, MAX_PANEL_ROWS = 256;  // block_linear.py's
-enum class Path { kernel, strips, tiles, panels, gemm };
+enum class Path { kernel, strips, tiles, panels, gemm, widened };
 
 // Where a product of M rows runs (block_linear.py's docstring says why; its `on_panels` tells its
 // callers): the block kernel up to MAX_ROWS rows (MAX_TILE_KERNEL_ROWS where the build has integer
 // panels); then a quantized type's integer panels on AVX-512 VNNI (block_tiles), float32 of any
 // number of rows, bfloat16 up to MAX_PANEL_ROWS; else float32 up to MAX_PANEL_ROWS on dequantized
-// panels (block_panels); else `gemm`. `invariant`: a row's bits the same at every M, so never the
-// dequantized panels or a GEMM, whose sums differ from the kernel's: a quantized type, on AVX-512
-// VNNI or AVX2, on the strips (the integer tiles' arithmetic on a few rows) up to
+// panels (block_panels); else `gemm`. Without AVX-512 a CPU has no bfloat16 arithmetic, and
+// PyTorch's bfloat16 GEMM emulates it (slower than float32's, its sums rounded more): there
+// bfloat16 rows are `widened` to float32, take the float32 route and are rounded once, as
+// quant/blocks.py's BlockLinear.matmul does. `invariant`: a row's bits the same at every M, so
+// never the dequantized panels or a GEMM, whose sums differ from the kernel's: a quantized type,
+// on AVX-512 VNNI or AVX2, on the strips (the integer tiles' arithmetic on a few rows) up to
 // MAX_TILE_KERNEL_ROWS and the tiles beyond, of either dtype; else the kernel at every M.
 Path path(int64_t type, int64_t variant, int64_t M, bool bf16, bool invariant) {
   const bool quantized = type >= 2, tiles = ISA[variant]() == 2 && quantized;  // tiles: AVX-512 VNNI
@@ -97,6 +100,7 @@ Path path(int64_t type, int64_t variant, int64_t M, bool bf16, bool invariant) {
                                                : Path::tiles;
   if (M <= (tiles ? MAX_TILE_KERNEL_ROWS : MAX_ROWS)) return Path::kernel;
   if (tiles && (!bf16 || M <= MAX_PANEL_ROWS)) return Path::tiles;
+  if (bf16 && ISA[variant]() < 2) return Path::widened;
   return !bf16 && M <= MAX_PANEL_ROWS ? Path::panels : Path::gemm;
 }
 
@@ -143,6 +147,13 @@ Tensor block_linear(Tensor x, Tensor blocks, int64_t type, int64_t variant, bool
     case Path::gemm: {
       std::vector<int64_t> rows_x = {M, K}, rows_y = {M, blocks.size(0)};
       gemm(torch::stable::view(x, rows_x), blocks, type, variant, torch::stable::view(y, rows_y));
+      break;
+    }
+    case Path::widened: {
+      std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+      Tensor wide = torch::stable::new_empty(x, shape, ScalarType::Float);
+      torch::stable::copy_(wide, x);
+      torch::stable::copy_(y, block_linear(wide, blocks, type, variant, false));
     }
   }
   return y;
