@@ -10,10 +10,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from decoderlm.errors import ConfigError, DecoderLMError
-from decoderlm.model import PRESETS, DecoderLM, ModelConfig, next_token_loss
-from decoderlm.model.attention import scaled_dot_product_attention
-from decoderlm.model.flash import flash_attention
+from decoderlm.compiler_cache import separate_compiler_cache
+
+separate_compiler_cache()  # first: the imports below ask Inductor where its cache is
+
+from decoderlm.errors import ConfigError, DecoderLMError  # noqa: E402
+from decoderlm.model import PRESETS, DecoderLM, ModelConfig, next_token_loss  # noqa: E402
+from decoderlm.model.attention import scaled_dot_product_attention  # noqa: E402
+from decoderlm.model.flash import flash_attention  # noqa: E402
 
 if TYPE_CHECKING:
     from decoderlm.engine.engine import Engine
