@@ -37,7 +37,10 @@ prefill), or bfloat16 ones, go to a GEMM, as many rows amortize the dequantizati
 (decoderlm::block_dequantize) writes the weights' floats with the same C code for the caller to
 multiply (`decoderlm.quant.BlockLinear` does, with F.linear, where the number of rows is known);
 `linear` itself, given more rows (a batch size left symbolic in a compiled library), dequantizes
-a chunk of rows at a time and multiplies it by aten::matmul.
+a chunk of rows at a time and multiplies it by aten::matmul. Without AVX-512 the CPU has no
+bfloat16 arithmetic and PyTorch's bfloat16 GEMM emulates it (slower than float32's, its sums
+rounded more): there `linear` widens bfloat16 rows to float32, runs them on the float32 route
+(panels, then the GEMM) and rounds the products once.
 
 A batch-invariant engine asks for products whose every row has the bits it has alone
 (`linear(..., invariant=True)`, `decoderlm.quant.blocks.InvariantBlockLinear`). The kernels sum
@@ -53,7 +56,8 @@ number of rows. The C code is
 compiled without -fassociative-math, so that the compiler keeps the sums in the order written
 (it vectorises the portable kernel over rows otherwise, each row count in its own order).
 
-`block_linear.c` and `block_panels.c` are built three times (`decoderlm.cpu.native`): for this CPU (`-march=native`:
+`block_linear.c` and `block_panels.c` (with each build's integer code in `block_panels_avx512.h`
+and `block_panels_avx2.h`) are built three times (`decoderlm.cpu.native`): for this CPU (`-march=native`:
 AVX-512 VNNI code where the CPU has it), for AVX2 (`-mno-avx512f`) and as portable C
 (`-mno-avx`); `variant()` is the build the ops call: the native one, unless `DECODERLM_CPU_ISA`
 (`decoderlm.cpu.features.isa_cap`) caps it, which is how the AVX2 and portable code run, and are
