@@ -361,7 +361,7 @@ def test_the_op_given_many_rows_runs_a_gemm_on_the_dequantized_weight(dtype, kin
 @needs_kernels
 @pytest.mark.parametrize("kind", QUANTIZED)
 def test_bfloat16_rows_of_a_decode_step_are_their_float32_products_rounded_once(kind):
-    """bfloat16 x of a decode step's rows (17 to 300): its float32 products rounded once, on the
+    """bfloat16 x of a decode step's rows (9 to 300): its float32 products rounded once, on the
     integer panels (AVX-512 VNNI: the activations quantized from x's exact float32 values, summed
     in int32 and float32) or, on a build without AVX-512, widened to float32 and multiplied on
     the float32 route (dequantized panels, then a float32 GEMM): never PyTorch's emulated

@@ -12,7 +12,8 @@
  * And strips (`block_strips`, AVX-512 VNNI and AVX2): a few rows with the integer tiles'
  * arithmetic, read from the blocks as they lie, for a batch-invariant engine (a row's bits the
  * same at any number of rows; block_linear.py). Both builds' tiles and strips give a row the
- * same bits.
+ * same bits; each build's are in a file of their own, included below (block_panels_avx512.h,
+ * block_panels_avx2.h).
  * SmolLM2-135M's 30 Q4_1 layers, their weights read from memory, 2 threads of a Zen 4: at 24 /
  * 32 / 64 rows 24.9 / 31.2 / 55.6 ms on integer panels, 61.5 / 69.5 / 107.5 on dequantized ones;
  * the AVX2 build's (the same CPU, 2026-12-07, medians of 15 interleaved rounds' ratios) at 9 / 16
