@@ -7,7 +7,7 @@ from torch import nn
 
 from decoderlm import DecoderLM, ModelConfig, next_token_loss
 from decoderlm.cpu import attention as cpu_attention
-from decoderlm.cpu import optimize, optimized
+from decoderlm.cpu import f32_attention, optimize, optimized
 from decoderlm.cpu.attention import (
     blockwise_attention,
     blockwise_is_faster,
@@ -216,7 +216,8 @@ def test_optimized_applies_its_setting_and_restores_the_previous_state_on_exit()
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t", [7, 93, 100])
-def test_a_padded_prompt_attends_as_closely_to_float64_as_the_fused_kernel(dtype, t):
+def test_a_padded_prompt_attends_as_closely_to_float64_as_the_fused_kernel(dtype, t, monkeypatch):
+    monkeypatch.setattr(f32_attention, "available", lambda: False)  # SDPA's path, as without it
     (q, k, v), (q64, k64, v64), _ = _inputs(3, 6, 2, t, t, 16, dtype)
     q, k, v = (x.detach() for x in (q, k, v))
     exact = torch.nn.functional.scaled_dot_product_attention(

@@ -13,7 +13,7 @@ slower where T is not a multiple of 16 (bfloat16 and float32; benchmarks/README.
 with zeros at the end, which no real query sees (they come after it), and drops the padded
 queries' rows. Inference only; a prompt's first chunk is this shape. On a CPU with AMX or
 AVX512-BF16 a bfloat16 prompt's causal attention goes to the kernel of `decoderlm.cpu.bf16_attention`
-instead.
+instead, and a float32 prompt's to that of `decoderlm.cpu.f32_attention`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from decoderlm.cpu import bf16_attention
+from decoderlm.cpu import bf16_attention, f32_attention
 from decoderlm.model.attention import attend, scaled_dot_product_attention
 from decoderlm.model.masks import MaskedSoftmax, build_mask, effective_window, masked_softmax
 
@@ -176,8 +176,8 @@ def cpu_attend(
     """`attend`, with the CPU's faster paths: q (B, H, Tq, D), k/v (B, Hkv, Tk, D) → (out, weights).
 
     backend "sdpa": `blockwise_attention` where `blockwise_is_faster`, the bfloat16 kernel
-    (`decoderlm.cpu.bf16_attention`) where it `takes` the call (a bfloat16 prompt's causal
-    attention), `padded_self_attention` where it `pads`; backend "math" (or need_weights) on the
+    (`decoderlm.cpu.bf16_attention`) or the float32 one (`decoderlm.cpu.f32_attention`) where it
+    `takes` the call (a prompt's causal attention), `padded_self_attention` where it `pads`; backend "math" (or need_weights) on the
     CPU: the formula with the softmax torch.compile fuses best; otherwise the model's `attend`.
     """
     if q.device.type == "cpu" and (need_weights or backend == "math"):
@@ -207,6 +207,18 @@ def cpu_attend(
         dropout_p=dropout_p,
     ):
         return bf16_attention.attention(q, k, v, scale), None
+    if backend == "sdpa" and f32_attention.takes(
+        q,
+        k,
+        v,
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+        window=window,
+        dropout_p=dropout_p,
+    ):
+        return f32_attention.attention(
+            q, k, v, q.shape[-1] ** -0.5 if scale is None else scale
+        ), None
     if backend == "sdpa" and dropout_p == 0.0 and pads(q, k, causal, key_padding_mask, window):
         return padded_self_attention(q, k, v, scale), None
     return attend(

@@ -66,6 +66,7 @@ static inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 static inline vec vrcp0(vec a) { return _mm512_rcp14_ps(a); } /* 1/a within 2^−14 */
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
 static inline vec vclamp(vec a, float lo, float hi) {
     return _mm512_min_ps(_mm512_max_ps(a, _mm512_set1_ps(lo)), _mm512_set1_ps(hi));
 }
@@ -126,6 +127,7 @@ static inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
 static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 static inline vec vrcp0(vec a) { return _mm256_rcp_ps(a); } /* 1/a within 1.5·2^−12 */
 static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
 static inline vec vclamp(vec a, float lo, float hi) {
     return _mm256_min_ps(_mm256_max_ps(a, _mm256_set1_ps(lo)), _mm256_set1_ps(hi));
 }
@@ -185,6 +187,7 @@ static inline vec vsub(vec a, vec b) { return a - b; }
 static inline vec vmul(vec a, vec b) { return a * b; }
 static inline vec vrcp0(vec a) { return 1.0f / a; }
 static inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
+static inline vec vmax(vec a, vec b) { return a > b ? a : b; }
 static inline vec vclamp(vec a, float lo, float hi) { return a < lo ? lo : a > hi ? hi : a; }
 static inline vec vround(vec a) { return nearbyintf(a); }
 static inline vec vexp2i(vec n) { return ldexpf(1.0f, (int)n); }
