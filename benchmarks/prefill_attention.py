@@ -1,8 +1,10 @@
-"""A prompt's causal self-attention in bfloat16: the kernels of `decoderlm.cpu.bf16_attention` that
-run here (AMX tiles, AVX512-BF16) against torch's SDPA (the fused CPU flash-attention kernel
-`cpu_attend` called before), per call.
+"""A prompt's causal self-attention: in bfloat16 the kernels of `decoderlm.cpu.bf16_attention` that
+run here (AMX tiles, AVX512-BF16), in float32 that of `decoderlm.cpu.f32_attention` (this CPU's
+build and, on an AVX-512 CPU, its AVX2 build), against torch's SDPA (the fused CPU
+flash-attention kernel `cpu_attend` called before), per call.
 
-    python benchmarks/prefill_attention.py [--heads 9 --kv-heads 3 --head-dim 64] [--rounds 7]
+    python benchmarks/prefill_attention.py [--dtype bfloat16|float32] [--heads 9 --kv-heads 3
+        --head-dim 64] [--rounds 7]
 
 Shapes: one prompt of T tokens (T = 93, 128, 512, 2,048; SDPA's call pads a length that is not a
 multiple of 16 to the next one, as `cpu_attend` does, `padded_self_attention`), and a prefill
@@ -22,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from decoderlm.cpu import bf16_attention
+from decoderlm.cpu import bf16_attention, f32_attention, features
 from decoderlm.cpu.attention import padded_self_attention
 from decoderlm.cpu.features import cpu_name
 
@@ -52,33 +54,51 @@ def float64_error(fn: Callable, inputs: Inputs) -> float:
     return worst
 
 
+def kernels(dtype: torch.dtype) -> dict[str, Callable]:
+    """The kernels to time against SDPA, by name (none where nothing runs here)."""
+    if dtype == torch.bfloat16:
+        names = bf16_attention.kernels()
+        return {n: functools.partial(bf16_attention.attention, kernel_name=n) for n in names}
+    builds = {"f32 kernel": ()}
+    if "avx512f" in features.cpu_flags():
+        builds["f32 kernel AVX2"] = features.ISA_CAPS["avx2"][1]
+    found = {name: f32_attention.library(flags) for name, flags in builds.items()}
+    return {
+        name: lambda q, k, v, built=built: f32_attention.run(built, q, k, v, q.shape[-1] ** -0.5)
+        for name, built in found.items()
+        if built is not None
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    kernels = bf16_attention.kernels()
-    if not kernels:
-        raise SystemExit("prefill_attention.py: no kernel runs here (no AMX-BF16 or AVX512-BF16, or no C compiler)")  # fmt: skip
+    dtype = getattr(torch, args.dtype)
+    found = kernels(dtype)
+    if not found:
+        raise SystemExit(f"prefill_attention.py: no {args.dtype} kernel runs here (bfloat16: no AMX-BF16 or AVX512-BF16; or no C compiler)")  # fmt: skip
     g = torch.Generator().manual_seed(0)
 
     def prompt(t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q = torch.randn(1, args.heads, t, args.head_dim, generator=g).bfloat16()
-        k, v = (torch.randn(1, args.kv_heads, t, args.head_dim, generator=g).bfloat16() for _ in "kv")  # fmt: skip
+        q = torch.randn(1, args.heads, t, args.head_dim, generator=g).to(dtype)
+        k, v = (torch.randn(1, args.kv_heads, t, args.head_dim, generator=g).to(dtype) for _ in "kv")  # fmt: skip
         return q, k, v
 
     cases = {f"T = {t}": [prompt(t)] for t in (93, 128, 512, 2048)}
     cases["16 prompts of 100-130"] = [prompt(100 + (31 * i) // 16) for i in range(16)]
     print(f"CPU: {cpu_name()} ({torch.get_num_threads()} threads), torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}, {args.heads} query / {args.kv_heads} K/V heads of "
-          f"{args.head_dim}, load average {os.getloadavg()[0]:.2f}")  # fmt: skip
-    paths = {"SDPA": sdpa} | {name: functools.partial(bf16_attention.attention, kernel_name=name) for name in kernels}  # fmt: skip
+          f"{args.head_dim}, {args.dtype}, load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+    paths = {"SDPA": sdpa} | found
     print("| shape | " + " | ".join(f"{p} µs" for p in paths) + " | "
-          + " | ".join(f"{k} ÷ SDPA" for k in kernels) + " | "
+          + " | ".join(f"{k} ÷ SDPA" for k in found) + " | "
           + " | ".join(f"{p} max error" for p in paths) + " |")  # fmt: skip
-    print("|---" * (2 * len(paths) + len(kernels) + 1) + "|")
+    print("|---" * (2 * len(paths) + len(found) + 1) + "|")
     for name, inputs in cases.items():
         times: dict[str, list[float]] = {label: [] for label in paths}
         for _ in range(args.rounds):
@@ -86,8 +106,8 @@ def main() -> None:
                 times[label].append(mean_us(lambda fn=fn, inputs=inputs: [fn(*x) for x in inputs]))
         us = {label: statistics.median(t) for label, t in times.items()}
         errors = [float64_error(fn, inputs) for fn in paths.values()]
-        cells = [f"{us[p]:,.0f}" for p in paths] + [f"{us[k] / us['SDPA']:.2f}×" for k in kernels]
-        print(f"| {name} | " + " | ".join(cells + [f"{e:.4f}" for e in errors]) + " |")
+        cells = [f"{us[p]:,.0f}" for p in paths] + [f"{us[k] / us['SDPA']:.2f}×" for k in found]
+        print(f"| {name} | " + " | ".join(cells + [f"{e:.1e}" for e in errors]) + " |")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
