@@ -5,7 +5,7 @@ Each path is one mechanism of `decoderlm.cpu`, applied from outside the model:
 | path | mechanism | generate | engine | training |
 |---|---|---|---|---|
 | `embedding` | nn.Embedding → `CPUEmbedding` (an opaque gradient kernel) | ✓ | | ✓ |
-| `attention` | `CausalSelfAttention.attend` → `cpu_attend` (the blockwise formula; bfloat16 prompts on AMX tiles or AVX512-BF16, `bf16_attention`; others padded to the fused kernel's lengths) | ✓ | ✓ | ✓ |
+| `attention` | `CausalSelfAttention.attend` → `cpu_attend` (the blockwise formula; bfloat16 prompts on AMX tiles or AVX512-BF16, `bf16_attention`; float32 prompts on `f32_attention`; others padded to the fused kernel's lengths) | ✓ | ✓ | ✓ |
 | `linear_kernels` | F.linear by shape: gemv kernels, oneDNN (`CPULinearKernels`) | ✓ | | |
 | `in_place_attention` | decode attention read where the keys lie (`paged_attention`) | ✓ | ✓ | |
 | `packed_linears` | linear weights packed for `bf16_linear`'s or the fixed-order kernel (`PackedLinear`; SwiGLU's gate and up as one product: `PackedSwiGLU`) | | ✓ | |
