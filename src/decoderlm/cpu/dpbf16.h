@@ -16,15 +16,18 @@
 
 /* acc[r][b] = Σ_{p < pairs} x_r[2p .. 2p + 1] · W_b[p] for `rows` ≤ ROWS rows of x (`x_stride`
  * elements apart) and `blocks` ≤ BLOCKS blocks from wb (`w_stride` elements apart); `rows` and
- * `blocks` are constants after inlining, so the loops unroll into registers. `fetch`: prefetch
- * the blocks ahead (the first rows to read them from memory). */
+ * `blocks` are constants after inlining, so the loops unroll into registers. The sums build in
+ * local registers and are written to acc at the end: a vector type may alias anything, so sums
+ * kept in acc itself would be stored back after every step. `fetch`: prefetch the blocks ahead
+ * (the first rows to read them from memory). */
 static inline __attribute__((always_inline)) void dot_group(const uint16_t *x, int64_t x_stride, int64_t pairs,
                                                              const uint16_t *wb, int64_t w_stride, int rows,
                                                              int blocks, int fetch, __m512 acc[ROWS][BLOCKS]) {
+    __m512 sum[ROWS][BLOCKS];
 #pragma GCC unroll 8
     for (int r = 0; r < ROWS; r++)
 #pragma GCC unroll 8
-        for (int b = 0; b < BLOCKS; b++) acc[r][b] = _mm512_setzero_ps();
+        for (int b = 0; b < BLOCKS; b++) sum[r][b] = _mm512_setzero_ps();
     const int32_t *xr[ROWS];
 #pragma GCC unroll 8
     for (int r = 0; r < ROWS; r++) xr[r] = (const int32_t *)(x + (r < rows ? r : 0) * x_stride);
@@ -44,10 +47,14 @@ static inline __attribute__((always_inline)) void dot_group(const uint16_t *x, i
 #pragma GCC unroll 8
             for (int b = 0; b < BLOCKS; b++) {
                 if (b >= blocks) break;
-                acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xp, w[b]);
+                sum[r][b] = _mm512_dpbf16_ps(sum[r][b], xp, w[b]);
             }
         }
     }
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; r++)
+#pragma GCC unroll 8
+        for (int b = 0; b < BLOCKS; b++) acc[r][b] = sum[r][b];
 }
 
 #endif

@@ -31,13 +31,16 @@
 
 /* acc[m][c] = Σ_{r < depth} a[m · a_stride + r] · b[r · b_row + c · b_col .. + LANES] for ROWS rows of a
  * and `count` ≤ COLS vectors of b; `count` is a constant after inlining, so the loops unroll into
- * registers. Each sum runs over r in order, whatever the rows beside it. */
+ * registers. Each sum runs over r in order, whatever the rows beside it; the sums build in local
+ * registers and are written to acc at the end (a vector type may alias anything: sums kept in acc
+ * would be stored back after every step). */
 static inline __attribute__((always_inline)) void tile(const float *a, int64_t a_stride, int64_t depth, const float *b,
                                                        int64_t b_row, int64_t b_col, int count, vec acc[ROWS][COLS]) {
+    vec sum[ROWS][COLS];
 #pragma GCC unroll 8
     for (int m = 0; m < ROWS; m++)
 #pragma GCC unroll 8
-        for (int c = 0; c < COLS; c++) acc[m][c] = vzero();
+        for (int c = 0; c < COLS; c++) sum[m][c] = vzero();
     for (int64_t r = 0; r < depth; r++) {
         vec w[COLS];
 #pragma GCC unroll 8
@@ -48,9 +51,13 @@ static inline __attribute__((always_inline)) void tile(const float *a, int64_t a
             const vec x = vset(a[m * a_stride + r]);
 #pragma GCC unroll 8
             for (int c = 0; c < COLS; c++)
-                if (c < count) acc[m][c] = vfma(x, w[c], acc[m][c]);
+                if (c < count) sum[m][c] = vfma(x, w[c], sum[m][c]);
         }
     }
+#pragma GCC unroll 8
+    for (int m = 0; m < ROWS; m++)
+#pragma GCC unroll 8
+        for (int c = 0; c < COLS; c++) acc[m][c] = sum[m][c];
 }
 
 /* `tile` with `count` made a constant */
