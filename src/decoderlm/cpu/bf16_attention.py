@@ -7,7 +7,7 @@ its matrix products: in a serving engine's prefill pass over SmolLM2-135M (16 pr
 tokens, 9 query and 3 K/V heads of 64 dims) ~100-130 µs a prompt and layer on a Sapphire Rapids, a
 sixth of the pass, ~390 µs on a Zen 4. `amx_attention.c` takes 0.49-0.63× its time from 93 to 2,048
 tokens on the tiles, `dpbf16_attention.c` the same computation with register-blocked VDPBF16PS
-products (`dpbf16.h`) 0.40-0.48× from 93 to 512 tokens on a Zen 4 (benchmarks/README.md,
+products (`dpbf16.h`) 0.22-0.34× from 93 to 2,048 tokens on a Zen 4 (benchmarks/README.md,
 prefill_attention.py). Both compute the
 attention as the blocked matrix products of FlashAttention (Dao et al., 2022): each block of
 queries is scored against the keys its last query sees (Q Kᵀ), softmaxed in float32 and
