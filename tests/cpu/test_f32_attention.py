@@ -10,7 +10,7 @@ import platform
 
 import pytest
 import torch
-import torch.nn.functional as F
+from attention_reference import reference, sdpa
 
 from decoderlm.cpu import f32_attention, features
 from decoderlm.cpu.attention import cpu_attend
@@ -29,21 +29,6 @@ def run(request: pytest.FixtureRequest):
     if built is None:
         pytest.skip(f"the {request.param} build does not build here")
     return lambda q, k, v: f32_attention.run(built, q, k, v, q.shape[-1] ** -0.5)
-
-
-def reference(q, k, v):
-    """softmax(QKᵀ/√d + M)V in float64, M causal aligned bottom-right, K/V heads repeated."""
-    t_q, t_k, group = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
-    k, v = (x.double().repeat_interleave(group, dim=1) for x in (k, v))
-    scores = q.double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-    visible = torch.ones(t_q, t_k, dtype=torch.bool).tril(t_k - t_q)
-    return scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v
-
-
-def sdpa(q, k, v):
-    t_q, t_k = q.shape[2], k.shape[2]
-    mask = torch.ones(t_q, t_k, dtype=torch.bool).tril(t_k - t_q)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
 def inputs(b, h, h_kv, t_q, t_k, d, seed=0):

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from decoderlm.cpu import bf16_kernels
+from decoderlm.cpu import bf16_kernels, prompt_calls
 
 HERE = Path(__file__).parent
 SOURCES = {"amx": HERE / "amx_attention.c", "avx512_bf16": HERE / "dpbf16_attention.c"}
@@ -74,18 +74,18 @@ def takes(
     dropout_p: float,
 ) -> bool:
     """Whether `attention` computes this call of `attend`: q (B, H, Tq, D), k/v (B, Hkv, Tk, D)."""
-    t_q, t_k, head_dim = q.shape[2], k.shape[2], q.shape[3]
     return (
-        causal
-        and key_padding_mask is None
-        and window is None
-        and dropout_p == 0.0
-        and 1 < t_q <= t_k
-        and q.dtype == k.dtype == v.dtype == torch.bfloat16
-        and q.device.type == k.device.type == v.device.type == "cpu"
-        and head_dim % DIMS_PER_TILE == 0
-        and q.shape[1] % k.shape[1] == 0
-        and not (torch.is_grad_enabled() and q.requires_grad)
+        prompt_calls.is_prompt_call(
+            q,
+            k,
+            v,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            window=window,
+            dropout_p=dropout_p,
+            dtype=torch.bfloat16,
+            dims_multiple=DIMS_PER_TILE,
+        )
         and not torch.compiler.is_compiling()
         and kernel() is not None
     )

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from decoderlm.cpu import native
+from decoderlm.cpu import native, prompt_calls
 
 SOURCE = Path(__file__).with_name("f32_attention.c")
 DIMS_MULTIPLE = 16  # a head's dims fill whole vectors of AVX-512's 16 lanes (AVX2's 8)
@@ -63,18 +63,18 @@ def takes(
     dropout_p: float,
 ) -> bool:
     """Whether `attention` computes this call of `attend`: q (B, H, Tq, D), k/v (B, Hkv, Tk, D)."""
-    t_q, t_k, head_dim = q.shape[2], k.shape[2], q.shape[3]
     return (
-        causal
-        and key_padding_mask is None
-        and window is None
-        and dropout_p == 0.0
-        and 1 < t_q <= t_k
-        and q.dtype == k.dtype == v.dtype == torch.float32
-        and q.device.type == k.device.type == v.device.type == "cpu"
-        and head_dim % DIMS_MULTIPLE == 0
-        and q.shape[1] % k.shape[1] == 0
-        and not (torch.is_grad_enabled() and q.requires_grad)
+        prompt_calls.is_prompt_call(
+            q,
+            k,
+            v,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            window=window,
+            dropout_p=dropout_p,
+            dtype=torch.float32,
+            dims_multiple=DIMS_MULTIPLE,
+        )
         and available()
     )
 
