@@ -1,8 +1,8 @@
 """Prefill attention on the CPU's bfloat16 dot products, each kernel that runs here (AMX tiles,
 AVX512-BF16): as close to float64 as torch's SDPA for causal self-attention
 of any length, GQA, queries aligned to the last keys, strided views; a query's output does not
-depend on the queries computed beside it; `cpu_attend` routes the shapes it takes to it and
-leaves the others (gradients, float32, masks, windows) to SDPA."""
+depend on the queries computed beside it; `cpu_attend` routes the shapes it takes to it (which
+those are: test_prompt_calls.py)."""
 
 from __future__ import annotations
 
@@ -85,26 +85,3 @@ def test_cpu_attend_routes_prefill_shapes_to_the_kernel(kernel):
     q, k, v = inputs(1, 9, 3, 40, 40, 64, seed=3)
     out, _ = cpu_attend(q, k, v, causal=True)
     assert torch.equal(out, bf16_attention.attention(q, k, v))
-
-
-@needs_kernel
-@pytest.mark.parametrize(
-    "change",
-    ["float32", "gradient", "mask", "window", "one query", "head dim 48", "not causal"],
-)
-def test_takes_only_what_the_kernel_computes(kernel, change):
-    plain = dict(causal=True, key_padding_mask=None, window=None, dropout_p=0.0)
-    assert bf16_attention.takes(*inputs(1, 4, 2, 32, 32, 64), **plain)  # the call unchanged
-    q, k, v = inputs(1, 4, 2, 32, 32, 48 if change == "head dim 48" else 64)
-    keywords = dict(plain, causal=change != "not causal")
-    if change == "float32":
-        q, k, v = q.float(), k.float(), v.float()
-    if change == "gradient":
-        q.requires_grad_(True)
-    if change == "mask":
-        keywords["key_padding_mask"] = torch.ones(1, 32, dtype=torch.bool)
-    if change == "window":
-        keywords["window"] = 8
-    if change == "one query":
-        q = q[:, :, -1:]
-    assert not bf16_attention.takes(q, k, v, **keywords)

@@ -2,7 +2,7 @@
 (this CPU's, AVX2 + FMA, plain C): within 2e-6 of float64 for causal self-attention of any length,
 GQA, MQA, queries aligned to the last keys, strided views, as close as torch's SDPA; a query's
 output does not depend on the queries computed beside it; `cpu_attend` routes the shapes it
-takes to it, eagerly and in a compiled pass, and leaves the others to SDPA."""
+takes to it (which those are: test_prompt_calls.py), eagerly and in a compiled pass."""
 
 from __future__ import annotations
 
@@ -92,26 +92,3 @@ def test_cpu_attend_routes_prefill_shapes_to_the_kernel_eager_and_compiled():
     assert torch.equal(cpu_attend(q, k, v, causal=True)[0], expected)
     compiled = torch.compile(lambda q, k, v: cpu_attend(q, k, v, causal=True)[0], fullgraph=True)
     assert torch.equal(compiled(q, k, v), expected)  # the op, not a graph break
-
-
-@needs_kernel
-@pytest.mark.parametrize(
-    "change",
-    ["bfloat16", "gradient", "mask", "window", "one query", "head dim 40", "not causal"],
-)
-def test_takes_only_what_the_kernel_computes(change):
-    plain = dict(causal=True, key_padding_mask=None, window=None, dropout_p=0.0)
-    assert f32_attention.takes(*inputs(1, 4, 2, 32, 32, 64), **plain)  # the call unchanged
-    q, k, v = inputs(1, 4, 2, 32, 32, 40 if change == "head dim 40" else 64)
-    keywords = dict(plain, causal=change != "not causal")
-    if change == "bfloat16":
-        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
-    if change == "gradient":
-        q.requires_grad_(True)
-    if change == "mask":
-        keywords["key_padding_mask"] = torch.ones(1, 32, dtype=torch.bool)
-    if change == "window":
-        keywords["window"] = 8
-    if change == "one query":
-        q = q[:, :, -1:]
-    assert not f32_attention.takes(q, k, v, **keywords)
