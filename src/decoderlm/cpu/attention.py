@@ -177,8 +177,9 @@ def cpu_attend(
 
     backend "sdpa": `blockwise_attention` where `blockwise_is_faster`, the bfloat16 kernel
     (`decoderlm.cpu.bf16_attention`) or the float32 one (`decoderlm.cpu.f32_attention`) where it
-    `takes` the call (a prompt's causal attention), `padded_self_attention` where it `pads`; backend "math" (or need_weights) on the
-    CPU: the formula with the softmax torch.compile fuses best; otherwise the model's `attend`.
+    `takes` the call (a prompt's causal attention), `padded_self_attention` where it `pads`;
+    backend "math" (or need_weights) on the CPU: the formula with the softmax torch.compile fuses
+    best; otherwise the model's `attend`.
     """
     if q.device.type == "cpu" and (need_weights or backend == "math"):
         mask = build_mask(q.shape[2], k.shape[2], causal, key_padding_mask, q.device, window)
