@@ -23,10 +23,18 @@ Both sides run --threads threads, one after the other, run by run interleaved; t
 medians of per-run ratios. The CPU, its flags, the load average and the kernel each layer runs
 are printed beside the tables. `--avx2` runs decoderlm as on a CPU without AVX-512 (in a child
 process with DECODERLM_CPU_ISA=avx2, ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2 and
-MKL_ENABLE_INSTRUCTIONS=AVX2; llama.cpp runs as built). `--quick`: the Q4_1 file, 16 new tokens,
-context 128, one run.
+MKL_ENABLE_INSTRUCTIONS=AVX2; llama.cpp runs as built). `--llama-build` names the build directory
+of llama.cpp's checkout to run; for both sides as on an AVX2-only CPU, give `--avx2` a build of
+ggml's AVX2 code alone (as a native build on such a CPU compiles it):
 
-    HF_HUB_OFFLINE=1 python benchmarks/gguf_decode.py --llama-cpp LLAMA --threads 2 [--avx2]
+    cmake -S LLAMA -B LLAMA/build-avx2 -DLLAMA_CURL=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON \
+        -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF && \
+        cmake --build LLAMA/build-avx2 --target llama-bench llama-quantize llama -j 2
+
+`--quick`: the Q4_1 file, 16 new tokens, context 128, one run.
+
+    HF_HUB_OFFLINE=1 python benchmarks/gguf_decode.py --llama-cpp LLAMA --threads 2 \
+        [--avx2 [--llama-build build-avx2]]
 
 (LLAMA: a llama.cpp checkout with build/bin/llama-bench, llama-quantize and libllama built, as
 benchmarks/llama_cpp.py describes.)
@@ -78,7 +86,7 @@ TEXT = (
 )
 
 
-def gguf_files(llama_cpp: Path | None, out: Path, kinds: list[str]) -> dict[str, Path]:
+def gguf_files(llama_bin: Path | None, out: Path, kinds: list[str]) -> dict[str, Path]:
     """The shipped Q4_1 file and the others made from it, by llama-quantize where given."""
     source = resolve_checkpoint(MODEL)
     files = {}
@@ -87,7 +95,7 @@ def gguf_files(llama_cpp: Path | None, out: Path, kinds: list[str]) -> dict[str,
             files[kind] = source
             continue
         files[kind] = out / f"{MODEL}-{kind}.gguf"
-        quantize = llama_cpp / "build" / "bin" / "llama-quantize" if llama_cpp else None
+        quantize = llama_bin / "llama-quantize" if llama_bin else None
         if quantize is not None and quantize.is_file():
             command = [str(quantize), "--allow-requantize", str(source), str(files[kind]), kind]
             subprocess.run(command, check=True, capture_output=True)
@@ -216,13 +224,19 @@ def theirs_fns(bench: Path, path: Path, threads: int, n: int, contexts: list[int
     return fns
 
 
-def measure(args: argparse.Namespace, kind: str, path: Path, logits_binary: Path | None) -> dict:
+def measure(
+    args: argparse.Namespace,
+    kind: str,
+    path: Path,
+    llama_bin: Path | None,
+    logits_binary: Path | None,
+) -> dict:
     """Speeds (lists over runs) and logits errors of both sides on one file."""
     torch._dynamo.reset()  # the compiled prefill's graphs of the files before: under the limit
     model, tokenizer = decoderlm.load(path, dtype=getattr(torch, args.dtype))
     ids = torch.tensor(tokenizer.encode(TEXT)[:64])
     reference, errors = logits_errors(model, decoderlm.load(path)[0], ids)
-    bench = args.llama_cpp / "build" / "bin" / "llama-bench" if args.llama_cpp else None
+    bench = llama_bin / "llama-bench" if llama_bin else None
     if logits_binary is not None:
         theirs = llama_logits(logits_binary, path, args.threads, ids).double()
         errors["llama.cpp"] = float((theirs - reference).abs().max())
@@ -249,6 +263,8 @@ def report(args: argparse.Namespace, measured: dict[str, dict], load: float) -> 
         f"load average {load:.2f} before / {os.getloadavg()[0]:.2f} after"
         + (f", kernels capped at {cap} ({AVX2_ENV})" if cap else "")
     )
+    if args.llama_cpp:
+        print(f"llama.cpp: {args.llama_cpp / args.llama_build}")
     print(f"{MODEL}; decode {args.new_tokens} tokens; median of {args.runs} runs (tok/s)")
     contexts = args.contexts
     head = [f"decode @{c}" for c in contexts] + ["prefill-512" if args.prefill_tokens == 512 else f"prefill-{args.prefill_tokens}"]  # fmt: skip
@@ -287,6 +303,9 @@ def report(args: argparse.Namespace, measured: dict[str, dict], load: float) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--llama-cpp", type=Path, help="a llama.cpp checkout, built")
+    parser.add_argument(
+        "--llama-build", default="build", help="its build directory (default: build)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -310,10 +329,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.set_float32_matmul_precision(args.matmul_precision)
     load = os.getloadavg()[0]
+    llama_bin = args.llama_cpp / args.llama_build / "bin" if args.llama_cpp else None
     with tempfile.TemporaryDirectory(prefix="gguf-decode-") as tmp:
-        files = gguf_files(args.llama_cpp, Path(tmp), args.kinds)
-        binary = build_llama_logits(args.llama_cpp, Path(tmp)) if args.llama_cpp else None
-        measured = {kind: measure(args, kind, path, binary) for kind, path in files.items()}
+        files = gguf_files(llama_bin, Path(tmp), args.kinds)
+        binary = (
+            build_llama_logits(args.llama_cpp, Path(tmp), args.llama_build)
+            if args.llama_cpp
+            else None
+        )
+        measured = {
+            kind: measure(args, kind, path, llama_bin, binary) for kind, path in files.items()
+        }
     report(args, measured, load)
 
 

@@ -106,9 +106,9 @@ def gguf_files(theirs: torch.nn.Module, llama_cpp: Path, out: Path) -> dict[str,
     return files
 
 
-def build_llama_logits(llama_cpp: Path, out: Path) -> Path:
-    """`llama_logits.c` compiled against the checkout's llama.h and build/bin/libllama.so."""
-    binary, lib = out / "llama-logits", llama_cpp / "build" / "bin"
+def build_llama_logits(llama_cpp: Path, out: Path, build: str = "build") -> Path:
+    """`llama_logits.c` compiled against the checkout's llama.h and `build`/bin/libllama.so."""
+    binary, lib = out / "llama-logits", llama_cpp / build / "bin"
     includes = ["-I", str(llama_cpp / "include"), "-I", str(llama_cpp / "ggml" / "include")]
     source = Path(__file__).with_name("llama_logits.c")
     link = ["-L", str(lib), "-lllama", f"-Wl,-rpath,{lib}"]
