@@ -35,20 +35,6 @@ typedef struct {
     const float *sums;  /* (M, K/32, 2): (e Σ_j c_j, Σ_j x_j), the minimum's term (NULL for Q8_0) */
 } Int16Acts;
 
-/* A block's 32 integers as int16: inputs 0-15 in w[0], 16-31 in w[1] (Q8_0's signed q; the 4-
- * and 5-bit types' unsigned u, their zero point left to the activations' Σ_j c_j). */
-INLINE void block_words(const int type, const uint8_t *b, __m256i w[2]) {
-    if (type == Q8_0) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + LAYOUTS[Q8_0].qs));
-        w[0] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
-        w[1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
-        return;
-    }
-    const __m256i u = unpack_block(type, b);
-    w[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(u));
-    w[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1));
-}
-
 /* Eight float16 in the low halves of int32 lanes → float32. */
 INLINE __m256 halves_of(__m256i v) {
     return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
@@ -220,8 +206,7 @@ typedef struct {
     Wide wide;
     Int16Acts c;
 } QuantizedActs;
-#define QUANTIZED_BYTES(type, M, K) \
-    ((type) == Q8_0 ? WIDE_BYTES(M, K) : ACTS_BYTES(M, K) + sizeof(int16_t) * (size_t)((M) * (K)))
+#define QUANTIZED_BYTES(type, M, K) ((type) == Q8_0 ? WIDE_BYTES(M, K) : ACTS_BYTES(M, K) + JOINED_BYTES(M, K))
 
 INLINE const void *quantize(const int type, const void *x, int x_bf16, int64_t M, int64_t K, char *buffer,
                             const int strips, QuantizedActs *q) {
@@ -231,8 +216,7 @@ INLINE const void *quantize(const int type, const void *x, int x_bf16, int64_t M
         return &q->c;
     }
     quantize_acts(x, x_bf16, M, K, buffer, &q->ab);
-    int16_t *c = strips ? NULL : (int16_t *)(buffer + ACTS_BYTES(M, K));
-    for (int64_t i = 0; c != NULL && i < M * K; i++) c[i] = (int16_t)(256 * q->ab.a[i] + q->ab.b[i]);
-    q->c = (Int16Acts){c, q->ab.a, q->ab.b, q->ab.block_e, q->ab.block_ab, q->ab.block_sums};
+    if (!strips) join_acts(&q->ab, M, K, buffer + ACTS_BYTES(M, K));
+    q->c = (Int16Acts){q->ab.c, q->ab.a, q->ab.b, q->ab.block_e, q->ab.block_ab, q->ab.block_sums};
     return &q->c;
 }

@@ -109,6 +109,7 @@ typedef struct {
     float *e;
     float *block_e, *block_sums;
     int32_t *block_ab; /* per block Σ_j (256 a_j + b_j), for the zero point's term in int32 */
+    int16_t *c;        /* (M, K): 256 a + b as one int16 where `join_acts` filled it, else NULL */
 } Acts;
 
 /* Bytes of the buffer `quantize_acts` fills for M rows of K inputs. */
@@ -123,6 +124,7 @@ INLINE void quantize_acts(const void *x, int x_bf16, int64_t M, int64_t K, void 
     acts->block_ab = (int32_t *)(acts->block_sums + 2 * blocks);
     acts->a = (int8_t *)(acts->block_ab + blocks);
     acts->b = acts->a + M * K;
+    acts->c = NULL;
 #pragma omp parallel for schedule(static) if (blocks >= 4096)
     for (int64_t blk = 0; blk < blocks; blk++) {
         float v[32];
@@ -150,6 +152,18 @@ INLINE void quantize_acts(const void *x, int x_bf16, int64_t M, int64_t K, void 
         acts->block_sums[2 * blk + 1] = block_sum;
         acts->block_ab[blk] = block_ab;
     }
+}
+
+/* Bytes of the buffer `join_acts` fills for M rows of K inputs. */
+#define JOINED_BYTES(M, K) (sizeof(int16_t) * (size_t)((M) * (K)))
+
+/* The activations' two int8 joined into one int16 each, c_j = 256 a_j + b_j (|c_j| ≤ 32,639), in
+ * `buffer` (JOINED_BYTES): AVX2's products take a block's Σ_j u_j c_j, the same integer as 256
+ * Σ_j u_j a_j + Σ_j u_j b_j, in two vpmaddwd and a vpaddd where a and b apart take six
+ * instructions (vpmaddubsw, vpmaddwd and vpaddd for each). */
+INLINE void join_acts(Acts *acts, int64_t M, int64_t K, void *buffer) {
+    acts->c = buffer;
+    for (int64_t i = 0; i < M * K; i++) acts->c[i] = (int16_t)(256 * acts->a[i] + acts->b[i]);
 }
 
 /* The int16 activations of M rows for Q8_0's products (x_j ≈ e c_j, file comment): c (M, K), and
@@ -222,6 +236,27 @@ INLINE __m256i unpack_block(const int type, const uint8_t *blk) {
     __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(15));
     if (L.qh >= 0) v = _mm256_or_si256(v, _mm256_and_si256(bytes_of_bits(load32(blk + L.qh)), _mm256_set1_epi8(16)));
     return v;
+}
+
+/* A block's 32 integers as int16: inputs 0-15 in w[0], 16-31 in w[1] (Q8_0's signed q; the 4-
+ * and 5-bit types' unsigned u, their zero point left to the activations' Σ_j c_j). A 4-bit block's
+ * 16 bytes widen to int16 words at once: value j is the low nibble of word j, value j + 16 its
+ * high one. */
+INLINE void block_words(const int type, const uint8_t *b, __m256i w[2]) {
+    const Layout L = LAYOUTS[type];
+    if (type == Q8_0) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + L.qs));
+        w[0] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+        w[1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+    } else if (L.qh < 0) {
+        const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + L.qs)));
+        w[0] = _mm256_and_si256(bytes, _mm256_set1_epi16(15));
+        w[1] = _mm256_srli_epi16(bytes, 4);
+    } else {
+        const __m256i u = unpack_block(type, b);
+        w[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(u));
+        w[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1));
+    }
 }
 #endif
 
