@@ -22,7 +22,7 @@ with AVX2 (2026-12-07, a Zen 4 running the AVX2 build, one thread, the same prod
 16): Q4_1 60 / 129 / 491 against 53 / 134 / 511 µs, Q4_0 56 / 115 / 439 against 54 / 135 / 529,
 Q5_1 75 / 149 / 577 against 67 / 149 / 579: slower for the one row of decoding, so two int8
 stay. The AVX2 kernel joins them for Q4_0 and Q4_1, c = 256 a + b (the same integer as 256 Σ u a
-+ Σ u b, in two vpmaddwd where a and b apart take two vpmaddubsw, two vpmaddwd and a vpaddd), as
++ Σ u b: two vpmaddwd and a vpaddd a block, where a and b apart take two vpmaddubsw more), as
 the AVX2 tiles do (2026-12-08, the same product, one row, one thread of a Zen 4: 48-50 against
 54-56 µs); the 5-bit types keep a and b apart there (their bytes widened to int16 cost more than
 that saves at one row). F16 and BF16 weights, and decoderlm.quant's Int8Linear and

@@ -159,8 +159,8 @@ INLINE void quantize_acts(const void *x, int x_bf16, int64_t M, int64_t K, void 
 
 /* The activations' two int8 joined into one int16 each, c_j = 256 a_j + b_j (|c_j| ≤ 32,639), in
  * `buffer` (JOINED_BYTES): AVX2's products take a block's Σ_j u_j c_j, the same integer as 256
- * Σ_j u_j a_j + Σ_j u_j b_j, in two vpmaddwd and a vpaddd where a and b apart take six
- * instructions (vpmaddubsw, vpmaddwd and vpaddd for each). */
+ * Σ_j u_j a_j + Σ_j u_j b_j, in two vpmaddwd of the weights widened to int16, where a and b apart
+ * take two vpmaddubsw and two vpmaddwd. */
 INLINE void join_acts(Acts *acts, int64_t M, int64_t K, void *buffer) {
     acts->c = buffer;
     for (int64_t i = 0; i < M * K; i++) acts->c[i] = (int16_t)(256 * acts->a[i] + acts->b[i]);
