@@ -27,10 +27,11 @@ fail at once, the table's tokens/s counts the completed requests', and the failu
 below it. A failed request of decoderlm's ends the run.
 
 `--peer-avx2` caps decoderlm's instruction sets at AVX2 (`gguf_decode.AVX2_ENV`); llama.cpp runs
-its kernels as built (natively for this CPU).
+its kernels as built: natively for this CPU, or ggml's AVX2 code alone from a build directory
+made as gguf_decode.py describes (`--llama-build build-avx2`), as on an AVX2-only CPU.
 
     HF_HUB_OFFLINE=1 python benchmarks/serve.py --peer llama.cpp --llama-cpp LLAMA \
-        [--peer-gguf FILE] [--peer-concurrency 1 16 64] [--peer-avx2]
+        [--peer-gguf FILE] [--peer-concurrency 1 16 64] [--peer-avx2 [--llama-build build-avx2]]
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ def add_llama_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--llama-cpp",
         type=Path,
         help="--peer llama.cpp: a llama.cpp checkout with build/bin/llama-server built",
+    )
+    parser.add_argument(
+        "--llama-build",
+        default="build",
+        help="--peer llama.cpp: the checkout's build directory to run (default: build)",
     )
     parser.add_argument(
         "--peer-gguf",
@@ -111,14 +117,15 @@ def run_llama_server_peer(args: argparse.Namespace) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.llama_cpp is None:
         raise SystemExit("--peer llama.cpp needs --llama-cpp LLAMA (a llama.cpp checkout)")
-    binary = args.llama_cpp / "build" / "bin" / "llama-server"
+    build = args.llama_cpp / args.llama_build
+    binary = build / "bin" / "llama-server"
     if not binary.is_file():
-        raise SystemExit(f"{binary} is missing: cmake --build {args.llama_cpp}/build "
-                         "--target llama-server")  # fmt: skip
+        raise SystemExit(f"{binary} is missing: cmake --build {build} --target llama-server")
     file = resolve_checkpoint(args.peer_gguf)
     work = args.peer_dir / "gguf"
     tokenizer = client_tokenizer(file, work / f"{file.stem}-tokenizer")
-    print(f"CPU: {cpu_name()}; llama.cpp {llama_version(binary)}; {versions(args.vllm_python)}; "
+    print(f"CPU: {cpu_name()}; llama.cpp {llama_version(binary)} ({build}); "
+          f"{versions(args.vllm_python)}; "
           f"{datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}")  # fmt: skip
     load = os.getloadavg()[0]
     caps = f"; decoderlm capped at AVX2 ({AVX2_ENV})" if args.peer_avx2 else ""
