@@ -198,25 +198,12 @@ def cpu_attend(
             window=window,
         )
         return out, None
-    if backend == "sdpa" and bf16_attention.takes(
-        q,
-        k,
-        v,
-        causal=causal,
-        key_padding_mask=key_padding_mask,
-        window=window,
-        dropout_p=dropout_p,
-    ):
+    call = dict(
+        causal=causal, key_padding_mask=key_padding_mask, window=window, dropout_p=dropout_p
+    )
+    if backend == "sdpa" and bf16_attention.takes(q, k, v, **call):
         return bf16_attention.attention(q, k, v, scale), None
-    if backend == "sdpa" and f32_attention.takes(
-        q,
-        k,
-        v,
-        causal=causal,
-        key_padding_mask=key_padding_mask,
-        window=window,
-        dropout_p=dropout_p,
-    ):
+    if backend == "sdpa" and f32_attention.takes(q, k, v, **call):
         return f32_attention.attention(
             q, k, v, q.shape[-1] ** -0.5 if scale is None else scale
         ), None

@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -63,28 +64,12 @@ def kernel() -> str | None:
     return next(iter(kernels()), None)
 
 
-def takes(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    causal: bool,
-    key_padding_mask: Tensor | None,
-    window: int | None,
-    dropout_p: float,
-) -> bool:
-    """Whether `attention` computes this call of `attend`: q (B, H, Tq, D), k/v (B, Hkv, Tk, D)."""
+def takes(q: Tensor, k: Tensor, v: Tensor, **options: Any) -> bool:
+    """Whether `attention` computes this call of `attend`: q (B, H, Tq, D), k/v (B, Hkv, Tk, D),
+    options `attend`'s causal, key_padding_mask, window and dropout_p (`prompt_calls`)."""
     return (
         prompt_calls.is_prompt_call(
-            q,
-            k,
-            v,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            window=window,
-            dropout_p=dropout_p,
-            dtype=torch.bfloat16,
-            dims_multiple=DIMS_PER_TILE,
+            q, k, v, dtype=torch.bfloat16, dims_multiple=DIMS_PER_TILE, **options
         )
         and not torch.compiler.is_compiling()
         and kernel() is not None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -52,28 +53,12 @@ def available() -> bool:
     return library() is not None
 
 
-def takes(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    causal: bool,
-    key_padding_mask: Tensor | None,
-    window: int | None,
-    dropout_p: float,
-) -> bool:
-    """Whether `attention` computes this call of `attend`: q (B, H, Tq, D), k/v (B, Hkv, Tk, D)."""
+def takes(q: Tensor, k: Tensor, v: Tensor, **options: Any) -> bool:
+    """Whether `attention` computes this call of `attend`: q (B, H, Tq, D), k/v (B, Hkv, Tk, D),
+    options `attend`'s causal, key_padding_mask, window and dropout_p (`prompt_calls`)."""
     return (
         prompt_calls.is_prompt_call(
-            q,
-            k,
-            v,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            window=window,
-            dropout_p=dropout_p,
-            dtype=torch.float32,
-            dims_multiple=DIMS_MULTIPLE,
+            q, k, v, dtype=torch.float32, dims_multiple=DIMS_MULTIPLE, **options
         )
         and available()
     )
